@@ -1,0 +1,235 @@
+//! One tracker per prefill: the decode engine's bootstrap poll, run by the router ahead of
+//! the decode engine (spec §3.2 steps 3–5, §3.4, §7.2).
+//!
+//! Two tasks per prefill share the pool as their only output:
+//! - the *refresher* learns the layout from the sentinel and every rank's route, every
+//!   `refresh_interval` (and at once when woken);
+//! - the *heartbeat* polls the bootstrap server's `/health` every `heartbeat_interval`;
+//!   `heartbeat_max_failures` misses in a row mark the prefill lost: every rank goes
+//!   `Failed{Unreachable}`, the layout is dropped (as decode drops its cache) and the
+//!   prefill's lost epoch is bumped, which fails its in-flight requests at once.
+//!
+//! Invariant: a rank is `Ready` only after its own `GET /route` answered 200 within the
+//! freshness bound of the last check; every transition is logged and counted.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::Notify;
+
+use super::client::{self, BootstrapError, RankRoute, Sentinel};
+use crate::config::BootstrapConfig;
+use crate::pool::{BootstrapInfo, Pool, RankFailure, RankReadiness, WorkerState};
+use crate::types::{Role, WorkerId};
+use crate::upstream::{BaseUrl, Upstream};
+
+/// SGLang's default `--disaggregation-bootstrap-port`.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// Moves one rank to `new`, logging and counting a real transition.
+pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, now: Instant) {
+    if w.ranks.len() <= rank {
+        w.ranks.resize(rank + 1, RankReadiness::Unknown);
+        w.ranks_checked_at.resize(rank + 1, now);
+    }
+    w.ranks_checked_at[rank] = now;
+    let old = &w.ranks[rank];
+    let changed = match (old, &new) {
+        (RankReadiness::Failed { reason: a, .. }, RankReadiness::Failed { reason: b, .. }) => a != b,
+        (a, b) => a != b,
+    };
+    if changed {
+        let reason = match &new {
+            RankReadiness::Failed { reason, .. } => reason.label(),
+            _ => "",
+        };
+        tracing::info!(
+            prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
+            "bootstrap rank state"
+        );
+        metrics::counter!("pdgate_bootstrap_rank_transitions_total", "to" => new.label())
+            .increment(1);
+        w.ranks[rank] = new;
+    }
+}
+
+fn fail_all(w: &mut WorkerState, reason: RankFailure, now: Instant) {
+    let n = w.ranks.len().max(1);
+    for r in 0..n {
+        set_rank(w, r, RankReadiness::Failed { reason, since: now }, now);
+    }
+}
+
+/// Applies a rank lookup's outcome (used by the refresher and by request-path preflight).
+pub fn apply_rank(w: &mut WorkerState, rank: usize, res: &Result<RankRoute, BootstrapError>, now: Instant) {
+    let st = match res {
+        Ok(RankRoute::Ready { .. }) => RankReadiness::Ready,
+        Ok(RankRoute::NotReady) => RankReadiness::Bootstrapping,
+        Ok(RankRoute::Missing(_)) => RankReadiness::Failed {
+            reason: RankFailure::RankMissing,
+            since: now,
+        },
+        Err(BootstrapError::Unreachable(_)) => RankReadiness::Failed {
+            reason: RankFailure::Unreachable,
+            since: now,
+        },
+        Err(BootstrapError::BadAnswer { .. }) => RankReadiness::Failed {
+            reason: RankFailure::BadAnswer,
+            since: now,
+        },
+    };
+    set_rank(w, rank, st, now);
+}
+
+/// Starts the tracker of prefill `id`.
+pub fn spawn(
+    pool: Arc<Pool>,
+    up: Upstream,
+    cfg: BootstrapConfig,
+    id: WorkerId,
+    engine: BaseUrl,
+    port: Option<u16>,
+    host: Option<String>,
+) {
+    tokio::spawn(async move {
+        let port = match port {
+            Some(p) => p,
+            None => discover_port(&up, &cfg, &engine).await,
+        };
+        let host = host.unwrap_or_else(|| engine.host().to_string());
+        let info = BootstrapInfo {
+            url: engine.with_port(port),
+            host_json: serde_json::Value::String(host).to_string(),
+            port,
+        };
+        let url = info.url.clone();
+        pool.update_worker(Role::Prefill, id, |w| w.bootstrap = Some(info));
+        let wake = Arc::new(Notify::new());
+        tokio::spawn(heartbeat(pool.clone(), up.clone(), cfg.clone(), id, url.clone(), wake.clone()));
+        refresher(pool, up, cfg, id, url, wake).await;
+    });
+}
+
+/// The engine's `disaggregation_bootstrap_port`, else 8998 (retrying while unreachable).
+async fn discover_port(up: &Upstream, cfg: &BootstrapConfig, engine: &BaseUrl) -> u16 {
+    let mut attempts = 0u32;
+    loop {
+        match client::server_info(up, engine, cfg.http_timeout()).await {
+            Ok(info) => return info.disaggregation_bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT),
+            Err(BootstrapError::BadAnswer { status, .. }) => {
+                tracing::warn!(prefill = %engine, status, "no server info; using bootstrap port 8998");
+                return DEFAULT_BOOTSTRAP_PORT;
+            }
+            Err(e) => {
+                attempts += 1;
+                if attempts == 1 || attempts % 30 == 0 {
+                    tracing::warn!(prefill = %engine, error = %e, "prefill unreachable; waiting to learn its bootstrap port");
+                }
+                tokio::time::sleep(cfg.refresh_interval()).await;
+            }
+        }
+    }
+}
+
+async fn refresher(pool: Arc<Pool>, up: Upstream, cfg: BootstrapConfig, id: WorkerId, url: BaseUrl, wake: Arc<Notify>) {
+    loop {
+        refresh_once(&pool, &up, &cfg, id, &url).await;
+        tokio::select! {
+            _ = tokio::time::sleep(cfg.refresh_interval()) => {}
+            _ = wake.notified() => {}
+        }
+    }
+}
+
+/// Reads the sentinel, then every rank's route, and publishes the result.
+pub async fn refresh_once(pool: &Pool, up: &Upstream, cfg: &BootstrapConfig, id: WorkerId, url: &BaseUrl) {
+    let gen = pool
+        .with_worker(Role::Prefill, id, |w| w.layout.as_ref().map(|l| l.generation))
+        .flatten();
+    let sentinel = client::sentinel(up, url, gen, cfg.http_timeout()).await;
+    let now = Instant::now();
+    match sentinel {
+        Ok(Sentinel::Ready(layout)) => {
+            let mut results = Vec::with_capacity(layout.dp_size as usize);
+            for r in 0..layout.dp_size {
+                results.push(client::rank_route(up, url, layout.generation, r, cfg.http_timeout()).await);
+            }
+            let now = Instant::now();
+            let mut first = false;
+            pool.update_worker(Role::Prefill, id, |w| {
+                first = w.layout.is_none();
+                if w.layout.as_ref() != Some(&layout) {
+                    tracing::info!(prefill = %w.url, dp = layout.dp_size, follow_bootstrap_room = layout.follow_bootstrap_room,
+                        page_size = ?layout.page_size, kv_cache_dtype = ?layout.kv_cache_dtype, "prefill layout");
+                    if !layout.follow_bootstrap_room {
+                        tracing::warn!(prefill = %w.url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank (R8)");
+                    }
+                }
+                w.ranks.truncate(layout.dp_size as usize);
+                w.ranks_checked_at.truncate(layout.dp_size as usize);
+                w.layout = Some(layout.clone());
+                for (r, res) in results.iter().enumerate() {
+                    apply_rank(w, r, res, now);
+                }
+            });
+            if first {
+                crate::health::warn_mismatches(pool);
+            }
+        }
+        Ok(Sentinel::NotReady(text)) => {
+            pool.update_worker(Role::Prefill, id, |w| {
+                let n = w.layout.as_ref().map_or(w.ranks.len().max(1), |l| l.dp_size as usize);
+                for r in 0..n {
+                    set_rank(w, r, RankReadiness::Bootstrapping, now);
+                }
+                tracing::debug!(prefill = %w.url, text, "bootstrap server not ready");
+            });
+        }
+        Err(e) => {
+            let reason = match e {
+                BootstrapError::Unreachable(_) => RankFailure::Unreachable,
+                BootstrapError::BadAnswer { .. } => RankFailure::BadAnswer,
+            };
+            pool.update_worker(Role::Prefill, id, |w| {
+                tracing::debug!(prefill = %w.url, error = %e, "sentinel failed");
+                fail_all(w, reason, now);
+            });
+        }
+    }
+}
+
+async fn heartbeat(pool: Arc<Pool>, up: Upstream, cfg: BootstrapConfig, id: WorkerId, url: BaseUrl, wake: Arc<Notify>) {
+    let mut misses = 0u32;
+    let mut lost = false;
+    let mut tick = tokio::time::interval(cfg.heartbeat_interval());
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        // A heartbeat must answer within one interval to count.
+        let timeout = cfg.heartbeat_interval().min(cfg.http_timeout());
+        match client::health(&up, &url, timeout).await {
+            Ok(()) => {
+                misses = 0;
+                if lost {
+                    lost = false;
+                    tracing::info!(bootstrap = %url, "bootstrap heartbeat back");
+                    wake.notify_one();
+                }
+            }
+            Err(e) => {
+                misses += 1;
+                if misses >= cfg.heartbeat_max_failures && !lost {
+                    lost = true;
+                    let now = Instant::now();
+                    tracing::warn!(bootstrap = %url, misses, error = %e, "bootstrap heartbeat lost; failing in-flight requests");
+                    metrics::counter!("pdgate_bootstrap_heartbeat_lost_total").increment(1);
+                    pool.update_worker(Role::Prefill, id, |w| {
+                        fail_all(w, RankFailure::Unreachable, now);
+                        w.layout = None;
+                        w.lost_tx.send_modify(|e| *e += 1);
+                    });
+                }
+            }
+        }
+    }
+}

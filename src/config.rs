@@ -1,0 +1,487 @@
+//! Configuration: every setting, its default and its validation, in one place.
+//!
+//! Invariants:
+//! - Defaults live only here (`Default` impls below); the CLI holds `Option`s that override
+//!   a loaded file, and nothing else in the crate invents a default.
+//! - Every struct denies unknown keys, so a typo in a TOML file fails at start with a
+//!   message naming the key.
+//! - [`Config::validate`] runs after the file and the flags are merged; a config that
+//!   passed it is safe to serve with.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+/// The whole configuration of `pdgate serve`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    /// Prefill engines (`[[prefill]]` tables, or `--prefill URL [PORT]`).
+    pub prefill: Vec<PrefillWorkerConfig>,
+    /// Decode engines (`[[decode]]` tables, or `--decode URL`).
+    pub decode: Vec<DecodeWorkerConfig>,
+    pub policy: PolicyConfig,
+    pub contract: ContractConfig,
+    pub timeouts: TimeoutConfig,
+    pub retry: RetryConfig,
+    pub health: HealthConfig,
+    pub bootstrap: BootstrapConfig,
+    pub upstream: UpstreamConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    pub host: IpAddr,
+    pub port: u16,
+    /// Largest accepted request body; larger gets 413.
+    pub max_body_bytes: usize,
+    /// How long SIGTERM waits for in-flight requests before exiting.
+    pub drain_secs: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            host: IpAddr::from([127, 0, 0, 1]),
+            port: 8000,
+            max_body_bytes: 32 * 1024 * 1024,
+            drain_secs: 30,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillWorkerConfig {
+    pub url: String,
+    /// The prefill's bootstrap server port. Unset: the engine's
+    /// `disaggregation_bootstrap_port` from `/server_info`, else 8998.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+    /// The host decode engines reach the bootstrap server at. Unset: the URL's host.
+    #[serde(default)]
+    pub bootstrap_host: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecodeWorkerConfig {
+    pub url: String,
+}
+
+/// Selection policies by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum PolicyKind {
+    Random,
+    RoundRobin,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyConfig {
+    pub prefill: PolicyKind,
+    pub decode: PolicyKind,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            prefill: PolicyKind::RoundRobin,
+            decode: PolicyKind::RoundRobin,
+        }
+    }
+}
+
+/// How the prefill DP rank is conveyed (spec §4.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum ContractMode {
+    /// R4/R5: no DP field on the prefill leg; the rank rides on `room % dp_P`.
+    Modulo,
+    /// R5+R6: `routed_dp_rank` and `disagg_prefill_dp_rank` on both legs (engines with
+    /// SGLang PR #19268).
+    Pinned,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ContractConfig {
+    pub mode: ContractMode,
+}
+
+impl Default for ContractConfig {
+    fn default() -> Self {
+        ContractConfig {
+            mode: ContractMode::Modulo,
+        }
+    }
+}
+
+/// Deadlines per leg (no total timeout on a stream that keeps producing tokens).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TimeoutConfig {
+    /// TCP connect to an engine.
+    pub connect_ms: u64,
+    /// Prefill leg: from send until its complete answer (it answers once its KV is sent).
+    pub prefill_secs: u64,
+    /// Decode leg: from the prefill's completion until decode's first body byte.
+    pub decode_first_byte_secs: u64,
+    /// Longest silence between two body chunks of decode once streaming.
+    pub stream_idle_secs: u64,
+    /// Cap on a whole request before its first byte reaches the client, and on a
+    /// non-streamed request as a whole (`--request-timeout-secs`).
+    pub request_secs: u64,
+}
+
+impl Default for TimeoutConfig {
+    fn default() -> Self {
+        TimeoutConfig {
+            connect_ms: 1000,
+            prefill_secs: 60,
+            decode_first_byte_secs: 10,
+            stream_idle_secs: 60,
+            request_secs: 600,
+        }
+    }
+}
+
+impl TimeoutConfig {
+    pub fn connect(&self) -> Duration {
+        Duration::from_millis(self.connect_ms)
+    }
+    pub fn prefill(&self) -> Duration {
+        Duration::from_secs(self.prefill_secs)
+    }
+    pub fn decode_first_byte(&self) -> Duration {
+        Duration::from_secs(self.decode_first_byte_secs)
+    }
+    pub fn stream_idle(&self) -> Duration {
+        Duration::from_secs(self.stream_idle_secs)
+    }
+    pub fn request(&self) -> Duration {
+        Duration::from_secs(self.request_secs)
+    }
+}
+
+/// Retries before the first byte reached the client, within a budget.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetryConfig {
+    /// Extra attempts per request (0 disables retries).
+    pub max_retries: u32,
+    /// Retries allowed as a share of requests (0.2 = one retry per five requests).
+    pub budget_ratio: f64,
+    /// Retries always allowed, as a reserve that refills with requests.
+    pub budget_min_reserve: u32,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            max_retries: 2,
+            budget_ratio: 0.2,
+            budget_min_reserve: 10,
+        }
+    }
+}
+
+/// Active health checks of engines (`GET /health`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    pub interval_secs: f64,
+    pub timeout_secs: f64,
+    /// Consecutive failed checks that take a worker out.
+    pub failure_threshold: u32,
+    /// Consecutive good checks that bring it back.
+    pub success_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            interval_secs: 1.0,
+            timeout_secs: 1.0,
+            failure_threshold: 2,
+            success_threshold: 1,
+        }
+    }
+}
+
+impl HealthConfig {
+    pub fn interval(&self) -> Duration {
+        Duration::from_secs_f64(self.interval_secs)
+    }
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.timeout_secs)
+    }
+}
+
+/// The embedded decode-side bootstrap poll (spec §3, §7).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BootstrapConfig {
+    /// Heartbeat to each bootstrap server's `/health`.
+    pub heartbeat_interval_ms: u64,
+    /// Consecutive missed heartbeats that mark a prefill lost.
+    pub heartbeat_max_failures: u32,
+    /// How often the layout (sentinel) and every rank's route are re-read.
+    pub refresh_interval_ms: u64,
+    /// A rank's view older than this is re-checked on the request path (preflight).
+    pub freshness_ms: u64,
+    /// Timeout of a preflight check on the request path.
+    pub preflight_timeout_ms: u64,
+    /// Timeout of every background call to a bootstrap server or engine info endpoint.
+    pub http_timeout_ms: u64,
+}
+
+impl Default for BootstrapConfig {
+    fn default() -> Self {
+        BootstrapConfig {
+            heartbeat_interval_ms: 1000,
+            heartbeat_max_failures: 2,
+            refresh_interval_ms: 2000,
+            freshness_ms: 5000,
+            preflight_timeout_ms: 500,
+            http_timeout_ms: 2000,
+        }
+    }
+}
+
+impl BootstrapConfig {
+    pub fn heartbeat_interval(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_interval_ms)
+    }
+    pub fn refresh_interval(&self) -> Duration {
+        Duration::from_millis(self.refresh_interval_ms)
+    }
+    pub fn freshness(&self) -> Duration {
+        Duration::from_millis(self.freshness_ms)
+    }
+    pub fn preflight_timeout(&self) -> Duration {
+        Duration::from_millis(self.preflight_timeout_ms)
+    }
+    pub fn http_timeout(&self) -> Duration {
+        Duration::from_millis(self.http_timeout_ms)
+    }
+}
+
+/// How pdgate talks to engines.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// Forward the client's `Authorization` header to engines.
+    pub forward_authorization: bool,
+    /// Send `Authorization: Bearer <key>` to engines (wins over forwarding).
+    pub api_key: Option<String>,
+    /// Idle pooled connections kept per engine.
+    pub pool_max_idle_per_host: usize,
+    pub pool_idle_timeout_secs: u64,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        UpstreamConfig {
+            forward_authorization: false,
+            api_key: None,
+            pool_max_idle_per_host: 256,
+            pool_idle_timeout_secs: 90,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// A `tracing` filter (`info`, `pdgate=debug,info`, ...); `RUST_LOG` wins when set.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::Text,
+            level: "info".to_string(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads a TOML file; unknown keys and wrong types are refused with the key named.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.display().to_string(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: "<inline>".to_string(),
+            message: e.to_string().trim().to_string(),
+        })
+    }
+
+    /// Checks values that types alone cannot; names the offending key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        for (i, p) in self.prefill.iter().enumerate() {
+            if let Err(e) = crate::upstream::parse_base_url(&p.url) {
+                return bad(format!("prefill[{i}].url {:?}: {e}", p.url));
+            }
+            if p.bootstrap_port == Some(0) {
+                return bad(format!("prefill[{i}].bootstrap_port must be 1..=65535"));
+            }
+        }
+        for (i, d) in self.decode.iter().enumerate() {
+            if let Err(e) = crate::upstream::parse_base_url(&d.url) {
+                return bad(format!("decode[{i}].url {:?}: {e}", d.url));
+            }
+        }
+        let checks: [(&str, bool); 13] = [
+            ("server.max_body_bytes", self.server.max_body_bytes > 0),
+            ("timeouts.connect_ms", self.timeouts.connect_ms > 0),
+            ("timeouts.prefill_secs", self.timeouts.prefill_secs > 0),
+            (
+                "timeouts.decode_first_byte_secs",
+                self.timeouts.decode_first_byte_secs > 0,
+            ),
+            ("timeouts.stream_idle_secs", self.timeouts.stream_idle_secs > 0),
+            ("timeouts.request_secs", self.timeouts.request_secs > 0),
+            (
+                "retry.budget_ratio",
+                (0.0..=10.0).contains(&self.retry.budget_ratio),
+            ),
+            (
+                "health.interval_secs",
+                self.health.interval_secs.is_finite() && self.health.interval_secs >= 0.01,
+            ),
+            (
+                "health.timeout_secs",
+                self.health.timeout_secs.is_finite() && self.health.timeout_secs >= 0.01,
+            ),
+            (
+                "health.failure_threshold",
+                self.health.failure_threshold >= 1,
+            ),
+            (
+                "health.success_threshold",
+                self.health.success_threshold >= 1,
+            ),
+            (
+                "bootstrap.heartbeat_max_failures",
+                self.bootstrap.heartbeat_max_failures >= 1,
+            ),
+            (
+                "bootstrap.heartbeat_interval_ms",
+                self.bootstrap.heartbeat_interval_ms >= 10
+                    && self.bootstrap.refresh_interval_ms >= 10
+                    && self.bootstrap.preflight_timeout_ms >= 1
+                    && self.bootstrap.http_timeout_ms >= 1,
+            ),
+        ];
+        for (key, ok) in checks {
+            if !ok {
+                return bad(format!("{key} is out of range"));
+            }
+        }
+        if self.log.level.trim().is_empty() {
+            return bad("log.level must not be empty".to_string());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = Config::from_toml("[server]\nprot = 1\n").unwrap_err().to_string();
+        assert!(err.contains("prot"), "{err}");
+        let err = Config::from_toml("[timeouts]\nprefill_secs = \"x\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("prefill_secs"), "{err}");
+    }
+
+    #[test]
+    fn full_file_parses_and_validates() {
+        let cfg = Config::from_toml(
+            r#"
+            [server]
+            port = 9000
+            [[prefill]]
+            url = "http://10.0.0.1:30000"
+            bootstrap_port = 8998
+            [[decode]]
+            url = "http://10.0.0.2:30001"
+            [policy]
+            prefill = "random"
+            [contract]
+            mode = "pinned"
+            "#,
+        )
+        .unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.server.port, 9000);
+        assert_eq!(cfg.policy.prefill, PolicyKind::Random);
+        assert_eq!(cfg.policy.decode, PolicyKind::RoundRobin);
+        assert_eq!(cfg.contract.mode, ContractMode::Pinned);
+        assert_eq!(cfg.prefill[0].bootstrap_port, Some(8998));
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let mut cfg = Config::default();
+        cfg.health.failure_threshold = 0;
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("health.failure_threshold"), "{err}");
+        let mut cfg = Config::default();
+        cfg.decode.push(DecodeWorkerConfig {
+            url: "ftp://x".into(),
+        });
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("decode[0].url"), "{err}");
+    }
+}

@@ -1,0 +1,287 @@
+//! Every way a request can fail, mapped once to an HTTP status, an OpenAI-style error JSON,
+//! a log line and a metrics label.
+//!
+//! Invariant: this is the only place that turns a failure into bytes for the client, both
+//! before headers (a JSON response) and after a stream began (one SSE `data:` event that is
+//! valid JSON, then `data: [DONE]`).
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body_util::BodyExt;
+
+use crate::body::{full, RespBody};
+
+/// The reason a request failed. `as_str` is the error `type` and the metrics label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FailReason {
+    InvalidRequest,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    NotFound,
+    MethodNotAllowed,
+    Unauthorized,
+    Overloaded,
+    NoPrefillAvailable,
+    NoDecodeAvailable,
+    BootstrapUnreachable,
+    BootstrapNotReady,
+    BootstrapRankMissing,
+    PrefillConnect,
+    PrefillStatus,
+    PrefillRejected,
+    PrefillAborted,
+    PrefillTimeout,
+    PrefillLost,
+    DecodeConnect,
+    DecodeStatus,
+    DecodeRejected,
+    DecodeAborted,
+    DecodeFirstByteTimeout,
+    DecodeIdleTimeout,
+    DecodeBroken,
+    RequestTimeout,
+    ClientDisconnected,
+    Internal,
+}
+
+impl FailReason {
+    pub const ALL: [FailReason; 28] = [
+        FailReason::InvalidRequest,
+        FailReason::PayloadTooLarge,
+        FailReason::UnsupportedMediaType,
+        FailReason::NotFound,
+        FailReason::MethodNotAllowed,
+        FailReason::Unauthorized,
+        FailReason::Overloaded,
+        FailReason::NoPrefillAvailable,
+        FailReason::NoDecodeAvailable,
+        FailReason::BootstrapUnreachable,
+        FailReason::BootstrapNotReady,
+        FailReason::BootstrapRankMissing,
+        FailReason::PrefillConnect,
+        FailReason::PrefillStatus,
+        FailReason::PrefillRejected,
+        FailReason::PrefillAborted,
+        FailReason::PrefillTimeout,
+        FailReason::PrefillLost,
+        FailReason::DecodeConnect,
+        FailReason::DecodeStatus,
+        FailReason::DecodeRejected,
+        FailReason::DecodeAborted,
+        FailReason::DecodeFirstByteTimeout,
+        FailReason::DecodeIdleTimeout,
+        FailReason::DecodeBroken,
+        FailReason::RequestTimeout,
+        FailReason::ClientDisconnected,
+        FailReason::Internal,
+    ];
+
+    /// The error `type` in the JSON, the `reason` metrics label and the log field.
+    pub fn as_str(self) -> &'static str {
+        use FailReason::*;
+        match self {
+            InvalidRequest => "invalid_request",
+            PayloadTooLarge => "payload_too_large",
+            UnsupportedMediaType => "unsupported_media_type",
+            NotFound => "not_found",
+            MethodNotAllowed => "method_not_allowed",
+            Unauthorized => "unauthorized",
+            Overloaded => "overloaded",
+            NoPrefillAvailable => "no_prefill_available",
+            NoDecodeAvailable => "no_decode_available",
+            BootstrapUnreachable => "bootstrap_unreachable",
+            BootstrapNotReady => "bootstrap_not_ready",
+            BootstrapRankMissing => "bootstrap_rank_missing",
+            PrefillConnect => "prefill_connect",
+            PrefillStatus => "prefill_status",
+            PrefillRejected => "prefill_rejected",
+            PrefillAborted => "prefill_aborted",
+            PrefillTimeout => "prefill_timeout",
+            PrefillLost => "prefill_lost",
+            DecodeConnect => "decode_connect",
+            DecodeStatus => "decode_status",
+            DecodeRejected => "decode_rejected",
+            DecodeAborted => "decode_aborted",
+            DecodeFirstByteTimeout => "decode_first_byte_timeout",
+            DecodeIdleTimeout => "decode_idle_timeout",
+            DecodeBroken => "decode_broken",
+            RequestTimeout => "request_timeout",
+            ClientDisconnected => "client_disconnected",
+            Internal => "internal_error",
+        }
+    }
+
+    /// The status for this reason; `upstream` is the engine's own 4xx for the `*Rejected`
+    /// reasons, which pass through as that 4xx.
+    pub fn status(self, upstream: Option<StatusCode>) -> StatusCode {
+        use FailReason::*;
+        match self {
+            InvalidRequest => StatusCode::BAD_REQUEST,
+            PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            NotFound => StatusCode::NOT_FOUND,
+            MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Unauthorized => StatusCode::UNAUTHORIZED,
+            Overloaded => StatusCode::TOO_MANY_REQUESTS,
+            NoPrefillAvailable | NoDecodeAvailable | BootstrapUnreachable | BootstrapNotReady
+            | BootstrapRankMissing => StatusCode::SERVICE_UNAVAILABLE,
+            PrefillRejected | DecodeRejected => match upstream {
+                Some(s) if s.is_client_error() => s,
+                _ => StatusCode::BAD_REQUEST,
+            },
+            PrefillConnect | PrefillStatus | PrefillAborted | PrefillLost | DecodeConnect
+            | DecodeStatus | DecodeAborted | DecodeBroken => StatusCode::BAD_GATEWAY,
+            PrefillTimeout | DecodeFirstByteTimeout | DecodeIdleTimeout | RequestTimeout => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
+            ClientDisconnected => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+            Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Whether a fresh pair may succeed where this attempt failed (only before the client
+    /// saw a byte). Client errors and long timeouts are not retried.
+    pub fn retryable(self) -> bool {
+        use FailReason::*;
+        matches!(
+            self,
+            BootstrapUnreachable
+                | BootstrapNotReady
+                | BootstrapRankMissing
+                | PrefillConnect
+                | PrefillStatus
+                | PrefillAborted
+                | PrefillLost
+                | DecodeConnect
+                | DecodeStatus
+                | DecodeAborted
+                | DecodeFirstByteTimeout
+                | DecodeBroken
+        )
+    }
+
+    /// Which leg a reason blames, for logs and breaker attribution.
+    pub fn leg(self) -> Option<crate::types::Role> {
+        use crate::types::Role;
+        use FailReason::*;
+        match self {
+            BootstrapUnreachable | BootstrapNotReady | BootstrapRankMissing | PrefillConnect
+            | PrefillStatus | PrefillRejected | PrefillAborted | PrefillTimeout | PrefillLost => {
+                Some(Role::Prefill)
+            }
+            DecodeConnect | DecodeStatus | DecodeRejected | DecodeAborted
+            | DecodeFirstByteTimeout | DecodeIdleTimeout | DecodeBroken => Some(Role::Decode),
+            _ => None,
+        }
+    }
+}
+
+/// A failure with its human-readable detail.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub reason: FailReason,
+    pub message: String,
+    /// The engine's own status, when one answered.
+    pub upstream_status: Option<StatusCode>,
+}
+
+impl Failure {
+    pub fn new(reason: FailReason, message: impl Into<String>) -> Failure {
+        Failure {
+            reason,
+            message: message.into(),
+            upstream_status: None,
+        }
+    }
+
+    pub fn with_status(mut self, status: StatusCode) -> Failure {
+        self.upstream_status = Some(status);
+        self
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.reason.status(self.upstream_status)
+    }
+
+    /// `{"error": {"message", "type", "code"}}`.
+    pub fn json(&self) -> Bytes {
+        let v = serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.reason.as_str(),
+                "code": self.status().as_u16(),
+            }
+        });
+        Bytes::from(v.to_string())
+    }
+
+    /// The terminal SSE bytes of a stream that fails after its headers were sent.
+    pub fn sse_event(&self) -> Bytes {
+        let json = self.json();
+        let mut out = Vec::with_capacity(json.len() + 32);
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(&json);
+        out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+        Bytes::from(out)
+    }
+
+    /// The complete HTTP response for a failure before headers.
+    pub fn into_response(self, request_id: Option<&HeaderValue>) -> Response<RespBody> {
+        let status = self.status();
+        let mut resp = Response::new(full(self.json()).map_err(|e| match e {}).boxed_unsync());
+        *resp.status_mut() = status;
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if matches!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+        ) {
+            h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let Some(id) = request_id {
+            h.insert(crate::server::REQUEST_ID, id.clone());
+        }
+        resp
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.reason.as_str(), self.message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_reason_has_a_unique_label_and_valid_json() {
+        let mut seen = std::collections::HashSet::new();
+        for r in FailReason::ALL {
+            assert!(seen.insert(r.as_str()), "duplicate label {}", r.as_str());
+            let f = Failure::new(r, "m \"quoted\"");
+            let v: serde_json::Value = serde_json::from_slice(&f.json()).unwrap();
+            assert_eq!(v["error"]["type"], r.as_str());
+            assert_eq!(v["error"]["code"], f.status().as_u16());
+            let sse = f.sse_event();
+            let s = std::str::from_utf8(&sse).unwrap();
+            let first = s.strip_prefix("data: ").unwrap().split("\n\n").next().unwrap();
+            serde_json::from_str::<serde_json::Value>(first).unwrap();
+            assert!(s.ends_with("data: [DONE]\n\n"));
+        }
+    }
+
+    #[test]
+    fn rejected_passes_the_engine_4xx_through() {
+        let f = Failure::new(FailReason::PrefillRejected, "too long")
+            .with_status(StatusCode::from_u16(422).unwrap());
+        assert_eq!(f.status().as_u16(), 422);
+        let f = Failure::new(FailReason::PrefillRejected, "odd")
+            .with_status(StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(f.status(), StatusCode::BAD_REQUEST);
+    }
+}

@@ -1,0 +1,86 @@
+//! Active health checks of engines (`GET /health`) with failure/success thresholds, and
+//! the reading of each decode's `/server_info` (its DP size, page size, KV dtype).
+//!
+//! Invariant: a worker becomes unhealthy after `failure_threshold` failed checks in a row
+//! and healthy again after `success_threshold` good ones; it starts unhealthy until its
+//! first good check. Health probes on PD engines use a fake bootstrap (spec R10), so for
+//! prefills this is combined with the bootstrap tracker's readiness in the pool.
+
+use std::sync::Arc;
+
+use crate::bootstrap::client;
+use crate::config::{BootstrapConfig, HealthConfig};
+use crate::pool::Pool;
+use crate::types::{Role, WorkerId};
+use crate::upstream::{BaseUrl, Upstream};
+
+/// Starts the health checker of one worker (and, for a decode, its server-info reader).
+pub fn spawn(pool: Arc<Pool>, up: Upstream, cfg: HealthConfig, bcfg: BootstrapConfig, role: Role, id: WorkerId, url: BaseUrl) {
+    tokio::spawn(async move {
+        let (mut ok_run, mut fail_run) = (0u32, 0u32);
+        let mut have_info = false;
+        let mut tick = tokio::time::interval(cfg.interval());
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let good = matches!(up.get(&url, "/health", cfg.timeout()).await, Ok((s, _)) if s.is_success());
+            if good && !have_info {
+                if let Ok(info) = client::server_info(&up, &url, bcfg.http_timeout()).await {
+                    have_info = true;
+                    pool.update_worker(role, id, |w| {
+                        if role == Role::Decode {
+                            w.dp_size = info.dp_size.filter(|d| *d >= 1);
+                        }
+                        w.info = Some(info);
+                    });
+                    warn_mismatches(&pool);
+                }
+            }
+            if good {
+                ok_run += 1;
+                fail_run = 0;
+            } else {
+                fail_run += 1;
+                ok_run = 0;
+            }
+            let flip = pool
+                .with_worker(role, id, |w| {
+                    (!w.healthy && ok_run >= cfg.success_threshold) || ((w.healthy || !w.health_checked) && fail_run >= cfg.failure_threshold)
+                })
+                .unwrap_or(false);
+            if flip {
+                pool.update_worker(role, id, |w| {
+                    w.healthy = good;
+                    w.health_checked = true;
+                    tracing::info!(role = %role, worker = %w.url, healthy = good, "worker health");
+                    metrics::gauge!("pdgate_worker_healthy", "role" => role.as_str(), "worker" => w.url.to_string())
+                        .set(if good { 1.0 } else { 0.0 });
+                });
+            }
+        }
+    });
+}
+
+/// Warns when a prefill and a decode disagree on page size or KV dtype (decode would
+/// crash its scheduler on such a pair, spec §7.1).
+pub fn warn_mismatches(pool: &Pool) {
+    let snap = pool.load_full();
+    for p in &snap.prefills {
+        let Some(layout) = &p.layout else { continue };
+        for d in &snap.decodes {
+            let Some(info) = pool.with_worker(Role::Decode, d.id, |w| w.info.clone()).flatten() else {
+                continue;
+            };
+            if let (Some(a), Some(b)) = (layout.page_size, info.page_size) {
+                if a != b {
+                    tracing::warn!(prefill = %p.url, decode = %d.url, prefill_page_size = a, decode_page_size = b, "page_size differs between prefill and decode");
+                }
+            }
+            if let (Some(a), Some(b)) = (&layout.kv_cache_dtype, &info.kv_cache_dtype) {
+                if a != b {
+                    tracing::warn!(prefill = %p.url, decode = %d.url, prefill_kv_cache_dtype = %a, decode_kv_cache_dtype = %b, "kv_cache_dtype differs between prefill and decode");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! pdgate: a router and load balancer for prefill/decode (PD) disaggregated SGLang serving.
+//!
+//! The crate is organised by concept: [`server`] (the front door), [`pd`] (one request's
+//! life under the room-to-rank contract), [`bootstrap`] (the embedded decode-side
+//! bootstrap poll), [`pool`] (the lock-free worker snapshot), [`policy`] (selection),
+//! [`health`] (active checks), [`sim`] (an SGLang engine simulator) and [`config`].
+#![forbid(unsafe_code)]
+
+pub mod body;
+pub mod bootstrap;
+pub mod cli;
+pub mod config;
+
+pub mod error;
+pub mod health;
+pub mod pd;
+pub mod policy;
+pub mod pool;
+pub mod router;
+pub mod server;
+pub mod sim;
+pub mod types;
+pub mod upstream;

@@ -1,0 +1,339 @@
+//! One attempt: pick a pair, check the prefill rank's bootstrap, send both legs, and wait
+//! until decode's first bytes are in hand (the last point where a failure can still be
+//! retried, because the client has seen nothing).
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response};
+use http_body_util::BodyExt;
+
+use super::flight::{PdBody, PdBodyParts, PrefillWatch, RequestRecord};
+use super::legs::{self, LegCancel, PrefillDone};
+use super::logprobs::PrefillLogprobs;
+use super::request::{LegFields, ParsedRequest};
+use super::sse::{Scan, SseScanner};
+use super::{room, Dispatcher, ReqCtx};
+use crate::body::RespBody;
+use crate::bootstrap::{client, tracker};
+use crate::config::ContractMode;
+use crate::error::{FailReason, Failure};
+use crate::pool::{LoadGuard, RankFailure, RankReadiness, Snapshot};
+use crate::types::{Role, WorkerId};
+
+/// A failed attempt and the worker it blames (excluded from the next attempt).
+pub struct AttemptFailure {
+    pub failure: Failure,
+    pub blame: Option<(Role, WorkerId)>,
+}
+
+fn fail(f: Failure, blame: Option<(Role, WorkerId)>) -> AttemptFailure {
+    AttemptFailure { failure: f, blame }
+}
+
+/// An attempt whose decode produced its first bytes.
+pub struct Ready {
+    head: http::response::Parts,
+    body: PdBodyParts,
+}
+
+impl Ready {
+    pub fn into_response(self, record: RequestRecord, request_id: &HeaderValue) -> Response<RespBody> {
+        let mut head = self.head;
+        head.headers.insert(crate::server::REQUEST_ID, request_id.clone());
+        Response::from_parts(head, PdBody::new(self.body, record).boxed_unsync())
+    }
+}
+
+/// Why no prefill target is eligible, in a few words per worker.
+fn no_prefill_detail(snap: &Snapshot) -> (FailReason, String) {
+    if snap.prefills.is_empty() {
+        return (FailReason::NoPrefillAvailable, "no prefill workers are configured".into());
+    }
+    let mut reason = FailReason::NoPrefillAvailable;
+    let mut parts = Vec::new();
+    for w in &snap.prefills {
+        let state = if !w.healthy {
+            "unhealthy".to_string()
+        } else if w.layout.is_none() {
+            let failed = w.ranks.iter().find_map(|r| match r {
+                RankReadiness::Failed { reason, .. } => Some(*reason),
+                _ => None,
+            });
+            match failed {
+                Some(RankFailure::Unreachable) => {
+                    reason = FailReason::BootstrapUnreachable;
+                    "bootstrap server unreachable".to_string()
+                }
+                Some(_) => "bootstrap server answers wrongly".to_string(),
+                None => {
+                    if reason == FailReason::NoPrefillAvailable {
+                        reason = FailReason::BootstrapNotReady;
+                    }
+                    "bootstrap not ready (ranks not all registered)".to_string()
+                }
+            }
+        } else {
+            let labels: Vec<String> = w
+                .ranks
+                .iter()
+                .enumerate()
+                .map(|(r, st)| match st {
+                    RankReadiness::Failed { reason: why, .. } => format!("rank {r} {}", why.label()),
+                    other => format!("rank {r} {}", other.label()),
+                })
+                .collect();
+            if w.ranks.iter().any(|r| matches!(r, RankReadiness::Failed { reason: RankFailure::RankMissing, .. })) {
+                reason = FailReason::BootstrapRankMissing;
+            }
+            labels.join(", ")
+        };
+        parts.push(format!("{}: {state}", w.url));
+    }
+    (reason, format!("no prefill rank can bootstrap now ({})", parts.join("; ")))
+}
+
+impl Dispatcher {
+    pub(super) async fn attempt(
+        &self,
+        req: &ParsedRequest,
+        ctx: &ReqCtx,
+        attempt_no: u32,
+        exclude_p: &[WorkerId],
+        exclude_d: &[WorkerId],
+    ) -> Result<Ready, AttemptFailure> {
+        let snap = self.pool.load_full();
+        let (pt, dt) = self.rng.with(|rng| {
+            (
+                self.prefill_policy.pick(&snap, Role::Prefill, exclude_p, rng),
+                self.decode_policy.pick(&snap, Role::Decode, exclude_d, rng),
+            )
+        });
+        let Some(pt) = pt else {
+            let (reason, msg) = no_prefill_detail(&snap);
+            return Err(fail(Failure::new(reason, msg), None));
+        };
+        let Some(dt) = dt else {
+            let msg = if snap.decodes.is_empty() {
+                "no decode workers are configured"
+            } else {
+                "no healthy decode worker"
+            };
+            return Err(fail(Failure::new(FailReason::NoDecodeAvailable, msg), None));
+        };
+        let (Some(pv), Some(dv)) = (snap.worker(Role::Prefill, pt.worker), snap.worker(Role::Decode, dt.worker)) else {
+            return Err(fail(Failure::new(FailReason::Internal, "picked worker missing from snapshot"), None));
+        };
+        let (Some(boot), Some(layout)) = (pv.bootstrap.as_ref(), pv.layout.as_ref()) else {
+            return Err(fail(Failure::new(FailReason::BootstrapNotReady, "prefill layout unknown"), Some((Role::Prefill, pt.worker))));
+        };
+        let blame_p = Some((Role::Prefill, pt.worker));
+        let blame_d = Some((Role::Decode, dt.worker));
+
+        // Preflight: a view older than the freshness bound is re-checked now, briefly.
+        let bcfg = &self.cfg.bootstrap;
+        let checked = pv.ranks_checked_at.get(pt.rank as usize).copied();
+        if checked.is_none_or(|t| t.elapsed() > bcfg.freshness()) {
+            let res = client::rank_route(&self.up, &boot.url, layout.generation, pt.rank, bcfg.preflight_timeout()).await;
+            let now = Instant::now();
+            self.pool.update_worker(Role::Prefill, pt.worker, |w| tracker::apply_rank(w, pt.rank as usize, &res, now));
+            metrics::counter!("pdgate_preflight_checks_total", "ok" => if matches!(res, Ok(client::RankRoute::Ready { .. })) { "true" } else { "false" }).increment(1);
+            match res {
+                Ok(client::RankRoute::Ready { .. }) => {}
+                Ok(client::RankRoute::NotReady) => {
+                    return Err(fail(Failure::new(FailReason::BootstrapNotReady, format!("prefill {} rank {} is not registered yet", pv.url, pt.rank)), blame_p))
+                }
+                Ok(client::RankRoute::Missing(m)) => {
+                    return Err(fail(Failure::new(FailReason::BootstrapRankMissing, format!("prefill {} rank {}: {m}", pv.url, pt.rank)), blame_p))
+                }
+                Err(e) => {
+                    return Err(fail(Failure::new(FailReason::BootstrapUnreachable, format!("prefill {} bootstrap: {e}", pv.url)), blame_p))
+                }
+            }
+        }
+
+        // Rooms and ranks under the contract.
+        let dp_p = layout.dp_size;
+        let mut rooms = Vec::new();
+        self.rng.with(|rng| room::assign(rng, dp_p, pt.rank, req.instances(), &mut rooms));
+        let pinned = self.cfg.contract.mode == ContractMode::Pinned;
+        let hint = pinned.then_some(pt.rank);
+        let decode_rank = (dv.effective_dp() > 1).then_some(dt.rank);
+        let rid_p = format!("pdg-{}-{:02}p", ctx.id, attempt_no);
+        let rid_d = format!("pdg-{}-{:02}d", ctx.id, attempt_no);
+        let mut pbody = Vec::new();
+        req.write_leg(
+            &mut pbody,
+            &LegFields {
+                host_json: &boot.host_json,
+                port: boot.port,
+                rooms: &rooms,
+                rid: &rid_p,
+                routed_dp_rank: hint,
+                disagg_prefill_dp_rank: hint,
+                stream: false,
+            },
+        );
+        let mut dbody = Vec::new();
+        req.write_leg(
+            &mut dbody,
+            &LegFields {
+                host_json: &boot.host_json,
+                port: boot.port,
+                rooms: &rooms,
+                rid: &rid_d,
+                routed_dp_rank: decode_rank,
+                disagg_prefill_dp_rank: hint,
+                stream: req.stream,
+            },
+        );
+        let path = req.route.path();
+        let preq = legs::leg_request(&pv.url, path, pbody, &ctx.forward).map_err(|f| fail(f, None))?;
+        let dreq = legs::leg_request(&dv.url, path, dbody, &ctx.forward).map_err(|f| fail(f, None))?;
+        tracing::debug!(request_id = %ctx.id, prefill = %pv.url, prefill_rank = pt.rank, decode = %dv.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
+
+        // Both legs go out together.
+        let timeouts = &self.cfg.timeouts;
+        let handle = tokio::spawn(legs::run_prefill(self.up.clone(), preq, timeouts.prefill()));
+        let mut pw = PrefillWatch::new(handle, pv.lost.clone(), LegCancel::new(&self.up, &pv.url, &rid_p), LoadGuard::new(pv, pt.rank));
+        let mut dcancel = LegCancel::new(&self.up, &dv.url, &rid_d);
+        let dguard = LoadGuard::new(dv, dt.rank);
+        let dfut = self.up.client.request(dreq);
+        tokio::pin!(dfut);
+
+        let far = tokio::time::Instant::now() + timeouts.request();
+        let mut first_byte_deadline = far;
+        let mut prefill_done: Option<PrefillDone> = None;
+        let resp = loop {
+            tokio::select! {
+                r = &mut pw, if prefill_done.is_none() => match r {
+                    Ok(d) => {
+                        prefill_done = Some(d);
+                        first_byte_deadline = tokio::time::Instant::now() + timeouts.decode_first_byte();
+                    }
+                    Err(f) => return Err(fail(f, blame_p)),
+                },
+                r = &mut dfut => match r {
+                    Ok(resp) => break resp,
+                    Err(e) => return Err(fail(Failure::new(FailReason::DecodeConnect, format!("decode request failed: {}", crate::upstream::error_chain(&e))), blame_d)),
+                },
+                _ = tokio::time::sleep_until(first_byte_deadline) => return Err(fail(first_byte_timeout(timeouts.decode_first_byte_secs), blame_d)),
+            }
+        };
+        let status = resp.status();
+        if !status.is_success() {
+            dcancel.disarm();
+            let (_, body) = resp.into_parts();
+            let f = legs::decode_status_failure(status, body).await;
+            return Err(fail(f, blame_d));
+        }
+        let (mut head, mut dbody_in) = resp.into_parts();
+
+        // With return_logprob the prefill's answer is needed before decode's first bytes.
+        if req.return_logprob {
+            while prefill_done.is_none() {
+                tokio::select! {
+                    r = &mut pw => match r {
+                        Ok(d) => prefill_done = Some(d),
+                        Err(f) => return Err(fail(f, blame_p)),
+                    },
+                    _ = tokio::time::sleep_until(far) => return Err(fail(Failure::new(FailReason::PrefillTimeout, "prefill did not answer"), blame_p)),
+                }
+            }
+        }
+        let logprobs = prefill_done
+            .as_ref()
+            .filter(|_| req.return_logprob)
+            .map(|d| std::sync::Arc::new(PrefillLogprobs::from_prefill_body(&d.body)));
+
+        let is_sse = head
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+        let mut sse = (req.stream && is_sse).then(|| SseScanner::new(logprobs.clone()));
+
+        // Wait for decode's first bytes (the first whole event when streaming).
+        let mut first: Vec<u8> = Vec::new();
+        let mut ended = false;
+        loop {
+            tokio::select! {
+                r = &mut pw, if prefill_done.is_none() => match r {
+                    Ok(d) => {
+                        prefill_done = Some(d);
+                        first_byte_deadline = tokio::time::Instant::now() + timeouts.decode_first_byte();
+                    }
+                    Err(f) => return Err(fail(f, blame_p)),
+                },
+                fr = dbody_in.frame() => match fr {
+                    None => { ended = true; break; }
+                    Some(Err(e)) => return Err(fail(Failure::new(FailReason::DecodeBroken, format!("decode answer broke off: {}", crate::upstream::error_chain(&e))), blame_d)),
+                    Some(Ok(frame)) => {
+                        let Ok(data) = frame.into_data() else { continue };
+                        match sse.as_mut() {
+                            Some(s) => match s.push(data) {
+                                Scan::Forward(b) => first.extend_from_slice(&b),
+                                Scan::Abort { message, .. } => {
+                                    dcancel.disarm();
+                                    return Err(fail(Failure::new(FailReason::DecodeAborted, format!("decode aborted the request: {message}")), blame_d));
+                                }
+                            },
+                            None => first.extend_from_slice(&data),
+                        }
+                        if !first.is_empty() && (sse.is_some() || logprobs.is_none()) {
+                            break;
+                        }
+                    }
+                },
+                _ = tokio::time::sleep_until(first_byte_deadline) => return Err(fail(first_byte_timeout(timeouts.decode_first_byte_secs), blame_d)),
+            }
+        }
+        if ended {
+            dcancel.disarm();
+            if let Some(s) = sse.as_mut() {
+                first.extend_from_slice(&s.finish());
+            }
+        }
+        // A non-streamed answer with logprobs was read whole: merge and send it.
+        if let (Some(lp), None) = (logprobs.as_ref(), sse.as_ref()) {
+            if ended {
+                if let Some(merged) = lp.merge_answer(&first) {
+                    first = merged;
+                }
+            }
+        }
+        clean_head(&mut head, sse.is_some() || logprobs.is_some());
+        let prefill = if prefill_done.is_some() { None } else { Some(pw) };
+        Ok(Ready {
+            head,
+            body: PdBodyParts {
+                first: Bytes::from(first),
+                decode: dbody_in,
+                decode_cancel: dcancel,
+                decode_guard: dguard,
+                sse,
+                prefill,
+                idle_for: timeouts.stream_idle(),
+            },
+        })
+    }
+}
+
+fn first_byte_timeout(secs: u64) -> Failure {
+    Failure::new(
+        FailReason::DecodeFirstByteTimeout,
+        format!("decode sent nothing within {secs}s after the prefill finished (its KV never arrived?)"),
+    )
+}
+
+/// Strips hop-by-hop headers (and the length, when pdgate rewrites the body) from
+/// decode's head before it is re-sent.
+fn clean_head(head: &mut http::response::Parts, rewritten: bool) {
+    for h in [header::CONNECTION, header::TRANSFER_ENCODING, header::TE, header::TRAILER, header::UPGRADE] {
+        head.headers.remove(h);
+    }
+    head.headers.remove("keep-alive");
+    if rewritten {
+        head.headers.remove(header::CONTENT_LENGTH);
+    }
+}

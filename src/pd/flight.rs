@@ -1,0 +1,276 @@
+//! A request in flight after both legs were sent: the prefill watch (its task, the
+//! prefill's lost signal, its cancel guard and load counter) and the response body that
+//! streams decode to the client while it keeps watching the prefill.
+//!
+//! Invariants:
+//! - Whatever ends the response (its last byte, a failure, the client going away), both
+//!   legs are finished or cancelled, and every load counter is released, when the body is
+//!   dropped.
+//! - After the first byte reached the client a failure is never retried: a streamed
+//!   response ends with one JSON error event and `data: [DONE]`; a non-streamed one is cut.
+//! - The decode body is never buffered: each frame is forwarded when it arrives (an SSE
+//!   stream at event granularity, see [`super::sse`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Sleep;
+
+use super::legs::{LegCancel, PrefillDone};
+use super::sse::{Scan, SseScanner};
+use crate::body::BoxError;
+use crate::error::{FailReason, Failure};
+use crate::pool::LoadGuard;
+
+type LostFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Waits on the prefill leg; resolves with its outcome, or `PrefillLost` when the
+/// prefill's bootstrap heartbeat is lost first.
+pub struct PrefillWatch {
+    handle: JoinHandle<Result<PrefillDone, Failure>>,
+    lost: LostFuture,
+    cancel: LegCancel,
+    guard: Option<LoadGuard>,
+    finished: bool,
+}
+
+impl PrefillWatch {
+    pub fn new(handle: JoinHandle<Result<PrefillDone, Failure>>, mut lost: watch::Receiver<u64>, cancel: LegCancel, guard: LoadGuard) -> PrefillWatch {
+        let lost = Box::pin(async move {
+            if lost.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        });
+        PrefillWatch {
+            handle,
+            lost,
+            cancel,
+            guard: Some(guard),
+            finished: false,
+        }
+    }
+}
+
+impl Future for PrefillWatch {
+    type Output = Result<PrefillDone, Failure>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if let Poll::Ready(r) = Pin::new(&mut this.handle).poll(cx) {
+            this.finished = true;
+            this.guard = None;
+            let r = match r {
+                Ok(r) => r,
+                Err(e) => Err(Failure::new(FailReason::Internal, format!("prefill task failed: {e}"))),
+            };
+            // A prefill that answered (even with an error) needs no abort.
+            this.cancel.disarm();
+            return Poll::Ready(r);
+        }
+        if this.lost.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(Failure::new(
+                FailReason::PrefillLost,
+                "lost the prefill's bootstrap server (heartbeat) while the request was in flight",
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for PrefillWatch {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.handle.abort();
+        }
+    }
+}
+
+/// Outcome accounting for one request: metrics and a log line when it ends.
+pub struct RequestRecord {
+    pub route: &'static str,
+    pub request_id: String,
+    pub start: Instant,
+    pub outcome: Option<&'static str>,
+}
+
+impl RequestRecord {
+    pub fn finish(&mut self, outcome: &'static str) {
+        if self.outcome.is_none() {
+            self.outcome = Some(outcome);
+        }
+    }
+}
+
+impl Drop for RequestRecord {
+    fn drop(&mut self) {
+        let outcome = self.outcome.unwrap_or(FailReason::ClientDisconnected.as_str());
+        let secs = self.start.elapsed().as_secs_f64();
+        metrics::counter!("pdgate_requests_total", "route" => self.route, "outcome" => outcome).increment(1);
+        metrics::histogram!("pdgate_request_duration_seconds", "route" => self.route).record(secs);
+        if outcome == "ok" {
+            tracing::debug!(request_id = %self.request_id, route = self.route, secs, "request done");
+        } else if outcome == FailReason::ClientDisconnected.as_str() {
+            tracing::info!(request_id = %self.request_id, route = self.route, secs, "client went away; legs cancelled");
+        }
+    }
+}
+
+/// The client's response body: decode's bytes, watched.
+pub struct PdBody {
+    pending: Option<Bytes>,
+    decode: Option<Incoming>,
+    decode_cancel: LegCancel,
+    _decode_guard: LoadGuard,
+    sse: Option<SseScanner>,
+    prefill: Option<PrefillWatch>,
+    idle: Pin<Box<Sleep>>,
+    idle_for: Duration,
+    record: RequestRecord,
+    done: bool,
+}
+
+pub struct PdBodyParts {
+    pub first: Bytes,
+    pub decode: Incoming,
+    pub decode_cancel: LegCancel,
+    pub decode_guard: LoadGuard,
+    pub sse: Option<SseScanner>,
+    pub prefill: Option<PrefillWatch>,
+    pub idle_for: Duration,
+}
+
+impl PdBody {
+    pub fn new(p: PdBodyParts, record: RequestRecord) -> PdBody {
+        PdBody {
+            pending: (!p.first.is_empty()).then_some(p.first),
+            decode: Some(p.decode),
+            decode_cancel: p.decode_cancel,
+            _decode_guard: p.decode_guard,
+            sse: p.sse,
+            prefill: p.prefill,
+            idle: Box::pin(tokio::time::sleep(p.idle_for)),
+            idle_for: p.idle_for,
+            record,
+            done: false,
+        }
+    }
+
+    /// Ends the response with `f`: cancels what still runs, then an SSE error event or a
+    /// cut connection.
+    fn fail(&mut self, f: Failure, before: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        tracing::warn!(request_id = %self.record.request_id, reason = f.reason.as_str(), error = %f.message, "request failed after streaming began");
+        metrics::counter!("pdgate_request_failures_total", "reason" => f.reason.as_str(), "phase" => "streaming").increment(1);
+        self.record.finish(f.reason.as_str());
+        self.done = true;
+        self.decode = None;
+        self.prefill = None;
+        if f.reason.leg() == Some(crate::types::Role::Decode) && f.reason != FailReason::DecodeIdleTimeout && f.reason != FailReason::DecodeBroken {
+            // The decode answered the failure itself: nothing to abort.
+            self.decode_cancel.disarm();
+        }
+        if self.sse.is_some() {
+            let mut out = Vec::with_capacity(before.len() + 256);
+            out.extend_from_slice(&before);
+            out.extend_from_slice(&f.sse_event());
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))))
+        } else {
+            Poll::Ready(Some(Err(Box::new(FailureError(f)))))
+        }
+    }
+}
+
+/// A failure carried as a body error (cuts a non-streamed response).
+#[derive(Debug)]
+pub struct FailureError(pub Failure);
+impl std::fmt::Display for FailureError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+impl std::error::Error for FailureError {}
+
+impl Body for PdBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if let Some(b) = this.pending.take() {
+            return Poll::Ready(Some(Ok(Frame::data(b))));
+        }
+        if let Some(pw) = this.prefill.as_mut() {
+            if let Poll::Ready(r) = Pin::new(pw).poll(cx) {
+                this.prefill = None;
+                if let Err(f) = r {
+                    return this.fail(f, Bytes::new());
+                }
+            }
+        }
+        loop {
+            let Some(decode) = this.decode.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match Pin::new(decode).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Ok(data) = frame.into_data() else { continue };
+                    this.idle.as_mut().reset(tokio::time::Instant::now() + this.idle_for);
+                    let out = match this.sse.as_mut() {
+                        None => data,
+                        Some(sse) => match sse.push(data) {
+                            Scan::Forward(b) => b,
+                            Scan::Abort { before, message } => {
+                                let f = Failure::new(FailReason::DecodeAborted, format!("decode aborted the request: {message}"));
+                                return this.fail(f, before);
+                            }
+                        },
+                    };
+                    if out.is_empty() {
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(out))));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    let f = Failure::new(FailReason::DecodeBroken, format!("decode stream broke off: {}", crate::upstream::error_chain(&e)));
+                    return this.fail(f, Bytes::new());
+                }
+                Poll::Ready(None) => {
+                    this.done = true;
+                    this.decode = None;
+                    this.decode_cancel.disarm();
+                    this.record.finish("ok");
+                    let tail = this.sse.as_mut().map(SseScanner::finish).unwrap_or_default();
+                    if !tail.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(tail))));
+                    }
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => break,
+            }
+        }
+        if this.idle.as_mut().poll(cx).is_ready() {
+            let f = Failure::new(
+                FailReason::DecodeIdleTimeout,
+                format!("decode sent nothing for {}s", this.idle_for.as_secs_f64()),
+            );
+            return this.fail(f, Bytes::new());
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.pending.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}

@@ -1,0 +1,218 @@
+//! Sending one leg, and cancelling it.
+//!
+//! Invariants:
+//! - A leg that was sent and has not finished is cancelled when its [`LegCancel`] is
+//!   dropped: its connection is closed (the future or task is dropped) and
+//!   `POST /abort_request` is sent with the leg's rid. A leg that finished is disarmed.
+//! - The prefill leg is always sent with `stream: false`: its whole answer arrives when
+//!   its KV was sent, and failures show as a status (SGLang turns aborts into 4xx/5xx for
+//!   non-streamed requests), so one small JSON read classifies it.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderMap, HeaderValue, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use serde::Deserialize;
+
+use crate::error::{FailReason, Failure};
+use crate::types::Role;
+use crate::upstream::{error_chain, BaseUrl, Upstream};
+
+/// Largest prefill answer read (it carries input logprobs when asked for).
+const PREFILL_BODY_LIMIT: usize = 64 * 1024 * 1024;
+/// Largest error body read from a failed decode.
+const ERROR_BODY_LIMIT: usize = 64 * 1024;
+
+/// Cancels a leg on drop unless disarmed.
+pub struct LegCancel {
+    up: Upstream,
+    url: BaseUrl,
+    rid: String,
+    armed: bool,
+}
+
+impl LegCancel {
+    pub fn new(up: &Upstream, url: &BaseUrl, rid: &str) -> LegCancel {
+        LegCancel {
+            up: up.clone(),
+            url: url.clone(),
+            rid: rid.to_string(),
+            armed: true,
+        }
+    }
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for LegCancel {
+    fn drop(&mut self) {
+        if self.armed {
+            self.up.abort(&self.url, &self.rid);
+        }
+    }
+}
+
+/// Builds a leg request with the forwarded headers.
+pub fn leg_request(url: &BaseUrl, path: &str, body: Vec<u8>, fwd: &HeaderMap) -> Result<Request<Full<Bytes>>, Failure> {
+    let uri = url
+        .uri(path)
+        .map_err(|e| Failure::new(FailReason::Internal, format!("bad upstream URI: {e}")))?;
+    let mut req = Request::new(Full::new(Bytes::from(body)));
+    *req.method_mut() = Method::POST;
+    *req.uri_mut() = uri;
+    let h = req.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    for (k, v) in fwd {
+        h.insert(k.clone(), v.clone());
+    }
+    Ok(req)
+}
+
+/// What a successful prefill leg returns.
+#[derive(Debug)]
+pub struct PrefillDone {
+    pub body: Bytes,
+}
+
+/// Sends the prefill leg and reads its whole answer, within `deadline`.
+pub async fn run_prefill(up: Upstream, req: Request<Full<Bytes>>, deadline: Duration) -> Result<PrefillDone, Failure> {
+    let fut = async {
+        let resp = up.client.request(req).await.map_err(|e| {
+            Failure::new(FailReason::PrefillConnect, format!("prefill request failed: {}", error_chain(&e)))
+        })?;
+        let status = resp.status();
+        let body = Limited::new(resp.into_body(), PREFILL_BODY_LIMIT)
+            .collect()
+            .await
+            .map_err(|e| Failure::new(FailReason::PrefillAborted, format!("prefill answer broke off: {e}")))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(status_failure(Role::Prefill, status, &body));
+        }
+        if let Some(msg) = abort_in_json(&body) {
+            return Err(Failure::new(FailReason::PrefillAborted, format!("prefill aborted the request: {msg}")));
+        }
+        Ok(PrefillDone { body })
+    };
+    match tokio::time::timeout(deadline, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(Failure::new(
+            FailReason::PrefillTimeout,
+            format!("prefill did not answer within {}s", deadline.as_secs_f64()),
+        )),
+    }
+}
+
+/// Reads a failed decode's (bounded) error body and classifies it.
+pub async fn decode_status_failure(status: StatusCode, body: hyper::body::Incoming) -> Failure {
+    let bytes = tokio::time::timeout(Duration::from_secs(2), Limited::new(body, ERROR_BODY_LIMIT).collect())
+        .await
+        .ok()
+        .and_then(|r| r.ok())
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    status_failure(Role::Decode, status, &bytes)
+}
+
+/// A non-2xx engine answer as a failure; a 4xx passes through as that 4xx.
+pub fn status_failure(role: Role, status: StatusCode, body: &[u8]) -> Failure {
+    let msg = error_message(body).unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(300)]).trim().to_string());
+    let (reason, what) = match (role, status.is_client_error()) {
+        (Role::Prefill, true) => (FailReason::PrefillRejected, "prefill rejected the request"),
+        (Role::Prefill, false) => (FailReason::PrefillStatus, "prefill failed"),
+        (Role::Decode, true) => (FailReason::DecodeRejected, "decode rejected the request"),
+        (Role::Decode, false) => (FailReason::DecodeStatus, "decode failed"),
+    };
+    Failure::new(reason, format!("{what} ({}): {msg}", status.as_u16())).with_status(status)
+}
+
+#[derive(Deserialize)]
+struct ErrBody {
+    #[serde(default)]
+    message: Option<String>,
+    #[serde(default)]
+    error: Option<serde_json::Value>,
+    #[serde(default)]
+    detail: Option<serde_json::Value>,
+}
+
+/// The message of an SGLang/OpenAI error body, in any of its shapes.
+pub fn error_message(body: &[u8]) -> Option<String> {
+    let e: ErrBody = serde_json::from_slice(body).ok()?;
+    if let Some(m) = e.message {
+        return Some(m);
+    }
+    match e.error.or(e.detail)? {
+        serde_json::Value::String(s) => Some(s),
+        v => v.get("message").and_then(|m| m.as_str()).map(str::to_string).or(Some(v.to_string())),
+    }
+}
+
+/// An abort or error inside a 200 JSON answer (or one SSE event's JSON): a
+/// `finish_reason` of type `abort`, or a top-level `error` object. Returns its message.
+pub fn abort_in_json(json: &[u8]) -> Option<String> {
+    // Cheap pre-check: most answers contain neither word.
+    let has = |w: &[u8]| memchr::memmem::find(json, w).is_some();
+    if !has(b"\"abort\"") && !has(b"\"error\"") {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_slice(json).ok()?;
+    let items: Vec<&serde_json::Value> = match &v {
+        serde_json::Value::Array(a) => a.iter().collect(),
+        other => vec![other],
+    };
+    for it in items {
+        if let Some(err) = it.get("error") {
+            let msg = err.get("message").and_then(|m| m.as_str()).map_or_else(|| err.to_string(), str::to_string);
+            return Some(msg);
+        }
+        let fr = it.get("meta_info").and_then(|m| m.get("finish_reason"));
+        let choices = it.get("choices").and_then(|c| c.as_array());
+        let mut reasons: Vec<&serde_json::Value> = fr.into_iter().collect();
+        if let Some(cs) = choices {
+            reasons.extend(cs.iter().filter_map(|c| c.get("finish_reason")));
+        }
+        for r in reasons {
+            let is_abort = r.get("type").and_then(|t| t.as_str()) == Some("abort") || r.as_str() == Some("abort");
+            if is_abort {
+                let msg = r.get("message").and_then(|m| m.as_str()).unwrap_or("aborted");
+                return Some(msg.to_string());
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn abort_detection_table() {
+        let cases: &[(&str, Option<&str>)] = &[
+            (r#"{"text":"x","meta_info":{"finish_reason":{"type":"length","length":1}}}"#, None),
+            (r#"{"text":"x","meta_info":{"finish_reason":{"type":"abort","message":"boom","status_code":500}}}"#, Some("boom")),
+            (r#"[{"meta_info":{"finish_reason":null}},{"meta_info":{"finish_reason":{"type":"abort","message":"b2"}}}]"#, Some("b2")),
+            (r#"{"error":{"object":"error","message":"oops","code":500}}"#, Some("oops")),
+            (r#"{"choices":[{"finish_reason":"abort"}]}"#, Some("aborted")),
+            (r#"{"choices":[{"finish_reason":"stop","text":"the word \"abort\""}]}"#, None),
+        ];
+        for (body, want) in cases {
+            assert_eq!(abort_in_json(body.as_bytes()).as_deref(), *want, "{body}");
+        }
+    }
+
+    #[test]
+    fn status_failures_keep_the_engine_message() {
+        let f = status_failure(Role::Prefill, StatusCode::BAD_REQUEST, br#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#);
+        assert_eq!(f.reason, FailReason::PrefillRejected);
+        assert_eq!(f.status(), StatusCode::BAD_REQUEST);
+        assert!(f.message.contains("too long"));
+        let f = status_failure(Role::Decode, StatusCode::INTERNAL_SERVER_ERROR, b"plain text");
+        assert_eq!(f.reason, FailReason::DecodeStatus);
+        assert_eq!(f.status(), StatusCode::BAD_GATEWAY);
+        assert!(f.message.contains("plain text"));
+    }
+}

@@ -1,0 +1,178 @@
+//! One PD request's life: select a pair → assign rooms and ranks → preflight → send both
+//! legs → couple their failures → stream decode to the client.
+//!
+//! Invariants (see also `../shared/DESIGN.md`):
+//! 1. The room-to-rank contract holds for every attempt: both legs carry the same
+//!    bootstrap host, port and rooms; every room is `≡ k (mod dp_P)` for the chosen prefill
+//!    rank k, so the rank that runs it is the rank decode resolves ([`room`]).
+//! 2. No half-dispatch: the decode leg is only sent together with its prefill leg, and only
+//!    to a prefill rank whose bootstrap is `Ready` (checked again on the request path when
+//!    the view is older than the freshness bound).
+//! 3. Once either leg failed, the other is cancelled and the client is answered.
+//! 4. Failures before the first byte are retried with a fresh pair and fresh rooms, within
+//!    `max_retries` and the retry budget; nothing is retried after the client saw bytes.
+//! 5. The request path takes no lock: it reads one pool snapshot per attempt.
+
+mod attempt;
+pub mod flight;
+pub mod legs;
+pub mod logprobs;
+pub mod request;
+pub mod room;
+pub mod sse;
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::{HeaderMap, HeaderValue, Response};
+use rand::{RngCore, SeedableRng};
+
+use crate::body::RespBody;
+use crate::config::Config;
+use crate::error::{FailReason, Failure};
+use crate::policy::{self, Policy};
+use crate::pool::Pool;
+use crate::types::{Role, WorkerId};
+use crate::upstream::Upstream;
+use flight::RequestRecord;
+use request::ParsedRequest;
+
+/// Where randomness comes from: the OS-seeded thread CSPRNG in production, or a seeded
+/// sequence for deterministic tests. Rooms are drawn from it, so both are CSPRNGs
+/// (ChaCha).
+pub enum RngSource {
+    Os,
+    Seeded(AtomicU64),
+}
+
+impl RngSource {
+    pub fn with<T>(&self, f: impl FnOnce(&mut dyn RngCore) -> T) -> T {
+        match self {
+            RngSource::Os => f(&mut rand::rng()),
+            RngSource::Seeded(next) => {
+                let seed = next.fetch_add(1, Ordering::Relaxed);
+                f(&mut rand::rngs::StdRng::seed_from_u64(seed))
+            }
+        }
+    }
+}
+
+/// A cap on retries as a share of requests (in thousandths of a retry), so that a dead
+/// pool cannot multiply its load: every request deposits `ratio`, a retry withdraws one,
+/// and the balance starts at (and is capped near) the minimum reserve.
+pub struct RetryBudget {
+    balance: AtomicI64,
+    deposit: i64,
+    cap: i64,
+}
+
+impl RetryBudget {
+    pub fn new(ratio: f64, min_reserve: u32) -> RetryBudget {
+        let reserve = i64::from(min_reserve) * 1000;
+        RetryBudget {
+            balance: AtomicI64::new(reserve),
+            deposit: (ratio * 1000.0).round() as i64,
+            cap: reserve + 100_000,
+        }
+    }
+    pub fn deposit(&self) {
+        let _ = self
+            .balance
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some((b + self.deposit).min(self.cap)));
+    }
+    pub fn try_withdraw(&self) -> bool {
+        self.balance
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| (b >= 1000).then_some(b - 1000))
+            .is_ok()
+    }
+}
+
+/// Per-request context from the front door.
+pub struct ReqCtx {
+    /// Fixed-length internal id (16 hex digits): the base of every leg's rid.
+    pub id: String,
+    /// The id shown to the client and forwarded (`x-request-id`): the client's, or `id`.
+    pub request_id: HeaderValue,
+    /// Headers forwarded to both legs.
+    pub forward: HeaderMap,
+}
+
+/// Everything the request path needs.
+pub struct Dispatcher {
+    pub pool: Arc<Pool>,
+    pub up: Upstream,
+    pub cfg: Arc<Config>,
+    prefill_policy: Box<dyn Policy>,
+    decode_policy: Box<dyn Policy>,
+    budget: RetryBudget,
+    pub rng: RngSource,
+}
+
+impl Dispatcher {
+    pub fn new(pool: Arc<Pool>, up: Upstream, cfg: Arc<Config>, rng: RngSource) -> Dispatcher {
+        Dispatcher {
+            prefill_policy: policy::build(cfg.policy.prefill),
+            decode_policy: policy::build(cfg.policy.decode),
+            budget: RetryBudget::new(cfg.retry.budget_ratio, cfg.retry.budget_min_reserve),
+            pool,
+            up,
+            cfg,
+            rng,
+        }
+    }
+
+    /// Runs a parsed request to its response: retries before the first byte, errors mapped
+    /// once by [`Failure::into_response`].
+    pub async fn dispatch(&self, req: ParsedRequest, ctx: ReqCtx) -> Response<RespBody> {
+        let mut record = RequestRecord {
+            route: req.route.label(),
+            request_id: ctx.id.clone(),
+            start: Instant::now(),
+            outcome: None,
+        };
+        if !req.replaced.is_empty() {
+            tracing::info!(request_id = %ctx.id, fields = ?req.replaced, "client-supplied PD fields replaced by pdgate's own");
+        }
+        self.budget.deposit();
+        let deadline = tokio::time::Instant::now() + self.cfg.timeouts.request();
+        let mut exclude_p: Vec<WorkerId> = Vec::new();
+        let mut exclude_d: Vec<WorkerId> = Vec::new();
+        let mut attempt_no = 0u32;
+        let failure = loop {
+            let fut = self.attempt(&req, &ctx, attempt_no, &exclude_p, &exclude_d);
+            let res = match tokio::time::timeout_at(deadline, fut).await {
+                Ok(r) => r,
+                Err(_) => Err(attempt::AttemptFailure {
+                    failure: Failure::new(
+                        FailReason::RequestTimeout,
+                        format!("no response within the request timeout of {}s", self.cfg.timeouts.request_secs),
+                    ),
+                    blame: None,
+                }),
+            };
+            match res {
+                Ok(ready) => return ready.into_response(record, &ctx.request_id),
+                Err(af) => {
+                    let f = &af.failure;
+                    metrics::counter!("pdgate_request_failures_total", "reason" => f.reason.as_str(), "phase" => "before_first_byte").increment(1);
+                    tracing::warn!(request_id = %ctx.id, attempt = attempt_no, reason = f.reason.as_str(), error = %f.message, "attempt failed");
+                    match af.blame {
+                        Some((Role::Prefill, w)) => exclude_p.push(w),
+                        Some((Role::Decode, w)) => exclude_d.push(w),
+                        None => {}
+                    }
+                    let can_retry = f.reason.retryable() && attempt_no < self.cfg.retry.max_retries;
+                    if can_retry && self.budget.try_withdraw() {
+                        metrics::counter!("pdgate_retries_total", "reason" => f.reason.as_str()).increment(1);
+                        attempt_no += 1;
+                        continue;
+                    }
+                    break af.failure;
+                }
+            }
+        };
+        record.finish(failure.reason.as_str());
+        failure.into_response(Some(&ctx.request_id))
+    }
+}

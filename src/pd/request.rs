@@ -1,0 +1,605 @@
+//! Reading a client request: only the top-level JSON object is parsed, and only the keys
+//! pdgate touches are looked at; every other value is kept as the exact bytes the client
+//! sent and forwarded byte-for-byte.
+//!
+//! Invariants:
+//! - A [`ParsedRequest`] exists only for a body that is valid UTF-8 JSON whose top level is
+//!   an object with a prompt of the right shape for its route; anything else is a 400 that
+//!   is decided before any leg is sent.
+//! - Client-supplied PD fields (bootstrap host/port/room, DP ranks, rid) are dropped here
+//!   and never reach an engine; pdgate writes its own in [`ParsedRequest::write_leg`].
+
+use std::borrow::Cow;
+use std::fmt;
+use std::ops::Range;
+
+use bytes::Bytes;
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::error::{FailReason, Failure};
+
+/// The generation routes pdgate dispatches as PD requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ApiRoute {
+    Generate,
+    ChatCompletions,
+    Completions,
+}
+
+impl ApiRoute {
+    pub fn path(self) -> &'static str {
+        match self {
+            ApiRoute::Generate => "/generate",
+            ApiRoute::ChatCompletions => "/v1/chat/completions",
+            ApiRoute::Completions => "/v1/completions",
+        }
+    }
+    pub fn label(self) -> &'static str {
+        match self {
+            ApiRoute::Generate => "generate",
+            ApiRoute::ChatCompletions => "chat_completions",
+            ApiRoute::Completions => "completions",
+        }
+    }
+    pub fn is_openai(self) -> bool {
+        !matches!(self, ApiRoute::Generate)
+    }
+}
+
+/// Keys pdgate owns on the legs; a client's values for them are dropped.
+pub const PD_KEYS: [&str; 7] = [
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "routed_dp_rank",
+    "data_parallel_rank",
+    "disagg_prefill_dp_rank",
+    "rid",
+];
+
+/// Largest `n` accepted (parallel samples per prompt).
+pub const MAX_N: u64 = 1024;
+/// Largest number of instances (prompts × samples) in one request.
+pub const MAX_INSTANCES: usize = 65_536;
+
+/// A top-level member kept verbatim.
+#[derive(Debug)]
+struct Field {
+    /// The key, JSON-escaped and quoted, ready to write.
+    key_json: Box<str>,
+    /// Byte range of the raw value inside the body.
+    value: Range<usize>,
+}
+
+/// A validated client request.
+#[derive(Debug)]
+pub struct ParsedRequest {
+    body: Bytes,
+    fields: Vec<Field>,
+    pub route: ApiRoute,
+    pub stream: bool,
+    /// Number of prompts when the prompt is a batch; `None` for a single prompt.
+    pub batch: Option<usize>,
+    /// Samples per prompt (`n`).
+    pub n: u32,
+    /// `/generate` with `return_logprob`: the prefill's input logprobs are merged.
+    pub return_logprob: bool,
+    /// PD keys the client sent that pdgate replaced (for the log).
+    pub replaced: Vec<&'static str>,
+}
+
+impl ParsedRequest {
+    /// Prompt instances (prompts × samples): the number of rooms one attempt needs.
+    pub fn instances(&self) -> usize {
+        self.batch.unwrap_or(1) * self.n as usize
+    }
+
+    /// Whether the bootstrap fields go as lists (one entry per instance).
+    pub fn is_multi(&self) -> bool {
+        self.batch.is_some() || self.n > 1
+    }
+
+    /// Writes one leg's body: every untouched member verbatim, then pdgate's own fields.
+    pub fn write_leg(&self, out: &mut Vec<u8>, leg: &LegFields<'_>) {
+        out.clear();
+        out.reserve(self.body.len() + 96 + leg.rooms.len() * 48);
+        out.push(b'{');
+        for f in &self.fields {
+            out.extend_from_slice(f.key_json.as_bytes());
+            out.push(b':');
+            out.extend_from_slice(&self.body[f.value.clone()]);
+            out.push(b',');
+        }
+        let multi = self.is_multi();
+        push_key(out, "bootstrap_host");
+        list_or_scalar(out, multi, leg.rooms.len(), |o| o.extend_from_slice(leg.host_json.as_bytes()));
+        push_key(out, ",bootstrap_port");
+        list_or_scalar(out, multi, leg.rooms.len(), |o| push_u64(o, u64::from(leg.port)));
+        push_key(out, ",bootstrap_room");
+        if multi {
+            out.push(b'[');
+            for (i, r) in leg.rooms.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                push_u64(out, *r);
+            }
+            out.push(b']');
+        } else {
+            push_u64(out, leg.rooms.first().copied().unwrap_or(0));
+        }
+        push_key(out, ",rid");
+        out.push(b'"');
+        out.extend_from_slice(leg.rid.as_bytes());
+        out.push(b'"');
+        if let Some(r) = leg.routed_dp_rank {
+            push_key(out, ",routed_dp_rank");
+            push_u64(out, u64::from(r));
+        }
+        if let Some(r) = leg.disagg_prefill_dp_rank {
+            push_key(out, ",disagg_prefill_dp_rank");
+            push_u64(out, u64::from(r));
+        }
+        push_key(out, ",stream");
+        out.extend_from_slice(if leg.stream { b"true" } else { b"false" });
+        out.push(b'}');
+    }
+}
+
+/// What pdgate writes on a leg.
+#[derive(Debug)]
+pub struct LegFields<'a> {
+    /// The bootstrap host as a JSON string literal (quoted, escaped).
+    pub host_json: &'a str,
+    pub port: u16,
+    pub rooms: &'a [u64],
+    /// A rid made of `[A-Za-z0-9-]` only.
+    pub rid: &'a str,
+    pub routed_dp_rank: Option<u32>,
+    pub disagg_prefill_dp_rank: Option<u32>,
+    pub stream: bool,
+}
+
+fn push_key(out: &mut Vec<u8>, key_with_optional_comma: &str) {
+    let (comma, key) = match key_with_optional_comma.strip_prefix(',') {
+        Some(k) => (true, k),
+        None => (false, key_with_optional_comma),
+    };
+    if comma {
+        out.push(b',');
+    }
+    out.push(b'"');
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(b"\":");
+}
+
+fn push_u64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+}
+
+fn list_or_scalar(out: &mut Vec<u8>, multi: bool, len: usize, mut item: impl FnMut(&mut Vec<u8>)) {
+    if multi {
+        out.push(b'[');
+        for i in 0..len {
+            if i > 0 {
+                out.push(b',');
+            }
+            item(out);
+        }
+        out.push(b']');
+    } else {
+        item(out);
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> Failure {
+    Failure::new(FailReason::InvalidRequest, msg)
+}
+
+/// A top-level key, borrowed when it has no escapes.
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string key")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_owned())))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// The top-level object as (key, raw value) pairs in order.
+struct TopLevel<'a>(Vec<(Key<'a>, &'a RawValue)>);
+
+impl<'de> Deserialize<'de> for TopLevel<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TopLevel<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<TopLevel<'de>, A::Error> {
+                let mut v = Vec::with_capacity(m.size_hint().unwrap_or(8));
+                while let Some(entry) = m.next_entry::<Key<'de>, &'de RawValue>()? {
+                    v.push(entry);
+                }
+                Ok(TopLevel(v))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// Shape of a JSON value, read from its first byte.
+fn first_byte(v: &RawValue) -> u8 {
+    v.get().as_bytes().first().copied().unwrap_or(b' ')
+}
+
+fn is_null(v: &RawValue) -> bool {
+    v.get() == "null"
+}
+
+fn parse_bool(key: &str, v: &RawValue) -> Result<bool, Failure> {
+    match v.get() {
+        "true" => Ok(true),
+        "false" | "null" => Ok(false),
+        _ => Err(invalid(format!("'{key}' must be a boolean"))),
+    }
+}
+
+/// `return_logprob` may be a bool or a list of bools (one per prompt).
+fn parse_bool_or_list(key: &str, v: &RawValue) -> Result<bool, Failure> {
+    if first_byte(v) == b'[' {
+        let items: Vec<Option<bool>> = serde_json::from_str(v.get())
+            .map_err(|_| invalid(format!("'{key}' must be a boolean or a list of booleans")))?;
+        return Ok(items.into_iter().any(|b| b == Some(true)));
+    }
+    parse_bool(key, v)
+}
+
+fn parse_n(key: &str, v: &RawValue) -> Result<u32, Failure> {
+    if is_null(v) {
+        return Ok(1);
+    }
+    match v.get().parse::<u64>() {
+        Ok(n) if (1..=MAX_N).contains(&n) => Ok(n as u32),
+        _ => Err(invalid(format!(
+            "'{key}' must be an integer from 1 to {MAX_N}"
+        ))),
+    }
+}
+
+/// Reads `n` from `sampling_params` (an object, or a list of objects that must agree).
+fn sampling_n(v: &RawValue) -> Result<u32, Failure> {
+    #[derive(Deserialize)]
+    struct Sp<'a> {
+        #[serde(borrow, default)]
+        n: Option<&'a RawValue>,
+    }
+    match first_byte(v) {
+        b'n' if is_null(v) => Ok(1),
+        b'{' => {
+            let sp: Sp<'_> = serde_json::from_str(v.get())
+                .map_err(|_| invalid("'sampling_params' must be an object"))?;
+            sp.n.map_or(Ok(1), |n| parse_n("sampling_params.n", n))
+        }
+        b'[' => {
+            let list: Vec<Sp<'_>> = serde_json::from_str(v.get())
+                .map_err(|_| invalid("'sampling_params' must be an object or a list of objects"))?;
+            let mut n = None;
+            for sp in list {
+                let this = sp.n.map_or(Ok(1), |n| parse_n("sampling_params.n", n))?;
+                if n.is_some_and(|prev| prev != this) {
+                    return Err(invalid("'sampling_params' list entries must share one 'n'"));
+                }
+                n = Some(this);
+            }
+            Ok(n.unwrap_or(1))
+        }
+        _ => Err(invalid("'sampling_params' must be an object")),
+    }
+}
+
+/// Element shapes of a JSON array, without parsing the elements.
+fn array_shape(key: &str, v: &RawValue) -> Result<(usize, u8), Failure> {
+    let items: Vec<&RawValue> = serde_json::from_str(v.get())
+        .map_err(|_| invalid(format!("'{key}' is not a valid array")))?;
+    let first = items.first().map(|f| first_byte(f)).unwrap_or(b' ');
+    Ok((items.len(), first))
+}
+
+/// `text`: a string or a non-empty list of strings.
+fn text_batch(v: &RawValue) -> Result<Option<usize>, Failure> {
+    match first_byte(v) {
+        b'"' => Ok(None),
+        b'[' => {
+            let items: Vec<&RawValue> = serde_json::from_str(v.get())
+                .map_err(|_| invalid("'text' is not a valid list"))?;
+            if items.is_empty() {
+                return Err(invalid("'text' must not be an empty list"));
+            }
+            if items.iter().any(|i| first_byte(i) != b'"') {
+                return Err(invalid("'text' must be a string or a list of strings"));
+            }
+            Ok(Some(items.len()))
+        }
+        _ => Err(invalid("'text' must be a string or a list of strings")),
+    }
+}
+
+/// `input_ids` / `prompt` of token ids: a flat list of ints is one prompt; a list of lists
+/// is a batch. `allow_strings` admits a list of strings (OpenAI `prompt`).
+fn ids_or_prompt_batch(key: &str, v: &RawValue, allow_strings: bool) -> Result<Option<usize>, Failure> {
+    let shape_err = || {
+        if allow_strings {
+            invalid(format!(
+                "'{key}' must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+            ))
+        } else {
+            invalid(format!("'{key}' must be a list of token ids or a list of lists of token ids"))
+        }
+    };
+    match first_byte(v) {
+        b'"' if allow_strings => Ok(None),
+        b'[' => {
+            let (len, first) = array_shape(key, v)?;
+            if len == 0 {
+                return Err(invalid(format!("'{key}' must not be empty")));
+            }
+            match first {
+                b'-' | b'0'..=b'9' => Ok(None),
+                b'[' => Ok(Some(len)),
+                b'"' if allow_strings => Ok(Some(len)),
+                _ => Err(shape_err()),
+            }
+        }
+        _ => Err(shape_err()),
+    }
+}
+
+/// Parses and validates a client body for `route`.
+pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
+    let text = std::str::from_utf8(&body).map_err(|e| invalid(format!("body is not valid UTF-8: {e}")))?;
+    let top: TopLevel<'_> = match serde_json::from_str(text) {
+        Ok(t) => t,
+        Err(e) if e.is_data() => return Err(invalid("request body must be a JSON object")),
+        Err(e) => return Err(invalid(format!("body is not valid JSON: {e}"))),
+    };
+    let base = text.as_ptr() as usize;
+    let mut fields = Vec::with_capacity(top.0.len());
+    let mut replaced = Vec::new();
+    let mut stream = false;
+    let mut batch = None;
+    let mut n = 1u32;
+    let mut return_logprob = false;
+    let mut prompt_keys = 0u32;
+    for (Key(key), value) in top.0 {
+        let k: &str = &key;
+        if let Some(pd) = PD_KEYS.iter().find(|p| **p == k) {
+            if !replaced.contains(pd) {
+                replaced.push(*pd);
+            }
+            continue;
+        }
+        match (route, k) {
+            (_, "stream") => {
+                stream = parse_bool("stream", value)?;
+                continue;
+            }
+            (ApiRoute::Generate, "text") if !is_null(value) => {
+                batch = text_batch(value)?;
+                prompt_keys += 1;
+            }
+            (ApiRoute::Generate, "input_ids") if !is_null(value) => {
+                batch = ids_or_prompt_batch("input_ids", value, false)?;
+                prompt_keys += 1;
+            }
+            (ApiRoute::Generate, "input_embeds") if !is_null(value) => {
+                if first_byte(value) != b'[' {
+                    return Err(invalid("'input_embeds' must be a list"));
+                }
+                prompt_keys += 1;
+            }
+            (ApiRoute::Generate, "sampling_params") => n = sampling_n(value)?,
+            (ApiRoute::Generate, "return_logprob") => {
+                return_logprob = parse_bool_or_list("return_logprob", value)?
+            }
+            (ApiRoute::Completions, "prompt") if !is_null(value) => {
+                batch = ids_or_prompt_batch("prompt", value, true)?;
+                prompt_keys += 1;
+            }
+            (ApiRoute::ChatCompletions, "messages") => {
+                let (len, _) = if first_byte(value) == b'[' {
+                    array_shape("messages", value)?
+                } else {
+                    return Err(invalid("'messages' must be a list"));
+                };
+                if len == 0 {
+                    return Err(invalid("'messages' must not be empty"));
+                }
+                prompt_keys += 1;
+            }
+            (ApiRoute::ChatCompletions | ApiRoute::Completions, "n") => n = parse_n("n", value)?,
+            _ => {}
+        }
+        let raw = value.get();
+        let start = raw.as_ptr() as usize - base;
+        let key_json = match serde_json::to_string(k) {
+            Ok(s) => s.into_boxed_str(),
+            Err(e) => return Err(invalid(format!("bad key: {e}"))),
+        };
+        fields.push(Field {
+            key_json,
+            value: start..start + raw.len(),
+        });
+    }
+    match (route, prompt_keys) {
+        (ApiRoute::Generate, 0) => {
+            return Err(invalid(
+                "no prompt: give one of 'text', 'input_ids' or 'input_embeds'",
+            ))
+        }
+        (ApiRoute::Generate, k) if k > 1 => {
+            return Err(invalid(
+                "give only one of 'text', 'input_ids' or 'input_embeds'",
+            ))
+        }
+        (ApiRoute::ChatCompletions, 0) => return Err(invalid("'messages' is required")),
+        (ApiRoute::Completions, 0) => return Err(invalid("'prompt' is required")),
+        _ => {}
+    }
+    let req = ParsedRequest {
+        body,
+        fields,
+        route,
+        stream,
+        batch,
+        n,
+        return_logprob: return_logprob && route == ApiRoute::Generate,
+        replaced,
+    };
+    if req.instances() > MAX_INSTANCES {
+        return Err(invalid(format!(
+            "too many prompt instances ({}; at most {MAX_INSTANCES})",
+            req.instances()
+        )));
+    }
+    Ok(req)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    fn leg(req: &ParsedRequest, rooms: &[u64], routed: Option<u32>, hint: Option<u32>, stream: bool) -> Value {
+        let mut out = Vec::new();
+        req.write_leg(
+            &mut out,
+            &LegFields {
+                host_json: "\"10.0.0.1\"",
+                port: 8998,
+                rooms,
+                rid: "pdg-0123456789abcdef-00p",
+                routed_dp_rank: routed,
+                disagg_prefill_dp_rank: hint,
+                stream,
+            },
+        );
+        serde_json::from_slice(&out).unwrap()
+    }
+
+    #[test]
+    fn untouched_fields_are_forwarded_byte_for_byte() {
+        let body = r#"{"text":"hi","sampling_params":{"temperature":0.10000000000000001,"max_new_tokens":3},"extra":[1, 2 ,{"a":"\u00e9"}],"bootstrap_host":"evil","routed_dp_rank":7}"#;
+        let req = parse(ApiRoute::Generate, Bytes::from(body)).unwrap();
+        assert_eq!(req.replaced, vec!["bootstrap_host", "routed_dp_rank"]);
+        let mut out = Vec::new();
+        req.write_leg(
+            &mut out,
+            &LegFields {
+                host_json: "\"h\"",
+                port: 1,
+                rooms: &[5],
+                rid: "r",
+                routed_dp_rank: None,
+                disagg_prefill_dp_rank: None,
+                stream: false,
+            },
+        );
+        let s = String::from_utf8(out).unwrap();
+        assert!(s.contains(r#""sampling_params":{"temperature":0.10000000000000001,"max_new_tokens":3}"#), "{s}");
+        assert!(s.contains(r#""extra":[1, 2 ,{"a":"\u00e9"}]"#), "{s}");
+        assert!(!s.contains("evil") && !s.contains(":7"), "{s}");
+        let v: Value = serde_json::from_str(&s).unwrap();
+        assert_eq!(v["bootstrap_host"], "h");
+        assert_eq!(v["bootstrap_room"], 5);
+        assert_eq!(v["stream"], false);
+    }
+
+    #[test]
+    fn batch_and_n_detection() {
+        let cases: &[(ApiRoute, &str, Option<usize>, u32)] = &[
+            (ApiRoute::Generate, r#"{"text":"a"}"#, None, 1),
+            (ApiRoute::Generate, r#"{"text":["a","b"]}"#, Some(2), 1),
+            (ApiRoute::Generate, r#"{"input_ids":[1,2,3]}"#, None, 1),
+            (ApiRoute::Generate, r#"{"input_ids":[[1],[2],[3]]}"#, Some(3), 1),
+            (ApiRoute::Generate, r#"{"text":"a","sampling_params":{"n":3}}"#, None, 3),
+            (ApiRoute::Generate, r#"{"text":["a","b"],"sampling_params":[{"n":2},{"n":2}]}"#, Some(2), 2),
+            (ApiRoute::Completions, r#"{"prompt":"a","n":2}"#, None, 2),
+            (ApiRoute::Completions, r#"{"prompt":["a","b","c"]}"#, Some(3), 1),
+            (ApiRoute::Completions, r#"{"prompt":[1,2]}"#, None, 1),
+            (ApiRoute::Completions, r#"{"prompt":[[1],[2]]}"#, Some(2), 1),
+            (ApiRoute::ChatCompletions, r#"{"messages":[{"role":"user","content":"x"}],"n":4}"#, None, 4),
+        ];
+        for (route, body, batch, n) in cases {
+            let r = parse(*route, Bytes::from(*body)).unwrap_or_else(|e| panic!("{body}: {e}"));
+            assert_eq!((r.batch, r.n), (*batch, *n), "{body}");
+        }
+    }
+
+    #[test]
+    fn multi_instance_legs_get_full_lists() {
+        let req = parse(ApiRoute::Generate, Bytes::from(r#"{"text":["a","b"],"sampling_params":{"n":2}}"#)).unwrap();
+        assert_eq!(req.instances(), 4);
+        let v = leg(&req, &[2, 4, 6, 8], Some(0), Some(0), true);
+        assert_eq!(v["bootstrap_room"], serde_json::json!([2, 4, 6, 8]));
+        assert_eq!(v["bootstrap_host"].as_array().unwrap().len(), 4);
+        assert_eq!(v["bootstrap_port"], serde_json::json!([8998, 8998, 8998, 8998]));
+        assert_eq!(v["routed_dp_rank"], 0);
+        assert_eq!(v["disagg_prefill_dp_rank"], 0);
+        assert_eq!(v["stream"], true);
+    }
+
+    #[test]
+    fn bad_input_table() {
+        let cases: &[(ApiRoute, &[u8], &str)] = &[
+            (ApiRoute::Generate, b"not json", "not valid JSON"),
+            (ApiRoute::Generate, b"[1,2]", "JSON object"),
+            (ApiRoute::Generate, b"\"s\"", "JSON object"),
+            (ApiRoute::Generate, b"{\"text\":\"\xff\"}", "UTF-8"),
+            (ApiRoute::Generate, b"{}", "no prompt"),
+            (ApiRoute::Generate, br#"{"text":1}"#, "'text'"),
+            (ApiRoute::Generate, br#"{"text":[]}"#, "empty"),
+            (ApiRoute::Generate, br#"{"input_ids":[]}"#, "empty"),
+            (ApiRoute::Generate, br#"{"text":"a","input_ids":[1]}"#, "only one"),
+            (ApiRoute::Generate, br#"{"text":"a","stream":"yes"}"#, "'stream'"),
+            (ApiRoute::Generate, br#"{"text":"a","sampling_params":{"n":0}}"#, "sampling_params.n"),
+            (ApiRoute::Generate, br#"{"text":"a","sampling_params":5}"#, "sampling_params"),
+            (ApiRoute::Generate, br#"{"text":"a","return_logprob":"x"}"#, "return_logprob"),
+            (ApiRoute::ChatCompletions, br#"{"model":"m"}"#, "'messages' is required"),
+            (ApiRoute::ChatCompletions, br#"{"messages":[]}"#, "empty"),
+            (ApiRoute::ChatCompletions, br#"{"messages":{}}"#, "list"),
+            (ApiRoute::ChatCompletions, br#"{"messages":[{}],"n":-1}"#, "'n'"),
+            (ApiRoute::Completions, br#"{"model":"m"}"#, "'prompt' is required"),
+            (ApiRoute::Completions, br#"{"prompt":[{}]}"#, "'prompt'"),
+        ];
+        for (route, body, want) in cases {
+            let e = parse(*route, Bytes::copy_from_slice(body)).expect_err(&String::from_utf8_lossy(body));
+            assert_eq!(e.reason, FailReason::InvalidRequest);
+            assert!(e.message.contains(want), "{}: {}", String::from_utf8_lossy(body), e.message);
+        }
+    }
+
+    #[test]
+    fn digits() {
+        for v in [0u64, 7, 10, 12345, u64::MAX] {
+            let mut out = Vec::new();
+            push_u64(&mut out, v);
+            assert_eq!(String::from_utf8(out).unwrap(), v.to_string());
+        }
+    }
+}

@@ -1,0 +1,322 @@
+//! The worker pools: one immutable [`Snapshot`] read lock-free on the request path, rebuilt
+//! whole and swapped by the background tasks that learn about workers.
+//!
+//! Invariants:
+//! - The request path only `load()`s the `ArcSwap`; it never locks.
+//! - Writes go through [`Pool::update`], which serialises writers on a mutex that the
+//!   request path never touches, mutates the master state, and publishes a new snapshot.
+//!   There is therefore exactly one writer of the snapshot at a time.
+//! - A (worker, rank) is *routable* only when the worker is healthy and, for a prefill,
+//!   its bootstrap rank is `Ready`. The routable target lists are computed at rebuild time
+//!   so that a policy picks from them without allocating.
+//! - In-flight counters live in `Arc<[AtomicU64]>` carried across rebuilds; a
+//!   [`LoadGuard`] holds its counter until dropped (when the response body ends).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use tokio::sync::watch;
+
+use crate::bootstrap::Layout;
+use crate::types::{DpRank, Role, Target, WorkerId};
+use crate::upstream::BaseUrl;
+
+/// The router's view of what a decode engine would find for one (prefill, DP rank).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RankReadiness {
+    Unknown,
+    Bootstrapping,
+    Ready,
+    Failed { reason: RankFailure, since: Instant },
+}
+
+impl RankReadiness {
+    pub fn label(&self) -> &'static str {
+        match self {
+            RankReadiness::Unknown => "unknown",
+            RankReadiness::Bootstrapping => "bootstrapping",
+            RankReadiness::Ready => "ready",
+            RankReadiness::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// Why a rank cannot bootstrap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RankFailure {
+    /// The bootstrap server did not answer (connect error, timeout, heartbeat lost).
+    Unreachable,
+    /// The rank is not registered (404 once the server is ready).
+    RankMissing,
+    /// An answer that makes no sense (bad JSON, unexpected status).
+    BadAnswer,
+}
+
+impl RankFailure {
+    pub fn label(self) -> &'static str {
+        match self {
+            RankFailure::Unreachable => "unreachable",
+            RankFailure::RankMissing => "rank_missing",
+            RankFailure::BadAnswer => "bad_answer",
+        }
+    }
+}
+
+/// A prefill's bootstrap server as decode engines reach it.
+#[derive(Clone, Debug)]
+pub struct BootstrapInfo {
+    /// Where pdgate polls it.
+    pub url: BaseUrl,
+    /// `bootstrap_host` as a JSON string literal, ready to write on legs.
+    pub host_json: String,
+    pub port: u16,
+}
+
+/// Mutable state of one worker, owned by the writer.
+#[derive(Debug)]
+pub struct WorkerState {
+    pub id: WorkerId,
+    pub role: Role,
+    pub url: BaseUrl,
+    pub healthy: bool,
+    pub health_checked: bool,
+    pub dp_size: Option<u32>,
+    pub loads: Arc<[AtomicU64]>,
+    /// Prefill only.
+    pub bootstrap: Option<BootstrapInfo>,
+    pub layout: Option<Layout>,
+    pub ranks: Vec<RankReadiness>,
+    pub ranks_checked_at: Vec<Instant>,
+    /// Bumped when the prefill is lost; in-flight requests on it watch this.
+    pub lost_tx: watch::Sender<u64>,
+    /// The engine's `/server_info` facts, once read.
+    pub info: Option<crate::bootstrap::client::ServerInfo>,
+}
+
+/// An immutable view of one worker inside a snapshot.
+#[derive(Debug)]
+pub struct WorkerView {
+    pub id: WorkerId,
+    pub role: Role,
+    pub url: BaseUrl,
+    pub healthy: bool,
+    pub dp_size: Option<u32>,
+    pub loads: Arc<[AtomicU64]>,
+    pub bootstrap: Option<BootstrapInfo>,
+    pub layout: Option<Layout>,
+    pub ranks: Vec<RankReadiness>,
+    pub ranks_checked_at: Vec<Instant>,
+    pub lost: watch::Receiver<u64>,
+}
+
+impl WorkerView {
+    /// The DP size legs are planned with: the prefill's bootstrap layout, the decode's
+    /// server info, else 1.
+    pub fn effective_dp(&self) -> u32 {
+        match (&self.layout, self.dp_size) {
+            (Some(l), _) => l.dp_size.max(1),
+            (None, Some(d)) => d.max(1),
+            (None, None) => 1,
+        }
+    }
+
+    pub fn in_flight(&self, rank: DpRank) -> u64 {
+        self.loads
+            .get(rank as usize)
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+}
+
+/// Everything the request path needs, published whole.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub prefills: Vec<WorkerView>,
+    pub decodes: Vec<WorkerView>,
+    /// Routable prefill (worker, rank)s.
+    pub prefill_targets: Vec<Target>,
+    /// Routable decode (worker, rank)s.
+    pub decode_targets: Vec<Target>,
+    pub version: u64,
+}
+
+impl Snapshot {
+    pub fn worker(&self, role: Role, id: WorkerId) -> Option<&WorkerView> {
+        let list = match role {
+            Role::Prefill => &self.prefills,
+            Role::Decode => &self.decodes,
+        };
+        list.get(id.0 as usize).filter(|w| w.id == id)
+    }
+
+    pub fn targets(&self, role: Role) -> &[Target] {
+        match role {
+            Role::Prefill => &self.prefill_targets,
+            Role::Decode => &self.decode_targets,
+        }
+    }
+}
+
+/// Holds one in-flight unit on a (worker, rank) until dropped.
+#[derive(Debug)]
+pub struct LoadGuard {
+    loads: Arc<[AtomicU64]>,
+    rank: usize,
+}
+
+impl LoadGuard {
+    pub fn new(view: &WorkerView, rank: DpRank) -> LoadGuard {
+        let rank = rank as usize;
+        if let Some(c) = view.loads.get(rank) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        LoadGuard {
+            loads: view.loads.clone(),
+            rank,
+        }
+    }
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        if let Some(c) = self.loads.get(self.rank) {
+            c.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The pools and their single-writer master state.
+pub struct Pool {
+    snap: ArcSwap<Snapshot>,
+    master: Mutex<Vec<WorkerState>>,
+}
+
+fn new_loads(dp: u32) -> Arc<[AtomicU64]> {
+    (0..dp.max(1)).map(|_| AtomicU64::new(0)).collect()
+}
+
+impl Pool {
+    pub fn new() -> Pool {
+        Pool {
+            snap: ArcSwap::from_pointee(Snapshot::default()),
+            master: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The current snapshot (lock-free).
+    pub fn load(&self) -> arc_swap::Guard<Arc<Snapshot>> {
+        self.snap.load()
+    }
+
+    pub fn load_full(&self) -> Arc<Snapshot> {
+        self.snap.load_full()
+    }
+
+    /// Adds a worker; returns its id (its index within its role).
+    pub fn add_worker(&self, role: Role, url: BaseUrl, bootstrap: Option<BootstrapInfo>) -> WorkerId {
+        let mut id = WorkerId(0);
+        self.update(|workers| {
+            let n = workers.iter().filter(|w| w.role == role).count();
+            id = WorkerId(n as u32);
+            let (lost_tx, _) = watch::channel(0u64);
+            workers.push(WorkerState {
+                id,
+                role,
+                url,
+                healthy: false,
+                health_checked: false,
+                dp_size: None,
+                loads: new_loads(1),
+                bootstrap,
+                layout: None,
+                ranks: Vec::new(),
+                ranks_checked_at: Vec::new(),
+                lost_tx,
+                info: None,
+            });
+        });
+        id
+    }
+
+    /// Mutates one worker under the writer lock and publishes a new snapshot.
+    pub fn update_worker(&self, role: Role, id: WorkerId, f: impl FnOnce(&mut WorkerState)) {
+        self.update(|workers| {
+            if let Some(w) = workers.iter_mut().find(|w| w.role == role && w.id == id) {
+                f(w);
+                let dp = w.layout.as_ref().map(|l| l.dp_size).or(w.dp_size).unwrap_or(1).max(1);
+                if w.loads.len() != dp as usize {
+                    w.loads = new_loads(dp);
+                }
+            }
+        });
+    }
+
+    /// Reads one worker's master state (background tasks only).
+    pub fn with_worker<T>(&self, role: Role, id: WorkerId, f: impl FnOnce(&WorkerState) -> T) -> Option<T> {
+        let workers = self.master.lock().unwrap_or_else(|e| e.into_inner());
+        workers.iter().find(|w| w.role == role && w.id == id).map(f)
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Vec<WorkerState>)) {
+        let mut workers = self.master.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut workers);
+        let version = self.snap.load().version + 1;
+        self.snap.store(Arc::new(build(&workers, version)));
+    }
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Pool::new()
+    }
+}
+
+fn build(workers: &[WorkerState], version: u64) -> Snapshot {
+    let mut s = Snapshot {
+        version,
+        ..Snapshot::default()
+    };
+    for w in workers {
+        let view = WorkerView {
+            id: w.id,
+            role: w.role,
+            url: w.url.clone(),
+            healthy: w.healthy,
+            dp_size: w.dp_size,
+            loads: w.loads.clone(),
+            bootstrap: w.bootstrap.clone(),
+            layout: w.layout.clone(),
+            ranks: w.ranks.clone(),
+            ranks_checked_at: w.ranks_checked_at.clone(),
+            lost: w.lost_tx.subscribe(),
+        };
+        match w.role {
+            Role::Prefill => {
+                if w.healthy && w.layout.is_some() {
+                    for (r, st) in w.ranks.iter().enumerate() {
+                        if *st == RankReadiness::Ready {
+                            s.prefill_targets.push(Target {
+                                worker: w.id,
+                                rank: r as u32,
+                            });
+                        }
+                    }
+                }
+                s.prefills.push(view);
+            }
+            Role::Decode => {
+                if w.healthy {
+                    for r in 0..view.effective_dp() {
+                        s.decode_targets.push(Target {
+                            worker: w.id,
+                            rank: r,
+                        });
+                    }
+                }
+                s.decodes.push(view);
+            }
+        }
+    }
+    s
+}

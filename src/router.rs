@@ -1,0 +1,72 @@
+//! Assembling a running router from a validated [`Config`]: the pool, one bootstrap
+//! tracker per prefill, one health checker per worker, and the front door.
+
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::config::{Config, ConfigError};
+use crate::pd::{Dispatcher, RngSource};
+use crate::pool::Pool;
+use crate::server::Server;
+use crate::types::Role;
+use crate::upstream::{parse_base_url, Upstream};
+
+/// A router serving on its listener.
+pub struct Router {
+    pub server: Server,
+    pub pool: Arc<Pool>,
+}
+
+impl Router {
+    pub fn url(&self) -> String {
+        self.server.url()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+}
+
+/// Starts a router. `listener`: an already-bound socket (tests bind port 0), else
+/// `server.host:server.port` is bound.
+pub async fn start(cfg: Config, listener: Option<TcpListener>, rng: RngSource) -> Result<Router, StartError> {
+    cfg.validate()?;
+    crate::server::routes_metrics_init();
+    let cfg = Arc::new(cfg);
+    let up = Upstream::new(&cfg.upstream, &cfg.timeouts);
+    let pool = Arc::new(Pool::new());
+    for p in &cfg.prefill {
+        let url = parse_base_url(&p.url).map_err(|e| ConfigError::Invalid(format!("prefill url {}: {e}", p.url)))?;
+        let id = pool.add_worker(Role::Prefill, url.clone(), None);
+        crate::bootstrap::tracker::spawn(pool.clone(), up.clone(), cfg.bootstrap.clone(), id, url.clone(), p.bootstrap_port, p.bootstrap_host.clone());
+        crate::health::spawn(pool.clone(), up.clone(), cfg.health.clone(), cfg.bootstrap.clone(), Role::Prefill, id, url);
+    }
+    for d in &cfg.decode {
+        let url = parse_base_url(&d.url).map_err(|e| ConfigError::Invalid(format!("decode url {}: {e}", d.url)))?;
+        let id = pool.add_worker(Role::Decode, url.clone(), None);
+        crate::health::spawn(pool.clone(), up.clone(), cfg.health.clone(), cfg.bootstrap.clone(), Role::Decode, id, url);
+    }
+    let listener = match listener {
+        Some(l) => l,
+        None => {
+            let addr = std::net::SocketAddr::new(cfg.server.host, cfg.server.port);
+            TcpListener::bind(addr).await.map_err(|source| StartError::Bind {
+                addr: addr.to_string(),
+                source,
+            })?
+        }
+    };
+    let drain = std::time::Duration::from_secs(cfg.server.drain_secs);
+    let dispatcher = Dispatcher::new(pool.clone(), up, cfg, rng);
+    let server = Server::start(listener, dispatcher, drain).map_err(|source| StartError::Bind {
+        addr: "listener".into(),
+        source,
+    })?;
+    tracing::info!(url = %server.url(), "pdgate listening");
+    Ok(Router { server, pool })
+}

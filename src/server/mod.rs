@@ -1,0 +1,120 @@
+//! The front door: a hyper 1 server (HTTP/1.1 and h2c) on a listener that it keeps for its
+//! whole life, with TCP_NODELAY on every accepted socket, and graceful drain on shutdown.
+//!
+//! Invariant: once shutdown starts, `/readiness` answers 503, no new connection is accepted,
+//! and in-flight requests get up to the drain deadline to finish.
+
+mod routes;
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderName;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::pd::Dispatcher;
+
+pub use routes::{prometheus, App};
+
+/// Installs the metrics recorder (idempotent).
+pub fn routes_metrics_init() {
+    let _ = prometheus();
+}
+
+/// The request id header, echoed on every response and forwarded to engines.
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// A running front door.
+pub struct Server {
+    addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+    app: Arc<App>,
+}
+
+impl Server {
+    /// Serves `dispatcher` on `listener` until [`Server::shutdown`].
+    pub fn start(listener: TcpListener, dispatcher: Dispatcher, drain: Duration) -> std::io::Result<Server> {
+        let addr = listener.local_addr()?;
+        let app = Arc::new(App::new(dispatcher));
+        let (tx, rx) = watch::channel(false);
+        let task = tokio::spawn(accept_loop(listener, app.clone(), rx, drain));
+        Ok(Server {
+            addr,
+            shutdown: tx,
+            task,
+            app,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn app(&self) -> &Arc<App> {
+        &self.app
+    }
+
+    /// Stops accepting, drains in-flight requests (up to the drain deadline), then returns.
+    pub async fn shutdown(self) {
+        self.app.draining.store(true, Ordering::SeqCst);
+        let _ = self.shutdown.send(true);
+        let _ = self.task.await;
+    }
+
+    /// Waits until the server stops by itself (it only does after `shutdown`).
+    pub async fn wait(&mut self) {
+        let _ = (&mut self.task).await;
+    }
+}
+
+async fn accept_loop(listener: TcpListener, app: Arc<App>, mut stop: watch::Receiver<bool>, drain: Duration) {
+    let graceful = GracefulShutdown::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).keep_alive(true);
+    loop {
+        tokio::select! {
+            r = listener.accept() => {
+                let (stream, _) = match r {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // Out of fds and similar: back off briefly rather than spin.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let app = app.clone();
+                let svc = service_fn(move |req| {
+                    let app = app.clone();
+                    async move { Ok::<_, std::convert::Infallible>(app.handle(req).await) }
+                });
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                let conn = graceful.watch(conn.into_owned());
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                });
+            }
+            _ = stop.changed() => break,
+        }
+    }
+    drop(listener);
+    tracing::info!(drain_secs = drain.as_secs_f64(), "shutting down: draining in-flight requests");
+    if tokio::time::timeout(drain, graceful.shutdown()).await.is_err() {
+        tracing::warn!("drain deadline passed with requests still in flight");
+    }
+}

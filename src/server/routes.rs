@@ -1,0 +1,248 @@
+//! Routing and the checks every request passes before it is dispatched: method, content
+//! type, body size, request id. Errors become responses only through
+//! [`Failure::into_response`].
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+use bytes::Bytes;
+use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use super::REQUEST_ID;
+use crate::body::{full_body, RespBody};
+use crate::error::{FailReason, Failure};
+use crate::pd::request::{self, ApiRoute};
+use crate::pd::{Dispatcher, ReqCtx};
+use crate::types::Role;
+
+static PROMETHEUS: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the process-wide Prometheus recorder once (later calls reuse it).
+pub fn prometheus() -> Option<&'static PrometheusHandle> {
+    PROMETHEUS
+        .get_or_init(|| {
+            let b = metrics_exporter_prometheus::PrometheusBuilder::new()
+                .set_buckets(&[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0])
+                .ok()?;
+            match b.install_recorder() {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics recorder not installed");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// Headers forwarded to engines as they are.
+const FORWARD: [HeaderName; 2] = [HeaderName::from_static("traceparent"), HeaderName::from_static("tracestate")];
+
+/// The front door's state.
+pub struct App {
+    pub dispatcher: Dispatcher,
+    pub draining: AtomicBool,
+}
+
+enum Endpoint {
+    Pd(ApiRoute),
+    Models,
+    Health,
+    Readiness,
+    Metrics,
+}
+
+fn route(path: &str) -> Option<(Endpoint, &'static [Method])> {
+    const POST: &[Method] = &[Method::POST];
+    const GET: &[Method] = &[Method::GET, Method::HEAD];
+    Some(match path {
+        "/generate" => (Endpoint::Pd(ApiRoute::Generate), POST),
+        "/v1/chat/completions" => (Endpoint::Pd(ApiRoute::ChatCompletions), POST),
+        "/v1/completions" => (Endpoint::Pd(ApiRoute::Completions), POST),
+        "/v1/models" => (Endpoint::Models, GET),
+        "/health" | "/liveness" => (Endpoint::Health, GET),
+        "/readiness" => (Endpoint::Readiness, GET),
+        "/metrics" => (Endpoint::Metrics, GET),
+        _ => return None,
+    })
+}
+
+fn new_id() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+fn valid_request_id(v: &HeaderValue) -> bool {
+    let b = v.as_bytes();
+    !b.is_empty() && b.len() <= 128 && b.iter().all(|c| c.is_ascii_graphic())
+}
+
+fn json_response(status: StatusCode, body: impl Into<Bytes>, rid: &HeaderValue) -> Response<RespBody> {
+    let mut r = Response::new(full_body(body));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(REQUEST_ID, rid.clone());
+    r
+}
+
+impl App {
+    pub fn new(dispatcher: Dispatcher) -> App {
+        App {
+            dispatcher,
+            draining: AtomicBool::new(false),
+        }
+    }
+
+    pub async fn handle(&self, req: Request<Incoming>) -> Response<RespBody> {
+        let id = new_id();
+        let rid_header = req
+            .headers()
+            .get(REQUEST_ID)
+            .filter(|v| valid_request_id(v))
+            .cloned()
+            .unwrap_or_else(|| HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("-")));
+        let Some((ep, methods)) = route(req.uri().path()) else {
+            return Failure::new(FailReason::NotFound, format!("no route for {}", req.uri().path())).into_response(Some(&rid_header));
+        };
+        if !methods.contains(req.method()) {
+            let mut r = Failure::new(FailReason::MethodNotAllowed, format!("{} is not allowed on {}", req.method(), req.uri().path()))
+                .into_response(Some(&rid_header));
+            let allow = methods.iter().map(Method::as_str).collect::<Vec<_>>().join(", ");
+            if let Ok(v) = HeaderValue::from_str(&allow) {
+                r.headers_mut().insert(header::ALLOW, v);
+            }
+            return r;
+        }
+        match ep {
+            Endpoint::Pd(route) => self.pd(route, req, id, rid_header).await,
+            Endpoint::Health => json_response(StatusCode::OK, r#"{"status":"ok"}"#, &rid_header),
+            Endpoint::Readiness => self.readiness(&rid_header),
+            Endpoint::Metrics => {
+                let text = prometheus().map(|h| h.render()).unwrap_or_default();
+                let mut r = Response::new(full_body(text));
+                r.headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+                r
+            }
+            Endpoint::Models => self.models(&rid_header).await,
+        }
+    }
+
+    async fn pd(&self, route: ApiRoute, req: Request<Incoming>, id: String, rid_header: HeaderValue) -> Response<RespBody> {
+        let (parts, body) = req.into_parts();
+        if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
+            let ok = ct.to_str().ok().is_some_and(|s| {
+                let mime = s.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+                mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
+            });
+            if !ok {
+                return Failure::new(FailReason::UnsupportedMediaType, "content type must be application/json").into_response(Some(&rid_header));
+            }
+        }
+        let limit = self.dispatcher.cfg.server.max_body_bytes;
+        let too_large = || {
+            Failure::new(FailReason::PayloadTooLarge, format!("request body is larger than {limit} bytes")).into_response(Some(&rid_header))
+        };
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return too_large();
+        }
+        let bytes = match Limited::new(body, limit).collect().await {
+            Ok(c) => c.to_bytes(),
+            Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return too_large(),
+            Err(e) => {
+                return Failure::new(FailReason::InvalidRequest, format!("could not read the request body: {e}")).into_response(Some(&rid_header))
+            }
+        };
+        let parsed = match request::parse(route, bytes) {
+            Ok(p) => p,
+            Err(f) => {
+                metrics::counter!("pdgate_requests_total", "route" => route.label(), "outcome" => f.reason.as_str()).increment(1);
+                return f.into_response(Some(&rid_header));
+            }
+        };
+        let forward = self.forward_headers(&parts.headers, &rid_header);
+        let ctx = ReqCtx {
+            id,
+            request_id: rid_header,
+            forward,
+        };
+        self.dispatcher.dispatch(parsed, ctx).await
+    }
+
+    fn forward_headers(&self, incoming: &HeaderMap, rid: &HeaderValue) -> HeaderMap {
+        let mut h = HeaderMap::with_capacity(4);
+        h.insert(REQUEST_ID, rid.clone());
+        for name in &FORWARD {
+            if let Some(v) = incoming.get(name) {
+                h.insert(name.clone(), v.clone());
+            }
+        }
+        let up = &self.dispatcher.up;
+        if let Some(a) = &up.auth {
+            h.insert(header::AUTHORIZATION, a.clone());
+        } else if up.forward_authorization {
+            if let Some(v) = incoming.get(header::AUTHORIZATION) {
+                h.insert(header::AUTHORIZATION, v.clone());
+            }
+        }
+        h
+    }
+
+    fn readiness(&self, rid: &HeaderValue) -> Response<RespBody> {
+        let snap = self.dispatcher.pool.load();
+        let draining = self.draining.load(Ordering::SeqCst);
+        let ready = !draining && !snap.prefill_targets.is_empty() && !snap.decode_targets.is_empty();
+        let workers: Vec<serde_json::Value> = snap
+            .prefills
+            .iter()
+            .chain(snap.decodes.iter())
+            .map(|w| {
+                serde_json::json!({
+                    "role": w.role.as_str(),
+                    "url": w.url.as_str(),
+                    "healthy": w.healthy,
+                    "dp_size": w.effective_dp(),
+                    "bootstrap": w.bootstrap.as_ref().map(|b| b.url.as_str()),
+                    "ranks": w.ranks.iter().map(|r| r.label()).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        let body = serde_json::json!({
+            "ready": ready,
+            "draining": draining,
+            "routable_prefill_ranks": snap.prefill_targets.len(),
+            "routable_decode_ranks": snap.decode_targets.len(),
+            "workers": workers,
+        });
+        let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        json_response(status, body.to_string(), rid)
+    }
+
+    /// `/v1/models` from a healthy worker (decode first: it serves the tokens).
+    async fn models(&self, rid: &HeaderValue) -> Response<RespBody> {
+        let snap = self.dispatcher.pool.load_full();
+        let timeout = self.dispatcher.cfg.bootstrap.http_timeout();
+        let candidates = snap.decodes.iter().chain(snap.prefills.iter()).filter(|w| w.healthy);
+        for w in candidates {
+            match self.dispatcher.up.get(&w.url, "/v1/models", timeout).await {
+                Ok((s, body)) if s.is_success() => return json_response(StatusCode::OK, body, rid),
+                Ok((s, _)) => tracing::debug!(worker = %w.url, status = s.as_u16(), "/v1/models failed"),
+                Err(e) => tracing::debug!(worker = %w.url, error = %e, "/v1/models failed"),
+            }
+        }
+        let reason = if snap.decodes.iter().any(|w| w.role == Role::Decode && w.healthy) {
+            FailReason::DecodeStatus
+        } else {
+            FailReason::NoDecodeAvailable
+        };
+        Failure::new(reason, "no healthy worker answered /v1/models").into_response(Some(rid))
+    }
+}

@@ -1,0 +1,260 @@
+//! The HTTP client pdgate uses towards engines and bootstrap servers.
+//!
+//! One pooled hyper client (HTTP/1.1, TCP_NODELAY, connect timeout, keep-alive) shared by
+//! every leg; background calls (server info, bootstrap polls, health) go through
+//! [`Upstream::get`] with their own timeout.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, Method, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use crate::config::{TimeoutConfig, UpstreamConfig};
+
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Largest body a background call reads (server info, routes, health).
+const SMALL_BODY_LIMIT: usize = 4 * 1024 * 1024;
+
+/// An engine's base URL: `http://host:port`, without a trailing slash.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BaseUrl {
+    base: String,
+    host: String,
+    port: u16,
+}
+
+impl BaseUrl {
+    pub fn as_str(&self) -> &str {
+        &self.base
+    }
+    /// The host as written (IPv6 without brackets).
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+    /// `base + path` as a URI; `path` starts with `/`.
+    pub fn uri(&self, path: &str) -> Result<Uri, http::Error> {
+        let mut s = String::with_capacity(self.base.len() + path.len());
+        s.push_str(&self.base);
+        s.push_str(path);
+        Ok(Uri::try_from(s)?)
+    }
+    /// `http://host:port` with another port on the same host (the bootstrap server).
+    pub fn with_port(&self, port: u16) -> BaseUrl {
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        BaseUrl {
+            base: format!("http://{host}:{port}"),
+            host: self.host.clone(),
+            port,
+        }
+    }
+}
+
+impl std::fmt::Display for BaseUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.base)
+    }
+}
+
+/// Parses `http://host[:port][/]`; only plain http (engines speak cleartext in-cluster).
+pub fn parse_base_url(s: &str) -> Result<BaseUrl, String> {
+    let uri: Uri = s.trim().parse().map_err(|e| format!("not a URL ({e})"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some(other) => return Err(format!("scheme {other} is not supported, use http")),
+        None => return Err("missing http:// scheme".to_string()),
+    }
+    let auth = uri.authority().ok_or("missing host")?;
+    let path = uri.path();
+    if !(path.is_empty() || path == "/") || uri.query().is_some() {
+        return Err("a path or query is not supported; give http://host:port".to_string());
+    }
+    let host = auth.host().trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err("missing host".to_string());
+    }
+    let port = auth.port_u16().unwrap_or(80);
+    let host_part = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    };
+    Ok(BaseUrl {
+        base: format!("http://{host_part}:{port}"),
+        host: host.to_string(),
+        port,
+    })
+}
+
+/// Why a background call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("connect/transport error: {0}")]
+    Transport(String),
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("bad URL: {0}")]
+    Url(String),
+    #[error("body read failed: {0}")]
+    Body(String),
+}
+
+/// Shared client plus the settings legs need.
+#[derive(Clone)]
+pub struct Upstream {
+    pub client: HttpClient,
+    pub auth: Option<http::HeaderValue>,
+    pub forward_authorization: bool,
+}
+
+impl Upstream {
+    pub fn new(cfg: &UpstreamConfig, timeouts: &TimeoutConfig) -> Upstream {
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        conn.set_connect_timeout(Some(timeouts.connect()));
+        conn.set_keepalive(Some(Duration::from_secs(30)));
+        conn.enforce_http(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(cfg.pool_idle_timeout_secs))
+            .pool_max_idle_per_host(cfg.pool_max_idle_per_host)
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .build(conn);
+        let auth = cfg
+            .api_key
+            .as_ref()
+            .and_then(|k| http::HeaderValue::try_from(format!("Bearer {k}")).ok());
+        Upstream {
+            client,
+            auth,
+            forward_authorization: cfg.forward_authorization,
+        }
+    }
+
+    /// A small request with a whole-call timeout; returns status and (bounded) body.
+    pub async fn call(
+        &self,
+        method: Method,
+        uri: Uri,
+        body: Option<Bytes>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), CallError> {
+        let mut b = Request::builder().method(method).uri(uri);
+        if body.is_some() {
+            b = b.header(header::CONTENT_TYPE, "application/json");
+        }
+        if let Some(a) = &self.auth {
+            b = b.header(header::AUTHORIZATION, a.clone());
+        }
+        let req = b
+            .body(Full::new(body.unwrap_or_default()))
+            .map_err(|e| CallError::Url(e.to_string()))?;
+        let fut = async {
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| CallError::Transport(error_chain(&e)))?;
+            let status = resp.status();
+            let bytes = Limited::new(resp.into_body(), SMALL_BODY_LIMIT)
+                .collect()
+                .await
+                .map_err(|e| CallError::Body(e.to_string()))?
+                .to_bytes();
+            Ok((status, bytes))
+        };
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| CallError::Timeout(timeout))?
+    }
+
+    pub async fn get(
+        &self,
+        base: &BaseUrl,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), CallError> {
+        let uri = base.uri(path).map_err(|e| CallError::Url(e.to_string()))?;
+        self.call(Method::GET, uri, None, timeout).await
+    }
+
+    /// Fire-and-forget `POST /abort_request {"rid": rid}`: best effort, never awaited by
+    /// the request path.
+    pub fn abort(&self, base: &BaseUrl, rid: &str) {
+        let Ok(uri) = base.uri("/abort_request") else {
+            return;
+        };
+        let body = serde_json::json!({ "rid": rid, "abort_all": false }).to_string();
+        let this = self.clone();
+        let rid = rid.to_string();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let r = this
+                    .call(
+                        Method::POST,
+                        uri,
+                        Some(Bytes::from(body)),
+                        Duration::from_secs(2),
+                    )
+                    .await;
+                metrics::counter!("pdgate_leg_aborts_total").increment(1);
+                if let Err(e) = r {
+                    tracing::debug!(rid, error = %e, "abort_request failed");
+                }
+            });
+        }
+    }
+}
+
+/// The full source chain of an error, for logs and error messages.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base_urls() {
+        let cases = [
+            ("http://10.0.0.1:30000", Ok(("http://10.0.0.1:30000", "10.0.0.1", 30000))),
+            ("http://host:1/", Ok(("http://host:1", "host", 1))),
+            ("http://[::1]:8000", Ok(("http://[::1]:8000", "::1", 8000))),
+            ("http://h", Ok(("http://h:80", "h", 80))),
+            ("https://h:1", Err(())),
+            ("h:1", Err(())),
+            ("http://h:1/v1", Err(())),
+            ("not a url", Err(())),
+        ];
+        for (input, want) in cases {
+            let got = parse_base_url(input);
+            match (got, want) {
+                (Ok(b), Ok((base, host, port))) => {
+                    assert_eq!((b.as_str(), b.host(), b.port()), (base, host, port), "{input}")
+                }
+                (Err(_), Err(())) => {}
+                (g, w) => panic!("{input}: got {g:?}, want {w:?}"),
+            }
+        }
+        let b = parse_base_url("http://[::1]:8000").unwrap().with_port(8998);
+        assert_eq!(b.as_str(), "http://[::1]:8998");
+    }
+}
