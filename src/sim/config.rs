@@ -1,0 +1,215 @@
+//! Configuration of one simulated engine and its run-time faults.
+//!
+//! Why: every default of the simulator lives in exactly one place, the
+//! [`Default`] impl of [`EngineConfig`] (and [`Faults`]), so the CLI, the
+//! cluster helper and tests cannot drift apart.
+//!
+//! Invariants:
+//! - `dp_size` is treated as at least 1 everywhere (`EngineConfig::dp()`).
+//! - [`Faults`] is plain data (serde, `Clone`); the engine keeps the current
+//!   value in a `tokio::sync::watch` channel so that connection tasks can react
+//!   to `down` / `bootstrap_down` at once.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Which half of a PD pair an engine simulates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// `--disaggregation-mode prefill`: runs the prompt, owns a bootstrap server
+    /// and one KV rank endpoint per DP rank.
+    Prefill,
+    /// `--disaggregation-mode decode`: pulls KV from a prefill and generates.
+    Decode,
+}
+
+impl Role {
+    /// SGLang's `disaggregation_mode` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            other => Err(format!("unknown role {other:?} (expected prefill or decode)")),
+        }
+    }
+}
+
+/// Faults that can be switched on and off while the engine runs
+/// (`SimEngine::set_faults`, `POST /sim/faults`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Faults {
+    /// Whole engine (HTTP port, bootstrap server, rank endpoints) accepts and
+    /// drops every connection; in-flight connections are cut.
+    pub down: bool,
+    /// Prefill only: only the bootstrap server accepts and drops.
+    pub bootstrap_down: bool,
+    /// Prefill only: these DP ranks are not registered (never `PUT /route`).
+    /// Adding a rank at run time removes its entry from the bootstrap table and
+    /// lowers the registered count (a power the real server does not have).
+    pub unregistered_ranks: Vec<u32>,
+    /// Prefill only: no rank is registered.
+    pub register_none: bool,
+    /// Prefill answers this status with SGLang's error shape without running.
+    pub prefill_status: Option<u16>,
+    /// Prefill accepts generate requests and never answers.
+    pub prefill_hang: bool,
+    /// Prefill accepts a request, then the whole engine goes down about
+    /// `prefill_delay` later (as `down`), cutting the connection.
+    pub prefill_die_mid_request: bool,
+    /// Decode answers with this status in SGLang's failure shape.
+    pub decode_status: Option<u16>,
+    /// Decode streams this many chunks then cuts the connection
+    /// (non-streaming: cuts before answering).
+    pub decode_die_mid_stream_after: Option<u32>,
+    /// Extra inter-token latency on decode (slow decode).
+    pub decode_extra_itl_ms: u64,
+    /// Extra time to first token on decode.
+    pub decode_extra_ttft_ms: u64,
+}
+
+impl Faults {
+    /// Whether the prefill DP rank `rank` should be registered in the bootstrap table.
+    pub fn rank_registered(&self, rank: u32) -> bool {
+        !self.register_none && !self.unregistered_ranks.contains(&rank)
+    }
+}
+
+/// Static configuration of one simulated engine. All fields are public; build
+/// one with [`EngineConfig::prefill`] / [`EngineConfig::decode`] and adjust.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    pub role: Role,
+    /// Number of DP ranks (attention DP; `enable_dp_attention` is reported true).
+    pub dp_size: u32,
+    /// Listen address of every server of this engine (engine, bootstrap, ranks).
+    pub host: String,
+    /// Engine HTTP port; 0 = ephemeral.
+    pub port: u16,
+    /// Prefill only: bootstrap server port; 0 = ephemeral.
+    pub bootstrap_port: u16,
+    /// `served_model_name` / `model_path`.
+    pub model: String,
+    pub page_size: u32,
+    pub kv_cache_dtype: String,
+    /// Prefill DP dispatch policy. `follow_bootstrap_room` (default) runs room R
+    /// on rank `R % dp`; any other value runs round robin and registers each
+    /// room's rank with `POST /register_dp_rank` on its own bootstrap server.
+    pub load_balance_method: String,
+    /// Model context length (`max_model_len`, `max_req_input_len`); longer
+    /// prompts get SGLang's 400.
+    pub context_length: u32,
+    /// KV capacity per DP rank reported in `/server_info` and `/v1/loads`.
+    pub max_total_num_tokens: u64,
+    /// Prefill compute time per request.
+    pub prefill_delay: Duration,
+    /// Decode: time to first token after the KV arrived.
+    pub ttft: Duration,
+    /// Decode: inter-token latency.
+    pub itl: Duration,
+    /// Output length when the request does not say (`max_new_tokens`,
+    /// `max_tokens`, `max_completion_tokens` override it, capped at 4096).
+    pub default_output_tokens: u32,
+    /// Decode: `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`.
+    pub waiting_timeout: Duration,
+    /// Prefill: `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` (waiting for decode).
+    pub bootstrap_timeout: Duration,
+    /// Decode: attempts to fetch the prefill's parallel info (sentinel).
+    pub sentinel_attempts: u32,
+    /// Decode: pause between sentinel attempts.
+    pub sentinel_interval: Duration,
+    /// Decode: period of the bootstrap `/health` heartbeat while waiting.
+    pub heartbeat_interval: Duration,
+    /// Decode: consecutive heartbeat failures that mean "prefill lost".
+    pub heartbeat_max_failures: u32,
+    /// Prefill bootstrap server: `SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL`
+    /// (room → dp_rank entries live between 1x and 2x this).
+    pub room_entry_ttl: Duration,
+    /// Decode: emulate engines without SGLang PR #24772: a failed rank lookup
+    /// hangs until `waiting_timeout` instead of failing at once.
+    pub legacy_bootstrap_bug: bool,
+    /// Faults active from the start.
+    pub faults: Faults,
+}
+
+/// Cap on the number of output tokens a request may ask for.
+pub const MAX_OUTPUT_TOKENS: u32 = 4096;
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            role: Role::Prefill,
+            dp_size: 1,
+            host: "127.0.0.1".to_string(),
+            port: 0,
+            bootstrap_port: 0,
+            model: "sim-model".to_string(),
+            page_size: 1,
+            kv_cache_dtype: "auto".to_string(),
+            load_balance_method: "follow_bootstrap_room".to_string(),
+            context_length: 32768,
+            max_total_num_tokens: 1_000_000,
+            prefill_delay: Duration::from_millis(5),
+            ttft: Duration::from_millis(5),
+            itl: Duration::from_millis(2),
+            default_output_tokens: 16,
+            waiting_timeout: Duration::from_secs(300),
+            bootstrap_timeout: Duration::from_secs(300),
+            sentinel_attempts: 15,
+            sentinel_interval: Duration::from_secs(1),
+            heartbeat_interval: Duration::from_secs(5),
+            heartbeat_max_failures: 2,
+            room_entry_ttl: Duration::from_secs(120),
+            legacy_bootstrap_bug: false,
+            faults: Faults::default(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// A prefill engine with `dp_size` DP ranks and default everything else.
+    pub fn prefill(dp_size: u32) -> Self {
+        EngineConfig {
+            role: Role::Prefill,
+            dp_size,
+            ..Default::default()
+        }
+    }
+
+    /// A decode engine with `dp_size` DP ranks and default everything else.
+    pub fn decode(dp_size: u32) -> Self {
+        EngineConfig {
+            role: Role::Decode,
+            dp_size,
+            ..Default::default()
+        }
+    }
+
+    /// DP size, at least 1.
+    pub fn dp(&self) -> u32 {
+        self.dp_size.max(1)
+    }
+
+    /// Whether the prefill places rooms by `room % dp`.
+    pub fn follows_room(&self) -> bool {
+        self.load_balance_method == "follow_bootstrap_room"
+    }
+}

@@ -1,0 +1,360 @@
+//! What a decode engine does with one request instance before its first
+//! token: SGLang's decode bootstrap pipeline, over real HTTP and TCP.
+//!
+//! Steps (spec §3.2): fetch the prefill's parallel info from
+//! `bootstrap_host:bootstrap_port` (sentinel `GET /route`, cached per address,
+//! up to `sentinel_attempts` tries `sentinel_interval` apart, shared by every
+//! request waiting on that address); resolve the prefill DP rank
+//! (`disagg_prefill_dp_rank`, dp 1 → 0, `room % dp` when the prefill follows
+//! rooms, else poll `/query_dp_ranks`); fetch that rank's `GET /route`
+//! (cached; any non-200 fails at once, or — `legacy_bootstrap_bug` — hangs
+//! until `waiting_timeout`); long-poll the rank endpoint until the KV arrives
+//! (`waiting_timeout`). From the cached info on, a heartbeat probes the
+//! bootstrap `/health` every `heartbeat_interval`; `heartbeat_max_failures` in
+//! a row fail the request and drop the address from the caches.
+//!
+//! Invariants: failure texts are SGLang's; nothing here retries what SGLang
+//! does not retry, except reconnecting a cut rank connection while the
+//! heartbeat and the waiting timeout still allow it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use super::engine::Engine;
+use super::http::{self, ClientError};
+use super::prefill::{check_context, missing_room, routed_rank, status_fault};
+use super::request::{Instance, ParsedRequest};
+use super::run::Plan;
+use super::shapes::Failure;
+use super::stats::Tracker;
+
+/// What decode needs from the sentinel answer.
+#[derive(Debug, Clone)]
+pub(crate) struct PrefillInfo {
+    pub dp_size: u32,
+    pub follow_bootstrap_room: bool,
+    pub page_size: Option<i64>,
+    pub kv_cache_dtype: Option<String>,
+}
+
+type FetchResult = Option<Result<Arc<PrefillInfo>, String>>;
+
+#[derive(Default)]
+struct Caches {
+    info: HashMap<String, Arc<PrefillInfo>>,
+    fetching: HashMap<String, watch::Receiver<FetchResult>>,
+    routes: HashMap<(String, u32), String>,
+}
+
+/// Decode-side caches, keyed by `bootstrap_addr` like SGLang's.
+#[derive(Default)]
+pub(crate) struct DecodeState {
+    caches: Mutex<Caches>,
+}
+
+impl DecodeState {
+    fn lock(&self) -> MutexGuard<'_, Caches> {
+        self.caches.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn forget(&self, addr: &str) {
+        let mut g = self.lock();
+        g.info.remove(addr);
+        g.routes.retain(|(a, _), _| a != addr);
+    }
+}
+
+const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn handshake_failure(inst: &Instance, room: u64, reason: &str) -> Failure {
+    Failure::abort(
+        500,
+        format!(
+            "Decode handshake failed for request rank=0 decode_req.req.rid='{}' decode_req.req.bootstrap_room={room} with exception KVTransferError(bootstrap_room={room}): {reason}",
+            inst.rid
+        ),
+    )
+}
+
+fn transfer_failure(inst: &Instance, room: u64, reason: &str) -> Failure {
+    Failure::abort(
+        500,
+        format!(
+            "Decode transfer failed for request rank=0 decode_req.req.rid='{}' decode_req.req.bootstrap_room={room} with exception KVTransferError(bootstrap_room={room}): {reason}",
+            inst.rid
+        ),
+    )
+}
+
+fn waiting_timeout(inst: &Instance, room: u64, elapsed: Duration) -> Failure {
+    let reason = format!(
+        "Request {room} timed out after {:.1}s in KVPoll.WaitingForInput",
+        elapsed.as_secs_f64()
+    );
+    transfer_failure(inst, room, &reason)
+}
+
+/// Runs the decode side of one instance; `Ok` once the KV arrived.
+pub(crate) async fn prepare(
+    engine: &Arc<Engine>,
+    req: &ParsedRequest,
+    inst: &Instance,
+    tracker: &Tracker,
+) -> Result<Plan, Failure> {
+    let faults = engine.faults();
+    if let Some(status) = faults.decode_status {
+        return Err(status_fault(status, inst, engine.cfg.context_length));
+    }
+    check_context(engine, inst)?;
+    let own = routed_rank(req.routed_dp_rank, engine.cfg.dp())?;
+    let Some(room) = inst.room else {
+        return Err(missing_room(&inst.rid));
+    };
+    tracker.set_rank(own.unwrap_or_else(|| engine.next_rr()));
+    tracker.waiting();
+    tracker.add_tokens(u64::from(inst.prompt_tokens));
+
+    let host = inst.host.clone().unwrap_or_else(|| "None".to_string());
+    let addr = match inst.port {
+        Some(p) => http::host_port(&host, p),
+        None => format!("{host}:None"),
+    };
+    let info = parallel_info(engine, &addr).await.map_err(|msg| Failure::abort(500, msg))?;
+    if info.page_size.is_some_and(|p| p != i64::from(engine.cfg.page_size))
+        || info.kv_cache_dtype.as_deref().is_some_and(|d| d != engine.cfg.kv_cache_dtype)
+    {
+        return Err(handshake_failure(
+            inst,
+            room,
+            &format!(
+                "prefill page_size/kv_cache_dtype {:?}/{:?} differ from decode {}/{}",
+                info.page_size, info.kv_cache_dtype, engine.cfg.page_size, engine.cfg.kv_cache_dtype
+            ),
+        ));
+    }
+    let pipeline = async {
+        let rank = resolve_rank(req, &addr, room, &info).await;
+        let rank_addr = rank_endpoint(engine, inst, &addr, room, rank).await?;
+        pull_kv(engine, inst, &rank_addr, room).await
+    };
+    tokio::select! {
+        r = pipeline => r?,
+        lost = heartbeat(engine, &addr) => return Err(handshake_failure(inst, room, &lost)),
+    }
+    let extra = engine.faults_tx.borrow().decode_extra_ttft_ms;
+    Ok(Plan {
+        tokens: inst.max_tokens,
+        ttft: engine.cfg.ttft + Duration::from_millis(extra),
+        itl: engine.cfg.itl,
+        die_after: engine.faults_tx.borrow().decode_die_mid_stream_after,
+    })
+}
+
+/// The cached sentinel answer for `addr`, fetching it (shared) if needed.
+async fn parallel_info(engine: &Arc<Engine>, addr: &str) -> Result<Arc<PrefillInfo>, String> {
+    let mut rx = {
+        let mut g = engine.decode.lock();
+        if let Some(info) = g.info.get(addr) {
+            return Ok(Arc::clone(info));
+        }
+        match g.fetching.get(addr) {
+            Some(rx) => rx.clone(),
+            None => {
+                let (tx, rx) = watch::channel(None);
+                g.fetching.insert(addr.to_string(), rx.clone());
+                tokio::spawn(fetch_info(Arc::clone(engine), addr.to_string(), tx));
+                rx
+            }
+        }
+    };
+    let res = rx
+        .wait_for(Option::is_some)
+        .await
+        .map(|r| r.clone())
+        .map_err(|_| format!("Could not fetch prefill parallel info from {addr}"))?;
+    res.unwrap_or_else(|| Err(format!("Could not fetch prefill parallel info from {addr}")))
+}
+
+async fn fetch_info(engine: Arc<Engine>, addr: String, tx: watch::Sender<FetchResult>) {
+    let attempts = engine.cfg.sentinel_attempts.max(1);
+    let mut shutdown = engine.shutdown_tx.subscribe();
+    let mut result = Err(format!(
+        "Could not fetch prefill parallel info from {addr} after {attempts} attempts"
+    ));
+    for attempt in 1..=attempts {
+        let path = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
+        let got = tokio::select! {
+            r = http::call(&addr, "GET", path, None, HTTP_TIMEOUT) => r,
+            _ = http::wait_shutdown(&mut shutdown) => break,
+        };
+        if let Some(info) = got.ok().filter(|r| r.status == 200).and_then(|r| parse_info(&r.body)) {
+            result = Ok(Arc::new(info));
+            break;
+        }
+        if attempt < attempts {
+            tokio::select! {
+                _ = tokio::time::sleep(engine.cfg.sentinel_interval) => {}
+                _ = http::wait_shutdown(&mut shutdown) => break,
+            }
+        }
+    }
+    {
+        let mut g = engine.decode.lock();
+        g.fetching.remove(&addr);
+        if let Ok(info) = &result {
+            g.info.insert(addr.clone(), Arc::clone(info));
+        }
+    }
+    if let Err(e) = &result {
+        tracing::warn!(addr, "sim decode: {e}");
+    }
+    tx.send_replace(Some(result));
+}
+
+fn parse_info(body: &[u8]) -> Option<PrefillInfo> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    Some(PrefillInfo {
+        dp_size: u32::try_from(v.get("dp_size")?.as_u64()?).ok()?.max(1),
+        follow_bootstrap_room: v.get("follow_bootstrap_room").and_then(Value::as_bool).unwrap_or(true),
+        page_size: v.get("page_size").and_then(Value::as_i64),
+        kv_cache_dtype: v.get("kv_cache_dtype").and_then(Value::as_str).map(str::to_string),
+    })
+}
+
+/// SGLang decode's `_resolve_prefill_dp_rank` (+ the pending query loop).
+async fn resolve_rank(req: &ParsedRequest, addr: &str, room: u64, info: &PrefillInfo) -> u32 {
+    if let Some(r) = req.disagg_prefill_dp_rank {
+        return u32::try_from(r).unwrap_or(u32::MAX);
+    }
+    if info.dp_size == 1 {
+        return 0;
+    }
+    if info.follow_bootstrap_room {
+        return (room % u64::from(info.dp_size)) as u32;
+    }
+    // No timeout, as in SGLang: the heartbeat or the client ends the wait.
+    let body = json!({"bootstrap_rooms": [room]}).to_string();
+    let mut pause = Duration::from_millis(10);
+    loop {
+        if let Ok(r) = http::call(addr, "POST", "/query_dp_ranks", Some(body.clone().into_bytes()), HTTP_TIMEOUT).await {
+            let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+            if let Some(rank) = v.get(room.to_string()).and_then(Value::as_u64) {
+                return u32::try_from(rank).unwrap_or(u32::MAX);
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(200));
+    }
+}
+
+/// `GET /route` for (rank, cp 0, tp 0, pp 0), cached per address and rank.
+async fn rank_endpoint(
+    engine: &Arc<Engine>,
+    inst: &Instance,
+    addr: &str,
+    room: u64,
+    rank: u32,
+) -> Result<String, Failure> {
+    let key = (addr.to_string(), rank);
+    if let Some(a) = engine.decode.lock().routes.get(&key) {
+        return Ok(a.clone());
+    }
+    let started = tokio::time::Instant::now();
+    let path = format!("/route?prefill_dp_rank={rank}&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0");
+    let got = http::call(addr, "GET", &path, None, HTTP_TIMEOUT).await;
+    let found = got.ok().filter(|r| r.status == 200).and_then(|r| {
+        let v: Value = serde_json::from_slice(&r.body).ok()?;
+        let ip = v.get("rank_ip")?.as_str()?.to_string();
+        let port = u16::try_from(v.get("rank_port")?.as_u64()?).ok()?;
+        Some(http::host_port(&ip, port))
+    });
+    match found {
+        Some(a) => {
+            engine.decode.lock().routes.insert(key, a.clone());
+            Ok(a)
+        }
+        None if engine.cfg.legacy_bootstrap_bug => {
+            // Pre-#24772 engines: the failure is overwritten and the request
+            // sits in WaitingForInput until the waiting timeout.
+            tokio::time::sleep_until(started + engine.cfg.waiting_timeout).await;
+            Err(waiting_timeout(inst, room, started.elapsed()))
+        }
+        None => Err(handshake_failure(
+            inst,
+            room,
+            &format!(
+                "Could not fetch bootstrap info for: prefill_dp_rank: {rank} prefill_cp_rank: 0 target_tp_rank: 0 and target_pp_rank 0"
+            ),
+        )),
+    }
+}
+
+/// Long-polls the rank endpoint until the KV arrived, failed, or timed out.
+async fn pull_kv(engine: &Arc<Engine>, inst: &Instance, rank_addr: &str, room: u64) -> Result<(), Failure> {
+    let started = tokio::time::Instant::now();
+    let deadline = started + engine.cfg.waiting_timeout;
+    let body = json!({
+        "bootstrap_host": inst.host,
+        "bootstrap_port": inst.port,
+        "bootstrap_room": room,
+        "decode_rid": inst.rid,
+        "decode_addr": engine.addr.to_string(),
+    })
+    .to_string();
+    let path = format!("/kv/{room}");
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Err(waiting_timeout(inst, room, started.elapsed()));
+        }
+        match http::call(rank_addr, "POST", &path, Some(body.clone().into_bytes()), left).await {
+            Ok(r) if r.status == 200 => {
+                let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+                if v.get("status").and_then(Value::as_str) == Some("success") {
+                    return Ok(());
+                }
+                let reason = v
+                    .get("reason")
+                    .and_then(Value::as_str)
+                    .unwrap_or(super::rendezvous::PREFILL_DEAD);
+                return Err(transfer_failure(inst, room, reason));
+            }
+            Ok(r) => {
+                return Err(transfer_failure(
+                    inst,
+                    room,
+                    &format!("{} (rank endpoint answered {})", super::rendezvous::PREFILL_DEAD, r.status),
+                ))
+            }
+            Err(ClientError::Timeout) => return Err(waiting_timeout(inst, room, started.elapsed())),
+            Err(e) => {
+                // Cut or refused: the prefill may be down; the heartbeat decides.
+                tracing::debug!(rank_addr, error = %e, "sim decode: rank connection lost, retrying");
+                tokio::time::sleep(Duration::from_millis(50).min(left)).await;
+            }
+        }
+    }
+}
+
+/// Resolves (with SGLang's text) once the bootstrap server is considered lost.
+async fn heartbeat(engine: &Arc<Engine>, addr: &str) -> String {
+    let interval = engine.cfg.heartbeat_interval.max(Duration::from_millis(1));
+    let max_failures = engine.cfg.heartbeat_max_failures.max(1);
+    let timeout = interval.min(Duration::from_secs(3));
+    let mut failures = 0;
+    loop {
+        tokio::time::sleep(interval).await;
+        match http::call(addr, "GET", "/health", None, timeout).await {
+            Ok(r) if r.status == 200 => failures = 0,
+            _ => failures += 1,
+        }
+        if failures >= max_failures {
+            engine.decode.forget(addr);
+            return format!("Lost connection with prefill instance (bootstrap_addr: {addr})");
+        }
+    }
+}

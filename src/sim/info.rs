@@ -1,0 +1,162 @@
+//! Read-only engine endpoints: `/server_info` (`/get_server_info`),
+//! `/model_info` (`/get_model_info`), `/v1/models`, `/v1/loads`, `/get_load`.
+//!
+//! Why: the router discovers each engine's role, bootstrap port, DP size,
+//! page size and KV dtype from `/server_info`, and balances on the load
+//! endpoints; the shapes follow SGLang (spec §6.6, §6.7).
+//!
+//! Invariants: `internal_states` and the load lists have one entry per DP
+//! rank; the load gauges come from the live [`super::stats::Stats`].
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+
+use super::engine::Engine;
+use super::http::query_param;
+
+fn now_f64() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// `GET /server_info`.
+pub(crate) fn server_info(engine: &Engine) -> Value {
+    let cfg = &engine.cfg;
+    let loads = engine.stats.loads();
+    let internal: Vec<Value> = loads
+        .iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            json!({
+                "dp_rank": rank,
+                "last_gen_throughput": 0.0,
+                "num_running_reqs": l.running,
+                "num_waiting_reqs": l.waiting,
+                "memory_usage": {"token_capacity": cfg.max_total_num_tokens},
+            })
+        })
+        .collect();
+    json!({
+        "model_path": cfg.model,
+        "tokenizer_path": cfg.model,
+        "served_model_name": cfg.model,
+        "host": engine.public_ip(),
+        "port": engine.addr.port(),
+        "disaggregation_mode": cfg.role.as_str(),
+        "disaggregation_bootstrap_port": engine.bootstrap_port.unwrap_or(8998),
+        "disaggregation_transfer_backend": "sim",
+        "dp_size": cfg.dp(),
+        "tp_size": 1,
+        "pp_size": 1,
+        "enable_dp_attention": true,
+        "load_balance_method": if cfg.role == super::config::Role::Prefill { cfg.load_balance_method.as_str() } else { "round_robin" },
+        "page_size": cfg.page_size,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "context_length": cfg.context_length,
+        "max_total_num_tokens": cfg.max_total_num_tokens,
+        "max_req_input_len": cfg.context_length.saturating_sub(1),
+        "internal_states": internal,
+        "version": "0.5.23-sim",
+    })
+}
+
+/// `GET /model_info`.
+pub(crate) fn model_info(engine: &Engine) -> Value {
+    json!({
+        "model_path": engine.cfg.model,
+        "tokenizer_path": engine.cfg.model,
+        "is_generation": true,
+        "preferred_sampling_params": null,
+        "weight_version": "default",
+        "has_image_understanding": false,
+        "has_audio_understanding": false,
+        "model_type": "sim",
+        "architectures": ["SimForCausalLM"],
+    })
+}
+
+/// One entry of `GET /v1/models`.
+pub(crate) fn model_card(engine: &Engine) -> Value {
+    json!({
+        "id": engine.cfg.model,
+        "object": "model",
+        "created": now_f64() as u64,
+        "owned_by": "sglang",
+        "root": engine.cfg.model,
+        "parent": null,
+        "max_model_len": engine.cfg.context_length,
+    })
+}
+
+/// `GET /v1/models`.
+pub(crate) fn models(engine: &Engine) -> Value {
+    json!({"object": "list", "data": [model_card(engine)]})
+}
+
+/// `GET /v1/loads[?dp_rank=N]` (newest generation, `{"loads": [...]}`).
+pub(crate) fn loads(engine: &Engine, query: Option<&str>) -> Value {
+    let cfg = &engine.cfg;
+    let only = query_param(query, "dp_rank").and_then(|r| r.parse::<usize>().ok());
+    let ts = now_f64();
+    let max = cfg.max_total_num_tokens;
+    let entries: Vec<Value> = engine
+        .stats
+        .loads()
+        .iter()
+        .enumerate()
+        .filter(|(rank, _)| only.is_none_or(|o| o == *rank))
+        .map(|(rank, l)| {
+            let usage = if max == 0 { 0.0 } else { l.tokens as f64 / max as f64 };
+            let prefill = cfg.role == super::config::Role::Prefill;
+            json!({
+                "dp_rank": rank,
+                "timestamp": ts,
+                "num_running_reqs": l.running,
+                "num_waiting_reqs": l.waiting,
+                "num_used_tokens": l.tokens,
+                "num_total_tokens": l.tokens,
+                "max_total_num_tokens": max,
+                "token_usage": usage,
+                "gen_throughput": 0.0,
+                "cache_hit_rate": 0.0,
+                "utilization": usage,
+                "max_running_requests": 1024,
+                "disaggregation": {
+                    "mode": cfg.role.as_str(),
+                    "prefill_prealloc_queue_reqs": if prefill { l.waiting } else { 0 },
+                    "prefill_inflight_queue_reqs": 0,
+                    "decode_prealloc_queue_reqs": 0,
+                    "decode_transfer_queue_reqs": if prefill { 0 } else { l.waiting },
+                    "decode_retracted_queue_reqs": 0,
+                    "kv_transfer_speed_gb_s": 0.0,
+                    "kv_transfer_latency_ms": 0.0,
+                },
+            })
+        })
+        .collect();
+    json!({"loads": entries})
+}
+
+/// `GET /get_load` (mid generation: a list per DP rank).
+pub(crate) fn get_load(engine: &Engine) -> Value {
+    let ts = now_f64();
+    Value::Array(
+        engine
+            .stats
+            .loads()
+            .iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                json!({
+                    "dp_rank": rank,
+                    "num_reqs": l.running + l.waiting,
+                    "num_waiting_reqs": l.waiting,
+                    "num_tokens": l.tokens,
+                    "ts_tic": ts,
+                })
+            })
+            .collect(),
+    )
+}

@@ -1,0 +1,46 @@
+//! SGLang engine simulator: prefill and decode engines that speak SGLang
+//! 0.5.23's PD protocol over real TCP, for router tests, benches and demos.
+//!
+//! Why: pdgate must be tested against the behaviour that makes PD routing hard
+//! — the bootstrap server, the room → DP-rank contract, the KV rendezvous, the
+//! decode's timeouts and SGLang's failure shapes — without GPUs. Each
+//! simulated engine is a set of real listeners on 127.0.0.1 (or `host`):
+//!
+//! - the engine HTTP port (`/generate`, OpenAI routes, `/server_info`, loads,
+//!   `/abort_request`, plus `/sim/stats` and `/sim/faults`);
+//! - for a prefill, its bootstrap server ([`bootstrap`]) answering exactly like
+//!   SGLang's, and one KV rank endpoint per DP rank ([`rendezvous`]) that the
+//!   decode long-polls, standing in for ZMQ.
+//!
+//! Invariants that hold across the module:
+//! - Self-contained: no other pdgate module is used.
+//! - Listeners stay bound for an engine's whole life; "down" means
+//!   accept-and-drop plus cutting open connections, never re-binding.
+//! - No panics on input: every parse failure becomes an HTTP error shape.
+//! - Stats are exact: every request instance ends in exactly one outcome and
+//!   `held_now` returns to 0 (drop guards), see [`StatsSnapshot`].
+//!
+//! Public API: [`spawn`] / [`SimEngine`], [`SimCluster`], [`EngineConfig`],
+//! [`Faults`], [`Role`], [`StatsSnapshot`] and [`cli`] for `pdgate sim`.
+
+mod bootstrap;
+pub mod cli;
+mod cluster;
+mod config;
+mod contract;
+mod decode;
+mod engine;
+mod http;
+mod info;
+mod prefill;
+mod pyjson;
+mod rendezvous;
+mod request;
+mod run;
+mod shapes;
+mod stats;
+
+pub use cluster::SimCluster;
+pub use config::{EngineConfig, Faults, Role, MAX_OUTPUT_TOKENS};
+pub use engine::{spawn, SimEngine};
+pub use stats::StatsSnapshot;

@@ -1,0 +1,329 @@
+//! Counters of one engine (`GET /sim/stats`, `SimEngine::stats`) and the
+//! per-request drop guard that keeps them honest.
+//!
+//! Why: router tests assert on what the engines saw (rank placement, contract
+//! violations, aborts); a counter that drifts would make those tests lie.
+//!
+//! Invariants:
+//! - The unit is one *request instance* (one prompt × one sample, i.e. one
+//!   bootstrap room); a batched HTTP request counts once per instance.
+//! - Every instance is counted in `requests_total` when it starts and ends in
+//!   exactly one of `ok`, `failed`, `aborted`, `client_disconnects`; so at
+//!   any quiet moment `requests_total == ok + failed + aborted +
+//!   client_disconnects` and `held_now == 0`. [`InstanceGuard`] enforces this:
+//!   an instance dropped without an outcome counts as a client disconnect, or as
+//!   failed if the engine was down (its connection was cut by the simulator).
+//! - `contract_violations` is the sum of the three `violation_*` counters.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// A point-in-time copy of an engine's counters (same JSON as `GET /sim/stats`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatsSnapshot {
+    pub requests_total: u64,
+    /// Prefill: the DP rank that ran the instance. Decode: its own DP rank.
+    pub requests_per_rank: Vec<u64>,
+    pub ok: u64,
+    pub failed: u64,
+    /// Ended by `POST /abort_request`.
+    pub aborted: u64,
+    pub client_disconnects: u64,
+    /// Instances in flight now (gauge).
+    pub held_now: u64,
+    /// Prefill: KV transfers completed (counted on the sending prefill only).
+    pub kv_transfers: u64,
+    pub contract_violations: u64,
+    pub violation_rank_mismatch: u64,
+    pub violation_room_reused: u64,
+    pub violation_bootstrap_mismatch: u64,
+}
+
+impl StatsSnapshot {
+    /// Adds `other` into `self` (per-rank counters element-wise).
+    pub fn add(&mut self, other: &StatsSnapshot) {
+        self.requests_total += other.requests_total;
+        if self.requests_per_rank.len() < other.requests_per_rank.len() {
+            self.requests_per_rank.resize(other.requests_per_rank.len(), 0);
+        }
+        for (acc, v) in self.requests_per_rank.iter_mut().zip(&other.requests_per_rank) {
+            *acc += v;
+        }
+        self.ok += other.ok;
+        self.failed += other.failed;
+        self.aborted += other.aborted;
+        self.client_disconnects += other.client_disconnects;
+        self.held_now += other.held_now;
+        self.kv_transfers += other.kv_transfers;
+        self.contract_violations += other.contract_violations;
+        self.violation_rank_mismatch += other.violation_rank_mismatch;
+        self.violation_room_reused += other.violation_room_reused;
+        self.violation_bootstrap_mismatch += other.violation_bootstrap_mismatch;
+    }
+}
+
+/// How an instance ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Ok,
+    Failed,
+    Aborted,
+}
+
+/// Which contract rule a violation broke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Violation {
+    RankMismatch,
+    RoomReused,
+    BootstrapMismatch,
+}
+
+#[derive(Default)]
+struct RankLoad {
+    running: AtomicU64,
+    waiting: AtomicU64,
+    tokens: AtomicU64,
+}
+
+/// Live counters of one engine.
+pub(crate) struct Stats {
+    requests_total: AtomicU64,
+    per_rank: Vec<AtomicU64>,
+    loads: Vec<RankLoad>,
+    ok: AtomicU64,
+    failed: AtomicU64,
+    aborted: AtomicU64,
+    client_disconnects: AtomicU64,
+    held_now: AtomicU64,
+    kv_transfers: AtomicU64,
+    rank_mismatch: AtomicU64,
+    room_reused: AtomicU64,
+    bootstrap_mismatch: AtomicU64,
+    /// Mirror of `Faults::down`, read by guards dropped on a cut connection.
+    pub(crate) engine_down: AtomicBool,
+}
+
+/// Load of one DP rank for `/v1/loads` and `/get_load`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct LoadView {
+    pub running: u64,
+    pub waiting: u64,
+    pub tokens: u64,
+}
+
+impl Stats {
+    pub(crate) fn new(dp: u32) -> Arc<Stats> {
+        let dp = dp.max(1) as usize;
+        Arc::new(Stats {
+            requests_total: AtomicU64::new(0),
+            per_rank: (0..dp).map(|_| AtomicU64::new(0)).collect(),
+            loads: (0..dp).map(|_| RankLoad::default()).collect(),
+            ok: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            aborted: AtomicU64::new(0),
+            client_disconnects: AtomicU64::new(0),
+            held_now: AtomicU64::new(0),
+            kv_transfers: AtomicU64::new(0),
+            rank_mismatch: AtomicU64::new(0),
+            room_reused: AtomicU64::new(0),
+            bootstrap_mismatch: AtomicU64::new(0),
+            engine_down: AtomicBool::new(false),
+        })
+    }
+
+    pub(crate) fn snapshot(&self) -> StatsSnapshot {
+        let rank_mismatch = self.rank_mismatch.load(Ordering::Relaxed);
+        let room_reused = self.room_reused.load(Ordering::Relaxed);
+        let bootstrap_mismatch = self.bootstrap_mismatch.load(Ordering::Relaxed);
+        StatsSnapshot {
+            requests_total: self.requests_total.load(Ordering::Relaxed),
+            requests_per_rank: self.per_rank.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
+            ok: self.ok.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            aborted: self.aborted.load(Ordering::Relaxed),
+            client_disconnects: self.client_disconnects.load(Ordering::Relaxed),
+            held_now: self.held_now.load(Ordering::Relaxed),
+            kv_transfers: self.kv_transfers.load(Ordering::Relaxed),
+            contract_violations: rank_mismatch + room_reused + bootstrap_mismatch,
+            violation_rank_mismatch: rank_mismatch,
+            violation_room_reused: room_reused,
+            violation_bootstrap_mismatch: bootstrap_mismatch,
+        }
+    }
+
+    pub(crate) fn loads(&self) -> Vec<LoadView> {
+        self.loads
+            .iter()
+            .map(|l| LoadView {
+                running: l.running.load(Ordering::Relaxed),
+                waiting: l.waiting.load(Ordering::Relaxed),
+                tokens: l.tokens.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+
+    pub(crate) fn violation(&self, v: Violation) {
+        let counter = match v {
+            Violation::RankMismatch => &self.rank_mismatch,
+            Violation::RoomReused => &self.room_reused,
+            Violation::BootstrapMismatch => &self.bootstrap_mismatch,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(violation = ?v, "sim: PD contract violation");
+    }
+
+    pub(crate) fn kv_transfer(&self) {
+        self.kv_transfers.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Starts tracking one request instance.
+    pub(crate) fn begin(self: &Arc<Self>) -> InstanceGuard {
+        self.requests_total.fetch_add(1, Ordering::Relaxed);
+        self.held_now.fetch_add(1, Ordering::Relaxed);
+        InstanceGuard {
+            stats: Arc::clone(self),
+            outcome: None,
+            rank: None,
+            phase: Phase::None,
+            tokens: 0,
+        }
+    }
+
+    fn record(&self, outcome: Option<Outcome>) {
+        let counter = match outcome {
+            Some(Outcome::Ok) => &self.ok,
+            Some(Outcome::Failed) => &self.failed,
+            Some(Outcome::Aborted) => &self.aborted,
+            None if self.engine_down.load(Ordering::Relaxed) => &self.failed,
+            None => &self.client_disconnects,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    None,
+    Waiting,
+    Running,
+}
+
+/// Tracks one request instance from start to outcome; see the module invariants.
+pub(crate) struct InstanceGuard {
+    stats: Arc<Stats>,
+    outcome: Option<Outcome>,
+    rank: Option<usize>,
+    phase: Phase,
+    tokens: u64,
+}
+
+impl InstanceGuard {
+    /// Records the DP rank that handles the instance (once).
+    pub(crate) fn set_rank(&mut self, rank: u32) {
+        if self.rank.is_some() {
+            return;
+        }
+        let r = rank as usize;
+        if let Some(c) = self.stats.per_rank.get(r) {
+            c.fetch_add(1, Ordering::Relaxed);
+            self.rank = Some(r);
+        }
+    }
+
+    fn load(&self) -> Option<&RankLoad> {
+        self.rank.and_then(|r| self.stats.loads.get(r))
+    }
+
+    fn leave_phase(&mut self) {
+        if let Some(l) = self.load() {
+            match self.phase {
+                Phase::Waiting => {
+                    l.waiting.fetch_sub(1, Ordering::Relaxed);
+                }
+                Phase::Running => {
+                    l.running.fetch_sub(1, Ordering::Relaxed);
+                }
+                Phase::None => {}
+            }
+        }
+        self.phase = Phase::None;
+    }
+
+    /// The instance waits (bootstrap / transfer queue).
+    pub(crate) fn waiting(&mut self) {
+        self.leave_phase();
+        if let Some(l) = self.load() {
+            l.waiting.fetch_add(1, Ordering::Relaxed);
+            self.phase = Phase::Waiting;
+        }
+    }
+
+    /// The instance runs (prefill compute / decode generation).
+    pub(crate) fn running(&mut self) {
+        self.leave_phase();
+        if let Some(l) = self.load() {
+            l.running.fetch_add(1, Ordering::Relaxed);
+            self.phase = Phase::Running;
+        }
+    }
+
+    /// Adds KV tokens held by the instance.
+    pub(crate) fn add_tokens(&mut self, n: u64) {
+        if let Some(l) = self.load() {
+            l.tokens.fetch_add(n, Ordering::Relaxed);
+            self.tokens += n;
+        }
+    }
+
+    /// Sets the outcome; the last call wins, the record happens on drop.
+    pub(crate) fn finish(&mut self, outcome: Outcome) {
+        self.outcome = Some(outcome);
+    }
+}
+
+impl Drop for InstanceGuard {
+    fn drop(&mut self) {
+        self.leave_phase();
+        if let Some(l) = self.load() {
+            l.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        }
+        self.stats.record(self.outcome);
+        self.stats.held_now.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An [`InstanceGuard`] usable through `&self` from concurrent futures.
+pub(crate) struct Tracker(std::sync::Mutex<InstanceGuard>);
+
+impl Tracker {
+    pub(crate) fn new(guard: InstanceGuard) -> Self {
+        Tracker(std::sync::Mutex::new(guard))
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut InstanceGuard) -> R) -> R {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut g)
+    }
+
+    pub(crate) fn set_rank(&self, rank: u32) {
+        self.with(|g| g.set_rank(rank));
+    }
+
+    pub(crate) fn waiting(&self) {
+        self.with(InstanceGuard::waiting);
+    }
+
+    pub(crate) fn running(&self) {
+        self.with(InstanceGuard::running);
+    }
+
+    pub(crate) fn add_tokens(&self, n: u64) {
+        self.with(|g| g.add_tokens(n));
+    }
+
+    pub(crate) fn finish(&self, outcome: Outcome) {
+        self.with(|g| g.finish(outcome));
+    }
+}
