@@ -21,6 +21,8 @@ pub struct Cli {
 pub enum Command {
     /// Run the router.
     Serve(ServeArgs),
+    /// Run simulated SGLang engines (prefill + bootstrap server, decode), no GPU.
+    Sim(crate::sim::cli::SimArgs),
     /// Simulated engines (2 prefill with DP 2, 2 decode with DP 2) plus the router, in one process.
     Demo(DemoArgs),
 }

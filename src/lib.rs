@@ -10,6 +10,7 @@ pub mod body;
 pub mod bootstrap;
 pub mod cli;
 pub mod config;
+pub mod demo;
 
 pub mod error;
 pub mod health;

@@ -64,9 +64,13 @@ fn main() -> std::process::ExitCode {
                 router.server.shutdown().await;
                 Ok(())
             }
-            Command::Demo(_args) => {
+            Command::Sim(args) => {
                 init_logs(&LogConfig::default());
-                Err("demo: being wired".into())
+                pdgate::sim::cli::run(args).await
+            }
+            Command::Demo(args) => {
+                init_logs(&LogConfig::default());
+                pdgate::demo::run(args).await
             }
         }
     });

@@ -1,0 +1,59 @@
+//! `pdgate demo`: the embedded default. Simulated engines (2 prefill with DP 2 and their
+//! bootstrap servers, 2 decode with DP 2) on loopback, and the router in front of them.
+
+use crate::cli::DemoArgs;
+use crate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
+use crate::pd::RngSource;
+use crate::sim::{EngineConfig, SimCluster};
+
+pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let prefill = [EngineConfig::prefill(2), EngineConfig::prefill(2)];
+    let decode = [EngineConfig::decode(2), EngineConfig::decode(2)];
+    let cluster = SimCluster::spawn(&prefill, &decode).await?;
+    let mut cfg = Config::default();
+    cfg.server.port = args.port;
+    for p in &cluster.prefills {
+        cfg.prefill.push(PrefillWorkerConfig {
+            url: p.url(),
+            bootstrap_port: p.bootstrap_port(),
+            bootstrap_host: None,
+        });
+    }
+    for d in &cluster.decodes {
+        cfg.decode.push(DecodeWorkerConfig { url: d.url() });
+    }
+    let router = crate::router::start(cfg, None, RngSource::Os).await?;
+    // Wait (bounded) until both pools are routable, so the printed commands work at once.
+    for _ in 0..100 {
+        let s = router.pool.load();
+        if !s.prefill_targets.is_empty() && !s.decode_targets.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let url = router.url();
+    println!("pdgate demo: router on {url}");
+    for p in &cluster.prefills {
+        println!("  prefill {} (DP 2, bootstrap port {})", p.url(), p.bootstrap_port().unwrap_or(0));
+    }
+    for d in &cluster.decodes {
+        println!("  decode  {} (DP 2)", d.url());
+    }
+    println!(
+        r#"
+Try:
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{{"model":"sim-model","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":8}}'
+  curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{{"model":"sim-model","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":8,"stream":true}}'
+  curl -s {url}/generate -H 'Content-Type: application/json' \
+    -d '{{"text":"The capital of France is","sampling_params":{{"max_new_tokens":8}}}}'
+  curl -s {url}/readiness
+  curl -s {url}/metrics | grep pdgate_
+Ctrl-C stops everything."#
+    );
+    tokio::signal::ctrl_c().await?;
+    router.server.shutdown().await;
+    drop(cluster);
+    Ok(())
+}

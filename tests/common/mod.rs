@@ -1,0 +1,179 @@
+//! Shared harness for router integration tests: simulated engines on 127.0.0.1 port 0, a
+//! router on a port-0 listener it keeps, fast health and bootstrap intervals, and a small
+//! HTTP client.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
+use pdgate::pd::RngSource;
+use pdgate::router::Router;
+use pdgate::sim::{EngineConfig, SimCluster, StatsSnapshot};
+
+pub struct Env {
+    pub cluster: SimCluster,
+    pub router: Router,
+    pub client: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// Router settings for tests: checks every 50–100 ms so that state changes show fast.
+pub fn fast_config() -> Config {
+    let mut cfg = Config::default();
+    cfg.health.interval_secs = 0.05;
+    cfg.health.timeout_secs = 0.5;
+    cfg.health.failure_threshold = 2;
+    cfg.health.success_threshold = 1;
+    cfg.bootstrap.heartbeat_interval_ms = 100;
+    cfg.bootstrap.heartbeat_max_failures = 2;
+    cfg.bootstrap.refresh_interval_ms = 100;
+    cfg.bootstrap.http_timeout_ms = 500;
+    cfg.timeouts.connect_ms = 500;
+    cfg.timeouts.prefill_secs = 10;
+    cfg.timeouts.decode_first_byte_secs = 2;
+    cfg.timeouts.stream_idle_secs = 5;
+    cfg.timeouts.request_secs = 30;
+    cfg
+}
+
+/// Engine settings for tests: short engine-side timeouts so that nothing hangs long.
+pub fn fast_engine(mut e: EngineConfig) -> EngineConfig {
+    e.prefill_delay = Duration::from_millis(2);
+    e.ttft = Duration::from_millis(2);
+    e.itl = Duration::from_millis(1);
+    e.default_output_tokens = 4;
+    e.sentinel_interval = Duration::from_millis(50);
+    e.sentinel_attempts = 5;
+    e.heartbeat_interval = Duration::from_millis(200);
+    e.waiting_timeout = Duration::from_secs(20);
+    e.bootstrap_timeout = Duration::from_secs(20);
+    e
+}
+
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    let mut c = HttpConnector::new();
+    c.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(c)
+}
+
+/// Engines plus a router in front of them; waits (bounded) until both pools are routable.
+pub async fn start(prefill: Vec<EngineConfig>, decode: Vec<EngineConfig>, tweak: impl FnOnce(&mut Config)) -> Env {
+    let prefill: Vec<_> = prefill.into_iter().map(fast_engine).collect();
+    let decode: Vec<_> = decode.into_iter().map(fast_engine).collect();
+    let cluster = SimCluster::spawn(&prefill, &decode).await.expect("sim cluster");
+    let mut cfg = fast_config();
+    for p in &cluster.prefills {
+        cfg.prefill.push(PrefillWorkerConfig {
+            url: p.url(),
+            bootstrap_port: p.bootstrap_port(),
+            bootstrap_host: None,
+        });
+    }
+    for d in &cluster.decodes {
+        cfg.decode.push(DecodeWorkerConfig { url: d.url() });
+    }
+    tweak(&mut cfg);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let router = pdgate::router::start(cfg, Some(listener), RngSource::Seeded(1.into())).await.expect("router");
+    let env = Env {
+        cluster,
+        router,
+        client: client(),
+    };
+    env
+}
+
+impl Env {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.router.url(), path)
+    }
+
+    /// Waits until `p` prefill ranks and `d` decode ranks are routable (bounded: 10 s).
+    pub async fn wait_routable(&self, p: usize, d: usize) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = self.router.pool.load();
+            if s.prefill_targets.len() == p && s.decode_targets.len() == d {
+                return;
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!(
+                    "not routable in time: prefill {} of {p}, decode {} of {d}; {:?}",
+                    s.prefill_targets.len(),
+                    s.decode_targets.len(),
+                    s.prefills.iter().map(|w| (w.url.to_string(), w.healthy, w.ranks.clone())).collect::<Vec<_>>()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until a condition on the router's pool holds (bounded: 10 s).
+    pub async fn wait_pool(&self, what: &str, f: impl Fn(&pdgate::pool::Snapshot) -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !f(&self.router.pool.load()) {
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn stats(&self) -> StatsSnapshot {
+        self.cluster.total_stats()
+    }
+
+    /// Waits until no engine holds a request (bounded: 10 s), then returns the totals.
+    pub async fn settled_stats(&self) -> StatsSnapshot {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = self.stats();
+            if s.held_now == 0 {
+                return s;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "engines still hold requests: {s:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> hyper::Response<Incoming> {
+        let mut b = Request::builder().method(method).uri(self.url(path));
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let req = b.body(Full::new(body.into())).expect("request");
+        self.client.request(req).await.expect("router answered")
+    }
+
+    /// POSTs JSON and reads the whole answer.
+    pub async fn post(&self, path: &str, body: &str) -> (StatusCode, HeaderMap, Bytes) {
+        let resp = self.send("POST", path, &[("content-type", "application/json")], body.to_string()).await;
+        let (parts, body) = resp.into_parts();
+        let bytes = tokio::time::timeout(Duration::from_secs(30), body.collect())
+            .await
+            .expect("body in time")
+            .expect("body")
+            .to_bytes();
+        (parts.status, parts.headers, bytes)
+    }
+}
+
+/// The JSON payloads of an SSE body (without `[DONE]`), and whether it ended with `[DONE]`.
+pub fn sse_events(body: &[u8]) -> (Vec<serde_json::Value>, bool) {
+    let text = std::str::from_utf8(body).expect("utf8");
+    let mut out = Vec::new();
+    let mut done = false;
+    for ev in text.split("\n\n") {
+        let Some(data) = ev.trim().strip_prefix("data:") else { continue };
+        let data = data.trim();
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        out.push(serde_json::from_str(data).unwrap_or_else(|e| panic!("event is not JSON ({e}): {data}")));
+    }
+    (out, done)
+}
