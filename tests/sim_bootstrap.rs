@@ -10,7 +10,8 @@ use serde_json::{json, Value};
 use sim_support::{request, Answer};
 
 const G500: &str = "500 Internal Server Error\n\nServer got itself in trouble";
-const SENTINEL: &str = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
+const SENTINEL: &str =
+    "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
 const TEXT: &str = "text/plain";
 const JSON: &str = "application/json";
 
@@ -18,7 +19,9 @@ const JSON: &str = "application/json";
 type Row<'a> = (&'a str, String, Option<String>, u16, &'a str, String);
 
 fn sentinel_body(dp: u32, tp: u32, page: u32, dtype: &str, layout: Option<&str>) -> String {
-    let layout = layout.map(|l| format!("\"kv_layout\": \"{l}\", ")).unwrap_or_default();
+    let layout = layout
+        .map(|l| format!("\"kv_layout\": \"{l}\", "))
+        .unwrap_or_default();
     format!(
         "{{\"attn_tp_size\": {tp}, \"attn_cp_size\": 1, \"dp_size\": {dp}, \"pp_size\": 1, \"page_size\": {page}, \"kv_cache_dtype\": \"{dtype}\", \"follow_bootstrap_room\": true, \"enable_dsa_cache_layer_split\": false, {layout}\"decode_allocation_policy\": \"early\", \"enable_kv_cache_sharding\": false, \"prefill_http_port\": 30000, \"target_tp_rank\": null, \"target_tp_ranks\": null, \"target_cp_ranks\": null, \"target_pp_ranks\": null, \"required_dst_info_num\": null, \"required_prefill_response_num\": null}}"
     )
@@ -35,7 +38,9 @@ fn put(dp_size: u32, dp_rank: u32, tp_size: u32, tp_rank: u32, port: u32) -> Val
 }
 
 fn route(dp: &str, cp: &str, tp: &str, pp: &str) -> String {
-    format!("/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}&target_pp_rank={pp}")
+    format!(
+        "/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}&target_pp_rank={pp}"
+    )
 }
 
 fn not_ready(n: u32) -> String {
@@ -43,14 +48,24 @@ fn not_ready(n: u32) -> String {
 }
 
 fn ok<'a>(method: &'a str, path: &str, body: Value) -> Row<'a> {
-    (method, path.to_string(), Some(body.to_string()), 200, TEXT, "OK".into())
+    (
+        method,
+        path.to_string(),
+        Some(body.to_string()),
+        200,
+        TEXT,
+        "OK".into(),
+    )
 }
 
 /// A fresh bootstrap server (the engine registers none of its own ranks).
 async fn fresh(ttl: Duration) -> sim::SimEngine {
     let cfg = EngineConfig {
         room_entry_ttl: ttl,
-        faults: Faults { register_none: true, ..Faults::default() },
+        faults: Faults {
+            register_none: true,
+            ..Faults::default()
+        },
         ..EngineConfig::prefill(1)
     };
     sim::spawn(cfg).await.expect("spawn")
@@ -74,22 +89,124 @@ async fn a_fresh_server() {
     let rows: Vec<Row> = vec![
         ("GET", "/health".into(), None, 200, TEXT, "OK".into()),
         ("GET", SENTINEL.into(), None, 503, TEXT, not_ready(0)),
-        ("GET", route("0", "0", "0", "0"), None, 503, TEXT, not_ready(0)),
-        ("GET", "/route".into(), None, 400, TEXT, "Missing inputs for bootstrap server.".into()),
-        ("GET", "/route?prefill_dp_rank=0".into(), None, 400, TEXT, "Missing inputs for bootstrap server.".into()),
-        ("GET", route("", "0", "0", "0"), None, 400, TEXT, "Missing inputs for bootstrap server.".into()),
-        ("GET", route("x", "-1", "-1", "-1"), None, 500, TEXT, G500.into()),
-        ("GET", route("0", "0", "0", "x"), None, 503, TEXT, not_ready(0)),
-        ("POST", "/query_dp_ranks".into(), Some(r#"{"bootstrap_rooms": [1]}"#.into()), 200, JSON, "{}".into()),
-        ok("POST", "/register_dp_rank", json!({"bootstrap_room": 7, "dp_rank": 1})),
-        ("POST", "/query_dp_ranks".into(), Some(r#"{"bootstrap_rooms": [7]}"#.into()), 200, JSON, "{\"7\": 1}".into()),
-        ("POST", "/route".into(), None, 405, JSON, "Method not allowed".into()),
-        ("DELETE", "/route".into(), None, 405, JSON, "Method not allowed".into()),
+        (
+            "GET",
+            route("0", "0", "0", "0"),
+            None,
+            503,
+            TEXT,
+            not_ready(0),
+        ),
+        (
+            "GET",
+            "/route".into(),
+            None,
+            400,
+            TEXT,
+            "Missing inputs for bootstrap server.".into(),
+        ),
+        (
+            "GET",
+            "/route?prefill_dp_rank=0".into(),
+            None,
+            400,
+            TEXT,
+            "Missing inputs for bootstrap server.".into(),
+        ),
+        (
+            "GET",
+            route("", "0", "0", "0"),
+            None,
+            400,
+            TEXT,
+            "Missing inputs for bootstrap server.".into(),
+        ),
+        (
+            "GET",
+            route("x", "-1", "-1", "-1"),
+            None,
+            500,
+            TEXT,
+            G500.into(),
+        ),
+        (
+            "GET",
+            route("0", "0", "0", "x"),
+            None,
+            503,
+            TEXT,
+            not_ready(0),
+        ),
+        (
+            "POST",
+            "/query_dp_ranks".into(),
+            Some(r#"{"bootstrap_rooms": [1]}"#.into()),
+            200,
+            JSON,
+            "{}".into(),
+        ),
+        ok(
+            "POST",
+            "/register_dp_rank",
+            json!({"bootstrap_room": 7, "dp_rank": 1}),
+        ),
+        (
+            "POST",
+            "/query_dp_ranks".into(),
+            Some(r#"{"bootstrap_rooms": [7]}"#.into()),
+            200,
+            JSON,
+            "{\"7\": 1}".into(),
+        ),
+        (
+            "POST",
+            "/route".into(),
+            None,
+            405,
+            JSON,
+            "Method not allowed".into(),
+        ),
+        (
+            "DELETE",
+            "/route".into(),
+            None,
+            405,
+            JSON,
+            "Method not allowed".into(),
+        ),
         ("HEAD", "/health".into(), None, 200, TEXT, "".into()),
-        ("POST", "/health".into(), None, 405, TEXT, "405: Method Not Allowed".into()),
-        ("GET", "/register_dp_rank".into(), None, 405, TEXT, "405: Method Not Allowed".into()),
-        ("GET", "/query_dp_ranks".into(), None, 405, TEXT, "405: Method Not Allowed".into()),
-        ("GET", "/nope".into(), None, 404, TEXT, "404: Not Found".into()),
+        (
+            "POST",
+            "/health".into(),
+            None,
+            405,
+            TEXT,
+            "405: Method Not Allowed".into(),
+        ),
+        (
+            "GET",
+            "/register_dp_rank".into(),
+            None,
+            405,
+            TEXT,
+            "405: Method Not Allowed".into(),
+        ),
+        (
+            "GET",
+            "/query_dp_ranks".into(),
+            None,
+            405,
+            TEXT,
+            "405: Method Not Allowed".into(),
+        ),
+        (
+            "GET",
+            "/nope".into(),
+            None,
+            404,
+            TEXT,
+            "404: Not Found".into(),
+        ),
     ];
     run_rows(&e, &rows).await;
 }
@@ -101,19 +218,96 @@ async fn b_partial_then_ready() {
         ok("PUT", "/route", put(4, 0, 1, 0, 17000)),
         ok("PUT", "/route", put(4, 1, 1, 0, 17001)),
         ("GET", SENTINEL.into(), None, 503, TEXT, not_ready(2)),
-        ("GET", route("0", "0", "0", "0"), None, 503, TEXT, not_ready(2)),
-        ("GET", route("3", "0", "0", "0"), None, 503, TEXT, not_ready(2)),
-        ("GET", route("9", "0", "0", "0"), None, 503, TEXT, not_ready(2)),
+        (
+            "GET",
+            route("0", "0", "0", "0"),
+            None,
+            503,
+            TEXT,
+            not_ready(2),
+        ),
+        (
+            "GET",
+            route("3", "0", "0", "0"),
+            None,
+            503,
+            TEXT,
+            not_ready(2),
+        ),
+        (
+            "GET",
+            route("9", "0", "0", "0"),
+            None,
+            503,
+            TEXT,
+            not_ready(2),
+        ),
         ok("PUT", "/route", put(4, 2, 1, 0, 17002)),
         ok("PUT", "/route", put(4, 3, 1, 0, 17003)),
-        ("GET", SENTINEL.into(), None, 200, JSON, sentinel_body(4, 1, 1, "auto", None)),
-        ("GET", route("3", "0", "0", "0"), None, 200, JSON, r#"{"rank_ip": "127.0.0.1", "rank_port": 17003}"#.into()),
-        ("GET", route("4", "0", "0", "0"), None, 404, TEXT, "Bootstrap info not found for dp_rank=4 cp_rank=0 tp_rank=0 pp_rank=0".into()),
-        ("GET", route("0", "0", "1", "0"), None, 404, TEXT, "Bootstrap info not found for dp_rank=0 cp_rank=0 tp_rank=1 pp_rank=0".into()),
-        ("GET", route("-1", "0", "0", "0"), None, 404, TEXT, "Bootstrap info not found for dp_rank=-1 cp_rank=0 tp_rank=0 pp_rank=0".into()),
-        ("GET", route("-1", "-1", "-1", "0"), None, 404, TEXT, "Bootstrap info not found for dp_rank=-1 cp_rank=-1 tp_rank=-1 pp_rank=0".into()),
-        ("GET", route("0", "0", "0", "x"), None, 500, TEXT, G500.into()),
-        ("GET", format!("{}&extra=1", route("1", "0", "0", "0")), None, 200, JSON, r#"{"rank_ip": "127.0.0.1", "rank_port": 17001}"#.into()),
+        (
+            "GET",
+            SENTINEL.into(),
+            None,
+            200,
+            JSON,
+            sentinel_body(4, 1, 1, "auto", None),
+        ),
+        (
+            "GET",
+            route("3", "0", "0", "0"),
+            None,
+            200,
+            JSON,
+            r#"{"rank_ip": "127.0.0.1", "rank_port": 17003}"#.into(),
+        ),
+        (
+            "GET",
+            route("4", "0", "0", "0"),
+            None,
+            404,
+            TEXT,
+            "Bootstrap info not found for dp_rank=4 cp_rank=0 tp_rank=0 pp_rank=0".into(),
+        ),
+        (
+            "GET",
+            route("0", "0", "1", "0"),
+            None,
+            404,
+            TEXT,
+            "Bootstrap info not found for dp_rank=0 cp_rank=0 tp_rank=1 pp_rank=0".into(),
+        ),
+        (
+            "GET",
+            route("-1", "0", "0", "0"),
+            None,
+            404,
+            TEXT,
+            "Bootstrap info not found for dp_rank=-1 cp_rank=0 tp_rank=0 pp_rank=0".into(),
+        ),
+        (
+            "GET",
+            route("-1", "-1", "-1", "0"),
+            None,
+            404,
+            TEXT,
+            "Bootstrap info not found for dp_rank=-1 cp_rank=-1 tp_rank=-1 pp_rank=0".into(),
+        ),
+        (
+            "GET",
+            route("0", "0", "0", "x"),
+            None,
+            500,
+            TEXT,
+            G500.into(),
+        ),
+        (
+            "GET",
+            format!("{}&extra=1", route("1", "0", "0", "0")),
+            None,
+            200,
+            JSON,
+            r#"{"rank_ip": "127.0.0.1", "rank_port": 17001}"#.into(),
+        ),
     ];
     run_rows(&e, &rows).await;
 }
@@ -136,11 +330,32 @@ async fn c_tp2_layout_latched_by_first_put() {
     let sentinel = sentinel_body(2, 2, 64, "bfloat16", Some("NHD"));
     rows.extend([
         ("GET", SENTINEL.into(), None, 200, JSON, sentinel.clone()),
-        ("GET", route("1", "0", "1", "0"), None, 200, JSON, r#"{"rank_ip": "127.0.0.1", "rank_port": 17003}"#.into()),
-        ("GET", route("1", "0", "2", "0"), None, 404, TEXT, "Bootstrap info not found for dp_rank=1 cp_rank=0 tp_rank=2 pp_rank=0".into()),
+        (
+            "GET",
+            route("1", "0", "1", "0"),
+            None,
+            200,
+            JSON,
+            r#"{"rank_ip": "127.0.0.1", "rank_port": 17003}"#.into(),
+        ),
+        (
+            "GET",
+            route("1", "0", "2", "0"),
+            None,
+            404,
+            TEXT,
+            "Bootstrap info not found for dp_rank=1 cp_rank=0 tp_rank=2 pp_rank=0".into(),
+        ),
         ok("PUT", "/route", put(8, 5, 1, 0, 17005)),
         ("GET", SENTINEL.into(), None, 200, JSON, sentinel),
-        ("GET", route("5", "0", "0", "0"), None, 200, JSON, r#"{"rank_ip": "127.0.0.1", "rank_port": 17005}"#.into()),
+        (
+            "GET",
+            route("5", "0", "0", "0"),
+            None,
+            200,
+            JSON,
+            r#"{"rank_ip": "127.0.0.1", "rank_port": 17005}"#.into(),
+        ),
     ]);
     run_rows(&e, &rows).await;
 }
@@ -151,9 +366,30 @@ async fn d_duplicate_put_counts_twice() {
     let rows: Vec<Row> = vec![
         ok("PUT", "/route", put(2, 0, 1, 0, 17000)),
         ok("PUT", "/route", put(2, 0, 1, 0, 17555)),
-        ("GET", SENTINEL.into(), None, 200, JSON, sentinel_body(2, 1, 1, "auto", None)),
-        ("GET", route("0", "0", "0", "0"), None, 200, JSON, r#"{"rank_ip": "127.0.0.1", "rank_port": 17555}"#.into()),
-        ("GET", route("1", "0", "0", "0"), None, 404, TEXT, "Bootstrap info not found for dp_rank=1 cp_rank=0 tp_rank=0 pp_rank=0".into()),
+        (
+            "GET",
+            SENTINEL.into(),
+            None,
+            200,
+            JSON,
+            sentinel_body(2, 1, 1, "auto", None),
+        ),
+        (
+            "GET",
+            route("0", "0", "0", "0"),
+            None,
+            200,
+            JSON,
+            r#"{"rank_ip": "127.0.0.1", "rank_port": 17555}"#.into(),
+        ),
+        (
+            "GET",
+            route("1", "0", "0", "0"),
+            None,
+            404,
+            TEXT,
+            "Bootstrap info not found for dp_rank=1 cp_rank=0 tp_rank=0 pp_rank=0".into(),
+        ),
     ];
     run_rows(&e, &rows).await;
 }
@@ -168,8 +404,22 @@ async fn e_system_dp_mode() {
         b["system_dp_rank"] = json!(r);
         rows.push(ok("PUT", "/route", b));
     }
-    rows.push(("GET", SENTINEL.into(), None, 200, JSON, sentinel_body(2, 1, 1, "auto", None)));
-    rows.push(("GET", route("1", "0", "0", "0"), None, 200, JSON, r#"{"rank_ip": "127.0.0.1", "rank_port": 17001}"#.into()));
+    rows.push((
+        "GET",
+        SENTINEL.into(),
+        None,
+        200,
+        JSON,
+        sentinel_body(2, 1, 1, "auto", None),
+    ));
+    rows.push((
+        "GET",
+        route("1", "0", "0", "0"),
+        None,
+        200,
+        JSON,
+        r#"{"rank_ip": "127.0.0.1", "rank_port": 17001}"#.into(),
+    ));
     run_rows(&e, &rows).await;
 }
 
@@ -188,16 +438,65 @@ async fn f_bad_puts() {
     other_dsv["dsv41_spec_layout"] = json!({"x": 1});
     let raw = |b: &str| Some(b.to_string());
     let rows: Vec<Row> = vec![
-        ("PUT", "/route".into(), raw("{not json"), 500, TEXT, G500.into()),
+        (
+            "PUT",
+            "/route".into(),
+            raw("{not json"),
+            500,
+            TEXT,
+            G500.into(),
+        ),
         ("PUT", "/route".into(), raw(""), 500, TEXT, G500.into()),
-        ("PUT", "/route".into(), raw("[1, 2]"), 500, TEXT, G500.into()),
-        ("PUT", "/route".into(), Some(missing_ip.to_string()), 500, TEXT, G500.into()),
-        ("PUT", "/route".into(), Some(bad_port.to_string()), 500, TEXT, G500.into()),
-        ("PUT", "/route".into(), Some(null_page.to_string()), 500, TEXT, G500.into()),
+        (
+            "PUT",
+            "/route".into(),
+            raw("[1, 2]"),
+            500,
+            TEXT,
+            G500.into(),
+        ),
+        (
+            "PUT",
+            "/route".into(),
+            Some(missing_ip.to_string()),
+            500,
+            TEXT,
+            G500.into(),
+        ),
+        (
+            "PUT",
+            "/route".into(),
+            Some(bad_port.to_string()),
+            500,
+            TEXT,
+            G500.into(),
+        ),
+        (
+            "PUT",
+            "/route".into(),
+            Some(null_page.to_string()),
+            500,
+            TEXT,
+            G500.into(),
+        ),
         ("GET", SENTINEL.into(), None, 503, TEXT, not_ready(0)),
         ok("PUT", "/route", put(2, 0, 1, 0, 17000)),
-        ("PUT", "/route".into(), Some(other_policy.to_string()), 400, TEXT, "Inconsistent prefill allocation policies".into()),
-        ("PUT", "/route".into(), Some(other_dsv.to_string()), 400, TEXT, "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks".into()),
+        (
+            "PUT",
+            "/route".into(),
+            Some(other_policy.to_string()),
+            400,
+            TEXT,
+            "Inconsistent prefill allocation policies".into(),
+        ),
+        (
+            "PUT",
+            "/route".into(),
+            Some(other_dsv.to_string()),
+            400,
+            TEXT,
+            "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks".into(),
+        ),
         ("GET", SENTINEL.into(), None, 503, TEXT, not_ready(1)),
     ];
     run_rows(&e, &rows).await;
@@ -209,8 +508,22 @@ async fn f_bad_puts() {
     strings["attn_tp_rank"] = json!("0");
     let rows: Vec<Row> = vec![
         ok("PUT", "/route", strings),
-        ("GET", SENTINEL.into(), None, 200, JSON, sentinel_body(1, 1, 1, "auto", None)),
-        ("GET", route("0", "0", "0", "0"), None, 404, TEXT, "Bootstrap info not found for dp_rank=0 cp_rank=0 tp_rank=0 pp_rank=0".into()),
+        (
+            "GET",
+            SENTINEL.into(),
+            None,
+            200,
+            JSON,
+            sentinel_body(1, 1, 1, "auto", None),
+        ),
+        (
+            "GET",
+            route("0", "0", "0", "0"),
+            None,
+            404,
+            TEXT,
+            "Bootstrap info not found for dp_rank=0 cp_rank=0 tp_rank=0 pp_rank=0".into(),
+        ),
     ];
     run_rows(&e2, &rows).await;
 }
@@ -221,21 +534,66 @@ async fn g_rooms() {
     let q = |b: &str| ("POST", "/query_dp_ranks".to_string(), Some(b.to_string()));
     let reg = |b: &str| ("POST", "/register_dp_rank".to_string(), Some(b.to_string()));
     let rows: Vec<Row> = vec![
-        { let (m, p, b) = reg(r#"{"bootstrap_room": 12345, "dp_rank": 1}"#); (m, p, b, 200, TEXT, "OK".into()) },
-        { let (m, p, b) = reg(r#"{"bootstrap_room": "42", "dp_rank": "3"}"#); (m, p, b, 200, TEXT, "OK".into()) },
-        { let (m, p, b) = q(r#"{"bootstrap_rooms": [12345, 42, 99]}"#); (m, p, b, 200, JSON, r#"{"12345": 1, "42": 3}"#.into()) },
-        { let (m, p, b) = q(r#"{"bootstrap_rooms": ["42"]}"#); (m, p, b, 200, JSON, r#"{"42": 3}"#.into()) },
-        { let (m, p, b) = q(r#"{"bootstrap_rooms": []}"#); (m, p, b, 200, JSON, "{}".into()) },
-        { let (m, p, b) = reg(r#"{"bootstrap_room": 12345, "dp_rank": 0}"#); (m, p, b, 200, TEXT, "OK".into()) },
-        { let (m, p, b) = q(r#"{"bootstrap_rooms": [12345]}"#); (m, p, b, 200, JSON, r#"{"12345": 0}"#.into()) },
-        { let (m, p, b) = reg(r#"{"bootstrap_room": 1}"#); (m, p, b, 500, TEXT, G500.into()) },
-        { let (m, p, b) = reg(r#"{"bootstrap_room": "abc", "dp_rank": 0}"#); (m, p, b, 500, TEXT, G500.into()) },
-        { let (m, p, b) = reg("{bad"); (m, p, b, 500, TEXT, G500.into()) },
-        { let (m, p, b) = q("{}"); (m, p, b, 500, TEXT, G500.into()) },
-        { let (m, p, b) = q(r#"{"bootstrap_rooms": ["x"]}"#); (m, p, b, 500, TEXT, G500.into()) },
-        { let (m, p, b) = q(r#"{"bootstrap_rooms": 5}"#); (m, p, b, 500, TEXT, G500.into()) },
-        { let (m, p, b) = q(r#"{"bootstrap_rooms": "12"}"#); (m, p, b, 200, JSON, "{}".into()) },
-        { let (m, p, b) = q("{bad"); (m, p, b, 500, TEXT, G500.into()) },
+        {
+            let (m, p, b) = reg(r#"{"bootstrap_room": 12345, "dp_rank": 1}"#);
+            (m, p, b, 200, TEXT, "OK".into())
+        },
+        {
+            let (m, p, b) = reg(r#"{"bootstrap_room": "42", "dp_rank": "3"}"#);
+            (m, p, b, 200, TEXT, "OK".into())
+        },
+        {
+            let (m, p, b) = q(r#"{"bootstrap_rooms": [12345, 42, 99]}"#);
+            (m, p, b, 200, JSON, r#"{"12345": 1, "42": 3}"#.into())
+        },
+        {
+            let (m, p, b) = q(r#"{"bootstrap_rooms": ["42"]}"#);
+            (m, p, b, 200, JSON, r#"{"42": 3}"#.into())
+        },
+        {
+            let (m, p, b) = q(r#"{"bootstrap_rooms": []}"#);
+            (m, p, b, 200, JSON, "{}".into())
+        },
+        {
+            let (m, p, b) = reg(r#"{"bootstrap_room": 12345, "dp_rank": 0}"#);
+            (m, p, b, 200, TEXT, "OK".into())
+        },
+        {
+            let (m, p, b) = q(r#"{"bootstrap_rooms": [12345]}"#);
+            (m, p, b, 200, JSON, r#"{"12345": 0}"#.into())
+        },
+        {
+            let (m, p, b) = reg(r#"{"bootstrap_room": 1}"#);
+            (m, p, b, 500, TEXT, G500.into())
+        },
+        {
+            let (m, p, b) = reg(r#"{"bootstrap_room": "abc", "dp_rank": 0}"#);
+            (m, p, b, 500, TEXT, G500.into())
+        },
+        {
+            let (m, p, b) = reg("{bad");
+            (m, p, b, 500, TEXT, G500.into())
+        },
+        {
+            let (m, p, b) = q("{}");
+            (m, p, b, 500, TEXT, G500.into())
+        },
+        {
+            let (m, p, b) = q(r#"{"bootstrap_rooms": ["x"]}"#);
+            (m, p, b, 500, TEXT, G500.into())
+        },
+        {
+            let (m, p, b) = q(r#"{"bootstrap_rooms": 5}"#);
+            (m, p, b, 500, TEXT, G500.into())
+        },
+        {
+            let (m, p, b) = q(r#"{"bootstrap_rooms": "12"}"#);
+            (m, p, b, 200, JSON, "{}".into())
+        },
+        {
+            let (m, p, b) = q("{bad");
+            (m, p, b, 500, TEXT, G500.into())
+        },
     ];
     run_rows(&e, &rows).await;
     // Entries live between 1x and 2x the cleanup interval (200 ms here).
@@ -255,16 +613,26 @@ async fn engine_registers_its_own_ranks() {
     assert_eq!(v["follow_bootstrap_room"], true);
     assert_eq!(v["prefill_http_port"], e.addr().port());
     for (rank, port) in e.rank_ports().iter().enumerate() {
-        let r = request("GET", &format!("{base}{}", route(&rank.to_string(), "0", "0", "0")), None).await;
+        let r = request(
+            "GET",
+            &format!("{base}{}", route(&rank.to_string(), "0", "0", "0")),
+            None,
+        )
+        .await;
         assert_eq!(r.json(), json!({"rank_ip": "127.0.0.1", "rank_port": port}));
     }
     // Unregistering a rank at run time lowers the count: every query is 503 again.
-    e.set_faults(Faults { unregistered_ranks: vec![1], ..Faults::default() });
+    e.set_faults(Faults {
+        unregistered_ranks: vec![1],
+        ..Faults::default()
+    });
     let ok = sim_support::eventually(|| !e.faults().unregistered_ranks.is_empty()).await;
     assert!(ok);
     let mut status = 0;
     for _ in 0..100 {
-        status = request("GET", &format!("{base}{SENTINEL}"), None).await.status;
+        status = request("GET", &format!("{base}{SENTINEL}"), None)
+            .await
+            .status;
         if status == 503 {
             break;
         }
@@ -274,7 +642,9 @@ async fn engine_registers_its_own_ranks() {
     // And registering it again (a real PUT) makes the server ready.
     e.set_faults(Faults::default());
     for _ in 0..100 {
-        status = request("GET", &format!("{base}{SENTINEL}"), None).await.status;
+        status = request("GET", &format!("{base}{SENTINEL}"), None)
+            .await
+            .status;
         if status == 200 {
             break;
         }
@@ -287,10 +657,25 @@ async fn engine_registers_its_own_ranks() {
 async fn bootstrap_down_drops_connections_but_keeps_port() {
     let e = sim::spawn(EngineConfig::prefill(1)).await.expect("spawn");
     let base = e.bootstrap_url().expect("url");
-    e.set_faults(Faults { bootstrap_down: true, ..Faults::default() });
-    assert!(sim_support::try_request("GET", &format!("{base}/health"), None).await.is_err());
+    e.set_faults(Faults {
+        bootstrap_down: true,
+        ..Faults::default()
+    });
+    assert!(
+        sim_support::try_request("GET", &format!("{base}/health"), None)
+            .await
+            .is_err()
+    );
     // The engine port itself still answers.
-    assert_eq!(request("GET", &format!("{}/health", e.url()), None).await.status, 200);
+    assert_eq!(
+        request("GET", &format!("{}/health", e.url()), None)
+            .await
+            .status,
+        200
+    );
     e.set_faults(Faults::default());
-    assert_eq!(request("GET", &format!("{base}/health"), None).await.body, "OK");
+    assert_eq!(
+        request("GET", &format!("{base}/health"), None).await.body,
+        "OK"
+    );
 }

@@ -42,13 +42,26 @@ async fn prefill_status_faults_use_sglang_shapes() {
     let a = post(&format!("{url}/generate"), &leg(&c, 1, json!({}))).await;
     assert_eq!(a.status, 500);
     let v = a.json();
-    assert_eq!((v["object"].clone(), v["type"].clone(), v["code"].clone()), (json!("error"), json!("500"), json!(500)));
+    assert_eq!(
+        (v["object"].clone(), v["type"].clone(), v["code"].clone()),
+        (json!("error"), json!("500"), json!(500))
+    );
 
-    c.prefills[0].set_faults(Faults { prefill_status: Some(400), ..Faults::default() });
+    c.prefills[0].set_faults(Faults {
+        prefill_status: Some(400),
+        ..Faults::default()
+    });
     let a = post(&format!("{url}/generate"), &leg(&c, 2, json!({}))).await;
     assert_eq!(a.status, 400);
-    assert!(a.json()["error"]["message"].as_str().unwrap_or("").contains("longer than the model's context length"));
-    let a = post(&format!("{url}/v1/chat/completions"), &json!({"messages": [{"role": "user", "content": "x"}], "bootstrap_room": 3}).to_string()).await;
+    assert!(a.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("longer than the model's context length"));
+    let a = post(
+        &format!("{url}/v1/chat/completions"),
+        &json!({"messages": [{"role": "user", "content": "x"}], "bootstrap_room": 3}).to_string(),
+    )
+    .await;
     assert_eq!(a.status, 400);
     assert_eq!(a.json()["type"], "BadRequestError");
     assert_eq!(a.json()["code"], 400);
@@ -59,15 +72,37 @@ async fn prefill_status_faults_use_sglang_shapes() {
 
 #[tokio::test]
 async fn missing_room_and_conflicting_routed_rank() {
-    let c = SimCluster::spawn(&[fast(EngineConfig::prefill(2))], &[fast(EngineConfig::decode(1))]).await.expect("cluster");
-    let d = post(&format!("{}/generate", c.decodes[0].url()), r#"{"text": "x"}"#).await;
+    let c = SimCluster::spawn(
+        &[fast(EngineConfig::prefill(2))],
+        &[fast(EngineConfig::decode(1))],
+    )
+    .await
+    .expect("cluster");
+    let d = post(
+        &format!("{}/generate", c.decodes[0].url()),
+        r#"{"text": "x"}"#,
+    )
+    .await;
     assert_eq!(d.status, 400);
-    assert!(d.body.contains("Disaggregated request received without bootstrap room id"), "{}", d.body);
+    assert!(
+        d.body
+            .contains("Disaggregated request received without bootstrap room id"),
+        "{}",
+        d.body
+    );
     // routed_dp_rank 0 with room 5 (implies rank 1): SGLang's conflict error.
-    let p = post(&format!("{}/generate", c.prefills[0].url()), &leg(&c, 5, json!({"routed_dp_rank": 0}))).await;
+    let p = post(
+        &format!("{}/generate", c.prefills[0].url()),
+        &leg(&c, 5, json!({"routed_dp_rank": 0})),
+    )
+    .await;
     assert_eq!(p.status, 500);
     assert!(p.body.contains("follow_bootstrap_room conflict: dispatched to dp_rank 0 but bootstrap_room 5 implies dp_rank 1"), "{}", p.body);
-    let p = post(&format!("{}/generate", c.prefills[0].url()), &leg(&c, 6, json!({"routed_dp_rank": 7}))).await;
+    let p = post(
+        &format!("{}/generate", c.prefills[0].url()),
+        &leg(&c, 6, json!({"routed_dp_rank": 7})),
+    )
+    .await;
     assert_eq!(p.status, 400);
     assert!(p.body.contains("DP rank 7 is not active."), "{}", p.body);
     held_zero(&c).await;
@@ -77,16 +112,29 @@ async fn missing_room_and_conflicting_routed_rank() {
 async fn bootstrap_down_fails_decode_after_sentinel_attempts() {
     let mut p = fast(EngineConfig::prefill(1));
     p.faults.bootstrap_down = true;
-    let c = SimCluster::spawn(&[p], &[fast(EngineConfig::decode(1))]).await.expect("cluster");
-    let d = post(&format!("{}/generate", c.decodes[0].url()), &leg(&c, 1, json!({}))).await;
+    let c = SimCluster::spawn(&[p], &[fast(EngineConfig::decode(1))])
+        .await
+        .expect("cluster");
+    let d = post(
+        &format!("{}/generate", c.decodes[0].url()),
+        &leg(&c, 1, json!({})),
+    )
+    .await;
     assert_eq!(d.status, 500);
     let addr = format!("127.0.0.1:{}", c.prefills[0].bootstrap_port().unwrap_or(0));
     let msg = d.json()["message"].as_str().unwrap_or("").to_string();
-    assert_eq!(msg, format!("Could not fetch prefill parallel info from {addr} after 3 attempts"));
+    assert_eq!(
+        msg,
+        format!("Could not fetch prefill parallel info from {addr} after 3 attempts")
+    );
     // Streaming on the OpenAI route: 200, an error chunk, [DONE].
     let body = json!({"messages": [{"role": "user", "content": "x"}], "stream": true,
         "bootstrap_host": "127.0.0.1", "bootstrap_port": c.prefills[0].bootstrap_port(), "bootstrap_room": 2});
-    let d = post(&format!("{}/v1/chat/completions", c.decodes[0].url()), &body.to_string()).await;
+    let d = post(
+        &format!("{}/v1/chat/completions", c.decodes[0].url()),
+        &body.to_string(),
+    )
+    .await;
     assert_eq!(d.status, 200);
     let ev = d.events();
     assert_eq!(ev.len(), 2, "{ev:?}");
@@ -99,15 +147,28 @@ async fn bootstrap_down_fails_decode_after_sentinel_attempts() {
 
 #[tokio::test]
 async fn unregistered_rank_fails_decode_at_once() {
-    let c = SimCluster::spawn(&[fast(EngineConfig::prefill(2))], &[fast(EngineConfig::decode(1))]).await.expect("cluster");
-    let (p_url, d_url) = (format!("{}/generate", c.prefills[0].url()), format!("{}/generate", c.decodes[0].url()));
+    let c = SimCluster::spawn(
+        &[fast(EngineConfig::prefill(2))],
+        &[fast(EngineConfig::decode(1))],
+    )
+    .await
+    .expect("cluster");
+    let (p_url, d_url) = (
+        format!("{}/generate", c.prefills[0].url()),
+        format!("{}/generate", c.decodes[0].url()),
+    );
     // Warm the decode's cache of the prefill's parallel info with a room on rank 0.
     let b = leg(&c, 10, json!({}));
     let (p, d) = tokio::join!(post(&p_url, &b), post(&d_url, &b));
     assert_eq!((p.status, d.status), (200, 200));
-    c.prefills[0].set_faults(Faults { unregistered_ranks: vec![1], ..Faults::default() });
+    c.prefills[0].set_faults(Faults {
+        unregistered_ranks: vec![1],
+        ..Faults::default()
+    });
     let base = c.prefills[0].bootstrap_url().unwrap_or_default();
-    let route1 = format!("{base}/route?prefill_dp_rank=1&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0");
+    let route1 = format!(
+        "{base}/route?prefill_dp_rank=1&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+    );
     let mut status = 0;
     for _ in 0..100 {
         status = get(&route1).await.status;
@@ -147,16 +208,34 @@ async fn legacy_bug_waits_until_waiting_timeout() {
         "attn_dp_size": 2, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
         "system_dp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": c.prefills[0].rank_ports()[0],
         "page_size": 1, "kv_cache_dtype": "auto"});
-    assert_eq!(sim_support::request("PUT", &format!("{base}/route"), Some(&put.to_string())).await.status, 200);
-    let d = post(&format!("{}/generate", c.decodes[0].url()), &leg(&c, 3, json!({}))).await;
+    assert_eq!(
+        sim_support::request("PUT", &format!("{base}/route"), Some(&put.to_string()))
+            .await
+            .status,
+        200
+    );
+    let d = post(
+        &format!("{}/generate", c.decodes[0].url()),
+        &leg(&c, 3, json!({})),
+    )
+    .await;
     assert_eq!(d.status, 500);
-    assert!(d.body.contains("timed out after") && d.body.contains("in KVPoll.WaitingForInput"), "{}", d.body);
+    assert!(
+        d.body.contains("timed out after") && d.body.contains("in KVPoll.WaitingForInput"),
+        "{}",
+        d.body
+    );
     held_zero(&c).await;
 }
 
 #[tokio::test]
 async fn abort_request_ends_a_waiting_decode() {
-    let c = SimCluster::spawn(&[fast(EngineConfig::prefill(1))], &[fast(EngineConfig::decode(1))]).await.expect("cluster");
+    let c = SimCluster::spawn(
+        &[fast(EngineConfig::prefill(1))],
+        &[fast(EngineConfig::decode(1))],
+    )
+    .await
+    .expect("cluster");
     let d_url = c.decodes[0].url();
     let body = leg(&c, 4, json!({"rid": "req-abc"}));
     let pending = tokio::spawn({
@@ -166,7 +245,12 @@ async fn abort_request_ends_a_waiting_decode() {
     let seen = eventually(|| c.decodes[0].stats().held_now == 1).await;
     assert!(seen);
     // An untracked rid is ignored; the exact rid aborts.
-    assert_eq!(post(&format!("{d_url}/abort_request"), r#"{"rid": "req-zzz"}"#).await.status, 200);
+    assert_eq!(
+        post(&format!("{d_url}/abort_request"), r#"{"rid": "req-zzz"}"#)
+            .await
+            .status,
+        200
+    );
     let a = post(&format!("{d_url}/abort_request"), r#"{"rid": "req-abc"}"#).await;
     assert_eq!((a.status, a.body.as_str()), (200, ""));
     let d = pending.await.expect("join");
@@ -178,13 +262,22 @@ async fn abort_request_ends_a_waiting_decode() {
 
 #[tokio::test]
 async fn client_disconnect_is_counted() {
-    let c = SimCluster::spawn(&[fast(EngineConfig::prefill(1))], &[fast(EngineConfig::decode(1))]).await.expect("cluster");
+    let c = SimCluster::spawn(
+        &[fast(EngineConfig::prefill(1))],
+        &[fast(EngineConfig::decode(1))],
+    )
+    .await
+    .expect("cluster");
     let url = format!("{}/generate", c.decodes[0].url());
     let body = leg(&c, 5, json!({}));
     let client = tokio::spawn(async move { try_request("POST", &url, Some(&body)).await });
     assert!(eventually(|| c.decodes[0].stats().held_now == 1).await);
     client.abort();
-    assert!(eventually(|| c.decodes[0].stats().client_disconnects == 1).await, "{:?}", c.decodes[0].stats());
+    assert!(
+        eventually(|| c.decodes[0].stats().client_disconnects == 1).await,
+        "{:?}",
+        c.decodes[0].stats()
+    );
     held_zero(&c).await;
 }
 
@@ -192,9 +285,18 @@ async fn client_disconnect_is_counted() {
 async fn decode_dies_mid_stream() {
     let mut d = fast(EngineConfig::decode(1));
     d.faults.decode_die_mid_stream_after = Some(2);
-    let c = SimCluster::spawn(&[fast(EngineConfig::prefill(1))], &[d]).await.expect("cluster");
-    let b = leg(&c, 6, json!({"stream": true, "sampling_params": {"max_new_tokens": 5}}));
-    let (pu, du) = (format!("{}/generate", c.prefills[0].url()), format!("{}/generate", c.decodes[0].url()));
+    let c = SimCluster::spawn(&[fast(EngineConfig::prefill(1))], &[d])
+        .await
+        .expect("cluster");
+    let b = leg(
+        &c,
+        6,
+        json!({"stream": true, "sampling_params": {"max_new_tokens": 5}}),
+    );
+    let (pu, du) = (
+        format!("{}/generate", c.prefills[0].url()),
+        format!("{}/generate", c.decodes[0].url()),
+    );
     let (p, d) = tokio::join!(post(&pu, &b), try_request("POST", &du, Some(&b)));
     assert_eq!(p.status, 200);
     assert!(d.is_err(), "the stream must be cut: {d:?}");
@@ -212,16 +314,30 @@ async fn prefill_death_is_noticed_by_the_decode_heartbeat() {
     p.prefill_delay = Duration::from_millis(20);
     let c = SimCluster::spawn(&[p], &[d]).await.expect("cluster");
     let b = leg(&c, 8, json!({}));
-    let (pu, du) = (format!("{}/generate", c.prefills[0].url()), format!("{}/generate", c.decodes[0].url()));
+    let (pu, du) = (
+        format!("{}/generate", c.prefills[0].url()),
+        format!("{}/generate", c.decodes[0].url()),
+    );
     let (p, d) = tokio::join!(try_request("POST", &pu, Some(&b)), post(&du, &b));
     assert!(p.is_err(), "prefill connection must be cut: {p:?}");
     assert_eq!(d.status, 500);
-    assert!(d.body.contains("Lost connection with prefill instance"), "{}", d.body);
+    assert!(
+        d.body.contains("Lost connection with prefill instance"),
+        "{}",
+        d.body
+    );
     assert!(c.prefills[0].faults().down);
     // The engine is down: new connections are dropped; back up, it answers.
-    assert!(try_request("GET", &format!("{}/health", c.prefills[0].url()), None).await.is_err());
+    assert!(
+        try_request("GET", &format!("{}/health", c.prefills[0].url()), None)
+            .await
+            .is_err()
+    );
     c.prefills[0].set_down(false);
-    assert_eq!(get(&format!("{}/health", c.prefills[0].url())).await.status, 200);
+    assert_eq!(
+        get(&format!("{}/health", c.prefills[0].url())).await.status,
+        200
+    );
     held_zero(&c).await;
 }
 
@@ -229,11 +345,23 @@ async fn prefill_death_is_noticed_by_the_decode_heartbeat() {
 async fn sim_endpoints_and_info() {
     let e = sim::spawn(EngineConfig::decode(2)).await.expect("spawn");
     let url = e.url();
-    let f = post(&format!("{url}/sim/faults"), r#"{"decode_extra_itl_ms": 7}"#).await;
+    let f = post(
+        &format!("{url}/sim/faults"),
+        r#"{"decode_extra_itl_ms": 7}"#,
+    )
+    .await;
     assert_eq!(f.status, 200);
     assert_eq!(e.faults().decode_extra_itl_ms, 7);
-    assert_eq!(get(&format!("{url}/sim/faults")).await.json()["decode_extra_itl_ms"], 7);
-    assert_eq!(post(&format!("{url}/sim/faults"), r#"{"nope": 1}"#).await.status, 400);
+    assert_eq!(
+        get(&format!("{url}/sim/faults")).await.json()["decode_extra_itl_ms"],
+        7
+    );
+    assert_eq!(
+        post(&format!("{url}/sim/faults"), r#"{"nope": 1}"#)
+            .await
+            .status,
+        400
+    );
     let s = get(&format!("{url}/sim/stats")).await.json();
     assert_eq!(s["requests_per_rank"], json!([0, 0]));
     let info = get(&format!("{url}/server_info")).await.json();
@@ -242,8 +370,21 @@ async fn sim_endpoints_and_info() {
     assert_eq!(info["internal_states"].as_array().map(Vec::len), Some(2));
     let loads = get(&format!("{url}/v1/loads")).await.json();
     assert_eq!(loads["loads"].as_array().map(Vec::len), Some(2));
-    assert_eq!(get(&format!("{url}/get_load")).await.json().as_array().map(Vec::len), Some(2));
-    assert_eq!(get(&format!("{url}/v1/models")).await.json()["data"][0]["max_model_len"], 32768);
-    assert_eq!(get(&format!("{url}/get_model_info")).await.json()["model_path"], "sim-model");
+    assert_eq!(
+        get(&format!("{url}/get_load"))
+            .await
+            .json()
+            .as_array()
+            .map(Vec::len),
+        Some(2)
+    );
+    assert_eq!(
+        get(&format!("{url}/v1/models")).await.json()["data"][0]["max_model_len"],
+        32768
+    );
+    assert_eq!(
+        get(&format!("{url}/get_model_info")).await.json()["model_path"],
+        "sim-model"
+    );
     assert_eq!(get(&format!("{url}/nope")).await.status, 404);
 }

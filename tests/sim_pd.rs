@@ -17,9 +17,12 @@ fn fast(mut c: EngineConfig) -> EngineConfig {
 }
 
 async fn cluster(prefill_dp: u32, decode_dp: u32) -> SimCluster {
-    SimCluster::spawn(&[fast(EngineConfig::prefill(prefill_dp))], &[fast(EngineConfig::decode(decode_dp))])
-        .await
-        .expect("cluster")
+    SimCluster::spawn(
+        &[fast(EngineConfig::prefill(prefill_dp))],
+        &[fast(EngineConfig::decode(decode_dp))],
+    )
+    .await
+    .expect("cluster")
 }
 
 /// Adds the bootstrap fields of the cluster's prefill to `body`.
@@ -31,7 +34,12 @@ fn with_bootstrap(c: &SimCluster, mut body: Value, room: Value) -> Value {
 }
 
 /// Sends both legs concurrently; returns (prefill answer, decode answer).
-async fn pd(c: &SimCluster, path: &str, prefill_body: &Value, decode_body: &Value) -> (Answer, Answer) {
+async fn pd(
+    c: &SimCluster,
+    path: &str,
+    prefill_body: &Value,
+    decode_body: &Value,
+) -> (Answer, Answer) {
     let p_url = format!("{}{path}", c.prefills[0].url());
     let d_url = format!("{}{path}", c.decodes[0].url());
     let (pb, db) = (prefill_body.to_string(), decode_body.to_string());
@@ -67,15 +75,26 @@ async fn generate_non_stream_dp1_with_logprobs() {
     assert_eq!(d.status, 200, "{}", d.body);
     let pv = p.json();
     assert_eq!(pv["meta_info"]["completion_tokens"], 1);
-    let input = pv["meta_info"]["input_token_logprobs"].as_array().expect("input logprobs").clone();
+    let input = pv["meta_info"]["input_token_logprobs"]
+        .as_array()
+        .expect("input logprobs")
+        .clone();
     assert_eq!(input.len(), 4);
     assert!(input[0][0].is_null());
     let dv = d.json();
     assert_eq!(dv["meta_info"]["completion_tokens"], 5);
-    assert_eq!(dv["meta_info"]["finish_reason"], json!({"type": "length", "length": 5}));
+    assert_eq!(
+        dv["meta_info"]["finish_reason"],
+        json!({"type": "length", "length": 5})
+    );
     assert_eq!(dv["output_ids"].as_array().map(Vec::len), Some(5));
     assert_eq!(dv["meta_info"]["input_token_logprobs"], json!([]));
-    assert_eq!(dv["meta_info"]["output_token_logprobs"].as_array().map(Vec::len), Some(5));
+    assert_eq!(
+        dv["meta_info"]["output_token_logprobs"]
+            .as_array()
+            .map(Vec::len),
+        Some(5)
+    );
     let s = settled(&c).await;
     assert_clean(&s, 1);
 }
@@ -98,11 +117,17 @@ async fn generate_stream_dp2_cumulative_chunks() {
         let de = d.events();
         assert_eq!(de.len(), 4, "{de:?}");
         assert_eq!(de[3], "[DONE]");
-        let chunks: Vec<Value> = de[..3].iter().map(|e| serde_json::from_str(e).expect("json")).collect();
+        let chunks: Vec<Value> = de[..3]
+            .iter()
+            .map(|e| serde_json::from_str(e).expect("json"))
+            .collect();
         let mut prev = String::new();
         for (i, ch) in chunks.iter().enumerate() {
             let text = ch["text"].as_str().expect("text").to_string();
-            assert!(text.starts_with(&prev) && text.len() > prev.len(), "cumulative: {de:?}");
+            assert!(
+                text.starts_with(&prev) && text.len() > prev.len(),
+                "cumulative: {de:?}"
+            );
             prev = text;
             let fr = &ch["meta_info"]["finish_reason"];
             if i < 2 {
@@ -151,7 +176,10 @@ async fn chat_stream_dp1_with_usage() {
     let (_p, d) = pd(&c, "/v1/chat/completions", &body, &body).await;
     let de = d.events();
     assert_eq!(de.last().map(String::as_str), Some("[DONE]"), "{de:?}");
-    let chunks: Vec<Value> = de[..de.len() - 1].iter().map(|e| serde_json::from_str(e).expect("json")).collect();
+    let chunks: Vec<Value> = de[..de.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("json"))
+        .collect();
     assert_eq!(chunks[0]["object"], "chat.completion.chunk");
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let finish = &chunks[chunks.len() - 2];
@@ -192,7 +220,9 @@ async fn completions_non_stream_query_mode() {
     // decode resolves it through /query_dp_ranks.
     let mut p = fast(EngineConfig::prefill(2));
     p.load_balance_method = "round_robin".to_string();
-    let c = SimCluster::spawn(&[p], &[fast(EngineConfig::decode(1))]).await.expect("cluster");
+    let c = SimCluster::spawn(&[p], &[fast(EngineConfig::decode(1))])
+        .await
+        .expect("cluster");
     for room in [20u64, 22, 24] {
         let body = with_bootstrap(&c, json!({"prompt": "x y", "max_tokens": 2}), json!(room));
         let (p, d) = pd(&c, "/v1/completions", &body, &body).await;
@@ -203,8 +233,15 @@ async fn completions_non_stream_query_mode() {
     let s = settled(&c).await;
     assert_clean(&s, 3);
     // Round robin: even rooms still land on both ranks.
-    assert_eq!(c.prefills[0].stats().requests_per_rank.iter().sum::<u64>(), 3);
-    assert!(c.prefills[0].stats().requests_per_rank.iter().all(|n| *n > 0));
+    assert_eq!(
+        c.prefills[0].stats().requests_per_rank.iter().sum::<u64>(),
+        3
+    );
+    assert!(c.prefills[0]
+        .stats()
+        .requests_per_rank
+        .iter()
+        .all(|n| *n > 0));
 }
 
 #[tokio::test]
@@ -234,7 +271,11 @@ async fn rank_mismatch_is_counted_and_both_legs_time_out() {
 #[tokio::test]
 async fn decode_first_then_prefill_and_room_reuse() {
     let c = cluster(1, 1).await;
-    let body = with_bootstrap(&c, json!({"text": "hi", "sampling_params": {"max_new_tokens": 1}}), json!(9));
+    let body = with_bootstrap(
+        &c,
+        json!({"text": "hi", "sampling_params": {"max_new_tokens": 1}}),
+        json!(9),
+    );
     let d_url = format!("{}/generate", c.decodes[0].url());
     let p_url = format!("{}/generate", c.prefills[0].url());
     let b = body.to_string();
@@ -261,7 +302,9 @@ async fn decode_at_wrong_prefill_is_a_bootstrap_mismatch() {
     d.waiting_timeout = Duration::from_millis(200);
     let mut p = fast(EngineConfig::prefill(1));
     p.bootstrap_timeout = Duration::from_millis(200);
-    let c = SimCluster::spawn(&[p.clone(), p], &[d]).await.expect("cluster");
+    let c = SimCluster::spawn(&[p.clone(), p], &[d])
+        .await
+        .expect("cluster");
     let prefill_body = with_bootstrap(&c, json!({"text": "hi"}), json!(77));
     let mut decode_body = prefill_body.clone();
     decode_body["bootstrap_port"] = json!(c.prefills[1].bootstrap_port());

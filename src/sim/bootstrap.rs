@@ -78,7 +78,12 @@ impl Inner {
 
     /// `Err` where Python's `_is_ready` would raise a TypeError.
     fn is_ready(&self) -> Result<Ready, ()> {
-        let sizes = [&self.dp_size, &self.attn_cp_size, &self.attn_tp_size, &self.pp_size];
+        let sizes = [
+            &self.dp_size,
+            &self.attn_cp_size,
+            &self.attn_tp_size,
+            &self.pp_size,
+        ];
         let mut product = 1.0f64;
         for s in sizes {
             match s {
@@ -88,7 +93,11 @@ impl Inner {
                 Some(_) => return Err(()),
             }
         }
-        Ok(if (self.registered as f64) >= product { Ready::Yes } else { Ready::No })
+        Ok(if (self.registered as f64) >= product {
+            Ready::Yes
+        } else {
+            Ready::No
+        })
     }
 
     fn not_ready_text(&self) -> String {
@@ -105,7 +114,10 @@ impl Inner {
             ("attn_cp_size".into(), size(&self.attn_cp_size)?),
             ("dp_size".into(), size(&self.dp_size)?),
             ("pp_size".into(), size(&self.pp_size)?),
-            ("page_size".into(), self.page_size.map_or(Value::Null, Value::from)),
+            (
+                "page_size".into(),
+                self.page_size.map_or(Value::Null, Value::from),
+            ),
             (
                 "kv_cache_dtype".into(),
                 match &self.kv_cache_dtype {
@@ -113,7 +125,10 @@ impl Inner {
                     Some(v) => Value::String(pyjson::str_value(v)),
                 },
             ),
-            ("follow_bootstrap_room".into(), Value::Bool(self.follow_bootstrap_room.unwrap_or(true))),
+            (
+                "follow_bootstrap_room".into(),
+                Value::Bool(self.follow_bootstrap_room.unwrap_or(true)),
+            ),
             (
                 "enable_dsa_cache_layer_split".into(),
                 Value::Bool(self.enable_dsa_cache_layer_split.unwrap_or(false)),
@@ -125,12 +140,18 @@ impl Inner {
         if let Some(l) = self.kv_layout.as_ref().filter(|l| !l.is_null()) {
             obj.push(("kv_layout".into(), Value::String(pyjson::str_value(l))));
         }
-        obj.push(("decode_allocation_policy".into(), self.decode_allocation_policy.clone()));
+        obj.push((
+            "decode_allocation_policy".into(),
+            self.decode_allocation_policy.clone(),
+        ));
         obj.push((
             "enable_kv_cache_sharding".into(),
             Value::Bool(self.enable_kv_cache_sharding.unwrap_or(false)),
         ));
-        obj.push(("prefill_http_port".into(), self.prefill_http_port.map_or(Value::Null, Value::from)));
+        obj.push((
+            "prefill_http_port".into(),
+            self.prefill_http_port.map_or(Value::Null, Value::from),
+        ));
         for k in [
             "target_tp_rank",
             "target_tp_ranks",
@@ -189,7 +210,9 @@ impl BootstrapState {
     fn sweep_rooms(&self) {
         let ttl = self.room_ttl;
         let now = Instant::now();
-        self.lock().rooms.retain(|_, (_, at)| now.duration_since(*at) <= ttl);
+        self.lock()
+            .rooms
+            .retain(|_, (_, at)| now.duration_since(*at) <= ttl);
     }
 }
 
@@ -221,12 +244,16 @@ fn generic_500() -> Resp {
 
 fn aiohttp_405(allow: &'static str) -> Resp {
     let mut r = http::text(405, "405: Method Not Allowed");
-    r.headers_mut().insert(ALLOW, HeaderValue::from_static(allow));
+    r.headers_mut()
+        .insert(ALLOW, HeaderValue::from_static(allow));
     r
 }
 
 /// Handles one request to the bootstrap server.
-pub(crate) async fn handle(state: Arc<BootstrapState>, req: Request<Incoming>) -> Result<Resp, Cut> {
+pub(crate) async fn handle(
+    state: Arc<BootstrapState>,
+    req: Request<Incoming>,
+) -> Result<Resp, Cut> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let query = req.uri().query().map(str::to_string);
@@ -307,7 +334,10 @@ fn route_put(state: &BootstrapState, body: &[u8]) -> Resp {
     let mut guard = state.lock();
     let g = &mut *guard;
     if g.registered != 0 && g.dsv41_spec_layout != dsv41 {
-        return http::text(400, "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks");
+        return http::text(
+            400,
+            "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks",
+        );
     }
     let policy = data
         .get("decode_allocation_policy")
@@ -336,7 +366,12 @@ fn route_put(state: &BootstrapState, body: &[u8]) -> Resp {
         g.pp_size = Some(get("pp_size"));
     }
     // Python keeps `None` sizes as "unset": later PUTs may fill them.
-    for slot in [&mut g.attn_tp_size, &mut g.attn_cp_size, &mut g.dp_size, &mut g.pp_size] {
+    for slot in [
+        &mut g.attn_tp_size,
+        &mut g.attn_cp_size,
+        &mut g.dp_size,
+        &mut g.pp_size,
+    ] {
         if matches!(slot, Some(Value::Null)) {
             *slot = None;
         }
@@ -374,8 +409,17 @@ fn route_put(state: &BootstrapState, body: &[u8]) -> Resp {
     } else {
         get("system_dp_rank")
     };
-    let keys = [dp_group, get("attn_cp_rank"), get("attn_tp_rank"), get("pp_rank")];
-    let Some(k) = keys.iter().map(PyKey::from_value).collect::<Option<Vec<_>>>() else {
+    let keys = [
+        dp_group,
+        get("attn_cp_rank"),
+        get("attn_tp_rank"),
+        get("pp_rank"),
+    ];
+    let Some(k) = keys
+        .iter()
+        .map(PyKey::from_value)
+        .collect::<Option<Vec<_>>>()
+    else {
         return generic_500();
     };
     let info = RankInfo {
@@ -412,7 +456,12 @@ fn truthy(v: Option<&Value>) -> bool {
 
 /// `_handle_route_get`: lazy `int()` left to right, as Python evaluates it.
 fn route_get(state: &BootstrapState, query: Option<&str>) -> Resp {
-    let names = ["prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"];
+    let names = [
+        "prefill_dp_rank",
+        "prefill_cp_rank",
+        "target_tp_rank",
+        "target_pp_rank",
+    ];
     let raw: Vec<String> = names
         .iter()
         .map(|n| query_param(query, n).unwrap_or_default())
@@ -456,14 +505,30 @@ fn route_get(state: &BootstrapState, query: Option<&str>) -> Resp {
             ),
         )
     };
-    let Some(dp) = int_str(&raw[0]) else { return generic_500() };
-    let Some(cp_table) = g.table.get(&PyKey::Int(dp)) else { return not_found() };
-    let Some(cp) = int_str(&raw[1]) else { return generic_500() };
-    let Some(tp_table) = cp_table.get(&PyKey::Int(cp)) else { return not_found() };
-    let Some(tp) = int_str(&raw[2]) else { return generic_500() };
-    let Some(pp_table) = tp_table.get(&PyKey::Int(tp)) else { return not_found() };
-    let Some(pp) = int_str(&raw[3]) else { return generic_500() };
-    let Some(info) = pp_table.get(&PyKey::Int(pp)) else { return not_found() };
+    let Some(dp) = int_str(&raw[0]) else {
+        return generic_500();
+    };
+    let Some(cp_table) = g.table.get(&PyKey::Int(dp)) else {
+        return not_found();
+    };
+    let Some(cp) = int_str(&raw[1]) else {
+        return generic_500();
+    };
+    let Some(tp_table) = cp_table.get(&PyKey::Int(cp)) else {
+        return not_found();
+    };
+    let Some(tp) = int_str(&raw[2]) else {
+        return generic_500();
+    };
+    let Some(pp_table) = tp_table.get(&PyKey::Int(tp)) else {
+        return not_found();
+    };
+    let Some(pp) = int_str(&raw[3]) else {
+        return generic_500();
+    };
+    let Some(info) = pp_table.get(&PyKey::Int(pp)) else {
+        return not_found();
+    };
     let body = pyjson::dumps_obj(&vec![
         ("rank_ip".into(), Value::String(info.rank_ip.clone())),
         ("rank_port".into(), Value::from(info.rank_port)),

@@ -206,15 +206,24 @@ impl SimArgs {
         if self.base_port == 0 {
             return Ok(0);
         }
-        u16::try_from(u32::from(self.base_port) + offset)
-            .map_err(|_| format!("--base-port {} leaves no room for every engine", self.base_port))
+        u16::try_from(u32::from(self.base_port) + offset).map_err(|_| {
+            format!(
+                "--base-port {} leaves no room for every engine",
+                self.base_port
+            )
+        })
     }
 }
 
 /// The `READY …` line of one engine.
 pub fn ready_line(e: &SimEngine) -> String {
     match e.bootstrap_port() {
-        Some(b) => format!("READY {} {} bootstrap_port={b} dp={}", e.role(), e.url(), e.config().dp()),
+        Some(b) => format!(
+            "READY {} {} bootstrap_port={b} dp={}",
+            e.role(),
+            e.url(),
+            e.config().dp()
+        ),
         None => format!("READY {} {} dp={}", e.role(), e.url(), e.config().dp()),
     }
 }
@@ -223,7 +232,11 @@ pub fn ready_line(e: &SimEngine) -> String {
 pub async fn run(args: SimArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let engines: Vec<SimEngine> = match args.role {
         Some(role) => {
-            let dp = if role == Role::Prefill { args.prefill_dp } else { args.decode_dp };
+            let dp = if role == Role::Prefill {
+                args.prefill_dp
+            } else {
+                args.decode_dp
+            };
             let mut cfg = args.config(role, dp);
             cfg.port = args.port;
             cfg.bootstrap_port = args.bootstrap_port;

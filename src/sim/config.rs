@@ -47,7 +47,9 @@ impl std::str::FromStr for Role {
         match s {
             "prefill" => Ok(Role::Prefill),
             "decode" => Ok(Role::Decode),
-            other => Err(format!("unknown role {other:?} (expected prefill or decode)")),
+            other => Err(format!(
+                "unknown role {other:?} (expected prefill or decode)"
+            )),
         }
     }
 }

@@ -72,7 +72,12 @@ impl ContractBook {
         let mismatch = legs
             .iter()
             .any(|o| o.kind != kind && (o.host != host || o.port != port));
-        legs.push(BookLeg { id, kind, host, port });
+        legs.push(BookLeg {
+            id,
+            kind,
+            host,
+            port,
+        });
         (
             BookEntry {
                 book: Arc::clone(self),

@@ -123,16 +123,26 @@ pub(crate) async fn prepare(
         Some(p) => http::host_port(&host, p),
         None => format!("{host}:None"),
     };
-    let info = parallel_info(engine, &addr).await.map_err(|msg| Failure::abort(500, msg))?;
-    if info.page_size.is_some_and(|p| p != i64::from(engine.cfg.page_size))
-        || info.kv_cache_dtype.as_deref().is_some_and(|d| d != engine.cfg.kv_cache_dtype)
+    let info = parallel_info(engine, &addr)
+        .await
+        .map_err(|msg| Failure::abort(500, msg))?;
+    if info
+        .page_size
+        .is_some_and(|p| p != i64::from(engine.cfg.page_size))
+        || info
+            .kv_cache_dtype
+            .as_deref()
+            .is_some_and(|d| d != engine.cfg.kv_cache_dtype)
     {
         return Err(handshake_failure(
             inst,
             room,
             &format!(
                 "prefill page_size/kv_cache_dtype {:?}/{:?} differ from decode {}/{}",
-                info.page_size, info.kv_cache_dtype, engine.cfg.page_size, engine.cfg.kv_cache_dtype
+                info.page_size,
+                info.kv_cache_dtype,
+                engine.cfg.page_size,
+                engine.cfg.kv_cache_dtype
             ),
         ));
     }
@@ -186,12 +196,17 @@ async fn fetch_info(engine: Arc<Engine>, addr: String, tx: watch::Sender<FetchRe
         "Could not fetch prefill parallel info from {addr} after {attempts} attempts"
     ));
     for attempt in 1..=attempts {
-        let path = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
+        let path =
+            "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
         let got = tokio::select! {
             r = http::call(&addr, "GET", path, None, HTTP_TIMEOUT) => r,
             _ = http::wait_shutdown(&mut shutdown) => break,
         };
-        if let Some(info) = got.ok().filter(|r| r.status == 200).and_then(|r| parse_info(&r.body)) {
+        if let Some(info) = got
+            .ok()
+            .filter(|r| r.status == 200)
+            .and_then(|r| parse_info(&r.body))
+        {
             result = Ok(Arc::new(info));
             break;
         }
@@ -219,9 +234,15 @@ fn parse_info(body: &[u8]) -> Option<PrefillInfo> {
     let v: Value = serde_json::from_slice(body).ok()?;
     Some(PrefillInfo {
         dp_size: u32::try_from(v.get("dp_size")?.as_u64()?).ok()?.max(1),
-        follow_bootstrap_room: v.get("follow_bootstrap_room").and_then(Value::as_bool).unwrap_or(true),
+        follow_bootstrap_room: v
+            .get("follow_bootstrap_room")
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
         page_size: v.get("page_size").and_then(Value::as_i64),
-        kv_cache_dtype: v.get("kv_cache_dtype").and_then(Value::as_str).map(str::to_string),
+        kv_cache_dtype: v
+            .get("kv_cache_dtype")
+            .and_then(Value::as_str)
+            .map(str::to_string),
     })
 }
 
@@ -240,7 +261,15 @@ async fn resolve_rank(req: &ParsedRequest, addr: &str, room: u64, info: &Prefill
     let body = json!({"bootstrap_rooms": [room]}).to_string();
     let mut pause = Duration::from_millis(10);
     loop {
-        if let Ok(r) = http::call(addr, "POST", "/query_dp_ranks", Some(body.clone().into_bytes()), HTTP_TIMEOUT).await {
+        if let Ok(r) = http::call(
+            addr,
+            "POST",
+            "/query_dp_ranks",
+            Some(body.clone().into_bytes()),
+            HTTP_TIMEOUT,
+        )
+        .await
+        {
             let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
             if let Some(rank) = v.get(room.to_string()).and_then(Value::as_u64) {
                 return u32::try_from(rank).unwrap_or(u32::MAX);
@@ -264,7 +293,9 @@ async fn rank_endpoint(
         return Ok(a.clone());
     }
     let started = tokio::time::Instant::now();
-    let path = format!("/route?prefill_dp_rank={rank}&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0");
+    let path = format!(
+        "/route?prefill_dp_rank={rank}&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+    );
     let got = http::call(addr, "GET", &path, None, HTTP_TIMEOUT).await;
     let found = got.ok().filter(|r| r.status == 200).and_then(|r| {
         let v: Value = serde_json::from_slice(&r.body).ok()?;
@@ -294,7 +325,12 @@ async fn rank_endpoint(
 }
 
 /// Long-polls the rank endpoint until the KV arrived, failed, or timed out.
-async fn pull_kv(engine: &Arc<Engine>, inst: &Instance, rank_addr: &str, room: u64) -> Result<(), Failure> {
+async fn pull_kv(
+    engine: &Arc<Engine>,
+    inst: &Instance,
+    rank_addr: &str,
+    room: u64,
+) -> Result<(), Failure> {
     let started = tokio::time::Instant::now();
     let deadline = started + engine.cfg.waiting_timeout;
     let body = json!({
@@ -311,7 +347,15 @@ async fn pull_kv(engine: &Arc<Engine>, inst: &Instance, rank_addr: &str, room: u
         if left.is_zero() {
             return Err(waiting_timeout(inst, room, started.elapsed()));
         }
-        match http::call(rank_addr, "POST", &path, Some(body.clone().into_bytes()), left).await {
+        match http::call(
+            rank_addr,
+            "POST",
+            &path,
+            Some(body.clone().into_bytes()),
+            left,
+        )
+        .await
+        {
             Ok(r) if r.status == 200 => {
                 let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
                 if v.get("status").and_then(Value::as_str) == Some("success") {
@@ -327,10 +371,16 @@ async fn pull_kv(engine: &Arc<Engine>, inst: &Instance, rank_addr: &str, room: u
                 return Err(transfer_failure(
                     inst,
                     room,
-                    &format!("{} (rank endpoint answered {})", super::rendezvous::PREFILL_DEAD, r.status),
+                    &format!(
+                        "{} (rank endpoint answered {})",
+                        super::rendezvous::PREFILL_DEAD,
+                        r.status
+                    ),
                 ))
             }
-            Err(ClientError::Timeout) => return Err(waiting_timeout(inst, room, started.elapsed())),
+            Err(ClientError::Timeout) => {
+                return Err(waiting_timeout(inst, room, started.elapsed()))
+            }
             Err(e) => {
                 // Cut or refused: the prefill may be down; the heartbeat decides.
                 tracing::debug!(rank_addr, error = %e, "sim decode: rank connection lost, retrying");

@@ -166,7 +166,10 @@ impl std::fmt::Debug for SimEngine {
 impl SimEngine {
     /// `http://IP:PORT` of the engine's HTTP server.
     pub fn url(&self) -> String {
-        format!("http://{}", http::host_port(&self.engine.public_ip(), self.engine.addr.port()))
+        format!(
+            "http://{}",
+            http::host_port(&self.engine.public_ip(), self.engine.addr.port())
+        )
     }
 
     /// Bound address of the engine's HTTP server.
@@ -191,12 +194,19 @@ impl SimEngine {
     /// `http://IP:BOOTSTRAP_PORT` (prefill only).
     pub fn bootstrap_url(&self) -> Option<String> {
         let port = self.engine.bootstrap_port?;
-        Some(format!("http://{}", http::host_port(&self.engine.public_ip(), port)))
+        Some(format!(
+            "http://{}",
+            http::host_port(&self.engine.public_ip(), port)
+        ))
     }
 
     /// Ports of the prefill's per-DP-rank KV endpoints (empty for decode).
     pub fn rank_ports(&self) -> Vec<u16> {
-        self.engine.prefill.as_ref().map(|p| p.rank_ports.clone()).unwrap_or_default()
+        self.engine
+            .prefill
+            .as_ref()
+            .map(|p| p.rank_ports.clone())
+            .unwrap_or_default()
     }
 
     /// Same JSON as `GET /sim/stats`.
@@ -237,7 +247,10 @@ pub async fn spawn(cfg: EngineConfig) -> std::io::Result<SimEngine> {
 }
 
 /// Starts one engine that shares `book` with other engines (a cluster).
-pub(crate) async fn spawn_in(cfg: EngineConfig, book: Arc<ContractBook>) -> std::io::Result<SimEngine> {
+pub(crate) async fn spawn_in(
+    cfg: EngineConfig,
+    book: Arc<ContractBook>,
+) -> std::io::Result<SimEngine> {
     let dp = cfg.dp();
     let (faults_tx, _) = watch::channel(cfg.faults.clone());
     let (shutdown_tx, _) = watch::channel(false);
@@ -290,7 +303,9 @@ pub(crate) async fn spawn_in(cfg: EngineConfig, book: Arc<ContractBook>) -> std:
         down_if,
     };
     let e = Arc::clone(&engine);
-    http::serve(listener, gate(|f| f.down), move |req| handle(Arc::clone(&e), req));
+    http::serve(listener, gate(|f| f.down), move |req| {
+        handle(Arc::clone(&e), req)
+    });
 
     if let (Some((b, ranks)), Some(side)) = (prefill_listeners, &engine.prefill) {
         let state = Arc::clone(&side.bootstrap);
@@ -315,7 +330,9 @@ pub(crate) async fn spawn_in(cfg: EngineConfig, book: Arc<ContractBook>) -> std:
 /// Brings the bootstrap table in line with the registration faults once.
 /// Returns false if some `PUT /route` failed.
 async fn reconcile(engine: &Arc<Engine>) -> bool {
-    let Some(side) = &engine.prefill else { return true };
+    let Some(side) = &engine.prefill else {
+        return true;
+    };
     let faults = engine.faults();
     let mut ok = true;
     for rank in 0..engine.cfg.dp() {
@@ -331,7 +348,9 @@ async fn reconcile(engine: &Arc<Engine>) -> bool {
 }
 
 async fn put_route(engine: &Engine, side: &PrefillSide, rank: u32) -> bool {
-    let Some(bport) = engine.bootstrap_port else { return false };
+    let Some(bport) = engine.bootstrap_port else {
+        return false;
+    };
     let body = json!({
         "attn_tp_size": 1, "attn_tp_rank": 0,
         "attn_cp_size": 1, "attn_cp_rank": 0,
@@ -348,7 +367,15 @@ async fn put_route(engine: &Engine, side: &PrefillSide, rank: u32) -> bool {
         "decode_allocation_policy": "early",
     });
     let addr = http::host_port(&engine.public_ip(), bport);
-    match http::call(&addr, "PUT", "/route", Some(body.to_string().into_bytes()), Duration::from_secs(5)).await {
+    match http::call(
+        &addr,
+        "PUT",
+        "/route",
+        Some(body.to_string().into_bytes()),
+        Duration::from_secs(5),
+    )
+    .await
+    {
         Ok(r) if r.status == 200 => true,
         Ok(r) => {
             tracing::warn!(rank, status = r.status, "sim: PUT /route refused");

@@ -62,7 +62,7 @@ impl Gate {
 
 /// Resolves once `pred` holds for the faults (or the sender is gone).
 pub(crate) async fn wait_faults(rx: &mut watch::Receiver<Faults>, pred: fn(&Faults) -> bool) {
-    let _ = rx.wait_for(|f| pred(f)).await.map(|_| ());
+    let _ = rx.wait_for(pred).await.map(|_| ());
 }
 
 /// Resolves once shutdown was requested (or the sender is gone).
@@ -106,7 +106,7 @@ where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<Resp, Cut>> + Send + 'static,
 {
-    let svc = hyper::service::service_fn(move |req| handler(req));
+    let svc = hyper::service::service_fn(handler);
     let conn = hyper::server::conn::http1::Builder::new()
         .keep_alive(true)
         .serve_connection(TokioIo::new(stream), svc);
@@ -124,14 +124,17 @@ where
 }
 
 fn full_body(bytes: Bytes) -> Body {
-    Full::new(bytes).map_err(|never: Infallible| match never {}).boxed()
+    Full::new(bytes)
+        .map_err(|never: Infallible| match never {})
+        .boxed()
 }
 
 /// A response with a fixed body and content type.
 pub(crate) fn full(status: u16, content_type: &'static str, body: impl Into<Bytes>) -> Resp {
     let mut resp = Response::new(full_body(body.into()));
     *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    resp.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     resp
 }
 

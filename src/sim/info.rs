@@ -108,7 +108,11 @@ pub(crate) fn loads(engine: &Engine, query: Option<&str>) -> Value {
         .enumerate()
         .filter(|(rank, _)| only.is_none_or(|o| o == *rank))
         .map(|(rank, l)| {
-            let usage = if max == 0 { 0.0 } else { l.tokens as f64 / max as f64 };
+            let usage = if max == 0 {
+                0.0
+            } else {
+                l.tokens as f64 / max as f64
+            };
             let prefill = cfg.role == super::config::Role::Prefill;
             json!({
                 "dp_rank": rank,

@@ -57,7 +57,10 @@ pub(crate) fn status_fault(status: u16, inst: &Instance, ctx: u32) -> Failure {
     if status == 400 {
         context_failure(inst.prompt_tokens.max(ctx), ctx)
     } else {
-        Failure::abort(status, format!("Simulated engine failure (status {status})"))
+        Failure::abort(
+            status,
+            format!("Simulated engine failure (status {status})"),
+        )
     }
 }
 
@@ -153,7 +156,10 @@ pub(crate) async fn prepare(
         tokio::time::sleep(engine.cfg.prefill_delay).await;
     }
     tracker.waiting();
-    let left = engine.cfg.bootstrap_timeout.saturating_sub(started.elapsed());
+    let left = engine
+        .cfg
+        .bootstrap_timeout
+        .saturating_sub(started.elapsed());
     leg.transfer(left)
         .await
         .map_err(|reason| bootstrap_failure(inst, room, &reason))?;
@@ -168,11 +174,21 @@ pub(crate) async fn prepare(
 /// `POST /register_dp_rank` to `bootstrap_host:<own bootstrap port>`; failures
 /// are only logged, as in SGLang.
 async fn register_room(engine: &Engine, inst: &Instance, room: u64, rank: u32) {
-    let Some(port) = engine.bootstrap_port else { return };
+    let Some(port) = engine.bootstrap_port else {
+        return;
+    };
     let host = inst.host.clone().unwrap_or_else(|| engine.public_ip());
     let body = json!({"bootstrap_room": room, "dp_rank": rank}).to_string();
     let addr = http::host_port(&host, port);
-    match http::call(&addr, "POST", "/register_dp_rank", Some(body.into_bytes()), Duration::from_secs(5)).await {
+    match http::call(
+        &addr,
+        "POST",
+        "/register_dp_rank",
+        Some(body.into_bytes()),
+        Duration::from_secs(5),
+    )
+    .await
+    {
         Ok(r) if r.status == 200 => {}
         Ok(r) => tracing::warn!(room, status = r.status, "sim: register_dp_rank refused"),
         Err(e) => tracing::warn!(room, error = %e, "sim: register_dp_rank failed"),

@@ -42,7 +42,8 @@ pub(crate) enum KvOutcome {
 }
 
 /// SGLang's reason when the prefill side failed.
-pub(crate) const PREFILL_DEAD: &str = "Failed to get kvcache from prefill instance, it might be dead";
+pub(crate) const PREFILL_DEAD: &str =
+    "Failed to get kvcache from prefill instance, it might be dead";
 
 struct PrefillLeg {
     id: u64,
@@ -177,8 +178,7 @@ impl Rendezvous {
     }
 
     fn remove_empty(g: &mut HashMap<u64, Slot>, room: u64) {
-        if g
-            .get(&room)
+        if g.get(&room)
             .is_some_and(|s| s.prefill.is_none() && s.decode.is_none())
         {
             g.remove(&room);
@@ -250,7 +250,12 @@ impl Drop for PrefillHandle {
         }
         let mut g = self.rv.lock();
         if let Some(slot) = g.get_mut(&self.room) {
-            let Some(rank) = slot.prefill.as_ref().filter(|p| p.id == self.id).map(|p| p.rank) else {
+            let Some(rank) = slot
+                .prefill
+                .as_ref()
+                .filter(|p| p.id == self.id)
+                .map(|p| p.rank)
+            else {
                 return;
             };
             slot.prefill = None;
@@ -277,7 +282,12 @@ impl Drop for DecodeGuard {
     fn drop(&mut self) {
         let mut g = self.rv.lock();
         if let Some(slot) = g.get_mut(&self.room) {
-            let Some(rank) = slot.decode.as_ref().filter(|d| d.id == self.id).map(|d| d.rank) else {
+            let Some(rank) = slot
+                .decode
+                .as_ref()
+                .filter(|d| d.id == self.id)
+                .map(|d| d.rank)
+            else {
                 return;
             };
             slot.decode = None;
@@ -303,7 +313,10 @@ pub(crate) async fn handle_rank(
     if path == "/health" {
         return Ok(http::text(200, "OK"));
     }
-    let Some(room) = path.strip_prefix("/kv/").and_then(|r| r.parse::<u64>().ok()) else {
+    let Some(room) = path
+        .strip_prefix("/kv/")
+        .and_then(|r| r.parse::<u64>().ok())
+    else {
         return Ok(http::text(404, "404: Not Found"));
     };
     if req.method() != Method::POST {
@@ -311,7 +324,10 @@ pub(crate) async fn handle_rank(
     }
     let body = http::read_body(req.into_body()).await?;
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let host = v.get("bootstrap_host").and_then(Value::as_str).map(str::to_string);
+    let host = v
+        .get("bootstrap_host")
+        .and_then(Value::as_str)
+        .map(str::to_string);
     let port = v
         .get("bootstrap_port")
         .and_then(Value::as_u64)

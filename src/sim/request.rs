@@ -182,21 +182,29 @@ pub(crate) fn parse(
                     tokens: tokens.max(1),
                     ids: synthetic(tokens.max(1)),
                 };
-                (vec![p], false, n, vec![cap_tokens(max, cfg.default_output_tokens)])
+                (
+                    vec![p],
+                    false,
+                    n,
+                    vec![cap_tokens(max, cfg.default_output_tokens)],
+                )
             }
             Api::Completions => {
                 let prompts = match m.get("prompt") {
                     Some(Value::String(s)) => vec![text_prompt(s)],
-                    Some(Value::Array(a)) if a.iter().all(Value::is_string) && !a.is_empty() => {
-                        a.iter().map(|s| text_prompt(s.as_str().unwrap_or(""))).collect()
-                    }
+                    Some(Value::Array(a)) if a.iter().all(Value::is_string) && !a.is_empty() => a
+                        .iter()
+                        .map(|s| text_prompt(s.as_str().unwrap_or("")))
+                        .collect(),
                     Some(Value::Array(a)) if a.iter().all(Value::is_array) && !a.is_empty() => a
                         .iter()
                         .map(|x| x.as_array().and_then(|l| ids_prompt(l)))
                         .collect::<Option<Vec<_>>>()
                         .ok_or_else(|| ReqError::schema("prompt: invalid token ids"))?,
-                    Some(Value::Array(a)) => vec![ids_prompt(a)
-                        .ok_or_else(|| ReqError::schema("prompt: invalid prompt"))?],
+                    Some(Value::Array(a)) => {
+                        vec![ids_prompt(a)
+                            .ok_or_else(|| ReqError::schema("prompt: invalid prompt"))?]
+                    }
                     _ => return Err(ReqError::schema("prompt: Field required")),
                 };
                 let n = m.get("n").and_then(Value::as_u64).unwrap_or(1).max(1) as usize;
@@ -213,9 +221,10 @@ pub(crate) fn parse(
         routed = int_field(&m, "data_parallel_rank")?;
     }
     if let Some(h) = dp_header.filter(|_| api != Api::Generate) {
-        routed = Some(h.trim().parse::<i64>().map_err(|_| {
-            ReqError::value(format!("Invalid X-Data-Parallel-Rank header: {h:?}"))
-        })?);
+        routed =
+            Some(h.trim().parse::<i64>().map_err(|_| {
+                ReqError::value(format!("Invalid X-Data-Parallel-Rank header: {h:?}"))
+            })?);
     }
     let disagg = int_field(&m, "disagg_prefill_dp_rank")?;
 
@@ -256,7 +265,10 @@ pub(crate) fn parse(
                 port: ports[k],
                 prompt_tokens: p.tokens,
                 prompt_ids: p.ids.clone(),
-                max_tokens: per_prompt_max.get(i).copied().unwrap_or(cfg.default_output_tokens),
+                max_tokens: per_prompt_max
+                    .get(i)
+                    .copied()
+                    .unwrap_or(cfg.default_output_tokens),
             }
         })
         .collect();
@@ -288,16 +300,25 @@ fn parse_generate_prompts(m: &Map<String, Value>, cfg: &EngineConfig) -> Result<
         ),
         (_, Some(Value::Array(a))) if !a.is_empty() && a.iter().all(Value::is_array) => (
             a.iter()
-                .map(|x| x.as_array().and_then(|l| ids_prompt(l)).filter(|p| p.tokens > 0))
+                .map(|x| {
+                    x.as_array()
+                        .and_then(|l| ids_prompt(l))
+                        .filter(|p| p.tokens > 0)
+                })
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| ReqError::value("input_ids should be a non-empty list of integers"))?,
+                .ok_or_else(|| {
+                    ReqError::value("input_ids should be a non-empty list of integers")
+                })?,
             true,
         ),
         (_, Some(Value::Array(a))) if !a.is_empty() => (
-            vec![ids_prompt(a).ok_or_else(|| ReqError::value("input_ids should be a list of integers"))?],
+            vec![ids_prompt(a)
+                .ok_or_else(|| ReqError::value("input_ids should be a list of integers"))?],
             false,
         ),
-        _ if m.get("input_embeds").is_some_and(|v| !v.is_null()) => (vec![text_prompt("embeds")], false),
+        _ if m.get("input_embeds").is_some_and(|v| !v.is_null()) => {
+            (vec![text_prompt("embeds")], false)
+        }
         _ => {
             return Err(ReqError::value(
                 "Either text, input_ids or input_embeds should be provided.",
@@ -318,16 +339,21 @@ fn parse_generate_prompts(m: &Map<String, Value>, cfg: &EngineConfig) -> Result<
         .unwrap_or(1)
         .max(1) as usize;
     let max = (0..batch)
-        .map(|i| cap_tokens(sp_at(i).and_then(|sp| sp.get("max_new_tokens")), cfg.default_output_tokens))
+        .map(|i| {
+            cap_tokens(
+                sp_at(i).and_then(|sp| sp.get("max_new_tokens")),
+                cfg.default_output_tokens,
+            )
+        })
         .collect();
     Ok((prompts, is_list, n, max))
 }
 
 fn expand_rooms(v: Option<&Value>, num: usize, batch: usize) -> Result<Vec<Option<u64>>, ReqError> {
     let room = |x: &Value| -> Result<u64, ReqError> {
-        x.as_u64()
-            .filter(|r| *r <= i64::MAX as u64)
-            .ok_or_else(|| ReqError::schema("bootstrap_room: Input should be a non-negative integer"))
+        x.as_u64().filter(|r| *r <= i64::MAX as u64).ok_or_else(|| {
+            ReqError::schema("bootstrap_room: Input should be a non-negative integer")
+        })
     };
     match v {
         None | Some(Value::Null) => Ok(vec![None; num]),
@@ -364,7 +390,13 @@ fn expand<T: Clone>(
         Some(Value::Array(a)) => {
             let list: Vec<Option<T>> = a
                 .iter()
-                .map(|x| if x.is_null() { Ok(None) } else { conv(x).map(Some).ok_or_else(bad) })
+                .map(|x| {
+                    if x.is_null() {
+                        Ok(None)
+                    } else {
+                        conv(x).map(Some).ok_or_else(bad)
+                    }
+                })
                 .collect::<Result<_, _>>()?;
             if list.len() == num {
                 Ok(list)
@@ -395,14 +427,24 @@ fn expand_rids(v: Option<&Value>, num: usize, batch: usize) -> Result<Vec<String
         Some(Value::String(s)) if num == 1 => Ok(vec![s.clone()]),
         Some(Value::String(s)) => Ok((0..num).map(|k| format!("{s}_{k}")).collect()),
         Some(Value::Array(a)) => {
-            let list: Vec<String> = a.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<_>>().ok_or_else(
-                || ReqError::value("The rid should be a string or a list of strings."),
-            )?;
+            let list: Vec<String> = a
+                .iter()
+                .map(|x| x.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .ok_or_else(|| {
+                    ReqError::value("The rid should be a string or a list of strings.")
+                })?;
             if list.len() == num {
                 Ok(list)
             } else if list.len() == batch {
                 Ok((0..num)
-                    .map(|k| if k < batch { list[k].clone() } else { format!("{}_{}", list[k % batch], k / batch) })
+                    .map(|k| {
+                        if k < batch {
+                            list[k].clone()
+                        } else {
+                            format!("{}_{}", list[k % batch], k / batch)
+                        }
+                    })
                     .collect())
             } else {
                 Err(ReqError::value(
@@ -410,6 +452,8 @@ fn expand_rids(v: Option<&Value>, num: usize, batch: usize) -> Result<Vec<String
                 ))
             }
         }
-        Some(_) => Err(ReqError::value("The rid should be a string or a list of strings.")),
+        Some(_) => Err(ReqError::value(
+            "The rid should be a string or a list of strings.",
+        )),
     }
 }

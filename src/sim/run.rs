@@ -165,7 +165,9 @@ async fn stream_task(engine: Arc<Engine>, parsed: Arc<ParsedRequest>, tx: ChunkT
                 .map(|i| i.prompt_tokens)
                 .sum();
             let completion: u32 = results.iter().map(|r| r.tokens).sum();
-            let _ = tx.send(Ok(shapes::sse_event(&ctx.usage_chunk(prompt, completion)))).await;
+            let _ = tx
+                .send(Ok(shapes::sse_event(&ctx.usage_chunk(prompt, completion))))
+                .await;
         }
         let _ = tx.send(Ok(shapes::sse_done())).await;
     };
@@ -268,7 +270,8 @@ async fn generate(
         }
     };
     let streaming_openai = tx.is_some() && ctx.req.api != Api::Generate;
-    if streaming_openai && ctx.req.api == Api::Chat && !send(ctx.role_chunk(inst), &mut sent).await {
+    if streaming_openai && ctx.req.api == Api::Chat && !send(ctx.role_chunk(inst), &mut sent).await
+    {
         return Ok(Generated::Died);
     }
     if !plan.ttft.is_zero() {

@@ -70,7 +70,8 @@ impl Failure {
 }
 
 const WORDS: [&str; 12] = [
-    " the", " quick", " sim", " engine", " says", " hello", " to", " the", " router", " and", " moves", " on",
+    " the", " quick", " sim", " engine", " says", " hello", " to", " the", " router", " and",
+    " moves", " on",
 ];
 
 /// Text and id of output token `k`.
@@ -126,7 +127,9 @@ pub(crate) struct Ctx<'a> {
 impl Ctx<'_> {
     fn finish_reason_json(&self, tokens: u32, failure: Option<&Failure>) -> Value {
         match failure {
-            Some(f) => json!({"type": "abort", "message": f.message, "status_code": f.status, "err_type": null}),
+            Some(f) => {
+                json!({"type": "abort", "message": f.message, "status_code": f.status, "err_type": null})
+            }
             None => json!({"type": "length", "length": tokens}),
         }
     }
@@ -153,17 +156,26 @@ impl Ctx<'_> {
             "cached_tokens": 0,
         });
         if self.req.return_logprob {
-            let out: Vec<Value> = (0..tokens).map(|k| json!([-0.125, token(k).1, null])).collect();
+            let out: Vec<Value> = (0..tokens)
+                .map(|k| json!([-0.125, token(k).1, null]))
+                .collect();
             match self.logprobs {
                 Logprobs::Prefill => {
                     let input: Vec<Value> = inst
                         .prompt_ids
                         .iter()
                         .enumerate()
-                        .map(|(i, id)| if i == 0 { json!([null, id, null]) } else { json!([-0.5, id, null]) })
+                        .map(|(i, id)| {
+                            if i == 0 {
+                                json!([null, id, null])
+                            } else {
+                                json!([-0.5, id, null])
+                            }
+                        })
                         .collect();
                     meta["input_token_logprobs"] = Value::Array(input);
-                    meta["input_top_logprobs"] = Value::Array(vec![Value::Null; inst.prompt_ids.len()]);
+                    meta["input_top_logprobs"] =
+                        Value::Array(vec![Value::Null; inst.prompt_ids.len()]);
                     meta["output_token_logprobs"] = Value::Array(out);
                 }
                 Logprobs::Decode => {
@@ -172,7 +184,8 @@ impl Ctx<'_> {
                 }
             }
         }
-        let mut obj = json!({"text": text_upto(tokens), "output_ids": ids_upto(tokens), "meta_info": meta});
+        let mut obj =
+            json!({"text": text_upto(tokens), "output_ids": ids_upto(tokens), "meta_info": meta});
         if self.req.is_batch && self.req.stream {
             obj["index"] = json!(inst.index);
         }
@@ -184,7 +197,10 @@ impl Ctx<'_> {
     }
 
     fn object_id(&self) -> String {
-        self.req.instances.first().map_or_else(super::request::new_rid, |i| i.rid.clone())
+        self.req
+            .instances
+            .first()
+            .map_or_else(super::request::new_rid, |i| i.rid.clone())
     }
 
     /// The non-streaming OpenAI object for finished instances
@@ -218,7 +234,11 @@ impl Ctx<'_> {
                 }
             })
             .collect();
-        let object = if self.req.api == Api::Chat { "chat.completion" } else { "text_completion" };
+        let object = if self.req.api == Api::Chat {
+            "chat.completion"
+        } else {
+            "text_completion"
+        };
         json!({
             "id": self.object_id(),
             "object": object,
@@ -230,7 +250,11 @@ impl Ctx<'_> {
     }
 
     fn chunk(&self, choice: Value) -> Value {
-        let object = if self.req.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if self.req.api == Api::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         json!({
             "id": self.object_id(),
             "object": object,
@@ -265,7 +289,11 @@ impl Ctx<'_> {
 
     /// OpenAI `stream_options.include_usage` chunk.
     pub(crate) fn usage_chunk(&self, prompt: u32, completion: u32) -> Value {
-        let object = if self.req.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if self.req.api == Api::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         json!({
             "id": self.object_id(),
             "object": object,
@@ -285,7 +313,11 @@ impl Ctx<'_> {
             (Api::Generate, _) => self.generate_obj(inst, tokens, true, Some(f)),
             (_, None) => self.finish_chunk(inst, true),
             (_, Some(code)) => {
-                let err_type = if f.validation { "BadRequestError".to_string() } else { status_name(code) };
+                let err_type = if f.validation {
+                    "BadRequestError".to_string()
+                } else {
+                    status_name(code)
+                };
                 json!({"error": {"object": "error", "message": f.message, "type": err_type, "param": null, "code": code}})
             }
         }
@@ -306,9 +338,15 @@ pub(crate) fn sse_done() -> Bytes {
 pub(crate) fn failure_response(api: Api, status: u16, f: &Failure) -> Resp {
     let body = match api {
         Api::Generate if status == 400 => json!({"error": {"message": f.message}}),
-        Api::Generate => json!({"object": "error", "message": f.message, "type": status.to_string(), "param": null, "code": status}),
+        Api::Generate => {
+            json!({"object": "error", "message": f.message, "type": status.to_string(), "param": null, "code": status})
+        }
         _ => {
-            let t = if status == 400 { "BadRequestError".to_string() } else { status.to_string() };
+            let t = if status == 400 {
+                "BadRequestError".to_string()
+            } else {
+                status.to_string()
+            };
             json!({"object": "error", "message": f.message, "type": t, "param": null, "code": status})
         }
     };

@@ -46,9 +46,14 @@ impl StatsSnapshot {
     pub fn add(&mut self, other: &StatsSnapshot) {
         self.requests_total += other.requests_total;
         if self.requests_per_rank.len() < other.requests_per_rank.len() {
-            self.requests_per_rank.resize(other.requests_per_rank.len(), 0);
+            self.requests_per_rank
+                .resize(other.requests_per_rank.len(), 0);
         }
-        for (acc, v) in self.requests_per_rank.iter_mut().zip(&other.requests_per_rank) {
+        for (acc, v) in self
+            .requests_per_rank
+            .iter_mut()
+            .zip(&other.requests_per_rank)
+        {
             *acc += v;
         }
         self.ok += other.ok;
@@ -139,7 +144,11 @@ impl Stats {
         let bootstrap_mismatch = self.bootstrap_mismatch.load(Ordering::Relaxed);
         StatsSnapshot {
             requests_total: self.requests_total.load(Ordering::Relaxed),
-            requests_per_rank: self.per_rank.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
+            requests_per_rank: self
+                .per_rank
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .collect(),
             ok: self.ok.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
             aborted: self.aborted.load(Ordering::Relaxed),

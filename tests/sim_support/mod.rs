@@ -66,7 +66,12 @@ pub async fn try_request(method: &str, url: &str, body: Option<&str>) -> Result<
         .next()
         .unwrap_or("")
         .to_string();
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
     Ok(Answer {
         status,
         content_type,
