@@ -19,6 +19,8 @@
 //!   kvcache…"), a decode leaving early fails the waiting prefill (SGLang's
 //!   decode → prefill ABORT).
 //! - A second live decode for the same room is refused (`DeferredBootstrap`).
+//! - An engine that is down notifies nobody: its rank connections are cut and
+//!   the decode learns of the death from its heartbeat, as with a real crash.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -248,6 +250,9 @@ impl Drop for PrefillHandle {
         if self.done {
             return;
         }
+        // A prefill that died (engine down) sends nothing: its decode finds
+        // out through its cut connection and its heartbeat.
+        let dead = self.rv.stats.engine_down.load(Ordering::Relaxed);
         let mut g = self.rv.lock();
         if let Some(slot) = g.get_mut(&self.room) {
             let Some(rank) = slot
@@ -259,7 +264,7 @@ impl Drop for PrefillHandle {
                 return;
             };
             slot.prefill = None;
-            if let Some(d) = slot.decode.as_mut().filter(|d| d.rank == rank) {
+            if let Some(d) = slot.decode.as_mut().filter(|d| d.rank == rank && !dead) {
                 if let Some(tx) = d.done.take() {
                     let _ = tx.send(KvOutcome::Failed(PREFILL_DEAD.to_string()));
                 }
@@ -332,7 +337,11 @@ pub(crate) async fn handle_rank(
         .get("bootstrap_port")
         .and_then(Value::as_u64)
         .and_then(|p| u16::try_from(p).ok());
-    let out = match rv.decode_wait(room, rank, host, port).await {
+    let outcome = rv.decode_wait(room, rank, host, port).await;
+    if rv.stats.engine_down.load(Ordering::Relaxed) {
+        return Err(Cut);
+    }
+    let out = match outcome {
         KvOutcome::Success => json!({"status": "success"}),
         KvOutcome::Failed(reason) => json!({"status": "failed", "reason": reason}),
     };
