@@ -45,48 +45,50 @@ impl Ready {
     }
 }
 
-/// Why no prefill target is eligible, in a few words per worker.
+/// Why no prefill target is eligible: the most telling reason over the healthy prefills
+/// (an unreachable bootstrap, then a missing rank, then registration still under way),
+/// and a few words per worker.
 fn no_prefill_detail(snap: &Snapshot) -> (FailReason, String) {
     if snap.prefills.is_empty() {
         return (FailReason::NoPrefillAvailable, "no prefill workers are configured".into());
     }
+    let rank_of = |r: FailReason| match r {
+        FailReason::BootstrapUnreachable => 3,
+        FailReason::BootstrapRankMissing => 2,
+        FailReason::BootstrapNotReady => 1,
+        _ => 0,
+    };
     let mut reason = FailReason::NoPrefillAvailable;
     let mut parts = Vec::new();
     for w in &snap.prefills {
+        let mut why = FailReason::BootstrapNotReady;
+        let mut labels = Vec::new();
+        for (r, st) in w.ranks.iter().enumerate() {
+            match st {
+                RankReadiness::Failed { reason: f, .. } => {
+                    let this = match f {
+                        RankFailure::Unreachable | RankFailure::BadAnswer => FailReason::BootstrapUnreachable,
+                        RankFailure::RankMissing => FailReason::BootstrapRankMissing,
+                    };
+                    if rank_of(this) > rank_of(why) {
+                        why = this;
+                    }
+                    labels.push(format!("rank {r} {}", f.label()));
+                }
+                other => labels.push(format!("rank {r} {}", other.label())),
+            }
+        }
         let state = if !w.healthy {
             "unhealthy".to_string()
-        } else if w.layout.is_none() {
-            let failed = w.ranks.iter().find_map(|r| match r {
-                RankReadiness::Failed { reason, .. } => Some(*reason),
-                _ => None,
-            });
-            match failed {
-                Some(RankFailure::Unreachable) => {
-                    reason = FailReason::BootstrapUnreachable;
-                    "bootstrap server unreachable".to_string()
-                }
-                Some(_) => "bootstrap server answers wrongly".to_string(),
-                None => {
-                    if reason == FailReason::NoPrefillAvailable {
-                        reason = FailReason::BootstrapNotReady;
-                    }
-                    "bootstrap not ready (ranks not all registered)".to_string()
-                }
-            }
         } else {
-            let labels: Vec<String> = w
-                .ranks
-                .iter()
-                .enumerate()
-                .map(|(r, st)| match st {
-                    RankReadiness::Failed { reason: why, .. } => format!("rank {r} {}", why.label()),
-                    other => format!("rank {r} {}", other.label()),
-                })
-                .collect();
-            if w.ranks.iter().any(|r| matches!(r, RankReadiness::Failed { reason: RankFailure::RankMissing, .. })) {
-                reason = FailReason::BootstrapRankMissing;
+            if rank_of(why) > rank_of(reason) {
+                reason = why;
             }
-            labels.join(", ")
+            if labels.is_empty() {
+                "bootstrap not known yet".to_string()
+            } else {
+                labels.join(", ")
+            }
         };
         parts.push(format!("{}: {state}", w.url));
     }

@@ -162,7 +162,10 @@ impl Dispatcher {
                         Some((Role::Decode, w)) => exclude_d.push(w),
                         None => {}
                     }
-                    let can_retry = f.reason.retryable() && attempt_no < self.cfg.retry.max_retries;
+                    // Retry only where a fresh pair can avoid the blamed worker.
+                    let can_retry = f.reason.retryable()
+                        && attempt_no < self.cfg.retry.max_retries
+                        && self.has_alternative(&exclude_p, &exclude_d);
                     if can_retry && self.budget.try_withdraw() {
                         metrics::counter!("pdgate_retries_total", "reason" => f.reason.as_str()).increment(1);
                         attempt_no += 1;
@@ -174,5 +177,12 @@ impl Dispatcher {
         };
         record.finish(failure.reason.as_str());
         failure.into_response(Some(&ctx.request_id))
+    }
+
+    /// Whether both pools still have a routable target outside the excluded workers.
+    fn has_alternative(&self, exclude_p: &[WorkerId], exclude_d: &[WorkerId]) -> bool {
+        let snap = self.pool.load();
+        let any = |role: Role, ex: &[WorkerId]| snap.targets(role).iter().any(|t| !ex.contains(&t.worker));
+        any(Role::Prefill, exclude_p) && any(Role::Decode, exclude_d)
     }
 }

@@ -1,0 +1,489 @@
+//! Fail fast: every fault mode the simulator injects, streaming and not. For each: what the
+//! client gets (status and an OpenAI-style error naming the reason, or an SSE error event
+//! then `[DONE]` once streaming began), that the other leg was cancelled (simulator
+//! counters), and that no engine is left holding a request.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{sse_events, start, Env};
+use http_body_util::BodyExt;
+use pdgate::sim::{EngineConfig, Faults, StatsSnapshot};
+
+const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":4}}"#;
+const GEN_STREAM: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":4},"stream":true}"#;
+
+fn body(stream: bool) -> &'static str {
+    if stream {
+        GEN_STREAM
+    } else {
+        GEN
+    }
+}
+
+/// The error of a failed answer: from the JSON body before headers, or the stream's last
+/// event after streaming began. Returns (status, error type).
+fn error_of(status: u16, bytes: &[u8]) -> (u16, String) {
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) {
+        if let Some(t) = v["error"]["type"].as_str() {
+            return (status, t.to_string());
+        }
+    }
+    let (events, done) = sse_events(bytes);
+    let last = events.last().cloned().unwrap_or_default();
+    assert!(done, "a failed stream must end with [DONE]: {}", String::from_utf8_lossy(bytes));
+    (status, last["error"]["type"].as_str().unwrap_or("none").to_string())
+}
+
+fn cancelled(s: &StatsSnapshot) -> u64 {
+    s.aborted + s.client_disconnects
+}
+
+/// The other leg of a failed request: either it never left the router (the failing leg
+/// answered first), or it arrived and was cancelled; it never completed and is not held.
+fn assert_leg_cancelled(s: &StatsSnapshot, what: &str) {
+    assert_eq!(s.ok, 0, "{what} leg completed although the request failed: {s:?}");
+    assert_eq!(s.held_now, 0, "{what} leg still held: {s:?}");
+    assert_eq!(cancelled(s), s.requests_total, "{what} leg arrived but was not cancelled: {s:?}");
+}
+
+async fn expect_error(env: &Env, stream: bool, status: u16, kinds: &[&str]) {
+    let (st, _, bytes) = env.post("/generate", body(stream)).await;
+    let (got_status, kind) = error_of(st.as_u16(), &bytes);
+    assert_eq!(got_status, status, "stream={stream}: {}", String::from_utf8_lossy(&bytes));
+    assert!(kinds.contains(&kind.as_str()), "stream={stream}: got {kind}, want one of {kinds:?}: {}", String::from_utf8_lossy(&bytes));
+}
+
+async fn expect_ok(env: &Env, stream: bool, times: usize) {
+    for _ in 0..times {
+        let (st, _, bytes) = env.post("/generate", body(stream)).await;
+        assert_eq!(st, 200, "stream={stream}: {}", String::from_utf8_lossy(&bytes));
+        if stream {
+            let (events, done) = sse_events(&bytes);
+            assert!(done && events.iter().all(|e| e.get("error").is_none()), "{}", String::from_utf8_lossy(&bytes));
+        }
+    }
+}
+
+fn with_faults(mut e: EngineConfig, f: Faults) -> EngineConfig {
+    e.faults = f;
+    e
+}
+
+// ---- faults visible before dispatch: never dispatched, 503 at once or another prefill ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_down() {
+    for stream in [false, true] {
+        let env = start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await;
+        env.wait_routable(2, 1).await;
+        env.cluster.prefills[0].set_down(true);
+        env.wait_pool("prefill out", |s| s.prefill_targets.is_empty()).await;
+        expect_error(&env, stream, 503, &["no_prefill_available", "bootstrap_unreachable"]).await;
+        assert_eq!(env.cluster.decodes[0].stats().requests_total, 0, "decode must never receive the request");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_down_with_another_prefill_healthy_gives_no_errors() {
+    let env = start(vec![EngineConfig::prefill(2), EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await;
+    env.wait_routable(4, 1).await;
+    // Requests sent right after the kill race the detection: retries must cover them.
+    env.cluster.prefills[0].set_down(true);
+    expect_ok(&env, false, 10).await;
+    expect_ok(&env, true, 10).await;
+    let s = env.settled_stats().await;
+    assert_eq!(s.contract_violations, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_down() {
+    for stream in [false, true] {
+        let env = start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await;
+        env.wait_routable(2, 1).await;
+        env.cluster.prefills[0].set_faults(Faults {
+            bootstrap_down: true,
+            ..Faults::default()
+        });
+        env.wait_pool("bootstrap out", |s| s.prefill_targets.is_empty()).await;
+        expect_error(&env, stream, 503, &["bootstrap_unreachable"]).await;
+        assert_eq!(env.cluster.decodes[0].stats().requests_total, 0);
+        // Back when the bootstrap server answers again.
+        env.cluster.prefills[0].set_faults(Faults::default());
+        env.wait_routable(2, 1).await;
+        expect_ok(&env, stream, 2).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_never_registered() {
+    let cases = [
+        Faults {
+            register_none: true,
+            ..Faults::default()
+        },
+        Faults {
+            unregistered_ranks: vec![1],
+            ..Faults::default()
+        },
+    ];
+    for f in cases {
+        for stream in [false, true] {
+            let env = start(vec![with_faults(EngineConfig::prefill(2), f.clone())], vec![EngineConfig::decode(1)], |_| {}).await;
+            env.wait_pool("prefill healthy", |s| s.prefills[0].healthy).await;
+            expect_error(&env, stream, 503, &["bootstrap_not_ready"]).await;
+            assert_eq!(env.stats().requests_total, 0, "no leg may be sent");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_missing_with_another_prefill_are_avoided() {
+    let env = start(
+        vec![
+            with_faults(
+                EngineConfig::prefill(2),
+                Faults {
+                    register_none: true,
+                    ..Faults::default()
+                },
+            ),
+            EngineConfig::prefill(2),
+        ],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(2, 1).await;
+    expect_ok(&env, false, 6).await;
+    expect_ok(&env, true, 6).await;
+    assert_eq!(env.cluster.prefills[0].stats().requests_total, 0);
+}
+
+// ---- failures in flight: answered at once, the other leg cancelled ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_500() {
+    for stream in [false, true] {
+        let p = with_faults(
+            EngineConfig::prefill(1),
+            Faults {
+                prefill_status: Some(500),
+                ..Faults::default()
+            },
+        );
+        let env = start(vec![p], vec![EngineConfig::decode(1)], |_| {}).await;
+        env.wait_routable(1, 1).await;
+        expect_error(&env, stream, 502, &["prefill_status"]).await;
+        let s = env.settled_stats().await;
+        let d = env.cluster.decodes[0].stats();
+        assert_leg_cancelled(&d, "decode");
+        assert_eq!(s.held_now, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_500_with_another_prefill_is_retried() {
+    let bad = with_faults(
+        EngineConfig::prefill(1),
+        Faults {
+            prefill_status: Some(500),
+            ..Faults::default()
+        },
+    );
+    let env = start(vec![bad, EngineConfig::prefill(1)], vec![EngineConfig::decode(1)], |_| {}).await;
+    env.wait_routable(2, 1).await;
+    expect_ok(&env, false, 6).await;
+    expect_ok(&env, true, 6).await;
+    let s = env.settled_stats().await;
+    assert_eq!(s.contract_violations, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_400_passes_through_and_is_not_retried() {
+    for stream in [false, true] {
+        let p = with_faults(
+            EngineConfig::prefill(1),
+            Faults {
+                prefill_status: Some(400),
+                ..Faults::default()
+            },
+        );
+        let env = start(vec![p, EngineConfig::prefill(1)], vec![EngineConfig::decode(1)], |c| {
+            c.policy.prefill = pdgate::config::PolicyKind::RoundRobin;
+        })
+        .await;
+        env.wait_routable(2, 1).await;
+        // Round robin: one of two consecutive requests lands on the rejecting prefill.
+        let mut rejected = 0;
+        for _ in 0..2 {
+            let (st, _, bytes) = env.post("/generate", body(stream)).await;
+            if st != 200 {
+                let (status, kind) = error_of(st.as_u16(), &bytes);
+                assert_eq!((status, kind.as_str()), (400, "prefill_rejected"), "{}", String::from_utf8_lossy(&bytes));
+                rejected += 1;
+            }
+        }
+        assert_eq!(rejected, 1);
+        let s = env.settled_stats().await;
+        assert_eq!(env.cluster.prefills[1].stats().requests_total, 1, "a 4xx is not retried elsewhere");
+        let d = env.cluster.decodes[0].stats();
+        assert_eq!(d.ok, 1, "{d:?}");
+        assert_eq!(d.ok + cancelled(&d), d.requests_total, "the rejected request's decode leg is cancelled: {d:?}");
+        assert_eq!(s.held_now, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_hangs() {
+    for stream in [false, true] {
+        let p = with_faults(
+            EngineConfig::prefill(1),
+            Faults {
+                prefill_hang: true,
+                ..Faults::default()
+            },
+        );
+        let env = start(vec![p], vec![EngineConfig::decode(1)], |c| c.timeouts.prefill_secs = 1).await;
+        env.wait_routable(1, 1).await;
+        expect_error(&env, stream, 504, &["prefill_timeout"]).await;
+        let s = env.settled_stats().await;
+        assert_eq!(cancelled(&env.cluster.decodes[0].stats()), 1);
+        assert!(cancelled(&env.cluster.prefills[0].stats()) >= 1, "the hung prefill's connection is closed");
+        assert_eq!(s.held_now, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_dies_mid_request() {
+    for stream in [false, true] {
+        let p = with_faults(
+            EngineConfig::prefill(1),
+            Faults {
+                prefill_die_mid_request: true,
+                ..Faults::default()
+            },
+        );
+        let env = start(vec![p], vec![EngineConfig::decode(1)], |_| {}).await;
+        env.wait_routable(1, 1).await;
+        expect_error(&env, stream, 502, &["prefill_connect", "prefill_aborted", "prefill_lost"]).await;
+        let s = env.settled_stats().await;
+        assert_leg_cancelled(&env.cluster.decodes[0].stats(), "decode");
+        assert_eq!(s.held_now, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_dies_mid_request_with_another_prefill_is_retried() {
+    let p = with_faults(
+        EngineConfig::prefill(1),
+        Faults {
+            prefill_die_mid_request: true,
+            ..Faults::default()
+        },
+    );
+    let env = start(vec![p, EngineConfig::prefill(1)], vec![EngineConfig::decode(1)], |_| {}).await;
+    env.wait_routable(2, 1).await;
+    expect_ok(&env, false, 4).await;
+    expect_ok(&env, true, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_500() {
+    for stream in [false, true] {
+        let d = with_faults(
+            EngineConfig::decode(1),
+            Faults {
+                decode_status: Some(500),
+                ..Faults::default()
+            },
+        );
+        let env = start(vec![EngineConfig::prefill(1)], vec![d], |_| {}).await;
+        env.wait_routable(1, 1).await;
+        expect_error(&env, stream, 502, &["decode_status", "decode_aborted"]).await;
+        let s = env.settled_stats().await;
+        assert_leg_cancelled(&env.cluster.prefills[0].stats(), "prefill");
+        assert_eq!(s.held_now, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_500_with_another_decode_is_retried() {
+    let d = with_faults(
+        EngineConfig::decode(1),
+        Faults {
+            decode_status: Some(500),
+            ..Faults::default()
+        },
+    );
+    let env = start(vec![EngineConfig::prefill(1)], vec![d, EngineConfig::decode(1)], |_| {}).await;
+    env.wait_routable(1, 2).await;
+    expect_ok(&env, false, 4).await;
+    expect_ok(&env, true, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_dies_mid_stream() {
+    let d = with_faults(
+        EngineConfig::decode(1),
+        Faults {
+            decode_die_mid_stream_after: Some(2),
+            ..Faults::default()
+        },
+    );
+    let env = start(vec![EngineConfig::prefill(1)], vec![d], |_| {}).await;
+    env.wait_routable(1, 1).await;
+    // Streaming: the client saw tokens, so the stream ends with an error event.
+    let (st, _, bytes) = env.post("/generate", GEN_STREAM).await;
+    assert_eq!(st, 200);
+    let (events, done) = sse_events(&bytes);
+    assert!(done);
+    assert!(events.len() >= 2, "{}", String::from_utf8_lossy(&bytes));
+    assert!(events[0].get("text").is_some());
+    assert_eq!(events.last().unwrap()["error"]["type"], "decode_broken");
+    // Not streaming: cut before answering, nothing reached the client: an error status.
+    expect_error(&env, false, 502, &["decode_broken", "decode_connect"]).await;
+    let s = env.settled_stats().await;
+    assert_eq!(s.held_now, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_decode_lives_while_tokens_flow_and_stalls_time_out() {
+    let d = with_faults(
+        EngineConfig::decode(1),
+        Faults {
+            decode_extra_itl_ms: 300,
+            ..Faults::default()
+        },
+    );
+    let env = start(vec![EngineConfig::prefill(1)], vec![d], |c| c.timeouts.stream_idle_secs = 1).await;
+    env.wait_routable(1, 1).await;
+    // 4 tokens × 300 ms: longer than... nothing; each gap is below the 1 s idle bound.
+    expect_ok(&env, true, 1).await;
+    expect_ok(&env, false, 1).await;
+    // A stall longer than the idle bound ends the stream with an error event.
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_extra_itl_ms: 2500,
+        ..Faults::default()
+    });
+    let (st, _, bytes) = env.post("/generate", GEN_STREAM).await;
+    assert_eq!(st, 200);
+    let (events, done) = sse_events(&bytes);
+    assert!(done);
+    assert_eq!(events.last().unwrap()["error"]["type"], "decode_idle_timeout", "{}", String::from_utf8_lossy(&bytes));
+    let s = env.settled_stats().await;
+    assert_eq!(s.held_now, 0);
+    assert!(cancelled(&env.cluster.decodes[0].stats()) >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_never_starts_hits_the_first_byte_deadline() {
+    let d = with_faults(
+        EngineConfig::decode(1),
+        Faults {
+            decode_extra_ttft_ms: 5000,
+            ..Faults::default()
+        },
+    );
+    let env = start(vec![EngineConfig::prefill(1)], vec![d], |c| c.timeouts.decode_first_byte_secs = 1).await;
+    env.wait_routable(1, 1).await;
+    expect_error(&env, true, 504, &["decode_first_byte_timeout"]).await;
+    let s = env.settled_stats().await;
+    assert_eq!(s.held_now, 0);
+    assert_eq!(cancelled(&env.cluster.decodes[0].stats()), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legacy_bootstrap_bug_is_never_dispatched_into() {
+    let mut legacy = EngineConfig::decode(1);
+    legacy.legacy_bootstrap_bug = true;
+    for stream in [false, true] {
+        let env = start(vec![EngineConfig::prefill(2)], vec![legacy.clone()], |_| {}).await;
+        env.wait_routable(2, 1).await;
+        // The bootstrap fails; the tracker sees it, so nothing is sent to the legacy decode
+        // (which would wait out its whole waiting timeout).
+        env.cluster.prefills[0].set_faults(Faults {
+            bootstrap_down: true,
+            ..Faults::default()
+        });
+        env.wait_pool("bootstrap out", |s| s.prefill_targets.is_empty()).await;
+        expect_error(&env, stream, 503, &["bootstrap_unreachable"]).await;
+        assert_eq!(env.cluster.decodes[0].stats().requests_total, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legacy_bootstrap_bug_raced_is_answered_within_heartbeat_detection() {
+    let mut legacy = EngineConfig::decode(1);
+    legacy.legacy_bootstrap_bug = true;
+    let env = start(vec![EngineConfig::prefill(2)], vec![legacy], |_| {}).await;
+    env.wait_routable(2, 1).await;
+    // The bootstrap server dies right as the request goes out: the router's view is still
+    // Ready, the legacy decode would wait forever; the heartbeat loss ends the request.
+    env.cluster.prefills[0].set_faults(Faults {
+        bootstrap_down: true,
+        ..Faults::default()
+    });
+    let (st, _, bytes) = env.post("/generate", GEN).await;
+    let (status, kind) = error_of(st.as_u16(), &bytes);
+    assert!(
+        (status == 502 && kind == "prefill_lost") || (status == 503 && kind == "bootstrap_unreachable"),
+        "{status} {kind}: {}",
+        String::from_utf8_lossy(&bytes)
+    );
+    let s = env.settled_stats().await;
+    assert_eq!(s.held_now, 0, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_both_legs() {
+    // Streaming: the client reads one chunk and goes away.
+    let d = with_faults(
+        EngineConfig::decode(1),
+        Faults {
+            decode_extra_itl_ms: 200,
+            ..Faults::default()
+        },
+    );
+    let env = start(vec![EngineConfig::prefill(1)], vec![d], |_| {}).await;
+    env.wait_routable(1, 1).await;
+    let resp = env
+        .send("POST", "/generate", &[("content-type", "application/json")], r#"{"text":"a","sampling_params":{"max_new_tokens":50},"stream":true}"#)
+        .await;
+    let mut b = resp.into_body();
+    let _ = tokio::time::timeout(Duration::from_secs(10), b.frame()).await.unwrap();
+    drop(b);
+    let s = env.settled_stats().await;
+    assert_eq!(cancelled(&env.cluster.decodes[0].stats()), 1, "{s:?}");
+
+    // Not streaming, while the prefill still works: both legs are cancelled.
+    let p = with_faults(
+        EngineConfig::prefill(1),
+        Faults {
+            prefill_hang: true,
+            ..Faults::default()
+        },
+    );
+    let env = start(vec![p], vec![EngineConfig::decode(1)], |_| {}).await;
+    env.wait_routable(1, 1).await;
+    let url = env.url("/generate");
+    let client = env.client.clone();
+    let task = tokio::spawn(async move {
+        let req = http::Request::post(url)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(GEN.as_bytes())))
+            .unwrap();
+        client.request(req).await
+    });
+    // Wait until both engines hold the request, then drop the client.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while env.stats().held_now < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "legs never arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    task.abort();
+    let s = env.settled_stats().await;
+    assert!(cancelled(&env.cluster.prefills[0].stats()) >= 1, "{s:?}");
+    assert!(cancelled(&env.cluster.decodes[0].stats()) >= 1, "{s:?}");
+}
