@@ -8,10 +8,17 @@ use std::path::PathBuf;
 
 use clap::{ArgMatches, Args, Parser, Subcommand};
 
-use crate::config::{Config, ConfigError, ContractMode, DecodeWorkerConfig, LogFormat, PolicyKind, PrefillWorkerConfig};
+use crate::config::{
+    Config, ConfigError, ContractMode, DecodeWorkerConfig, LogFormat, PolicyKind,
+    PrefillWorkerConfig,
+};
 
 #[derive(Debug, Parser)]
-#[command(name = "pdgate", version, about = "Router and load balancer for prefill/decode disaggregated SGLang serving")]
+#[command(
+    name = "pdgate",
+    version,
+    about = "Router and load balancer for prefill/decode disaggregated SGLang serving"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -92,12 +99,11 @@ pub fn prefill_groups(m: &ArgMatches) -> Result<Vec<PrefillWorkerConfig>, Config
         let bootstrap_port = match vals.next() {
             None => None,
             Some(p) if p.eq_ignore_ascii_case("none") => None,
-            Some(p) => Some(
-                p.parse::<u16>()
-                    .ok()
-                    .filter(|p| *p > 0)
-                    .ok_or_else(|| ConfigError::Invalid(format!("--prefill {url} {p}: BOOTSTRAP_PORT must be 1..=65535")))?,
-            ),
+            Some(p) => Some(p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "--prefill {url} {p}: BOOTSTRAP_PORT must be 1..=65535"
+                ))
+            })?),
         };
         Ok(PrefillWorkerConfig {
             url,
@@ -119,7 +125,11 @@ impl ServeArgs {
             cfg.prefill = prefills;
         }
         if !self.decode.is_empty() {
-            cfg.decode = self.decode.into_iter().map(|url| DecodeWorkerConfig { url }).collect();
+            cfg.decode = self
+                .decode
+                .into_iter()
+                .map(|url| DecodeWorkerConfig { url })
+                .collect();
         }
         if let Some(h) = self.host {
             cfg.server.host = h;
@@ -177,10 +187,14 @@ mod tests {
     fn serve(args: &[&str]) -> Result<Config, String> {
         let mut argv = vec!["pdgate", "serve"];
         argv.extend_from_slice(args);
-        let m = Cli::command().try_get_matches_from(argv).map_err(|e| e.to_string())?;
+        let m = Cli::command()
+            .try_get_matches_from(argv)
+            .map_err(|e| e.to_string())?;
         let sm = m.subcommand_matches("serve").cloned().ok_or("no serve")?;
         let cli = Cli::from_arg_matches(&m).map_err(|e| e.to_string())?;
-        let Command::Serve(a) = cli.command else { return Err("not serve".into()) };
+        let Command::Serve(a) = cli.command else {
+            return Err("not serve".into());
+        };
         let groups = prefill_groups(&sm).map_err(|e| e.to_string())?;
         a.into_config(groups).map_err(|e| e.to_string())
     }
@@ -189,15 +203,29 @@ mod tests {
     fn sglang_router_flags_are_accepted() {
         let cfg = serve(&[
             "--pd-disaggregation",
-            "--prefill", "http://10.0.0.1:30000", "9000",
-            "--prefill", "http://10.0.0.2:30000",
-            "--decode", "http://10.0.0.3:30001",
-            "--decode", "http://10.0.0.4:30001",
-            "--host", "0.0.0.0", "--port", "30080",
-            "--policy", "random", "--decode-policy", "round_robin",
-            "--request-timeout-secs", "120",
-            "--health-check-interval-secs", "2",
-            "--health-failure-threshold", "3",
+            "--prefill",
+            "http://10.0.0.1:30000",
+            "9000",
+            "--prefill",
+            "http://10.0.0.2:30000",
+            "--decode",
+            "http://10.0.0.3:30001",
+            "--decode",
+            "http://10.0.0.4:30001",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "30080",
+            "--policy",
+            "random",
+            "--decode-policy",
+            "round_robin",
+            "--request-timeout-secs",
+            "120",
+            "--health-check-interval-secs",
+            "2",
+            "--health-failure-threshold",
+            "3",
         ])
         .unwrap();
         assert_eq!(cfg.prefill.len(), 2);
@@ -226,7 +254,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pdgate-cli-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("c.toml");
-        std::fs::write(&f, "[server]\nport = 1234\nmax_body_bytes = 10\n[[decode]]\nurl = \"http://d:1\"\n").unwrap();
+        std::fs::write(
+            &f,
+            "[server]\nport = 1234\nmax_body_bytes = 10\n[[decode]]\nurl = \"http://d:1\"\n",
+        )
+        .unwrap();
         let cfg = serve(&["--config", f.to_str().unwrap(), "--port", "4321"]).unwrap();
         assert_eq!(cfg.server.port, 4321);
         assert_eq!(cfg.server.max_body_bytes, 10);

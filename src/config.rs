@@ -385,7 +385,10 @@ impl Config {
                 "timeouts.decode_first_byte_secs",
                 self.timeouts.decode_first_byte_secs > 0,
             ),
-            ("timeouts.stream_idle_secs", self.timeouts.stream_idle_secs > 0),
+            (
+                "timeouts.stream_idle_secs",
+                self.timeouts.stream_idle_secs > 0,
+            ),
             ("timeouts.request_secs", self.timeouts.request_secs > 0),
             (
                 "retry.budget_ratio",
@@ -437,7 +440,9 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_named() {
-        let err = Config::from_toml("[server]\nprot = 1\n").unwrap_err().to_string();
+        let err = Config::from_toml("[server]\nprot = 1\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("prot"), "{err}");
         let err = Config::from_toml("[timeouts]\nprefill_secs = \"x\"\n")
             .unwrap_err()

@@ -34,7 +34,11 @@ pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send 
     let url = router.url();
     println!("pdgate demo: router on {url}");
     for p in &cluster.prefills {
-        println!("  prefill {} (DP 2, bootstrap port {})", p.url(), p.bootstrap_port().unwrap_or(0));
+        println!(
+            "  prefill {} (DP 2, bootstrap port {})",
+            p.url(),
+            p.bootstrap_port().unwrap_or(0)
+        );
     }
     for d in &cluster.decodes {
         println!("  decode  {} (DP 2)", d.url());

@@ -169,8 +169,13 @@ impl FailReason {
             | PrefillStatus | PrefillRejected | PrefillAborted | PrefillTimeout | PrefillLost => {
                 Some(Role::Prefill)
             }
-            DecodeConnect | DecodeStatus | DecodeRejected | DecodeAborted
-            | DecodeFirstByteTimeout | DecodeIdleTimeout | DecodeBroken => Some(Role::Decode),
+            DecodeConnect
+            | DecodeStatus
+            | DecodeRejected
+            | DecodeAborted
+            | DecodeFirstByteTimeout
+            | DecodeIdleTimeout
+            | DecodeBroken => Some(Role::Decode),
             _ => None,
         }
     }
@@ -269,7 +274,12 @@ mod tests {
             assert_eq!(v["error"]["code"], f.status().as_u16());
             let sse = f.sse_event();
             let s = std::str::from_utf8(&sse).unwrap();
-            let first = s.strip_prefix("data: ").unwrap().split("\n\n").next().unwrap();
+            let first = s
+                .strip_prefix("data: ")
+                .unwrap()
+                .split("\n\n")
+                .next()
+                .unwrap();
             serde_json::from_str::<serde_json::Value>(first).unwrap();
             assert!(s.ends_with("data: [DONE]\n\n"));
         }

@@ -45,7 +45,10 @@ fn main() -> std::process::ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("pdgate: cannot start the runtime: {e}");
@@ -55,7 +58,10 @@ fn main() -> std::process::ExitCode {
     let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = rt.block_on(async {
         match cli.command {
             Command::Serve(args) => {
-                let sm = matches.subcommand_matches("serve").cloned().unwrap_or_default();
+                let sm = matches
+                    .subcommand_matches("serve")
+                    .cloned()
+                    .unwrap_or_default();
                 let cfg = prefill_groups(&sm).and_then(|g| args.into_config(g))?;
                 init_logs(&cfg.log);
                 let router = pdgate::router::start(cfg, None, RngSource::Os).await?;

@@ -29,36 +29,71 @@ pub enum StartError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: String, source: std::io::Error },
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
 }
 
 /// Starts a router. `listener`: an already-bound socket (tests bind port 0), else
 /// `server.host:server.port` is bound.
-pub async fn start(cfg: Config, listener: Option<TcpListener>, rng: RngSource) -> Result<Router, StartError> {
+pub async fn start(
+    cfg: Config,
+    listener: Option<TcpListener>,
+    rng: RngSource,
+) -> Result<Router, StartError> {
     cfg.validate()?;
     crate::server::routes_metrics_init();
     let cfg = Arc::new(cfg);
     let up = Upstream::new(&cfg.upstream, &cfg.timeouts);
     let pool = Arc::new(Pool::new());
     for p in &cfg.prefill {
-        let url = parse_base_url(&p.url).map_err(|e| ConfigError::Invalid(format!("prefill url {}: {e}", p.url)))?;
+        let url = parse_base_url(&p.url)
+            .map_err(|e| ConfigError::Invalid(format!("prefill url {}: {e}", p.url)))?;
         let id = pool.add_worker(Role::Prefill, url.clone(), None);
-        crate::bootstrap::tracker::spawn(pool.clone(), up.clone(), cfg.bootstrap.clone(), id, url.clone(), p.bootstrap_port, p.bootstrap_host.clone());
-        crate::health::spawn(pool.clone(), up.clone(), cfg.health.clone(), cfg.bootstrap.clone(), Role::Prefill, id, url);
+        crate::bootstrap::tracker::spawn(
+            pool.clone(),
+            up.clone(),
+            cfg.bootstrap.clone(),
+            id,
+            url.clone(),
+            p.bootstrap_port,
+            p.bootstrap_host.clone(),
+        );
+        crate::health::spawn(
+            pool.clone(),
+            up.clone(),
+            cfg.health.clone(),
+            cfg.bootstrap.clone(),
+            Role::Prefill,
+            id,
+            url,
+        );
     }
     for d in &cfg.decode {
-        let url = parse_base_url(&d.url).map_err(|e| ConfigError::Invalid(format!("decode url {}: {e}", d.url)))?;
+        let url = parse_base_url(&d.url)
+            .map_err(|e| ConfigError::Invalid(format!("decode url {}: {e}", d.url)))?;
         let id = pool.add_worker(Role::Decode, url.clone(), None);
-        crate::health::spawn(pool.clone(), up.clone(), cfg.health.clone(), cfg.bootstrap.clone(), Role::Decode, id, url);
+        crate::health::spawn(
+            pool.clone(),
+            up.clone(),
+            cfg.health.clone(),
+            cfg.bootstrap.clone(),
+            Role::Decode,
+            id,
+            url,
+        );
     }
     let listener = match listener {
         Some(l) => l,
         None => {
             let addr = std::net::SocketAddr::new(cfg.server.host, cfg.server.port);
-            TcpListener::bind(addr).await.map_err(|source| StartError::Bind {
-                addr: addr.to_string(),
-                source,
-            })?
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind {
+                    addr: addr.to_string(),
+                    source,
+                })?
         }
     };
     let drain = std::time::Duration::from_secs(cfg.server.drain_secs);

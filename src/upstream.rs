@@ -235,7 +235,10 @@ mod tests {
     #[test]
     fn base_urls() {
         let cases = [
-            ("http://10.0.0.1:30000", Ok(("http://10.0.0.1:30000", "10.0.0.1", 30000))),
+            (
+                "http://10.0.0.1:30000",
+                Ok(("http://10.0.0.1:30000", "10.0.0.1", 30000)),
+            ),
             ("http://host:1/", Ok(("http://host:1", "host", 1))),
             ("http://[::1]:8000", Ok(("http://[::1]:8000", "::1", 8000))),
             ("http://h", Ok(("http://h:80", "h", 80))),
@@ -248,7 +251,11 @@ mod tests {
             let got = parse_base_url(input);
             match (got, want) {
                 (Ok(b), Ok((base, host, port))) => {
-                    assert_eq!((b.as_str(), b.host(), b.port()), (base, host, port), "{input}")
+                    assert_eq!(
+                        (b.as_str(), b.host(), b.port()),
+                        (base, host, port),
+                        "{input}"
+                    )
                 }
                 (Err(_), Err(())) => {}
                 (g, w) => panic!("{input}: got {g:?}, want {w:?}"),

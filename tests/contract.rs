@@ -21,13 +21,55 @@ fn shapes(rng: &mut impl Rng, stream: bool) -> Vec<(&'static str, String, usize)
     let n = rng.random_range(2..=3usize);
     let texts: Vec<String> = (0..b).map(|i| format!("\"prompt {i}\"")).collect();
     vec![
-        ("/generate", format!(r#"{{"text":"hello","sampling_params":{{"max_new_tokens":3}},"stream":{stream}}}"#), 1),
-        ("/generate", format!(r#"{{"text":[{}],"sampling_params":{{"max_new_tokens":2}},"stream":{stream}}}"#, texts.join(",")), b),
-        ("/generate", format!(r#"{{"input_ids":[[1,2],[3,4]],"sampling_params":{{"max_new_tokens":2,"n":{n}}},"stream":{stream}}}"#), 2 * n),
-        ("/v1/chat/completions", format!(r#"{{"model":"sim-model","messages":[{{"role":"user","content":"hi"}}],"max_tokens":3,"stream":{stream}}}"#), 1),
-        ("/v1/chat/completions", format!(r#"{{"model":"sim-model","messages":[{{"role":"user","content":"hi"}}],"max_tokens":2,"n":{n},"stream":{stream}}}"#), n),
-        ("/v1/completions", format!(r#"{{"model":"sim-model","prompt":[{}],"max_tokens":2,"stream":{stream}}}"#, texts.join(",")), b),
-        ("/v1/completions", format!(r#"{{"model":"sim-model","prompt":[1,2,3],"max_tokens":2,"stream":{stream}}}"#), 1),
+        (
+            "/generate",
+            format!(
+                r#"{{"text":"hello","sampling_params":{{"max_new_tokens":3}},"stream":{stream}}}"#
+            ),
+            1,
+        ),
+        (
+            "/generate",
+            format!(
+                r#"{{"text":[{}],"sampling_params":{{"max_new_tokens":2}},"stream":{stream}}}"#,
+                texts.join(",")
+            ),
+            b,
+        ),
+        (
+            "/generate",
+            format!(
+                r#"{{"input_ids":[[1,2],[3,4]],"sampling_params":{{"max_new_tokens":2,"n":{n}}},"stream":{stream}}}"#
+            ),
+            2 * n,
+        ),
+        (
+            "/v1/chat/completions",
+            format!(
+                r#"{{"model":"sim-model","messages":[{{"role":"user","content":"hi"}}],"max_tokens":3,"stream":{stream}}}"#
+            ),
+            1,
+        ),
+        (
+            "/v1/chat/completions",
+            format!(
+                r#"{{"model":"sim-model","messages":[{{"role":"user","content":"hi"}}],"max_tokens":2,"n":{n},"stream":{stream}}}"#
+            ),
+            n,
+        ),
+        (
+            "/v1/completions",
+            format!(
+                r#"{{"model":"sim-model","prompt":[{}],"max_tokens":2,"stream":{stream}}}"#,
+                texts.join(",")
+            ),
+            b,
+        ),
+        (
+            "/v1/completions",
+            format!(r#"{{"model":"sim-model","prompt":[1,2,3],"max_tokens":2,"stream":{stream}}}"#),
+            1,
+        ),
     ]
 }
 
@@ -39,7 +81,8 @@ async fn run_matrix(dp_p: u32, mode: ContractMode) {
             |c| c.contract.mode = mode,
         )
         .await;
-        env.wait_routable(2 * dp_p as usize, 2 * dp_d as usize).await;
+        env.wait_routable(2 * dp_p as usize, 2 * dp_d as usize)
+            .await;
         let mut rng = rand::rngs::StdRng::seed_from_u64(u64::from(dp_p * 10 + dp_d));
         let mut expected_instances = 0usize;
         // Enough rounds that round robin visits every prefill rank with every shape.
@@ -51,12 +94,19 @@ async fn run_matrix(dp_p: u32, mode: ContractMode) {
             for ((path, body, instances), (status, _, bytes)) in batch.iter().zip(results) {
                 expected_instances += instances;
                 let text = String::from_utf8_lossy(&bytes);
-                assert_eq!(status.as_u16(), 200, "dp_p={dp_p} dp_d={dp_d} {mode:?} {path} {body}: {text}");
+                assert_eq!(
+                    status.as_u16(),
+                    200,
+                    "dp_p={dp_p} dp_d={dp_d} {mode:?} {path} {body}: {text}"
+                );
                 if stream {
                     let (events, done) = sse_events(&bytes);
                     assert!(done, "stream ended without [DONE]: {text}");
                     assert!(!events.is_empty());
-                    assert!(events.iter().all(|e| e.get("error").is_none()), "error event: {text}");
+                    assert!(
+                        events.iter().all(|e| e.get("error").is_none()),
+                        "error event: {text}"
+                    );
                 } else {
                     let v: serde_json::Value = serde_json::from_slice(&bytes).expect("json answer");
                     assert!(v.get("error").is_none(), "{text}");
@@ -64,12 +114,19 @@ async fn run_matrix(dp_p: u32, mode: ContractMode) {
             }
         }
         let s = env.settled_stats().await;
-        assert_eq!(s.contract_violations, 0, "dp_p={dp_p} dp_d={dp_d} {mode:?}: {s:?}");
+        assert_eq!(
+            s.contract_violations, 0,
+            "dp_p={dp_p} dp_d={dp_d} {mode:?}: {s:?}"
+        );
         assert_eq!(s.failed, 0, "dp_p={dp_p} dp_d={dp_d} {mode:?}: {s:?}");
         // Every prefill rank of every prefill ran something.
         for p in &env.cluster.prefills {
             let ps = p.stats();
-            assert!(ps.requests_per_rank.iter().all(|n| *n > 0), "unused prefill rank: {:?}", ps.requests_per_rank);
+            assert!(
+                ps.requests_per_rank.iter().all(|n| *n > 0),
+                "unused prefill rank: {:?}",
+                ps.requests_per_rank
+            );
         }
         // Every instance crossed the KV rendezvous exactly once.
         assert_eq!(s.kv_transfers as usize, expected_instances, "{s:?}");
@@ -115,25 +172,38 @@ async fn contract_dp8_pinned() {
 /// real one would, until the client gives up).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simulator_catches_a_rank_mismatch() {
-    let env = start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await;
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
     env.wait_routable(2, 1).await;
     let p = &env.cluster.prefills[0];
     let d = &env.cluster.decodes[0];
     let room = 1000u64; // room % 2 == 0: the prefill runs it on rank 0
     let port = p.bootstrap_port().unwrap();
     let body = |rid: &str, hint: &str| {
-        format!(r#"{{"text":"x","sampling_params":{{"max_new_tokens":1}},"bootstrap_host":"127.0.0.1","bootstrap_port":{port},"bootstrap_room":{room},"rid":"{rid}"{hint}}}"#)
+        format!(
+            r#"{{"text":"x","sampling_params":{{"max_new_tokens":1}},"bootstrap_host":"127.0.0.1","bootstrap_port":{port},"bootstrap_room":{room},"rid":"{rid}"{hint}}}"#
+        )
     };
     let client = common::client();
     let send = |url: String, b: String| {
         let client = client.clone();
         async move {
-            let req = http::Request::post(url).header("content-type", "application/json").body(http_body_util::Full::new(bytes::Bytes::from(b))).unwrap();
+            let req = http::Request::post(url)
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(bytes::Bytes::from(b)))
+                .unwrap();
             client.request(req).await
         }
     };
     let pf = tokio::spawn(send(format!("{}/generate", p.url()), body("neg-p", "")));
-    let df = tokio::spawn(send(format!("{}/generate", d.url()), body("neg-d", r#","disagg_prefill_dp_rank":1"#)));
+    let df = tokio::spawn(send(
+        format!("{}/generate", d.url()),
+        body("neg-d", r#","disagg_prefill_dp_rank":1"#),
+    ));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let s = env.stats();
@@ -141,7 +211,10 @@ async fn simulator_catches_a_rank_mismatch() {
             assert!(s.contract_violations >= 1);
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "violation not detected: {s:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "violation not detected: {s:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     pf.abort();

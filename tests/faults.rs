@@ -32,8 +32,15 @@ fn error_of(status: u16, bytes: &[u8]) -> (u16, String) {
     }
     let (events, done) = sse_events(bytes);
     let last = events.last().cloned().unwrap_or_default();
-    assert!(done, "a failed stream must end with [DONE]: {}", String::from_utf8_lossy(bytes));
-    (status, last["error"]["type"].as_str().unwrap_or("none").to_string())
+    assert!(
+        done,
+        "a failed stream must end with [DONE]: {}",
+        String::from_utf8_lossy(bytes)
+    );
+    (
+        status,
+        last["error"]["type"].as_str().unwrap_or("none").to_string(),
+    )
 }
 
 fn cancelled(s: &StatsSnapshot) -> u64 {
@@ -43,25 +50,50 @@ fn cancelled(s: &StatsSnapshot) -> u64 {
 /// The other leg of a failed request: either it never left the router (the failing leg
 /// answered first), or it arrived and was cancelled; it never completed and is not held.
 fn assert_leg_cancelled(s: &StatsSnapshot, what: &str) {
-    assert_eq!(s.ok, 0, "{what} leg completed although the request failed: {s:?}");
+    assert_eq!(
+        s.ok, 0,
+        "{what} leg completed although the request failed: {s:?}"
+    );
     assert_eq!(s.held_now, 0, "{what} leg still held: {s:?}");
-    assert_eq!(cancelled(s), s.requests_total, "{what} leg arrived but was not cancelled: {s:?}");
+    assert_eq!(
+        cancelled(s),
+        s.requests_total,
+        "{what} leg arrived but was not cancelled: {s:?}"
+    );
 }
 
 async fn expect_error(env: &Env, stream: bool, status: u16, kinds: &[&str]) {
     let (st, _, bytes) = env.post("/generate", body(stream)).await;
     let (got_status, kind) = error_of(st.as_u16(), &bytes);
-    assert_eq!(got_status, status, "stream={stream}: {}", String::from_utf8_lossy(&bytes));
-    assert!(kinds.contains(&kind.as_str()), "stream={stream}: got {kind}, want one of {kinds:?}: {}", String::from_utf8_lossy(&bytes));
+    assert_eq!(
+        got_status,
+        status,
+        "stream={stream}: {}",
+        String::from_utf8_lossy(&bytes)
+    );
+    assert!(
+        kinds.contains(&kind.as_str()),
+        "stream={stream}: got {kind}, want one of {kinds:?}: {}",
+        String::from_utf8_lossy(&bytes)
+    );
 }
 
 async fn expect_ok(env: &Env, stream: bool, times: usize) {
     for _ in 0..times {
         let (st, _, bytes) = env.post("/generate", body(stream)).await;
-        assert_eq!(st, 200, "stream={stream}: {}", String::from_utf8_lossy(&bytes));
+        assert_eq!(
+            st,
+            200,
+            "stream={stream}: {}",
+            String::from_utf8_lossy(&bytes)
+        );
         if stream {
             let (events, done) = sse_events(&bytes);
-            assert!(done && events.iter().all(|e| e.get("error").is_none()), "{}", String::from_utf8_lossy(&bytes));
+            assert!(
+                done && events.iter().all(|e| e.get("error").is_none()),
+                "{}",
+                String::from_utf8_lossy(&bytes)
+            );
         }
     }
 }
@@ -76,18 +108,39 @@ fn with_faults(mut e: EngineConfig, f: Faults) -> EngineConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_down() {
     for stream in [false, true] {
-        let env = start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await;
+        let env = start(
+            vec![EngineConfig::prefill(2)],
+            vec![EngineConfig::decode(1)],
+            |_| {},
+        )
+        .await;
         env.wait_routable(2, 1).await;
         env.cluster.prefills[0].set_down(true);
-        env.wait_pool("prefill out", |s| s.prefill_targets.is_empty()).await;
-        expect_error(&env, stream, 503, &["no_prefill_available", "bootstrap_unreachable"]).await;
-        assert_eq!(env.cluster.decodes[0].stats().requests_total, 0, "decode must never receive the request");
+        env.wait_pool("prefill out", |s| s.prefill_targets.is_empty())
+            .await;
+        expect_error(
+            &env,
+            stream,
+            503,
+            &["no_prefill_available", "bootstrap_unreachable"],
+        )
+        .await;
+        assert_eq!(
+            env.cluster.decodes[0].stats().requests_total,
+            0,
+            "decode must never receive the request"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_down_with_another_prefill_healthy_gives_no_errors() {
-    let env = start(vec![EngineConfig::prefill(2), EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await;
+    let env = start(
+        vec![EngineConfig::prefill(2), EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
     env.wait_routable(4, 1).await;
     // Requests sent right after the kill race the detection: retries must cover them.
     env.cluster.prefills[0].set_down(true);
@@ -100,13 +153,19 @@ async fn prefill_down_with_another_prefill_healthy_gives_no_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bootstrap_down() {
     for stream in [false, true] {
-        let env = start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await;
+        let env = start(
+            vec![EngineConfig::prefill(2)],
+            vec![EngineConfig::decode(1)],
+            |_| {},
+        )
+        .await;
         env.wait_routable(2, 1).await;
         env.cluster.prefills[0].set_faults(Faults {
             bootstrap_down: true,
             ..Faults::default()
         });
-        env.wait_pool("bootstrap out", |s| s.prefill_targets.is_empty()).await;
+        env.wait_pool("bootstrap out", |s| s.prefill_targets.is_empty())
+            .await;
         expect_error(&env, stream, 503, &["bootstrap_unreachable"]).await;
         assert_eq!(env.cluster.decodes[0].stats().requests_total, 0);
         // Back when the bootstrap server answers again.
@@ -130,8 +189,14 @@ async fn ranks_never_registered() {
     ];
     for f in cases {
         for stream in [false, true] {
-            let env = start(vec![with_faults(EngineConfig::prefill(2), f.clone())], vec![EngineConfig::decode(1)], |_| {}).await;
-            env.wait_pool("prefill healthy", |s| s.prefills[0].healthy).await;
+            let env = start(
+                vec![with_faults(EngineConfig::prefill(2), f.clone())],
+                vec![EngineConfig::decode(1)],
+                |_| {},
+            )
+            .await;
+            env.wait_pool("prefill healthy", |s| s.prefills[0].healthy)
+                .await;
             expect_error(&env, stream, 503, &["bootstrap_not_ready"]).await;
             assert_eq!(env.stats().requests_total, 0, "no leg may be sent");
         }
@@ -192,7 +257,12 @@ async fn prefill_500_with_another_prefill_is_retried() {
             ..Faults::default()
         },
     );
-    let env = start(vec![bad, EngineConfig::prefill(1)], vec![EngineConfig::decode(1)], |_| {}).await;
+    let env = start(
+        vec![bad, EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
     env.wait_routable(2, 1).await;
     expect_ok(&env, false, 6).await;
     expect_ok(&env, true, 6).await;
@@ -210,9 +280,13 @@ async fn prefill_400_passes_through_and_is_not_retried() {
                 ..Faults::default()
             },
         );
-        let env = start(vec![p, EngineConfig::prefill(1)], vec![EngineConfig::decode(1)], |c| {
-            c.policy.prefill = pdgate::config::PolicyKind::RoundRobin;
-        })
+        let env = start(
+            vec![p, EngineConfig::prefill(1)],
+            vec![EngineConfig::decode(1)],
+            |c| {
+                c.policy.prefill = pdgate::config::PolicyKind::RoundRobin;
+            },
+        )
         .await;
         env.wait_routable(2, 1).await;
         // Round robin: one of two consecutive requests lands on the rejecting prefill.
@@ -221,16 +295,29 @@ async fn prefill_400_passes_through_and_is_not_retried() {
             let (st, _, bytes) = env.post("/generate", body(stream)).await;
             if st != 200 {
                 let (status, kind) = error_of(st.as_u16(), &bytes);
-                assert_eq!((status, kind.as_str()), (400, "prefill_rejected"), "{}", String::from_utf8_lossy(&bytes));
+                assert_eq!(
+                    (status, kind.as_str()),
+                    (400, "prefill_rejected"),
+                    "{}",
+                    String::from_utf8_lossy(&bytes)
+                );
                 rejected += 1;
             }
         }
         assert_eq!(rejected, 1);
         let s = env.settled_stats().await;
-        assert_eq!(env.cluster.prefills[1].stats().requests_total, 1, "a 4xx is not retried elsewhere");
+        assert_eq!(
+            env.cluster.prefills[1].stats().requests_total,
+            1,
+            "a 4xx is not retried elsewhere"
+        );
         let d = env.cluster.decodes[0].stats();
         assert_eq!(d.ok, 1, "{d:?}");
-        assert_eq!(d.ok + cancelled(&d), d.requests_total, "the rejected request's decode leg is cancelled: {d:?}");
+        assert_eq!(
+            d.ok + cancelled(&d),
+            d.requests_total,
+            "the rejected request's decode leg is cancelled: {d:?}"
+        );
         assert_eq!(s.held_now, 0);
     }
 }
@@ -245,12 +332,18 @@ async fn prefill_hangs() {
                 ..Faults::default()
             },
         );
-        let env = start(vec![p], vec![EngineConfig::decode(1)], |c| c.timeouts.prefill_secs = 1).await;
+        let env = start(vec![p], vec![EngineConfig::decode(1)], |c| {
+            c.timeouts.prefill_secs = 1
+        })
+        .await;
         env.wait_routable(1, 1).await;
         expect_error(&env, stream, 504, &["prefill_timeout"]).await;
         let s = env.settled_stats().await;
         assert_eq!(cancelled(&env.cluster.decodes[0].stats()), 1);
-        assert!(cancelled(&env.cluster.prefills[0].stats()) >= 1, "the hung prefill's connection is closed");
+        assert!(
+            cancelled(&env.cluster.prefills[0].stats()) >= 1,
+            "the hung prefill's connection is closed"
+        );
         assert_eq!(s.held_now, 0);
     }
 }
@@ -267,7 +360,13 @@ async fn prefill_dies_mid_request() {
         );
         let env = start(vec![p], vec![EngineConfig::decode(1)], |_| {}).await;
         env.wait_routable(1, 1).await;
-        expect_error(&env, stream, 502, &["prefill_connect", "prefill_aborted", "prefill_lost"]).await;
+        expect_error(
+            &env,
+            stream,
+            502,
+            &["prefill_connect", "prefill_aborted", "prefill_lost"],
+        )
+        .await;
         let s = env.settled_stats().await;
         assert_leg_cancelled(&env.cluster.decodes[0].stats(), "decode");
         assert_eq!(s.held_now, 0);
@@ -283,7 +382,12 @@ async fn prefill_dies_mid_request_with_another_prefill_is_retried() {
             ..Faults::default()
         },
     );
-    let env = start(vec![p, EngineConfig::prefill(1)], vec![EngineConfig::decode(1)], |_| {}).await;
+    let env = start(
+        vec![p, EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
     env.wait_routable(2, 1).await;
     expect_ok(&env, false, 4).await;
     expect_ok(&env, true, 4).await;
@@ -317,7 +421,12 @@ async fn decode_500_with_another_decode_is_retried() {
             ..Faults::default()
         },
     );
-    let env = start(vec![EngineConfig::prefill(1)], vec![d, EngineConfig::decode(1)], |_| {}).await;
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![d, EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
     env.wait_routable(1, 2).await;
     expect_ok(&env, false, 4).await;
     expect_ok(&env, true, 4).await;
@@ -357,7 +466,10 @@ async fn slow_decode_lives_while_tokens_flow_and_stalls_time_out() {
             ..Faults::default()
         },
     );
-    let env = start(vec![EngineConfig::prefill(1)], vec![d], |c| c.timeouts.stream_idle_secs = 1).await;
+    let env = start(vec![EngineConfig::prefill(1)], vec![d], |c| {
+        c.timeouts.stream_idle_secs = 1
+    })
+    .await;
     env.wait_routable(1, 1).await;
     // 4 tokens × 300 ms: longer than... nothing; each gap is below the 1 s idle bound.
     expect_ok(&env, true, 1).await;
@@ -371,7 +483,12 @@ async fn slow_decode_lives_while_tokens_flow_and_stalls_time_out() {
     assert_eq!(st, 200);
     let (events, done) = sse_events(&bytes);
     assert!(done);
-    assert_eq!(events.last().unwrap()["error"]["type"], "decode_idle_timeout", "{}", String::from_utf8_lossy(&bytes));
+    assert_eq!(
+        events.last().unwrap()["error"]["type"],
+        "decode_idle_timeout",
+        "{}",
+        String::from_utf8_lossy(&bytes)
+    );
     let s = env.settled_stats().await;
     assert_eq!(s.held_now, 0);
     assert!(cancelled(&env.cluster.decodes[0].stats()) >= 1);
@@ -386,7 +503,10 @@ async fn decode_never_starts_hits_the_first_byte_deadline() {
             ..Faults::default()
         },
     );
-    let env = start(vec![EngineConfig::prefill(1)], vec![d], |c| c.timeouts.decode_first_byte_secs = 1).await;
+    let env = start(vec![EngineConfig::prefill(1)], vec![d], |c| {
+        c.timeouts.decode_first_byte_secs = 1
+    })
+    .await;
     env.wait_routable(1, 1).await;
     expect_error(&env, true, 504, &["decode_first_byte_timeout"]).await;
     let s = env.settled_stats().await;
@@ -407,7 +527,8 @@ async fn legacy_bootstrap_bug_is_never_dispatched_into() {
             bootstrap_down: true,
             ..Faults::default()
         });
-        env.wait_pool("bootstrap out", |s| s.prefill_targets.is_empty()).await;
+        env.wait_pool("bootstrap out", |s| s.prefill_targets.is_empty())
+            .await;
         expect_error(&env, stream, 503, &["bootstrap_unreachable"]).await;
         assert_eq!(env.cluster.decodes[0].stats().requests_total, 0);
     }
@@ -428,7 +549,8 @@ async fn legacy_bootstrap_bug_raced_is_answered_within_heartbeat_detection() {
     let (st, _, bytes) = env.post("/generate", GEN).await;
     let (status, kind) = error_of(st.as_u16(), &bytes);
     assert!(
-        (status == 502 && kind == "prefill_lost") || (status == 503 && kind == "bootstrap_unreachable"),
+        (status == 502 && kind == "prefill_lost")
+            || (status == 503 && kind == "bootstrap_unreachable"),
         "{status} {kind}: {}",
         String::from_utf8_lossy(&bytes)
     );
@@ -449,10 +571,17 @@ async fn client_disconnect_cancels_both_legs() {
     let env = start(vec![EngineConfig::prefill(1)], vec![d], |_| {}).await;
     env.wait_routable(1, 1).await;
     let resp = env
-        .send("POST", "/generate", &[("content-type", "application/json")], r#"{"text":"a","sampling_params":{"max_new_tokens":50},"stream":true}"#)
+        .send(
+            "POST",
+            "/generate",
+            &[("content-type", "application/json")],
+            r#"{"text":"a","sampling_params":{"max_new_tokens":50},"stream":true}"#,
+        )
         .await;
     let mut b = resp.into_body();
-    let _ = tokio::time::timeout(Duration::from_secs(10), b.frame()).await.unwrap();
+    let _ = tokio::time::timeout(Duration::from_secs(10), b.frame())
+        .await
+        .unwrap();
     drop(b);
     let s = env.settled_stats().await;
     assert_eq!(cancelled(&env.cluster.decodes[0].stats()), 1, "{s:?}");
@@ -472,7 +601,9 @@ async fn client_disconnect_cancels_both_legs() {
     let task = tokio::spawn(async move {
         let req = http::Request::post(url)
             .header("content-type", "application/json")
-            .body(http_body_util::Full::new(bytes::Bytes::from_static(GEN.as_bytes())))
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                GEN.as_bytes(),
+            )))
             .unwrap();
         client.request(req).await
     });

@@ -11,45 +11,203 @@ use pdgate::sim::EngineConfig;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_and_no_leg_is_sent() {
-    let env = start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |c| c.server.max_body_bytes = 4096).await;
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |c| c.server.max_body_bytes = 4096,
+    )
+    .await;
     env.wait_routable(2, 1).await;
     let big = format!(r#"{{"text":"{}"}}"#, "x".repeat(5000));
     let json = [("content-type", "application/json")];
     // (method, path, headers, body, status, error type)
-    let cases: Vec<(&str, &str, &[(&str, &str)], Vec<u8>, u16, &str)> = vec![
-        ("POST", "/generate", &json, b"not json".to_vec(), 400, "invalid_request"),
-        ("POST", "/generate", &json, b"[1,2,3]".to_vec(), 400, "invalid_request"),
-        ("POST", "/generate", &json, b"\"text\"".to_vec(), 400, "invalid_request"),
-        ("POST", "/generate", &json, b"{\"text\":\"caf\xe9\"}".to_vec(), 400, "invalid_request"),
-        ("POST", "/generate", &json, br#"{"text":"a","stream":"yes"}"#.to_vec(), 400, "invalid_request"),
-        ("POST", "/generate", &json, br#"{"text":"a","sampling_params":{"n":"two"}}"#.to_vec(), 400, "invalid_request"),
-        ("POST", "/generate", &json, br#"{"sampling_params":{}}"#.to_vec(), 400, "invalid_request"),
-        ("POST", "/generate", &json, br#"{"text":[]}"#.to_vec(), 400, "invalid_request"),
-        ("POST", "/v1/chat/completions", &json, br#"{"model":"m"}"#.to_vec(), 400, "invalid_request"),
-        ("POST", "/v1/chat/completions", &json, br#"{"messages":"hi"}"#.to_vec(), 400, "invalid_request"),
-        ("POST", "/v1/completions", &json, br#"{"model":"m","n":0,"prompt":"a"}"#.to_vec(), 400, "invalid_request"),
-        ("POST", "/v1/completions", &json, b"".to_vec(), 400, "invalid_request"),
-        ("POST", "/generate", &json, big.into_bytes(), 413, "payload_too_large"),
-        ("POST", "/generate", &[("content-type", "text/plain")], br#"{"text":"a"}"#.to_vec(), 415, "unsupported_media_type"),
-        ("POST", "/generate", &[("content-type", "application/x-www-form-urlencoded")], br#"{"text":"a"}"#.to_vec(), 415, "unsupported_media_type"),
-        ("POST", "/v2/generate", &json, br#"{"text":"a"}"#.to_vec(), 404, "not_found"),
-        ("GET", "/generate", &[], Vec::new(), 405, "method_not_allowed"),
-        ("PUT", "/v1/chat/completions", &json, br#"{"messages":[]}"#.to_vec(), 405, "method_not_allowed"),
-        ("POST", "/v1/models", &json, Vec::new(), 405, "method_not_allowed"),
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        &'a [(&'a str, &'a str)],
+        Vec<u8>,
+        u16,
+        &'a str,
+    );
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "POST",
+            "/generate",
+            &json,
+            b"not json".to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/generate",
+            &json,
+            b"[1,2,3]".to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/generate",
+            &json,
+            b"\"text\"".to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/generate",
+            &json,
+            b"{\"text\":\"caf\xe9\"}".to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/generate",
+            &json,
+            br#"{"text":"a","stream":"yes"}"#.to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/generate",
+            &json,
+            br#"{"text":"a","sampling_params":{"n":"two"}}"#.to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/generate",
+            &json,
+            br#"{"sampling_params":{}}"#.to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/generate",
+            &json,
+            br#"{"text":[]}"#.to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            &json,
+            br#"{"model":"m"}"#.to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            &json,
+            br#"{"messages":"hi"}"#.to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            &json,
+            br#"{"model":"m","n":0,"prompt":"a"}"#.to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            &json,
+            b"".to_vec(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/generate",
+            &json,
+            big.into_bytes(),
+            413,
+            "payload_too_large",
+        ),
+        (
+            "POST",
+            "/generate",
+            &[("content-type", "text/plain")],
+            br#"{"text":"a"}"#.to_vec(),
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            "POST",
+            "/generate",
+            &[("content-type", "application/x-www-form-urlencoded")],
+            br#"{"text":"a"}"#.to_vec(),
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            "POST",
+            "/v2/generate",
+            &json,
+            br#"{"text":"a"}"#.to_vec(),
+            404,
+            "not_found",
+        ),
+        (
+            "GET",
+            "/generate",
+            &[],
+            Vec::new(),
+            405,
+            "method_not_allowed",
+        ),
+        (
+            "PUT",
+            "/v1/chat/completions",
+            &json,
+            br#"{"messages":[]}"#.to_vec(),
+            405,
+            "method_not_allowed",
+        ),
+        (
+            "POST",
+            "/v1/models",
+            &json,
+            Vec::new(),
+            405,
+            "method_not_allowed",
+        ),
     ];
     for (method, path, headers, body, status, kind) in cases {
         let resp = env.send(method, path, headers, body.clone()).await;
         let got = resp.status().as_u16();
         assert!(resp.headers().contains_key("x-request-id"));
-        let ct = resp.headers().get("content-type").map(|v| v.to_str().unwrap().to_string());
+        let ct = resp
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().unwrap().to_string());
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        let what = format!("{method} {path} {}", String::from_utf8_lossy(&body[..body.len().min(60)]));
+        let what = format!(
+            "{method} {path} {}",
+            String::from_utf8_lossy(&body[..body.len().min(60)])
+        );
         assert_eq!(got, status, "{what}: {}", String::from_utf8_lossy(&bytes));
         assert_eq!(ct.as_deref(), Some("application/json"), "{what}");
-        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{what}: not JSON: {e}"));
+        let v: serde_json::Value =
+            serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{what}: not JSON: {e}"));
         assert_eq!(v["error"]["type"], kind, "{what}: {v}");
         assert_eq!(v["error"]["code"], status, "{what}: {v}");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{what}: {v}"
+        );
     }
     let s = env.stats();
     assert_eq!(s.requests_total, 0, "a leg was sent for bad input: {s:?}");
@@ -57,7 +215,12 @@ async fn bad_input_is_refused_and_no_leg_is_sent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_pd_fields_are_replaced() {
-    let env = start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(2)], |_| {}).await;
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(2)],
+        |_| {},
+    )
+    .await;
     env.wait_routable(2, 2).await;
     let body = r#"{"text":"hi","sampling_params":{"max_new_tokens":2},"bootstrap_host":"203.0.113.9","bootstrap_port":1,"bootstrap_room":7,"routed_dp_rank":1,"data_parallel_rank":1,"disagg_prefill_dp_rank":1,"rid":"client-rid"}"#;
     for _ in 0..4 {
@@ -66,7 +229,11 @@ async fn client_pd_fields_are_replaced() {
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         let rid = v["meta_info"]["id"].as_str().unwrap();
         let req_id = headers["x-request-id"].to_str().unwrap();
-        assert_eq!(rid, format!("pdg-{req_id}-00d"), "leg rid is derived from the request id");
+        assert_eq!(
+            rid,
+            format!("pdg-{req_id}-00d"),
+            "leg rid is derived from the request id"
+        );
     }
     let s = env.settled_stats().await;
     assert_eq!(s.contract_violations, 0, "{s:?}");
@@ -75,10 +242,23 @@ async fn client_pd_fields_are_replaced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_id_is_kept_and_echoed() {
-    let env = start(vec![EngineConfig::prefill(1)], vec![EngineConfig::decode(1)], |_| {}).await;
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
     env.wait_routable(1, 1).await;
     let resp = env
-        .send("POST", "/generate", &[("content-type", "application/json"), ("x-request-id", "my-trace-42")], r#"{"text":"a"}"#)
+        .send(
+            "POST",
+            "/generate",
+            &[
+                ("content-type", "application/json"),
+                ("x-request-id", "my-trace-42"),
+            ],
+            r#"{"text":"a"}"#,
+        )
         .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-request-id"], "my-trace-42");
@@ -100,14 +280,24 @@ async fn streaming_passes_through_as_it_comes() {
         )
         .await;
     assert_eq!(resp.status(), 200);
-    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
     let mut body = resp.into_body();
-    let first = tokio::time::timeout(Duration::from_secs(10), body.frame()).await.unwrap().unwrap().unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     let first = first.into_data().unwrap();
     assert!(first.starts_with(b"data: "), "{first:?}");
     // The decode still holds the request: it has not finished generating.
     let d = env.cluster.decodes[0].stats();
-    assert_eq!(d.held_now, 1, "decode finished before the client saw the first chunk: {d:?}");
+    assert_eq!(
+        d.held_now, 1,
+        "decode finished before the client saw the first chunk: {d:?}"
+    );
     assert_eq!(d.ok, 0);
     let rest = body.collect().await.unwrap().to_bytes();
     let mut all = first.to_vec();
@@ -121,12 +311,23 @@ async fn streaming_passes_through_as_it_comes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn info_routes() {
-    let env = start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await;
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
     env.wait_routable(2, 1).await;
-    for (path, status) in [("/health", 200), ("/liveness", 200), ("/readiness", 200), ("/v1/models", 200)] {
+    for (path, status) in [
+        ("/health", 200),
+        ("/liveness", 200),
+        ("/readiness", 200),
+        ("/v1/models", 200),
+    ] {
         let resp = env.send("GET", path, &[], "").await;
         assert_eq!(resp.status().as_u16(), status, "{path}");
-        let v: serde_json::Value = serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
         if path == "/v1/models" {
             assert_eq!(v["data"][0]["id"], "sim-model", "{v}");
         }
@@ -137,11 +338,20 @@ async fn info_routes() {
     let (status, _, _) = env.post("/generate", r#"{"text":"a"}"#).await;
     assert_eq!(status, 200);
     let resp = env.send("GET", "/metrics", &[], "").await;
-    let text = String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap();
+    let text = String::from_utf8(
+        resp.into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
+    .unwrap();
     assert!(text.contains("pdgate_requests_total"), "{text}");
     // Not ready once no prefill rank can bootstrap.
     env.cluster.prefills[0].set_down(true);
-    env.wait_pool("prefill out", |s| s.prefill_targets.is_empty()).await;
+    env.wait_pool("prefill out", |s| s.prefill_targets.is_empty())
+        .await;
     let resp = env.send("GET", "/readiness", &[], "").await;
     assert_eq!(resp.status(), 503);
 }

@@ -47,7 +47,10 @@ pub enum Sentinel {
 /// What a rank lookup said.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RankRoute {
-    Ready { rank_ip: String, rank_port: u16 },
+    Ready {
+        rank_ip: String,
+        rank_port: u16,
+    },
     /// 503: the server is not ready (for every query, observed on 0.5.23).
     NotReady,
     /// 404 (v3) or 500 KeyError (v1/v2): the rank is not registered.
@@ -100,7 +103,8 @@ fn one() -> u32 {
     1
 }
 
-const SENTINEL_V3: &str = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
+const SENTINEL_V3: &str =
+    "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
 const SENTINEL_V2: &str = "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1";
 const SENTINEL_V1: &str = "/route?engine_rank=-1&target_dp_group=-1";
 
@@ -128,10 +132,11 @@ pub async fn sentinel(
         match (g, status) {
             (_, StatusCode::SERVICE_UNAVAILABLE) => return Ok(Sentinel::NotReady(snippet(&body))),
             (Generation::V3, StatusCode::OK) => {
-                let info: V3Info = serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
-                    status: 200,
-                    body: snippet(&body),
-                })?;
+                let info: V3Info =
+                    serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
+                        status: 200,
+                        body: snippet(&body),
+                    })?;
                 return Ok(Sentinel::Ready(Layout {
                     generation: Generation::V3,
                     dp_size: info.dp_size.max(1),
@@ -144,10 +149,11 @@ pub async fn sentinel(
                 }));
             }
             (Generation::V2 | Generation::V1, StatusCode::OK) => {
-                let info: OldInfo = serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
-                    status: 200,
-                    body: snippet(&body),
-                })?;
+                let info: OldInfo =
+                    serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
+                        status: 200,
+                        body: snippet(&body),
+                    })?;
                 return Ok(Sentinel::Ready(Layout {
                     generation: *g,
                     dp_size: info.prefill_dp_size.max(1),
@@ -202,10 +208,11 @@ pub async fn rank_route(
     }
     match status {
         StatusCode::OK => {
-            let r: Route = serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
-                status: 200,
-                body: snippet(&body),
-            })?;
+            let r: Route =
+                serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
+                    status: 200,
+                    body: snippet(&body),
+                })?;
             Ok(RankRoute::Ready {
                 rank_ip: r.rank_ip,
                 rank_port: r.rank_port,
@@ -213,7 +220,9 @@ pub async fn rank_route(
         }
         StatusCode::SERVICE_UNAVAILABLE => Ok(RankRoute::NotReady),
         StatusCode::NOT_FOUND if gen == Generation::V3 => Ok(RankRoute::Missing(snippet(&body))),
-        StatusCode::INTERNAL_SERVER_ERROR if gen != Generation::V3 => Ok(RankRoute::Missing(snippet(&body))),
+        StatusCode::INTERNAL_SERVER_ERROR if gen != Generation::V3 => {
+            Ok(RankRoute::Missing(snippet(&body)))
+        }
         s => Err(BootstrapError::BadAnswer {
             status: s.as_u16(),
             body: snippet(&body),
@@ -251,7 +260,11 @@ pub struct ServerInfo {
     pub version: Option<String>,
 }
 
-pub async fn server_info(up: &Upstream, engine: &BaseUrl, timeout: Duration) -> Result<ServerInfo, BootstrapError> {
+pub async fn server_info(
+    up: &Upstream,
+    engine: &BaseUrl,
+    timeout: Duration,
+) -> Result<ServerInfo, BootstrapError> {
     let mut last = None;
     for path in ["/server_info", "/get_server_info"] {
         let (status, body) = up.get(engine, path, timeout).await?;

@@ -35,7 +35,9 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, now: Insta
     w.ranks_checked_at[rank] = now;
     let old = &w.ranks[rank];
     let changed = match (old, &new) {
-        (RankReadiness::Failed { reason: a, .. }, RankReadiness::Failed { reason: b, .. }) => a != b,
+        (RankReadiness::Failed { reason: a, .. }, RankReadiness::Failed { reason: b, .. }) => {
+            a != b
+        }
         (a, b) => a != b,
     };
     if changed {
@@ -61,7 +63,12 @@ fn fail_all(w: &mut WorkerState, reason: RankFailure, now: Instant) {
 }
 
 /// Applies a rank lookup's outcome (used by the refresher and by request-path preflight).
-pub fn apply_rank(w: &mut WorkerState, rank: usize, res: &Result<RankRoute, BootstrapError>, now: Instant) {
+pub fn apply_rank(
+    w: &mut WorkerState,
+    rank: usize,
+    res: &Result<RankRoute, BootstrapError>,
+    now: Instant,
+) {
     let st = match res {
         Ok(RankRoute::Ready { .. }) => RankReadiness::Ready,
         Ok(RankRoute::NotReady) => RankReadiness::Bootstrapping,
@@ -105,7 +112,14 @@ pub fn spawn(
         let url = info.url.clone();
         pool.update_worker(Role::Prefill, id, |w| w.bootstrap = Some(info));
         let wake = Arc::new(Notify::new());
-        tokio::spawn(heartbeat(pool.clone(), up.clone(), cfg.clone(), id, url.clone(), wake.clone()));
+        tokio::spawn(heartbeat(
+            pool.clone(),
+            up.clone(),
+            cfg.clone(),
+            id,
+            url.clone(),
+            wake.clone(),
+        ));
         refresher(pool, up, cfg, id, url, wake).await;
     });
 }
@@ -115,7 +129,11 @@ async fn discover_port(up: &Upstream, cfg: &BootstrapConfig, engine: &BaseUrl) -
     let mut attempts = 0u32;
     loop {
         match client::server_info(up, engine, cfg.http_timeout()).await {
-            Ok(info) => return info.disaggregation_bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT),
+            Ok(info) => {
+                return info
+                    .disaggregation_bootstrap_port
+                    .unwrap_or(DEFAULT_BOOTSTRAP_PORT)
+            }
             Err(BootstrapError::BadAnswer { status, .. }) => {
                 tracing::warn!(prefill = %engine, status, "no server info; using bootstrap port 8998");
                 return DEFAULT_BOOTSTRAP_PORT;
@@ -131,7 +149,14 @@ async fn discover_port(up: &Upstream, cfg: &BootstrapConfig, engine: &BaseUrl) -
     }
 }
 
-async fn refresher(pool: Arc<Pool>, up: Upstream, cfg: BootstrapConfig, id: WorkerId, url: BaseUrl, wake: Arc<Notify>) {
+async fn refresher(
+    pool: Arc<Pool>,
+    up: Upstream,
+    cfg: BootstrapConfig,
+    id: WorkerId,
+    url: BaseUrl,
+    wake: Arc<Notify>,
+) {
     loop {
         refresh_once(&pool, &up, &cfg, id, &url).await;
         tokio::select! {
@@ -142,9 +167,17 @@ async fn refresher(pool: Arc<Pool>, up: Upstream, cfg: BootstrapConfig, id: Work
 }
 
 /// Reads the sentinel, then every rank's route, and publishes the result.
-pub async fn refresh_once(pool: &Pool, up: &Upstream, cfg: &BootstrapConfig, id: WorkerId, url: &BaseUrl) {
+pub async fn refresh_once(
+    pool: &Pool,
+    up: &Upstream,
+    cfg: &BootstrapConfig,
+    id: WorkerId,
+    url: &BaseUrl,
+) {
     let gen = pool
-        .with_worker(Role::Prefill, id, |w| w.layout.as_ref().map(|l| l.generation))
+        .with_worker(Role::Prefill, id, |w| {
+            w.layout.as_ref().map(|l| l.generation)
+        })
         .flatten();
     let sentinel = client::sentinel(up, url, gen, cfg.http_timeout()).await;
     let now = Instant::now();
@@ -152,7 +185,9 @@ pub async fn refresh_once(pool: &Pool, up: &Upstream, cfg: &BootstrapConfig, id:
         Ok(Sentinel::Ready(layout)) => {
             let mut results = Vec::with_capacity(layout.dp_size as usize);
             for r in 0..layout.dp_size {
-                results.push(client::rank_route(up, url, layout.generation, r, cfg.http_timeout()).await);
+                results.push(
+                    client::rank_route(up, url, layout.generation, r, cfg.http_timeout()).await,
+                );
             }
             let now = Instant::now();
             let mut first = false;
@@ -178,7 +213,10 @@ pub async fn refresh_once(pool: &Pool, up: &Upstream, cfg: &BootstrapConfig, id:
         }
         Ok(Sentinel::NotReady(text)) => {
             pool.update_worker(Role::Prefill, id, |w| {
-                let n = w.layout.as_ref().map_or(w.ranks.len().max(1), |l| l.dp_size as usize);
+                let n = w
+                    .layout
+                    .as_ref()
+                    .map_or(w.ranks.len().max(1), |l| l.dp_size as usize);
                 for r in 0..n {
                     set_rank(w, r, RankReadiness::Bootstrapping, now);
                 }
@@ -198,7 +236,14 @@ pub async fn refresh_once(pool: &Pool, up: &Upstream, cfg: &BootstrapConfig, id:
     }
 }
 
-async fn heartbeat(pool: Arc<Pool>, up: Upstream, cfg: BootstrapConfig, id: WorkerId, url: BaseUrl, wake: Arc<Notify>) {
+async fn heartbeat(
+    pool: Arc<Pool>,
+    up: Upstream,
+    cfg: BootstrapConfig,
+    id: WorkerId,
+    url: BaseUrl,
+    wake: Arc<Notify>,
+) {
     let mut misses = 0u32;
     let mut lost = false;
     let mut tick = tokio::time::interval(cfg.heartbeat_interval());

@@ -15,7 +15,15 @@ use crate::types::{Role, WorkerId};
 use crate::upstream::{BaseUrl, Upstream};
 
 /// Starts the health checker of one worker (and, for a decode, its server-info reader).
-pub fn spawn(pool: Arc<Pool>, up: Upstream, cfg: HealthConfig, bcfg: BootstrapConfig, role: Role, id: WorkerId, url: BaseUrl) {
+pub fn spawn(
+    pool: Arc<Pool>,
+    up: Upstream,
+    cfg: HealthConfig,
+    bcfg: BootstrapConfig,
+    role: Role,
+    id: WorkerId,
+    url: BaseUrl,
+) {
     tokio::spawn(async move {
         let (mut ok_run, mut fail_run) = (0u32, 0u32);
         let mut have_info = false;
@@ -45,7 +53,8 @@ pub fn spawn(pool: Arc<Pool>, up: Upstream, cfg: HealthConfig, bcfg: BootstrapCo
             }
             let flip = pool
                 .with_worker(role, id, |w| {
-                    (!w.healthy && ok_run >= cfg.success_threshold) || ((w.healthy || !w.health_checked) && fail_run >= cfg.failure_threshold)
+                    (!w.healthy && ok_run >= cfg.success_threshold)
+                        || ((w.healthy || !w.health_checked) && fail_run >= cfg.failure_threshold)
                 })
                 .unwrap_or(false);
             if flip {
@@ -68,7 +77,10 @@ pub fn warn_mismatches(pool: &Pool) {
     for p in &snap.prefills {
         let Some(layout) = &p.layout else { continue };
         for d in &snap.decodes {
-            let Some(info) = pool.with_worker(Role::Decode, d.id, |w| w.info.clone()).flatten() else {
+            let Some(info) = pool
+                .with_worker(Role::Decode, d.id, |w| w.info.clone())
+                .flatten()
+            else {
                 continue;
             };
             if let (Some(a), Some(b)) = (layout.page_size, info.page_size) {

@@ -38,9 +38,14 @@ pub struct Ready {
 }
 
 impl Ready {
-    pub fn into_response(self, record: RequestRecord, request_id: &HeaderValue) -> Response<RespBody> {
+    pub fn into_response(
+        self,
+        record: RequestRecord,
+        request_id: &HeaderValue,
+    ) -> Response<RespBody> {
         let mut head = self.head;
-        head.headers.insert(crate::server::REQUEST_ID, request_id.clone());
+        head.headers
+            .insert(crate::server::REQUEST_ID, request_id.clone());
         Response::from_parts(head, PdBody::new(self.body, record).boxed_unsync())
     }
 }
@@ -50,7 +55,10 @@ impl Ready {
 /// and a few words per worker.
 fn no_prefill_detail(snap: &Snapshot) -> (FailReason, String) {
     if snap.prefills.is_empty() {
-        return (FailReason::NoPrefillAvailable, "no prefill workers are configured".into());
+        return (
+            FailReason::NoPrefillAvailable,
+            "no prefill workers are configured".into(),
+        );
     }
     let rank_of = |r: FailReason| match r {
         FailReason::BootstrapUnreachable => 3,
@@ -67,7 +75,9 @@ fn no_prefill_detail(snap: &Snapshot) -> (FailReason, String) {
             match st {
                 RankReadiness::Failed { reason: f, .. } => {
                     let this = match f {
-                        RankFailure::Unreachable | RankFailure::BadAnswer => FailReason::BootstrapUnreachable,
+                        RankFailure::Unreachable | RankFailure::BadAnswer => {
+                            FailReason::BootstrapUnreachable
+                        }
                         RankFailure::RankMissing => FailReason::BootstrapRankMissing,
                     };
                     if rank_of(this) > rank_of(why) {
@@ -92,7 +102,10 @@ fn no_prefill_detail(snap: &Snapshot) -> (FailReason, String) {
         };
         parts.push(format!("{}: {state}", w.url));
     }
-    (reason, format!("no prefill rank can bootstrap now ({})", parts.join("; ")))
+    (
+        reason,
+        format!("no prefill rank can bootstrap now ({})", parts.join("; ")),
+    )
 }
 
 impl Dispatcher {
@@ -107,7 +120,8 @@ impl Dispatcher {
         let snap = self.pool.load_full();
         let (pt, dt) = self.rng.with(|rng| {
             (
-                self.prefill_policy.pick(&snap, Role::Prefill, exclude_p, rng),
+                self.prefill_policy
+                    .pick(&snap, Role::Prefill, exclude_p, rng),
                 self.decode_policy.pick(&snap, Role::Decode, exclude_d, rng),
             )
         });
@@ -123,11 +137,20 @@ impl Dispatcher {
             };
             return Err(fail(Failure::new(FailReason::NoDecodeAvailable, msg), None));
         };
-        let (Some(pv), Some(dv)) = (snap.worker(Role::Prefill, pt.worker), snap.worker(Role::Decode, dt.worker)) else {
-            return Err(fail(Failure::new(FailReason::Internal, "picked worker missing from snapshot"), None));
+        let (Some(pv), Some(dv)) = (
+            snap.worker(Role::Prefill, pt.worker),
+            snap.worker(Role::Decode, dt.worker),
+        ) else {
+            return Err(fail(
+                Failure::new(FailReason::Internal, "picked worker missing from snapshot"),
+                None,
+            ));
         };
         let (Some(boot), Some(layout)) = (pv.bootstrap.as_ref(), pv.layout.as_ref()) else {
-            return Err(fail(Failure::new(FailReason::BootstrapNotReady, "prefill layout unknown"), Some((Role::Prefill, pt.worker))));
+            return Err(fail(
+                Failure::new(FailReason::BootstrapNotReady, "prefill layout unknown"),
+                Some((Role::Prefill, pt.worker)),
+            ));
         };
         let blame_p = Some((Role::Prefill, pt.worker));
         let blame_d = Some((Role::Decode, dt.worker));
@@ -136,20 +159,47 @@ impl Dispatcher {
         let bcfg = &self.cfg.bootstrap;
         let checked = pv.ranks_checked_at.get(pt.rank as usize).copied();
         if checked.is_none_or(|t| t.elapsed() > bcfg.freshness()) {
-            let res = client::rank_route(&self.up, &boot.url, layout.generation, pt.rank, bcfg.preflight_timeout()).await;
+            let res = client::rank_route(
+                &self.up,
+                &boot.url,
+                layout.generation,
+                pt.rank,
+                bcfg.preflight_timeout(),
+            )
+            .await;
             let now = Instant::now();
-            self.pool.update_worker(Role::Prefill, pt.worker, |w| tracker::apply_rank(w, pt.rank as usize, &res, now));
+            self.pool.update_worker(Role::Prefill, pt.worker, |w| {
+                tracker::apply_rank(w, pt.rank as usize, &res, now)
+            });
             metrics::counter!("pdgate_preflight_checks_total", "ok" => if matches!(res, Ok(client::RankRoute::Ready { .. })) { "true" } else { "false" }).increment(1);
             match res {
                 Ok(client::RankRoute::Ready { .. }) => {}
                 Ok(client::RankRoute::NotReady) => {
-                    return Err(fail(Failure::new(FailReason::BootstrapNotReady, format!("prefill {} rank {} is not registered yet", pv.url, pt.rank)), blame_p))
+                    return Err(fail(
+                        Failure::new(
+                            FailReason::BootstrapNotReady,
+                            format!("prefill {} rank {} is not registered yet", pv.url, pt.rank),
+                        ),
+                        blame_p,
+                    ))
                 }
                 Ok(client::RankRoute::Missing(m)) => {
-                    return Err(fail(Failure::new(FailReason::BootstrapRankMissing, format!("prefill {} rank {}: {m}", pv.url, pt.rank)), blame_p))
+                    return Err(fail(
+                        Failure::new(
+                            FailReason::BootstrapRankMissing,
+                            format!("prefill {} rank {}: {m}", pv.url, pt.rank),
+                        ),
+                        blame_p,
+                    ))
                 }
                 Err(e) => {
-                    return Err(fail(Failure::new(FailReason::BootstrapUnreachable, format!("prefill {} bootstrap: {e}", pv.url)), blame_p))
+                    return Err(fail(
+                        Failure::new(
+                            FailReason::BootstrapUnreachable,
+                            format!("prefill {} bootstrap: {e}", pv.url),
+                        ),
+                        blame_p,
+                    ))
                 }
             }
         }
@@ -157,7 +207,8 @@ impl Dispatcher {
         // Rooms and ranks under the contract.
         let dp_p = layout.dp_size;
         let mut rooms = Vec::new();
-        self.rng.with(|rng| room::assign(rng, dp_p, pt.rank, req.instances(), &mut rooms));
+        self.rng
+            .with(|rng| room::assign(rng, dp_p, pt.rank, req.instances(), &mut rooms));
         let pinned = self.cfg.contract.mode == ContractMode::Pinned;
         let hint = pinned.then_some(pt.rank);
         let decode_rank = (dv.effective_dp() > 1).then_some(dt.rank);
@@ -190,14 +241,21 @@ impl Dispatcher {
             },
         );
         let path = req.route.path();
-        let preq = legs::leg_request(&pv.url, path, pbody, &ctx.forward).map_err(|f| fail(f, None))?;
-        let dreq = legs::leg_request(&dv.url, path, dbody, &ctx.forward).map_err(|f| fail(f, None))?;
+        let preq =
+            legs::leg_request(&pv.url, path, pbody, &ctx.forward).map_err(|f| fail(f, None))?;
+        let dreq =
+            legs::leg_request(&dv.url, path, dbody, &ctx.forward).map_err(|f| fail(f, None))?;
         tracing::debug!(request_id = %ctx.id, prefill = %pv.url, prefill_rank = pt.rank, decode = %dv.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
 
         // Both legs go out together.
         let timeouts = &self.cfg.timeouts;
         let handle = tokio::spawn(legs::run_prefill(self.up.clone(), preq, timeouts.prefill()));
-        let mut pw = PrefillWatch::new(handle, pv.lost.clone(), LegCancel::new(&self.up, &pv.url, &rid_p), LoadGuard::new(pv, pt.rank));
+        let mut pw = PrefillWatch::new(
+            handle,
+            pv.lost.clone(),
+            LegCancel::new(&self.up, &pv.url, &rid_p),
+            LoadGuard::new(pv, pt.rank),
+        );
         let mut dcancel = LegCancel::new(&self.up, &dv.url, &rid_d);
         let dguard = LoadGuard::new(dv, dt.rank);
         let dfut = self.up.client.request(dreq);
@@ -305,7 +363,11 @@ impl Dispatcher {
             }
         }
         clean_head(&mut head, sse.is_some() || logprobs.is_some());
-        let prefill = if prefill_done.is_some() { None } else { Some(pw) };
+        let prefill = if prefill_done.is_some() {
+            None
+        } else {
+            Some(pw)
+        };
         Ok(Ready {
             head,
             body: PdBodyParts {
@@ -324,14 +386,22 @@ impl Dispatcher {
 fn first_byte_timeout(secs: u64) -> Failure {
     Failure::new(
         FailReason::DecodeFirstByteTimeout,
-        format!("decode sent nothing within {secs}s after the prefill finished (its KV never arrived?)"),
+        format!(
+            "decode sent nothing within {secs}s after the prefill finished (its KV never arrived?)"
+        ),
     )
 }
 
 /// Strips hop-by-hop headers (and the length, when pdgate rewrites the body) from
 /// decode's head before it is re-sent.
 fn clean_head(head: &mut http::response::Parts, rewritten: bool) {
-    for h in [header::CONNECTION, header::TRANSFER_ENCODING, header::TE, header::TRAILER, header::UPGRADE] {
+    for h in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::TE,
+        header::TRAILER,
+        header::UPGRADE,
+    ] {
         head.headers.remove(h);
     }
     head.headers.remove("keep-alive");

@@ -17,8 +17,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use hyper::body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
+use hyper::body::{Body, Frame, SizeHint};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Sleep;
@@ -42,7 +42,12 @@ pub struct PrefillWatch {
 }
 
 impl PrefillWatch {
-    pub fn new(handle: JoinHandle<Result<PrefillDone, Failure>>, mut lost: watch::Receiver<u64>, cancel: LegCancel, guard: LoadGuard) -> PrefillWatch {
+    pub fn new(
+        handle: JoinHandle<Result<PrefillDone, Failure>>,
+        mut lost: watch::Receiver<u64>,
+        cancel: LegCancel,
+        guard: LoadGuard,
+    ) -> PrefillWatch {
         let lost = Box::pin(async move {
             if lost.changed().await.is_err() {
                 std::future::pending::<()>().await;
@@ -67,7 +72,10 @@ impl Future for PrefillWatch {
             this.guard = None;
             let r = match r {
                 Ok(r) => r,
-                Err(e) => Err(Failure::new(FailReason::Internal, format!("prefill task failed: {e}"))),
+                Err(e) => Err(Failure::new(
+                    FailReason::Internal,
+                    format!("prefill task failed: {e}"),
+                )),
             };
             // A prefill that answered (even with an error) needs no abort.
             this.cancel.disarm();
@@ -109,9 +117,12 @@ impl RequestRecord {
 
 impl Drop for RequestRecord {
     fn drop(&mut self) {
-        let outcome = self.outcome.unwrap_or(FailReason::ClientDisconnected.as_str());
+        let outcome = self
+            .outcome
+            .unwrap_or(FailReason::ClientDisconnected.as_str());
         let secs = self.start.elapsed().as_secs_f64();
-        metrics::counter!("pdgate_requests_total", "route" => self.route, "outcome" => outcome).increment(1);
+        metrics::counter!("pdgate_requests_total", "route" => self.route, "outcome" => outcome)
+            .increment(1);
         metrics::histogram!("pdgate_request_duration_seconds", "route" => self.route).record(secs);
         if outcome == "ok" {
             tracing::debug!(request_id = %self.request_id, route = self.route, secs, "request done");
@@ -170,7 +181,10 @@ impl PdBody {
         self.done = true;
         self.decode = None;
         self.prefill = None;
-        if f.reason.leg() == Some(crate::types::Role::Decode) && f.reason != FailReason::DecodeIdleTimeout && f.reason != FailReason::DecodeBroken {
+        if f.reason.leg() == Some(crate::types::Role::Decode)
+            && f.reason != FailReason::DecodeIdleTimeout
+            && f.reason != FailReason::DecodeBroken
+        {
             // The decode answered the failure itself: nothing to abort.
             self.decode_cancel.disarm();
         }
@@ -199,7 +213,10 @@ impl Body for PdBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         if this.done {
             return Poll::Ready(None);
@@ -221,14 +238,21 @@ impl Body for PdBody {
             };
             match Pin::new(decode).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
-                    let Ok(data) = frame.into_data() else { continue };
-                    this.idle.as_mut().reset(tokio::time::Instant::now() + this.idle_for);
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    this.idle
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + this.idle_for);
                     let out = match this.sse.as_mut() {
                         None => data,
                         Some(sse) => match sse.push(data) {
                             Scan::Forward(b) => b,
                             Scan::Abort { before, message } => {
-                                let f = Failure::new(FailReason::DecodeAborted, format!("decode aborted the request: {message}"));
+                                let f = Failure::new(
+                                    FailReason::DecodeAborted,
+                                    format!("decode aborted the request: {message}"),
+                                );
                                 return this.fail(f, before);
                             }
                         },
@@ -239,7 +263,13 @@ impl Body for PdBody {
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    let f = Failure::new(FailReason::DecodeBroken, format!("decode stream broke off: {}", crate::upstream::error_chain(&e)));
+                    let f = Failure::new(
+                        FailReason::DecodeBroken,
+                        format!(
+                            "decode stream broke off: {}",
+                            crate::upstream::error_chain(&e)
+                        ),
+                    );
                     return this.fail(f, Bytes::new());
                 }
                 Poll::Ready(None) => {
@@ -247,7 +277,11 @@ impl Body for PdBody {
                     this.decode = None;
                     this.decode_cancel.disarm();
                     this.record.finish("ok");
-                    let tail = this.sse.as_mut().map(SseScanner::finish).unwrap_or_default();
+                    let tail = this
+                        .sse
+                        .as_mut()
+                        .map(SseScanner::finish)
+                        .unwrap_or_default();
                     if !tail.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(tail))));
                     }

@@ -55,7 +55,12 @@ impl Drop for LegCancel {
 }
 
 /// Builds a leg request with the forwarded headers.
-pub fn leg_request(url: &BaseUrl, path: &str, body: Vec<u8>, fwd: &HeaderMap) -> Result<Request<Full<Bytes>>, Failure> {
+pub fn leg_request(
+    url: &BaseUrl,
+    path: &str,
+    body: Vec<u8>,
+    fwd: &HeaderMap,
+) -> Result<Request<Full<Bytes>>, Failure> {
     let uri = url
         .uri(path)
         .map_err(|e| Failure::new(FailReason::Internal, format!("bad upstream URI: {e}")))?;
@@ -63,7 +68,10 @@ pub fn leg_request(url: &BaseUrl, path: &str, body: Vec<u8>, fwd: &HeaderMap) ->
     *req.method_mut() = Method::POST;
     *req.uri_mut() = uri;
     let h = req.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     for (k, v) in fwd {
         h.insert(k.clone(), v.clone());
     }
@@ -77,22 +85,37 @@ pub struct PrefillDone {
 }
 
 /// Sends the prefill leg and reads its whole answer, within `deadline`.
-pub async fn run_prefill(up: Upstream, req: Request<Full<Bytes>>, deadline: Duration) -> Result<PrefillDone, Failure> {
+pub async fn run_prefill(
+    up: Upstream,
+    req: Request<Full<Bytes>>,
+    deadline: Duration,
+) -> Result<PrefillDone, Failure> {
     let fut = async {
         let resp = up.client.request(req).await.map_err(|e| {
-            Failure::new(FailReason::PrefillConnect, format!("prefill request failed: {}", error_chain(&e)))
+            Failure::new(
+                FailReason::PrefillConnect,
+                format!("prefill request failed: {}", error_chain(&e)),
+            )
         })?;
         let status = resp.status();
         let body = Limited::new(resp.into_body(), PREFILL_BODY_LIMIT)
             .collect()
             .await
-            .map_err(|e| Failure::new(FailReason::PrefillAborted, format!("prefill answer broke off: {e}")))?
+            .map_err(|e| {
+                Failure::new(
+                    FailReason::PrefillAborted,
+                    format!("prefill answer broke off: {e}"),
+                )
+            })?
             .to_bytes();
         if !status.is_success() {
             return Err(status_failure(Role::Prefill, status, &body));
         }
         if let Some(msg) = abort_in_json(&body) {
-            return Err(Failure::new(FailReason::PrefillAborted, format!("prefill aborted the request: {msg}")));
+            return Err(Failure::new(
+                FailReason::PrefillAborted,
+                format!("prefill aborted the request: {msg}"),
+            ));
         }
         Ok(PrefillDone { body })
     };
@@ -107,18 +130,25 @@ pub async fn run_prefill(up: Upstream, req: Request<Full<Bytes>>, deadline: Dura
 
 /// Reads a failed decode's (bounded) error body and classifies it.
 pub async fn decode_status_failure(status: StatusCode, body: hyper::body::Incoming) -> Failure {
-    let bytes = tokio::time::timeout(Duration::from_secs(2), Limited::new(body, ERROR_BODY_LIMIT).collect())
-        .await
-        .ok()
-        .and_then(|r| r.ok())
-        .map(|c| c.to_bytes())
-        .unwrap_or_default();
+    let bytes = tokio::time::timeout(
+        Duration::from_secs(2),
+        Limited::new(body, ERROR_BODY_LIMIT).collect(),
+    )
+    .await
+    .ok()
+    .and_then(|r| r.ok())
+    .map(|c| c.to_bytes())
+    .unwrap_or_default();
     status_failure(Role::Decode, status, &bytes)
 }
 
 /// A non-2xx engine answer as a failure; a 4xx passes through as that 4xx.
 pub fn status_failure(role: Role, status: StatusCode, body: &[u8]) -> Failure {
-    let msg = error_message(body).unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(300)]).trim().to_string());
+    let msg = error_message(body).unwrap_or_else(|| {
+        String::from_utf8_lossy(&body[..body.len().min(300)])
+            .trim()
+            .to_string()
+    });
     let (reason, what) = match (role, status.is_client_error()) {
         (Role::Prefill, true) => (FailReason::PrefillRejected, "prefill rejected the request"),
         (Role::Prefill, false) => (FailReason::PrefillStatus, "prefill failed"),
@@ -146,7 +176,11 @@ pub fn error_message(body: &[u8]) -> Option<String> {
     }
     match e.error.or(e.detail)? {
         serde_json::Value::String(s) => Some(s),
-        v => v.get("message").and_then(|m| m.as_str()).map(str::to_string).or(Some(v.to_string())),
+        v => v
+            .get("message")
+            .and_then(|m| m.as_str())
+            .map(str::to_string)
+            .or(Some(v.to_string())),
     }
 }
 
@@ -165,7 +199,10 @@ pub fn abort_in_json(json: &[u8]) -> Option<String> {
     };
     for it in items {
         if let Some(err) = it.get("error") {
-            let msg = err.get("message").and_then(|m| m.as_str()).map_or_else(|| err.to_string(), str::to_string);
+            let msg = err
+                .get("message")
+                .and_then(|m| m.as_str())
+                .map_or_else(|| err.to_string(), str::to_string);
             return Some(msg);
         }
         let fr = it.get("meta_info").and_then(|m| m.get("finish_reason"));
@@ -175,9 +212,13 @@ pub fn abort_in_json(json: &[u8]) -> Option<String> {
             reasons.extend(cs.iter().filter_map(|c| c.get("finish_reason")));
         }
         for r in reasons {
-            let is_abort = r.get("type").and_then(|t| t.as_str()) == Some("abort") || r.as_str() == Some("abort");
+            let is_abort = r.get("type").and_then(|t| t.as_str()) == Some("abort")
+                || r.as_str() == Some("abort");
             if is_abort {
-                let msg = r.get("message").and_then(|m| m.as_str()).unwrap_or("aborted");
+                let msg = r
+                    .get("message")
+                    .and_then(|m| m.as_str())
+                    .unwrap_or("aborted");
                 return Some(msg.to_string());
             }
         }
@@ -192,12 +233,30 @@ mod tests {
     #[test]
     fn abort_detection_table() {
         let cases: &[(&str, Option<&str>)] = &[
-            (r#"{"text":"x","meta_info":{"finish_reason":{"type":"length","length":1}}}"#, None),
-            (r#"{"text":"x","meta_info":{"finish_reason":{"type":"abort","message":"boom","status_code":500}}}"#, Some("boom")),
-            (r#"[{"meta_info":{"finish_reason":null}},{"meta_info":{"finish_reason":{"type":"abort","message":"b2"}}}]"#, Some("b2")),
-            (r#"{"error":{"object":"error","message":"oops","code":500}}"#, Some("oops")),
-            (r#"{"choices":[{"finish_reason":"abort"}]}"#, Some("aborted")),
-            (r#"{"choices":[{"finish_reason":"stop","text":"the word \"abort\""}]}"#, None),
+            (
+                r#"{"text":"x","meta_info":{"finish_reason":{"type":"length","length":1}}}"#,
+                None,
+            ),
+            (
+                r#"{"text":"x","meta_info":{"finish_reason":{"type":"abort","message":"boom","status_code":500}}}"#,
+                Some("boom"),
+            ),
+            (
+                r#"[{"meta_info":{"finish_reason":null}},{"meta_info":{"finish_reason":{"type":"abort","message":"b2"}}}]"#,
+                Some("b2"),
+            ),
+            (
+                r#"{"error":{"object":"error","message":"oops","code":500}}"#,
+                Some("oops"),
+            ),
+            (
+                r#"{"choices":[{"finish_reason":"abort"}]}"#,
+                Some("aborted"),
+            ),
+            (
+                r#"{"choices":[{"finish_reason":"stop","text":"the word \"abort\""}]}"#,
+                None,
+            ),
         ];
         for (body, want) in cases {
             assert_eq!(abort_in_json(body.as_bytes()).as_deref(), *want, "{body}");
@@ -206,11 +265,19 @@ mod tests {
 
     #[test]
     fn status_failures_keep_the_engine_message() {
-        let f = status_failure(Role::Prefill, StatusCode::BAD_REQUEST, br#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#);
+        let f = status_failure(
+            Role::Prefill,
+            StatusCode::BAD_REQUEST,
+            br#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#,
+        );
         assert_eq!(f.reason, FailReason::PrefillRejected);
         assert_eq!(f.status(), StatusCode::BAD_REQUEST);
         assert!(f.message.contains("too long"));
-        let f = status_failure(Role::Decode, StatusCode::INTERNAL_SERVER_ERROR, b"plain text");
+        let f = status_failure(
+            Role::Decode,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            b"plain text",
+        );
         assert_eq!(f.reason, FailReason::DecodeStatus);
         assert_eq!(f.status(), StatusCode::BAD_GATEWAY);
         assert!(f.message.contains("plain text"));

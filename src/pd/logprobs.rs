@@ -5,7 +5,11 @@
 
 use serde_json::{Map, Value};
 
-const KEYS: [&str; 3] = ["input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"];
+const KEYS: [&str; 3] = [
+    "input_token_logprobs",
+    "input_top_logprobs",
+    "input_token_ids_logprobs",
+];
 
 /// The prefill's input logprobs, one map per item.
 #[derive(Debug, Default)]
@@ -46,7 +50,9 @@ impl PrefillLogprobs {
     }
 
     fn merge_item(&self, idx: usize, item: &mut Value) {
-        let Some(src) = self.items.get(idx) else { return };
+        let Some(src) = self.items.get(idx) else {
+            return;
+        };
         let Some(meta) = item.get_mut("meta_info").and_then(Value::as_object_mut) else {
             return;
         };
@@ -64,7 +70,10 @@ impl PrefillLogprobs {
     pub fn merge_answer(&self, body: &[u8]) -> Option<Vec<u8>> {
         let mut v: Value = serde_json::from_slice(body).ok()?;
         match &mut v {
-            Value::Array(a) => a.iter_mut().enumerate().for_each(|(i, it)| self.merge_item(i, it)),
+            Value::Array(a) => a
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, it)| self.merge_item(i, it)),
             other => self.merge_item(0, other),
         }
         serde_json::to_vec(&v).ok()
@@ -93,9 +102,18 @@ mod tests {
             .merge_answer(br#"{"text":"x","meta_info":{"input_token_logprobs":[[-1.0,3,null]],"output_token_logprobs":[[-0.1,9,null]]}}"#)
             .unwrap();
         let v: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v["meta_info"]["input_token_logprobs"], serde_json::json!([[null, 1, null], [-0.5, 2, null], [-1.0, 3, null]]));
-        assert_eq!(v["meta_info"]["input_top_logprobs"], serde_json::json!([null, []]));
-        assert_eq!(v["meta_info"]["output_token_logprobs"], serde_json::json!([[-0.1, 9, null]]));
+        assert_eq!(
+            v["meta_info"]["input_token_logprobs"],
+            serde_json::json!([[null, 1, null], [-0.5, 2, null], [-1.0, 3, null]])
+        );
+        assert_eq!(
+            v["meta_info"]["input_top_logprobs"],
+            serde_json::json!([null, []])
+        );
+        assert_eq!(
+            v["meta_info"]["output_token_logprobs"],
+            serde_json::json!([[-0.1, 9, null]])
+        );
     }
 
     #[test]
@@ -103,11 +121,19 @@ mod tests {
         let p = PrefillLogprobs::from_prefill_body(
             br#"[{"meta_info":{"input_token_logprobs":[[null,1,null]]}},{"meta_info":{"input_token_logprobs":[[null,2,null]]}}]"#,
         );
-        let out = p.merge_answer(br#"[{"meta_info":{}},{"meta_info":{"input_token_logprobs":[]}}]"#).unwrap();
+        let out = p
+            .merge_answer(br#"[{"meta_info":{}},{"meta_info":{"input_token_logprobs":[]}}]"#)
+            .unwrap();
         let v: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v[1]["meta_info"]["input_token_logprobs"], serde_json::json!([[null, 2, null]]));
+        assert_eq!(
+            v[1]["meta_info"]["input_token_logprobs"],
+            serde_json::json!([[null, 2, null]])
+        );
         let out = p.merge_chunk(br#"{"index":1,"meta_info":{}}"#).unwrap();
         let v: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v["meta_info"]["input_token_logprobs"], serde_json::json!([[null, 2, null]]));
+        assert_eq!(
+            v["meta_info"]["input_token_logprobs"],
+            serde_json::json!([[null, 2, null]])
+        );
     }
 }

@@ -79,11 +79,15 @@ impl RetryBudget {
     pub fn deposit(&self) {
         let _ = self
             .balance
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some((b + self.deposit).min(self.cap)));
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                Some((b + self.deposit).min(self.cap))
+            });
     }
     pub fn try_withdraw(&self) -> bool {
         self.balance
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| (b >= 1000).then_some(b - 1000))
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                (b >= 1000).then_some(b - 1000)
+            })
             .is_ok()
     }
 }
@@ -146,7 +150,10 @@ impl Dispatcher {
                 Err(_) => Err(attempt::AttemptFailure {
                     failure: Failure::new(
                         FailReason::RequestTimeout,
-                        format!("no response within the request timeout of {}s", self.cfg.timeouts.request_secs),
+                        format!(
+                            "no response within the request timeout of {}s",
+                            self.cfg.timeouts.request_secs
+                        ),
                     ),
                     blame: None,
                 }),
@@ -167,7 +174,8 @@ impl Dispatcher {
                         && attempt_no < self.cfg.retry.max_retries
                         && self.has_alternative(&exclude_p, &exclude_d);
                     if can_retry && self.budget.try_withdraw() {
-                        metrics::counter!("pdgate_retries_total", "reason" => f.reason.as_str()).increment(1);
+                        metrics::counter!("pdgate_retries_total", "reason" => f.reason.as_str())
+                            .increment(1);
                         attempt_no += 1;
                         continue;
                     }
@@ -182,7 +190,9 @@ impl Dispatcher {
     /// Whether both pools still have a routable target outside the excluded workers.
     fn has_alternative(&self, exclude_p: &[WorkerId], exclude_d: &[WorkerId]) -> bool {
         let snap = self.pool.load();
-        let any = |role: Role, ex: &[WorkerId]| snap.targets(role).iter().any(|t| !ex.contains(&t.worker));
+        let any = |role: Role, ex: &[WorkerId]| {
+            snap.targets(role).iter().any(|t| !ex.contains(&t.worker))
+        };
         any(Role::Prefill, exclude_p) && any(Role::Decode, exclude_d)
     }
 }

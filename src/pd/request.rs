@@ -114,9 +114,13 @@ impl ParsedRequest {
         }
         let multi = self.is_multi();
         push_key(out, "bootstrap_host");
-        list_or_scalar(out, multi, leg.rooms.len(), |o| o.extend_from_slice(leg.host_json.as_bytes()));
+        list_or_scalar(out, multi, leg.rooms.len(), |o| {
+            o.extend_from_slice(leg.host_json.as_bytes())
+        });
         push_key(out, ",bootstrap_port");
-        list_or_scalar(out, multi, leg.rooms.len(), |o| push_u64(o, u64::from(leg.port)));
+        list_or_scalar(out, multi, leg.rooms.len(), |o| {
+            push_u64(o, u64::from(leg.port))
+        });
         push_key(out, ",bootstrap_room");
         if multi {
             out.push(b'[');
@@ -326,8 +330,8 @@ fn text_batch(v: &RawValue) -> Result<Option<usize>, Failure> {
     match first_byte(v) {
         b'"' => Ok(None),
         b'[' => {
-            let items: Vec<&RawValue> = serde_json::from_str(v.get())
-                .map_err(|_| invalid("'text' is not a valid list"))?;
+            let items: Vec<&RawValue> =
+                serde_json::from_str(v.get()).map_err(|_| invalid("'text' is not a valid list"))?;
             if items.is_empty() {
                 return Err(invalid("'text' must not be an empty list"));
             }
@@ -342,14 +346,20 @@ fn text_batch(v: &RawValue) -> Result<Option<usize>, Failure> {
 
 /// `input_ids` / `prompt` of token ids: a flat list of ints is one prompt; a list of lists
 /// is a batch. `allow_strings` admits a list of strings (OpenAI `prompt`).
-fn ids_or_prompt_batch(key: &str, v: &RawValue, allow_strings: bool) -> Result<Option<usize>, Failure> {
+fn ids_or_prompt_batch(
+    key: &str,
+    v: &RawValue,
+    allow_strings: bool,
+) -> Result<Option<usize>, Failure> {
     let shape_err = || {
         if allow_strings {
             invalid(format!(
                 "'{key}' must be a string, a list of strings, a list of token ids or a list of lists of token ids"
             ))
         } else {
-            invalid(format!("'{key}' must be a list of token ids or a list of lists of token ids"))
+            invalid(format!(
+                "'{key}' must be a list of token ids or a list of lists of token ids"
+            ))
         }
     };
     match first_byte(v) {
@@ -372,7 +382,8 @@ fn ids_or_prompt_batch(key: &str, v: &RawValue, allow_strings: bool) -> Result<O
 
 /// Parses and validates a client body for `route`.
 pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
-    let text = std::str::from_utf8(&body).map_err(|e| invalid(format!("body is not valid UTF-8: {e}")))?;
+    let text =
+        std::str::from_utf8(&body).map_err(|e| invalid(format!("body is not valid UTF-8: {e}")))?;
     let top: TopLevel<'_> = match serde_json::from_str(text) {
         Ok(t) => t,
         Err(e) if e.is_data() => return Err(invalid("request body must be a JSON object")),
@@ -485,7 +496,13 @@ mod tests {
     use super::*;
     use serde_json::Value;
 
-    fn leg(req: &ParsedRequest, rooms: &[u64], routed: Option<u32>, hint: Option<u32>, stream: bool) -> Value {
+    fn leg(
+        req: &ParsedRequest,
+        rooms: &[u64],
+        routed: Option<u32>,
+        hint: Option<u32>,
+        stream: bool,
+    ) -> Value {
         let mut out = Vec::new();
         req.write_leg(
             &mut out,
@@ -521,7 +538,12 @@ mod tests {
             },
         );
         let s = String::from_utf8(out).unwrap();
-        assert!(s.contains(r#""sampling_params":{"temperature":0.10000000000000001,"max_new_tokens":3}"#), "{s}");
+        assert!(
+            s.contains(
+                r#""sampling_params":{"temperature":0.10000000000000001,"max_new_tokens":3}"#
+            ),
+            "{s}"
+        );
         assert!(s.contains(r#""extra":[1, 2 ,{"a":"\u00e9"}]"#), "{s}");
         assert!(!s.contains("evil") && !s.contains(":7"), "{s}");
         let v: Value = serde_json::from_str(&s).unwrap();
@@ -536,14 +558,39 @@ mod tests {
             (ApiRoute::Generate, r#"{"text":"a"}"#, None, 1),
             (ApiRoute::Generate, r#"{"text":["a","b"]}"#, Some(2), 1),
             (ApiRoute::Generate, r#"{"input_ids":[1,2,3]}"#, None, 1),
-            (ApiRoute::Generate, r#"{"input_ids":[[1],[2],[3]]}"#, Some(3), 1),
-            (ApiRoute::Generate, r#"{"text":"a","sampling_params":{"n":3}}"#, None, 3),
-            (ApiRoute::Generate, r#"{"text":["a","b"],"sampling_params":[{"n":2},{"n":2}]}"#, Some(2), 2),
+            (
+                ApiRoute::Generate,
+                r#"{"input_ids":[[1],[2],[3]]}"#,
+                Some(3),
+                1,
+            ),
+            (
+                ApiRoute::Generate,
+                r#"{"text":"a","sampling_params":{"n":3}}"#,
+                None,
+                3,
+            ),
+            (
+                ApiRoute::Generate,
+                r#"{"text":["a","b"],"sampling_params":[{"n":2},{"n":2}]}"#,
+                Some(2),
+                2,
+            ),
             (ApiRoute::Completions, r#"{"prompt":"a","n":2}"#, None, 2),
-            (ApiRoute::Completions, r#"{"prompt":["a","b","c"]}"#, Some(3), 1),
+            (
+                ApiRoute::Completions,
+                r#"{"prompt":["a","b","c"]}"#,
+                Some(3),
+                1,
+            ),
             (ApiRoute::Completions, r#"{"prompt":[1,2]}"#, None, 1),
             (ApiRoute::Completions, r#"{"prompt":[[1],[2]]}"#, Some(2), 1),
-            (ApiRoute::ChatCompletions, r#"{"messages":[{"role":"user","content":"x"}],"n":4}"#, None, 4),
+            (
+                ApiRoute::ChatCompletions,
+                r#"{"messages":[{"role":"user","content":"x"}],"n":4}"#,
+                None,
+                4,
+            ),
         ];
         for (route, body, batch, n) in cases {
             let r = parse(*route, Bytes::from(*body)).unwrap_or_else(|e| panic!("{body}: {e}"));
@@ -553,12 +600,19 @@ mod tests {
 
     #[test]
     fn multi_instance_legs_get_full_lists() {
-        let req = parse(ApiRoute::Generate, Bytes::from(r#"{"text":["a","b"],"sampling_params":{"n":2}}"#)).unwrap();
+        let req = parse(
+            ApiRoute::Generate,
+            Bytes::from(r#"{"text":["a","b"],"sampling_params":{"n":2}}"#),
+        )
+        .unwrap();
         assert_eq!(req.instances(), 4);
         let v = leg(&req, &[2, 4, 6, 8], Some(0), Some(0), true);
         assert_eq!(v["bootstrap_room"], serde_json::json!([2, 4, 6, 8]));
         assert_eq!(v["bootstrap_host"].as_array().unwrap().len(), 4);
-        assert_eq!(v["bootstrap_port"], serde_json::json!([8998, 8998, 8998, 8998]));
+        assert_eq!(
+            v["bootstrap_port"],
+            serde_json::json!([8998, 8998, 8998, 8998])
+        );
         assert_eq!(v["routed_dp_rank"], 0);
         assert_eq!(v["disagg_prefill_dp_rank"], 0);
         assert_eq!(v["stream"], true);
@@ -575,22 +629,60 @@ mod tests {
             (ApiRoute::Generate, br#"{"text":1}"#, "'text'"),
             (ApiRoute::Generate, br#"{"text":[]}"#, "empty"),
             (ApiRoute::Generate, br#"{"input_ids":[]}"#, "empty"),
-            (ApiRoute::Generate, br#"{"text":"a","input_ids":[1]}"#, "only one"),
-            (ApiRoute::Generate, br#"{"text":"a","stream":"yes"}"#, "'stream'"),
-            (ApiRoute::Generate, br#"{"text":"a","sampling_params":{"n":0}}"#, "sampling_params.n"),
-            (ApiRoute::Generate, br#"{"text":"a","sampling_params":5}"#, "sampling_params"),
-            (ApiRoute::Generate, br#"{"text":"a","return_logprob":"x"}"#, "return_logprob"),
-            (ApiRoute::ChatCompletions, br#"{"model":"m"}"#, "'messages' is required"),
+            (
+                ApiRoute::Generate,
+                br#"{"text":"a","input_ids":[1]}"#,
+                "only one",
+            ),
+            (
+                ApiRoute::Generate,
+                br#"{"text":"a","stream":"yes"}"#,
+                "'stream'",
+            ),
+            (
+                ApiRoute::Generate,
+                br#"{"text":"a","sampling_params":{"n":0}}"#,
+                "sampling_params.n",
+            ),
+            (
+                ApiRoute::Generate,
+                br#"{"text":"a","sampling_params":5}"#,
+                "sampling_params",
+            ),
+            (
+                ApiRoute::Generate,
+                br#"{"text":"a","return_logprob":"x"}"#,
+                "return_logprob",
+            ),
+            (
+                ApiRoute::ChatCompletions,
+                br#"{"model":"m"}"#,
+                "'messages' is required",
+            ),
             (ApiRoute::ChatCompletions, br#"{"messages":[]}"#, "empty"),
             (ApiRoute::ChatCompletions, br#"{"messages":{}}"#, "list"),
-            (ApiRoute::ChatCompletions, br#"{"messages":[{}],"n":-1}"#, "'n'"),
-            (ApiRoute::Completions, br#"{"model":"m"}"#, "'prompt' is required"),
+            (
+                ApiRoute::ChatCompletions,
+                br#"{"messages":[{}],"n":-1}"#,
+                "'n'",
+            ),
+            (
+                ApiRoute::Completions,
+                br#"{"model":"m"}"#,
+                "'prompt' is required",
+            ),
             (ApiRoute::Completions, br#"{"prompt":[{}]}"#, "'prompt'"),
         ];
         for (route, body, want) in cases {
-            let e = parse(*route, Bytes::copy_from_slice(body)).expect_err(&String::from_utf8_lossy(body));
+            let e = parse(*route, Bytes::copy_from_slice(body))
+                .expect_err(&String::from_utf8_lossy(body));
             assert_eq!(e.reason, FailReason::InvalidRequest);
-            assert!(e.message.contains(want), "{}: {}", String::from_utf8_lossy(body), e.message);
+            assert!(
+                e.message.contains(want),
+                "{}: {}",
+                String::from_utf8_lossy(body),
+                e.message
+            );
         }
     }
 

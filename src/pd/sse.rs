@@ -74,7 +74,10 @@ impl SseScanner {
     }
 
     fn scan_events(&self, complete: Bytes) -> Scan {
-        let mut rebuilt: Option<Vec<u8>> = self.logprobs.as_ref().map(|_| Vec::with_capacity(complete.len() + 256));
+        let mut rebuilt: Option<Vec<u8>> = self
+            .logprobs
+            .as_ref()
+            .map(|_| Vec::with_capacity(complete.len() + 256));
         let mut pos = 0;
         let buf = &complete[..];
         while pos < buf.len() {
@@ -83,7 +86,9 @@ impl SseScanner {
             let event = &rest[..len];
             for line in event.split(|b| *b == b'\n') {
                 let line = line.strip_suffix(b"\r").unwrap_or(line);
-                let Some(data) = line.strip_prefix(b"data:") else { continue };
+                let Some(data) = line.strip_prefix(b"data:") else {
+                    continue;
+                };
                 let data = data.strip_prefix(b" ").unwrap_or(data);
                 if data == b"[DONE]" {
                     continue;
@@ -110,7 +115,10 @@ impl SseScanner {
 
 fn merge_event(out: &mut Vec<u8>, event: &[u8], lp: &PrefillLogprobs) {
     let trimmed = event.strip_suffix(b"\n\n").unwrap_or(event);
-    if let Some(data) = trimmed.strip_prefix(b"data: ").filter(|d| !d.contains(&b'\n') && *d != b"[DONE]") {
+    if let Some(data) = trimmed
+        .strip_prefix(b"data: ")
+        .filter(|d| !d.contains(&b'\n') && *d != b"[DONE]")
+    {
         if let Some(merged) = lp.merge_chunk(data) {
             out.extend_from_slice(b"data: ");
             out.extend_from_slice(&merged);
@@ -164,11 +172,18 @@ mod tests {
 
     #[test]
     fn logprobs_are_merged_per_event() {
-        let lp = Arc::new(PrefillLogprobs::from_prefill_body(br#"{"meta_info":{"input_token_logprobs":[[null,1,null]]}}"#));
+        let lp = Arc::new(PrefillLogprobs::from_prefill_body(
+            br#"{"meta_info":{"input_token_logprobs":[[null,1,null]]}}"#,
+        ));
         let mut s = SseScanner::new(Some(lp));
-        let r = s.push(Bytes::from_static(b"data: {\"meta_info\":{\"input_token_logprobs\":[]}}\n\ndata: [DONE]\n\n"));
+        let r = s.push(Bytes::from_static(
+            b"data: {\"meta_info\":{\"input_token_logprobs\":[]}}\n\ndata: [DONE]\n\n",
+        ));
         let out = std::str::from_utf8(fwd(&r)).unwrap().to_string();
-        assert!(out.starts_with("data: {\"meta_info\":{\"input_token_logprobs\":[[null,1,null]]}}\n\n"), "{out}");
+        assert!(
+            out.starts_with("data: {\"meta_info\":{\"input_token_logprobs\":[[null,1,null]]}}\n\n"),
+            "{out}"
+        );
         assert!(out.ends_with("data: [DONE]\n\n"));
     }
 }

@@ -20,7 +20,13 @@ pub use round_robin::RoundRobin;
 
 pub trait Policy: Send + Sync {
     fn name(&self) -> &'static str;
-    fn pick(&self, snap: &Snapshot, role: Role, exclude: &[WorkerId], rng: &mut dyn RngCore) -> Option<Target>;
+    fn pick(
+        &self,
+        snap: &Snapshot,
+        role: Role,
+        exclude: &[WorkerId],
+        rng: &mut dyn RngCore,
+    ) -> Option<Target>;
 }
 
 pub fn build(kind: PolicyKind) -> Box<dyn Policy> {
@@ -49,7 +55,11 @@ mod tests {
     fn snapshot(healthy: &[bool]) -> std::sync::Arc<Snapshot> {
         let pool = Pool::new();
         for (i, h) in healthy.iter().enumerate() {
-            let id = pool.add_worker(Role::Decode, parse_base_url(&format!("http://127.0.0.1:{}", 1000 + i)).unwrap(), None);
+            let id = pool.add_worker(
+                Role::Decode,
+                parse_base_url(&format!("http://127.0.0.1:{}", 1000 + i)).unwrap(),
+                None,
+            );
             pool.update_worker(Role::Decode, id, |w| {
                 w.healthy = *h;
                 w.dp_size = Some(2);
@@ -86,7 +96,9 @@ mod tests {
         let snap = snapshot(&[true, true]);
         let p = RoundRobin::default();
         let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-        let picks: std::collections::HashSet<_> = (0..4).map(|_| p.pick(&snap, Role::Decode, &[], &mut rng).unwrap()).collect();
+        let picks: std::collections::HashSet<_> = (0..4)
+            .map(|_| p.pick(&snap, Role::Decode, &[], &mut rng).unwrap())
+            .collect();
         assert_eq!(picks.len(), 4);
     }
 }

@@ -13,7 +13,13 @@ impl Policy for Random {
     fn name(&self) -> &'static str {
         "random"
     }
-    fn pick(&self, snap: &Snapshot, role: Role, exclude: &[WorkerId], rng: &mut dyn RngCore) -> Option<Target> {
+    fn pick(
+        &self,
+        snap: &Snapshot,
+        role: Role,
+        exclude: &[WorkerId],
+        rng: &mut dyn RngCore,
+    ) -> Option<Target> {
         let targets = snap.targets(role);
         if targets.is_empty() {
             return None;

@@ -17,7 +17,13 @@ impl Policy for RoundRobin {
     fn name(&self) -> &'static str {
         "round_robin"
     }
-    fn pick(&self, snap: &Snapshot, role: Role, exclude: &[WorkerId], _rng: &mut dyn RngCore) -> Option<Target> {
+    fn pick(
+        &self,
+        snap: &Snapshot,
+        role: Role,
+        exclude: &[WorkerId],
+        _rng: &mut dyn RngCore,
+    ) -> Option<Target> {
         let targets = snap.targets(role);
         if targets.is_empty() {
             return None;

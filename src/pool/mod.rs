@@ -214,7 +214,12 @@ impl Pool {
     }
 
     /// Adds a worker; returns its id (its index within its role).
-    pub fn add_worker(&self, role: Role, url: BaseUrl, bootstrap: Option<BootstrapInfo>) -> WorkerId {
+    pub fn add_worker(
+        &self,
+        role: Role,
+        url: BaseUrl,
+        bootstrap: Option<BootstrapInfo>,
+    ) -> WorkerId {
         let mut id = WorkerId(0);
         self.update(|workers| {
             let n = workers.iter().filter(|w| w.role == role).count();
@@ -244,7 +249,13 @@ impl Pool {
         self.update(|workers| {
             if let Some(w) = workers.iter_mut().find(|w| w.role == role && w.id == id) {
                 f(w);
-                let dp = w.layout.as_ref().map(|l| l.dp_size).or(w.dp_size).unwrap_or(1).max(1);
+                let dp = w
+                    .layout
+                    .as_ref()
+                    .map(|l| l.dp_size)
+                    .or(w.dp_size)
+                    .unwrap_or(1)
+                    .max(1);
                 if w.loads.len() != dp as usize {
                     w.loads = new_loads(dp);
                 }
@@ -253,7 +264,12 @@ impl Pool {
     }
 
     /// Reads one worker's master state (background tasks only).
-    pub fn with_worker<T>(&self, role: Role, id: WorkerId, f: impl FnOnce(&WorkerState) -> T) -> Option<T> {
+    pub fn with_worker<T>(
+        &self,
+        role: Role,
+        id: WorkerId,
+        f: impl FnOnce(&WorkerState) -> T,
+    ) -> Option<T> {
         let workers = self.master.lock().unwrap_or_else(|e| e.into_inner());
         workers.iter().find(|w| w.role == role && w.id == id).map(f)
     }

@@ -41,7 +41,11 @@ pub struct Server {
 
 impl Server {
     /// Serves `dispatcher` on `listener` until [`Server::shutdown`].
-    pub fn start(listener: TcpListener, dispatcher: Dispatcher, drain: Duration) -> std::io::Result<Server> {
+    pub fn start(
+        listener: TcpListener,
+        dispatcher: Dispatcher,
+        drain: Duration,
+    ) -> std::io::Result<Server> {
         let addr = listener.local_addr()?;
         let app = Arc::new(App::new(dispatcher));
         let (tx, rx) = watch::channel(false);
@@ -79,7 +83,12 @@ impl Server {
     }
 }
 
-async fn accept_loop(listener: TcpListener, app: Arc<App>, mut stop: watch::Receiver<bool>, drain: Duration) {
+async fn accept_loop(
+    listener: TcpListener,
+    app: Arc<App>,
+    mut stop: watch::Receiver<bool>,
+    drain: Duration,
+) {
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).keep_alive(true);
@@ -113,8 +122,14 @@ async fn accept_loop(listener: TcpListener, app: Arc<App>, mut stop: watch::Rece
         }
     }
     drop(listener);
-    tracing::info!(drain_secs = drain.as_secs_f64(), "shutting down: draining in-flight requests");
-    if tokio::time::timeout(drain, graceful.shutdown()).await.is_err() {
+    tracing::info!(
+        drain_secs = drain.as_secs_f64(),
+        "shutting down: draining in-flight requests"
+    );
+    if tokio::time::timeout(drain, graceful.shutdown())
+        .await
+        .is_err()
+    {
         tracing::warn!("drain deadline passed with requests still in flight");
     }
 }

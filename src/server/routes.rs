@@ -25,7 +25,10 @@ pub fn prometheus() -> Option<&'static PrometheusHandle> {
     PROMETHEUS
         .get_or_init(|| {
             let b = metrics_exporter_prometheus::PrometheusBuilder::new()
-                .set_buckets(&[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0])
+                .set_buckets(&[
+                    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    300.0,
+                ])
                 .ok()?;
             match b.install_recorder() {
                 Ok(h) => Some(h),
@@ -39,7 +42,10 @@ pub fn prometheus() -> Option<&'static PrometheusHandle> {
 }
 
 /// Headers forwarded to engines as they are.
-const FORWARD: [HeaderName; 2] = [HeaderName::from_static("traceparent"), HeaderName::from_static("tracestate")];
+const FORWARD: [HeaderName; 2] = [
+    HeaderName::from_static("traceparent"),
+    HeaderName::from_static("tracestate"),
+];
 
 /// The front door's state.
 pub struct App {
@@ -79,11 +85,17 @@ fn valid_request_id(v: &HeaderValue) -> bool {
     !b.is_empty() && b.len() <= 128 && b.iter().all(|c| c.is_ascii_graphic())
 }
 
-fn json_response(status: StatusCode, body: impl Into<Bytes>, rid: &HeaderValue) -> Response<RespBody> {
+fn json_response(
+    status: StatusCode,
+    body: impl Into<Bytes>,
+    rid: &HeaderValue,
+) -> Response<RespBody> {
     let mut r = Response::new(full_body(body));
     *r.status_mut() = status;
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r.headers_mut().insert(REQUEST_ID, rid.clone());
     r
 }
@@ -103,14 +115,27 @@ impl App {
             .get(REQUEST_ID)
             .filter(|v| valid_request_id(v))
             .cloned()
-            .unwrap_or_else(|| HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("-")));
+            .unwrap_or_else(|| {
+                HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("-"))
+            });
         let Some((ep, methods)) = route(req.uri().path()) else {
-            return Failure::new(FailReason::NotFound, format!("no route for {}", req.uri().path())).into_response(Some(&rid_header));
+            return Failure::new(
+                FailReason::NotFound,
+                format!("no route for {}", req.uri().path()),
+            )
+            .into_response(Some(&rid_header));
         };
         if !methods.contains(req.method()) {
-            let mut r = Failure::new(FailReason::MethodNotAllowed, format!("{} is not allowed on {}", req.method(), req.uri().path()))
-                .into_response(Some(&rid_header));
-            let allow = methods.iter().map(Method::as_str).collect::<Vec<_>>().join(", ");
+            let mut r = Failure::new(
+                FailReason::MethodNotAllowed,
+                format!("{} is not allowed on {}", req.method(), req.uri().path()),
+            )
+            .into_response(Some(&rid_header));
+            let allow = methods
+                .iter()
+                .map(Method::as_str)
+                .collect::<Vec<_>>()
+                .join(", ");
             if let Ok(v) = HeaderValue::from_str(&allow) {
                 r.headers_mut().insert(header::ALLOW, v);
             }
@@ -123,28 +148,50 @@ impl App {
             Endpoint::Metrics => {
                 let text = prometheus().map(|h| h.render()).unwrap_or_default();
                 let mut r = Response::new(full_body(text));
-                r.headers_mut()
-                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+                r.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4"),
+                );
                 r
             }
             Endpoint::Models => self.models(&rid_header).await,
         }
     }
 
-    async fn pd(&self, route: ApiRoute, req: Request<Incoming>, id: String, rid_header: HeaderValue) -> Response<RespBody> {
+    async fn pd(
+        &self,
+        route: ApiRoute,
+        req: Request<Incoming>,
+        id: String,
+        rid_header: HeaderValue,
+    ) -> Response<RespBody> {
         let (parts, body) = req.into_parts();
         if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
             let ok = ct.to_str().ok().is_some_and(|s| {
-                let mime = s.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-                mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
+                let mime = s
+                    .split(';')
+                    .next()
+                    .unwrap_or("")
+                    .trim()
+                    .to_ascii_lowercase();
+                mime == "application/json"
+                    || (mime.starts_with("application/") && mime.ends_with("+json"))
             });
             if !ok {
-                return Failure::new(FailReason::UnsupportedMediaType, "content type must be application/json").into_response(Some(&rid_header));
+                return Failure::new(
+                    FailReason::UnsupportedMediaType,
+                    "content type must be application/json",
+                )
+                .into_response(Some(&rid_header));
             }
         }
         let limit = self.dispatcher.cfg.server.max_body_bytes;
         let too_large = || {
-            Failure::new(FailReason::PayloadTooLarge, format!("request body is larger than {limit} bytes")).into_response(Some(&rid_header))
+            Failure::new(
+                FailReason::PayloadTooLarge,
+                format!("request body is larger than {limit} bytes"),
+            )
+            .into_response(Some(&rid_header))
         };
         let declared = parts
             .headers
@@ -156,9 +203,18 @@ impl App {
         }
         let bytes = match Limited::new(body, limit).collect().await {
             Ok(c) => c.to_bytes(),
-            Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return too_large(),
+            Err(e)
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some() =>
+            {
+                return too_large()
+            }
             Err(e) => {
-                return Failure::new(FailReason::InvalidRequest, format!("could not read the request body: {e}")).into_response(Some(&rid_header))
+                return Failure::new(
+                    FailReason::InvalidRequest,
+                    format!("could not read the request body: {e}"),
+                )
+                .into_response(Some(&rid_header))
             }
         };
         let parsed = match request::parse(route, bytes) {
@@ -199,7 +255,8 @@ impl App {
     fn readiness(&self, rid: &HeaderValue) -> Response<RespBody> {
         let snap = self.dispatcher.pool.load();
         let draining = self.draining.load(Ordering::SeqCst);
-        let ready = !draining && !snap.prefill_targets.is_empty() && !snap.decode_targets.is_empty();
+        let ready =
+            !draining && !snap.prefill_targets.is_empty() && !snap.decode_targets.is_empty();
         let workers: Vec<serde_json::Value> = snap
             .prefills
             .iter()
@@ -222,7 +279,11 @@ impl App {
             "routable_decode_ranks": snap.decode_targets.len(),
             "workers": workers,
         });
-        let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        let status = if ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
         json_response(status, body.to_string(), rid)
     }
 
@@ -230,15 +291,25 @@ impl App {
     async fn models(&self, rid: &HeaderValue) -> Response<RespBody> {
         let snap = self.dispatcher.pool.load_full();
         let timeout = self.dispatcher.cfg.bootstrap.http_timeout();
-        let candidates = snap.decodes.iter().chain(snap.prefills.iter()).filter(|w| w.healthy);
+        let candidates = snap
+            .decodes
+            .iter()
+            .chain(snap.prefills.iter())
+            .filter(|w| w.healthy);
         for w in candidates {
             match self.dispatcher.up.get(&w.url, "/v1/models", timeout).await {
                 Ok((s, body)) if s.is_success() => return json_response(StatusCode::OK, body, rid),
-                Ok((s, _)) => tracing::debug!(worker = %w.url, status = s.as_u16(), "/v1/models failed"),
+                Ok((s, _)) => {
+                    tracing::debug!(worker = %w.url, status = s.as_u16(), "/v1/models failed")
+                }
                 Err(e) => tracing::debug!(worker = %w.url, error = %e, "/v1/models failed"),
             }
         }
-        let reason = if snap.decodes.iter().any(|w| w.role == Role::Decode && w.healthy) {
+        let reason = if snap
+            .decodes
+            .iter()
+            .any(|w| w.role == Role::Decode && w.healthy)
+        {
             FailReason::DecodeStatus
         } else {
             FailReason::NoDecodeAvailable

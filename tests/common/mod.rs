@@ -62,10 +62,16 @@ pub fn client() -> Client<HttpConnector, Full<Bytes>> {
 }
 
 /// Engines plus a router in front of them; waits (bounded) until both pools are routable.
-pub async fn start(prefill: Vec<EngineConfig>, decode: Vec<EngineConfig>, tweak: impl FnOnce(&mut Config)) -> Env {
+pub async fn start(
+    prefill: Vec<EngineConfig>,
+    decode: Vec<EngineConfig>,
+    tweak: impl FnOnce(&mut Config),
+) -> Env {
     let prefill: Vec<_> = prefill.into_iter().map(fast_engine).collect();
     let decode: Vec<_> = decode.into_iter().map(fast_engine).collect();
-    let cluster = SimCluster::spawn(&prefill, &decode).await.expect("sim cluster");
+    let cluster = SimCluster::spawn(&prefill, &decode)
+        .await
+        .expect("sim cluster");
     let mut cfg = fast_config();
     for p in &cluster.prefills {
         cfg.prefill.push(PrefillWorkerConfig {
@@ -78,14 +84,17 @@ pub async fn start(prefill: Vec<EngineConfig>, decode: Vec<EngineConfig>, tweak:
         cfg.decode.push(DecodeWorkerConfig { url: d.url() });
     }
     tweak(&mut cfg);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let router = pdgate::router::start(cfg, Some(listener), RngSource::Seeded(1.into())).await.expect("router");
-    let env = Env {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let router = pdgate::router::start(cfg, Some(listener), RngSource::Seeded(1.into()))
+        .await
+        .expect("router");
+    Env {
         cluster,
         router,
         client: client(),
-    };
-    env
+    }
 }
 
 impl Env {
@@ -106,7 +115,10 @@ impl Env {
                     "not routable in time: prefill {} of {p}, decode {} of {d}; {:?}",
                     s.prefill_targets.len(),
                     s.decode_targets.len(),
-                    s.prefills.iter().map(|w| (w.url.to_string(), w.healthy, w.ranks.clone())).collect::<Vec<_>>()
+                    s.prefills
+                        .iter()
+                        .map(|w| (w.url.to_string(), w.healthy, w.ranks.clone()))
+                        .collect::<Vec<_>>()
                 );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -117,7 +129,10 @@ impl Env {
     pub async fn wait_pool(&self, what: &str, f: impl Fn(&pdgate::pool::Snapshot) -> bool) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while !f(&self.router.pool.load()) {
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -134,12 +149,21 @@ impl Env {
             if s.held_now == 0 {
                 return s;
             }
-            assert!(tokio::time::Instant::now() < deadline, "engines still hold requests: {s:?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "engines still hold requests: {s:?}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
-    pub async fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> hyper::Response<Incoming> {
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> hyper::Response<Incoming> {
         let mut b = Request::builder().method(method).uri(self.url(path));
         for (k, v) in headers {
             b = b.header(*k, *v);
@@ -150,7 +174,14 @@ impl Env {
 
     /// POSTs JSON and reads the whole answer.
     pub async fn post(&self, path: &str, body: &str) -> (StatusCode, HeaderMap, Bytes) {
-        let resp = self.send("POST", path, &[("content-type", "application/json")], body.to_string()).await;
+        let resp = self
+            .send(
+                "POST",
+                path,
+                &[("content-type", "application/json")],
+                body.to_string(),
+            )
+            .await;
         let (parts, body) = resp.into_parts();
         let bytes = tokio::time::timeout(Duration::from_secs(30), body.collect())
             .await
@@ -167,13 +198,18 @@ pub fn sse_events(body: &[u8]) -> (Vec<serde_json::Value>, bool) {
     let mut out = Vec::new();
     let mut done = false;
     for ev in text.split("\n\n") {
-        let Some(data) = ev.trim().strip_prefix("data:") else { continue };
+        let Some(data) = ev.trim().strip_prefix("data:") else {
+            continue;
+        };
         let data = data.trim();
         if data == "[DONE]" {
             done = true;
             continue;
         }
-        out.push(serde_json::from_str(data).unwrap_or_else(|e| panic!("event is not JSON ({e}): {data}")));
+        out.push(
+            serde_json::from_str(data)
+                .unwrap_or_else(|e| panic!("event is not JSON ({e}): {data}")),
+        );
     }
     (out, done)
 }
