@@ -173,7 +173,11 @@ async fn chat_stream_dp1_with_usage() {
                "stream_options": {"include_usage": true}}),
         json!(55),
     );
-    let (_p, d) = pd(&c, "/v1/chat/completions", &body, &body).await;
+    let (p, d) = pd(&c, "/v1/chat/completions", &body, &body).await;
+    let pe = p.events();
+    assert_eq!(pe.len(), 2, "prefill: one chunk then [DONE]: {pe:?}");
+    let pc: Value = serde_json::from_str(&pe[0]).expect("json");
+    assert_eq!(pc["choices"][0]["finish_reason"], "length");
     let de = d.events();
     assert_eq!(de.last().map(String::as_str), Some("[DONE]"), "{de:?}");
     let chunks: Vec<Value> = de[..de.len() - 1]

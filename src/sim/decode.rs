@@ -158,7 +158,7 @@ pub(crate) async fn prepare(
     let extra = engine.faults_tx.borrow().decode_extra_ttft_ms;
     Ok(Plan {
         tokens: inst.max_tokens,
-        ttft: engine.cfg.ttft + Duration::from_millis(extra),
+        ttft: engine.cfg.ttft.saturating_add(Duration::from_millis(extra)),
         itl: engine.cfg.itl,
         die_after: engine.faults_tx.borrow().decode_die_mid_stream_after,
     })
@@ -311,7 +311,7 @@ async fn rank_endpoint(
         None if engine.cfg.legacy_bootstrap_bug => {
             // Pre-#24772 engines: the failure is overwritten and the request
             // sits in WaitingForInput until the waiting timeout.
-            tokio::time::sleep_until(started + engine.cfg.waiting_timeout).await;
+            tokio::time::sleep_until(http::deadline(started, engine.cfg.waiting_timeout)).await;
             Err(waiting_timeout(inst, room, started.elapsed()))
         }
         None => Err(handshake_failure(
@@ -332,7 +332,7 @@ async fn pull_kv(
     room: u64,
 ) -> Result<(), Failure> {
     let started = tokio::time::Instant::now();
-    let deadline = started + engine.cfg.waiting_timeout;
+    let deadline = http::deadline(started, engine.cfg.waiting_timeout);
     let body = json!({
         "bootstrap_host": inst.host,
         "bootstrap_port": inst.port,

@@ -70,6 +70,13 @@ pub(crate) async fn wait_shutdown(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await.map(|_| ());
 }
 
+/// `start + d`, or about a year later when that would overflow.
+pub(crate) fn deadline(start: tokio::time::Instant, d: Duration) -> tokio::time::Instant {
+    start
+        .checked_add(d)
+        .unwrap_or_else(|| start + Duration::from_secs(365 * 24 * 3600))
+}
+
 /// Spawns the accept loop of one server. The listener lives until shutdown.
 pub(crate) fn serve<F, Fut>(listener: TcpListener, gate: Gate, handler: F)
 where

@@ -201,7 +201,7 @@ impl PrefillHandle {
     /// Waits (up to `timeout`) for the decode on the same rank, then completes
     /// the transfer. `Err` carries SGLang's failure reason.
     pub(crate) async fn transfer(&mut self, timeout: Duration) -> Result<(), String> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline = http::deadline(tokio::time::Instant::now(), timeout);
         loop {
             let notify = {
                 let mut g = self.rv.lock();

@@ -157,7 +157,7 @@ async fn stream_task(engine: Arc<Engine>, parsed: Arc<ParsedRequest>, tx: ChunkT
         if results.iter().any(|r| r.died) {
             return;
         }
-        if parsed.include_usage && parsed.api != Api::Generate {
+        if parsed.include_usage && parsed.api != Api::Generate && engine.cfg.role == Role::Decode {
             let prompt: u32 = parsed
                 .instances
                 .iter()
@@ -270,6 +270,15 @@ async fn generate(
         }
     };
     let streaming_openai = tx.is_some() && ctx.req.api != Api::Generate;
+    if streaming_openai && engine.cfg.role == Role::Prefill {
+        // The prefill's one token: a single chunk, then [DONE].
+        progress.store(plan.tokens.min(1), Ordering::Relaxed);
+        tracker.add_tokens(1);
+        if !send(ctx.single_chunk(inst), &mut sent).await {
+            return Ok(Generated::Died);
+        }
+        return Ok(Generated::Done);
+    }
     if streaming_openai && ctx.req.api == Api::Chat && !send(ctx.role_chunk(inst), &mut sent).await
     {
         return Ok(Generated::Died);
@@ -284,7 +293,7 @@ async fn generate(
             } else {
                 Duration::ZERO
             };
-            let pause = plan.itl + extra;
+            let pause = plan.itl.saturating_add(extra);
             if !pause.is_zero() {
                 tokio::time::sleep(pause).await;
             }

@@ -269,6 +269,16 @@ impl Ctx<'_> {
         self.chunk(json!({"index": inst.index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
     }
 
+    /// OpenAI, prefill: the single chunk of a one-token answer (role, token
+    /// and finish reason together).
+    pub(crate) fn single_chunk(&self, inst: &Instance) -> Value {
+        let text = token(0).0;
+        match self.req.api {
+            Api::Chat => self.chunk(json!({"index": inst.index, "delta": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length", "matched_stop": null})),
+            _ => self.chunk(json!({"index": inst.index, "text": text, "logprobs": null, "finish_reason": "length", "matched_stop": null})),
+        }
+    }
+
     /// OpenAI: the chunk carrying output token `k`.
     pub(crate) fn token_chunk(&self, inst: &Instance, k: u32) -> Value {
         let text = token(k).0;
