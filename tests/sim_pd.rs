@@ -317,3 +317,36 @@ async fn decode_at_wrong_prefill_is_a_bootstrap_mismatch() {
     let s = settled(&c).await;
     assert_eq!(s.violation_bootstrap_mismatch, 1, "{s:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_pairs_settle_cleanly() {
+    let c = SimCluster::spawn(
+        &[
+            fast(EngineConfig::prefill(2)),
+            fast(EngineConfig::prefill(2)),
+        ],
+        &[fast(EngineConfig::decode(2))],
+    )
+    .await
+    .expect("cluster");
+    let mut tasks = Vec::new();
+    for i in 0..100u64 {
+        let p = &c.prefills[(i % 2) as usize];
+        let body = json!({"text": "a b c", "stream": i % 3 == 0, "sampling_params": {"max_new_tokens": 3},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port(), "bootstrap_room": 5000 + i})
+        .to_string();
+        let (pu, du) = (
+            format!("{}/generate", p.url()),
+            format!("{}/generate", c.decodes[0].url()),
+        );
+        tasks.push(tokio::spawn(async move {
+            let (p, d) = tokio::join!(post(&pu, &body), post(&du, &body));
+            (p.status, d.status)
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.expect("join"), (200, 200));
+    }
+    let s = settled(&c).await;
+    assert_clean(&s, 100);
+}
