@@ -5,6 +5,7 @@ use crate::cli::DemoArgs;
 use crate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
 use crate::pd::RngSource;
 use crate::sim::{EngineConfig, SimCluster};
+use crate::types::Role;
 
 pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let prefill = [EngineConfig::prefill(2), EngineConfig::prefill(2)];
@@ -26,7 +27,7 @@ pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send 
     // Wait (bounded) until both pools are routable, so the printed commands work at once.
     for _ in 0..100 {
         let s = router.pool.load();
-        if !s.prefill_targets.is_empty() && !s.decode_targets.is_empty() {
+        if s.routable_ranks(Role::Prefill) > 0 && s.routable_ranks(Role::Decode) > 0 {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;

@@ -116,7 +116,7 @@ async fn prefill_down() {
         .await;
         env.wait_routable(2, 1).await;
         env.cluster.prefills[0].set_down(true);
-        env.wait_pool("prefill out", |s| s.prefill_targets.is_empty())
+        env.wait_pool("prefill out", |s| s.prefill_routable.is_empty())
             .await;
         expect_error(
             &env,
@@ -164,7 +164,7 @@ async fn bootstrap_down() {
             bootstrap_down: true,
             ..Faults::default()
         });
-        env.wait_pool("bootstrap out", |s| s.prefill_targets.is_empty())
+        env.wait_pool("bootstrap out", |s| s.prefill_routable.is_empty())
             .await;
         expect_error(&env, stream, 503, &["bootstrap_unreachable"]).await;
         assert_eq!(env.cluster.decodes[0].stats().requests_total, 0);
@@ -527,7 +527,7 @@ async fn legacy_bootstrap_bug_is_never_dispatched_into() {
             bootstrap_down: true,
             ..Faults::default()
         });
-        env.wait_pool("bootstrap out", |s| s.prefill_targets.is_empty())
+        env.wait_pool("bootstrap out", |s| s.prefill_routable.is_empty())
             .await;
         expect_error(&env, stream, 503, &["bootstrap_unreachable"]).await;
         assert_eq!(env.cluster.decodes[0].stats().requests_total, 0);

@@ -350,7 +350,7 @@ async fn info_routes() {
     assert!(text.contains("pdgate_requests_total"), "{text}");
     // Not ready once no prefill rank can bootstrap.
     env.cluster.prefills[0].set_down(true);
-    env.wait_pool("prefill out", |s| s.prefill_targets.is_empty())
+    env.wait_pool("prefill out", |s| s.prefill_routable.is_empty())
         .await;
     let resp = env.send("GET", "/readiness", &[], "").await;
     assert_eq!(resp.status(), 503);

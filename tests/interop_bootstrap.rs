@@ -613,5 +613,5 @@ async fn tracker_marks_duplicate_registration_rank_missing() {
     let snap = pool.load();
     assert_eq!(snap.prefills[0].layout, Some(layout(2, 1, "auto")));
     // Not routable: no health checker marked it healthy, and rank 1 is not Ready anyway.
-    assert!(snap.prefill_targets.is_empty());
+    assert!(snap.prefill_routable.is_empty());
 }

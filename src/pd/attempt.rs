@@ -18,6 +18,7 @@ use crate::body::RespBody;
 use crate::bootstrap::{client, tracker};
 use crate::config::ContractMode;
 use crate::error::{FailReason, Failure};
+use crate::policy::{self, PickCtx};
 use crate::pool::{LoadGuard, RankFailure, RankReadiness, Snapshot};
 use crate::types::{Role, WorkerId};
 
@@ -118,11 +119,30 @@ impl Dispatcher {
         exclude_d: &[WorkerId],
     ) -> Result<Ready, AttemptFailure> {
         let snap = self.pool.load_full();
+        let prefix_hash = if self.prefill_policy.wants_prefix() || self.decode_policy.wants_prefix()
+        {
+            req.prefix_hash()
+        } else {
+            None
+        };
         let (pt, dt) = self.rng.with(|rng| {
+            let pctx = PickCtx {
+                exclude: exclude_p,
+                prefix_hash,
+            };
+            let dctx = PickCtx {
+                exclude: exclude_d,
+                prefix_hash,
+            };
             (
-                self.prefill_policy
-                    .pick(&snap, Role::Prefill, exclude_p, rng),
-                self.decode_policy.pick(&snap, Role::Decode, exclude_d, rng),
+                policy::select(
+                    self.prefill_policy.as_ref(),
+                    &snap,
+                    Role::Prefill,
+                    &pctx,
+                    rng,
+                ),
+                policy::select(self.decode_policy.as_ref(), &snap, Role::Decode, &dctx, rng),
             )
         });
         let Some(pt) = pt else {

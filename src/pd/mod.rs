@@ -191,7 +191,7 @@ impl Dispatcher {
     fn has_alternative(&self, exclude_p: &[WorkerId], exclude_d: &[WorkerId]) -> bool {
         let snap = self.pool.load();
         let any = |role: Role, ex: &[WorkerId]| {
-            snap.targets(role).iter().any(|t| !ex.contains(&t.worker))
+            snap.routable(role).iter().any(|r| !ex.contains(&r.worker))
         };
         any(Role::Prefill, exclude_p) && any(Role::Decode, exclude_d)
     }

@@ -12,6 +12,7 @@
 use std::borrow::Cow;
 use std::fmt;
 use std::ops::Range;
+use std::sync::OnceLock;
 
 use bytes::Bytes;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -88,12 +89,64 @@ pub struct ParsedRequest {
     pub return_logprob: bool,
     /// PD keys the client sent that pdgate replaced (for the log).
     pub replaced: Vec<&'static str>,
+    /// Byte range of the prompt's raw JSON value (`text`, `input_ids`, `input_embeds`,
+    /// `prompt` or `messages`).
+    prompt: Option<Range<usize>>,
+    prefix_hash: OnceLock<Option<u64>>,
+}
+
+/// How many bytes of a prompt's raw JSON form its affinity key.
+pub const PREFIX_KEY_BYTES: usize = 256;
+
+/// 64-bit FNV-1a: stable across processes, builds and versions, so that independent
+/// pdgate replicas map the same prompt to the same key.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
 }
 
 impl ParsedRequest {
     /// Prompt instances (prompts × samples): the number of rooms one attempt needs.
     pub fn instances(&self) -> usize {
         self.batch.unwrap_or(1) * self.n as usize
+    }
+
+    /// The prompt's affinity key, computed once on first use: for chat, the messages up to
+    /// and including the first user message (stable across the turns of a conversation);
+    /// otherwise the first [`PREFIX_KEY_BYTES`] bytes of the prompt's raw JSON.
+    pub fn prefix_hash(&self) -> Option<u64> {
+        *self.prefix_hash.get_or_init(|| {
+            let raw = &self.body[self.prompt.clone()?];
+            if self.route == ApiRoute::ChatCompletions {
+                #[derive(serde::Deserialize)]
+                struct Msg<'a> {
+                    #[serde(borrow, default)]
+                    role: Option<Cow<'a, str>>,
+                }
+                let items: Vec<&RawValue> = serde_json::from_slice(raw).ok()?;
+                let end = items
+                    .iter()
+                    .position(|m| {
+                        serde_json::from_str::<Msg<'_>>(m.get())
+                            .ok()
+                            .and_then(|m| m.role)
+                            .as_deref()
+                            == Some("user")
+                    })
+                    .unwrap_or(0);
+                let mut h = Vec::new();
+                for m in &items[..=end.min(items.len().saturating_sub(1))] {
+                    h.extend_from_slice(m.get().as_bytes());
+                    h.push(0);
+                }
+                return Some(fnv1a(&h));
+            }
+            Some(fnv1a(&raw[..raw.len().min(PREFIX_KEY_BYTES)]))
+        })
     }
 
     /// Whether the bootstrap fields go as lists (one entry per instance).
@@ -397,6 +450,7 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
     let mut n = 1u32;
     let mut return_logprob = false;
     let mut prompt_keys = 0u32;
+    let mut prompt = None;
     for (Key(key), value) in top.0 {
         let k: &str = &key;
         if let Some(pd) = PD_KEYS.iter().find(|p| **p == k) {
@@ -448,6 +502,9 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
         }
         let raw = value.get();
         let start = raw.as_ptr() as usize - base;
+        if prompt_keys == 1 && prompt.is_none() {
+            prompt = Some(start..start + raw.len());
+        }
         let key_json = match serde_json::to_string(k) {
             Ok(s) => s.into_boxed_str(),
             Err(e) => return Err(invalid(format!("bad key: {e}"))),
@@ -481,6 +538,8 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
         n,
         return_logprob: return_logprob && route == ApiRoute::Generate,
         replaced,
+        prompt,
+        prefix_hash: OnceLock::new(),
     };
     if req.instances() > MAX_INSTANCES {
         return Err(invalid(format!(
@@ -684,6 +743,42 @@ mod tests {
                 e.message
             );
         }
+    }
+
+    #[test]
+    fn prefix_keys_are_stable_across_turns() {
+        let key = |route, body: &str| {
+            parse(route, Bytes::from(body.to_string()))
+                .unwrap()
+                .prefix_hash()
+                .unwrap()
+        };
+        let t1 = key(
+            ApiRoute::ChatCompletions,
+            r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"hi"}]}"#,
+        );
+        let t2 = key(
+            ApiRoute::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"hi"},{"role":"assistant","content":"yo"},{"role":"user","content":"more"}]}"#,
+        );
+        let other = key(
+            ApiRoute::ChatCompletions,
+            r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"bye"}]}"#,
+        );
+        assert_eq!(t1, t2);
+        assert_ne!(t1, other);
+        let long = "x".repeat(1000);
+        let a = key(ApiRoute::Completions, &format!(r#"{{"prompt":"{long}"}}"#));
+        let b = key(
+            ApiRoute::Completions,
+            &format!(r#"{{"prompt":"{long} and more","max_tokens":3}}"#),
+        );
+        assert_eq!(a, b);
+        assert_ne!(
+            key(ApiRoute::Generate, r#"{"text":"a"}"#),
+            key(ApiRoute::Generate, r#"{"text":"b"}"#)
+        );
+        assert_eq!(fnv1a(b"a"), 0xaf63dc4c8601ec8c, "FNV-1a must never change");
     }
 
     #[test]

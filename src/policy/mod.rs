@@ -1,32 +1,53 @@
 //! Selection policies: pure functions over a pool [`Snapshot`] that pick one routable
-//! (worker, DP rank) target. The randomness is injected (`rng`), so a policy is
+//! worker; [`select`] then takes that worker's least-loaded routable DP rank (the room is
+//! made to match it, see `pd::room`). The randomness is injected (`rng`), so a policy is
 //! deterministic under a seeded generator.
 //!
-//! Invariant: a policy only ever returns a target from `snap.targets(role)` (the routable
-//! ones) and never one whose worker is in `exclude` (workers that already failed this
-//! request).
+//! Invariant: [`select`] only ever returns a (worker, rank) listed routable in the snapshot,
+//! never a worker in `ctx.exclude` (workers that already failed this request), and never a
+//! worker whose circuit is half-open with its one trial already taken.
 
 mod random;
 mod round_robin;
 
-use rand::RngCore;
+use rand::{Rng, RngCore};
 
 use crate::config::PolicyKind;
-use crate::pool::Snapshot;
-use crate::types::{Role, Target, WorkerId};
+use crate::pool::{Routable, Snapshot, WorkerView};
+use crate::types::{DpRank, Role, Target, WorkerId};
 
 pub use random::Random;
 pub use round_robin::RoundRobin;
 
+/// What a policy may know about the request.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PickCtx<'a> {
+    /// Workers that already failed this request.
+    pub exclude: &'a [WorkerId],
+    /// Hash of the prompt's prefix (see `pd::request::ParsedRequest::prefix_hash`).
+    pub prefix_hash: Option<u64>,
+}
+
+/// One eligible worker as a policy sees it.
+#[derive(Debug)]
+pub struct Candidate<'a> {
+    pub worker: &'a WorkerView,
+    /// Its routable DP ranks (never empty).
+    pub ranks: &'a [DpRank],
+    /// Requests pdgate has in flight on those ranks.
+    pub in_flight: u64,
+    /// The engine's own reported load on those ranks (0 when not polled).
+    pub engine_load: u64,
+}
+
 pub trait Policy: Send + Sync {
     fn name(&self) -> &'static str;
-    fn pick(
-        &self,
-        snap: &Snapshot,
-        role: Role,
-        exclude: &[WorkerId],
-        rng: &mut dyn RngCore,
-    ) -> Option<Target>;
+    /// Whether the policy reads `PickCtx::prefix_hash` (it is only computed then).
+    fn wants_prefix(&self) -> bool {
+        false
+    }
+    /// Picks one of `cands` (never empty); returns its index.
+    fn pick(&self, cands: &[Candidate<'_>], ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> usize;
 }
 
 pub fn build(kind: PolicyKind) -> Box<dyn Policy> {
@@ -36,23 +57,70 @@ pub fn build(kind: PolicyKind) -> Box<dyn Policy> {
     }
 }
 
-/// The first eligible target scanning cyclically from `start`.
-fn scan_from(targets: &[Target], start: usize, exclude: &[WorkerId]) -> Option<Target> {
-    let n = targets.len();
-    (0..n)
-        .map(|i| targets[(start + i) % n])
-        .find(|t| !exclude.contains(&t.worker))
+fn candidate<'a>(snap: &'a Snapshot, role: Role, r: &'a Routable) -> Option<Candidate<'a>> {
+    let worker = snap.worker(role, r.worker)?;
+    let in_flight = r.ranks.iter().map(|k| worker.in_flight(*k)).sum();
+    let engine_load = r.ranks.iter().map(|k| worker.engine_load(*k)).sum();
+    Some(Candidate {
+        worker,
+        ranks: &r.ranks,
+        in_flight,
+        engine_load,
+    })
+}
+
+/// Picks a (worker, rank) of `role`: the policy picks the worker, then the worker's
+/// routable rank with the fewest requests in flight (ties broken at random).
+pub fn select(
+    policy: &dyn Policy,
+    snap: &Snapshot,
+    role: Role,
+    ctx: &PickCtx<'_>,
+    rng: &mut dyn RngCore,
+) -> Option<Target> {
+    let cands: Vec<Candidate<'_>> = snap
+        .routable(role)
+        .iter()
+        .filter(|r| !ctx.exclude.contains(&r.worker))
+        .filter_map(|r| candidate(snap, role, r))
+        .collect();
+    if cands.is_empty() {
+        return None;
+    }
+    let i = policy.pick(&cands, ctx, rng).min(cands.len() - 1);
+    let c = &cands[i];
+    Some(Target {
+        worker: c.worker.id,
+        rank: least_loaded_rank(c, rng),
+    })
+}
+
+/// The routable rank with the fewest requests in flight (then engine load), random among ties.
+pub fn least_loaded_rank(c: &Candidate<'_>, rng: &mut dyn RngCore) -> DpRank {
+    let load = |k: DpRank| (c.worker.in_flight(k), c.worker.engine_load(k));
+    let best = c.ranks.iter().map(|k| load(*k)).min().unwrap_or((0, 0));
+    let ties: Vec<DpRank> = c
+        .ranks
+        .iter()
+        .copied()
+        .filter(|k| load(*k) == best)
+        .collect();
+    match ties.len() {
+        0 => c.ranks.first().copied().unwrap_or(0),
+        1 => ties[0],
+        n => ties[rng.random_range(0..n)],
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::Pool;
+    use crate::pool::{LoadGuard, Pool};
     use crate::upstream::parse_base_url;
     use proptest::prelude::*;
     use rand::SeedableRng;
 
-    fn snapshot(healthy: &[bool]) -> std::sync::Arc<Snapshot> {
+    fn pool(healthy: &[bool]) -> Pool {
         let pool = Pool::new();
         for (i, h) in healthy.iter().enumerate() {
             let id = pool.add_worker(
@@ -65,18 +133,21 @@ mod tests {
                 w.dp_size = Some(2);
             });
         }
-        pool.load_full()
+        pool
     }
 
     proptest! {
         #[test]
         fn never_picks_unroutable_or_excluded(healthy in proptest::collection::vec(any::<bool>(), 0..6), excl in 0u32..7, seed: u64) {
-            let snap = snapshot(&healthy);
+            let pool = pool(&healthy);
+            let snap = pool.load_full();
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let exclude = [WorkerId(excl)];
+            let ctx = PickCtx { exclude: &exclude, prefix_hash: Some(seed) };
             for kind in [PolicyKind::Random, PolicyKind::RoundRobin] {
                 let p = build(kind);
                 for _ in 0..8 {
-                    let got = p.pick(&snap, Role::Decode, &[WorkerId(excl)], &mut rng);
+                    let got = select(p.as_ref(), &snap, Role::Decode, &ctx, &mut rng);
                     let possible = healthy.iter().enumerate().any(|(i, h)| *h && i as u32 != excl);
                     match got {
                         Some(t) => {
@@ -92,13 +163,23 @@ mod tests {
     }
 
     #[test]
-    fn round_robin_cycles_every_target() {
-        let snap = snapshot(&[true, true]);
+    fn round_robin_cycles_workers_and_ranks_follow_load() {
+        let pool = pool(&[true, true]);
+        let snap = pool.load_full();
         let p = RoundRobin::default();
         let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-        let picks: std::collections::HashSet<_> = (0..4)
-            .map(|_| p.pick(&snap, Role::Decode, &[], &mut rng).unwrap())
-            .collect();
-        assert_eq!(picks.len(), 4);
+        let ctx = PickCtx::default();
+        let a = select(&p, &snap, Role::Decode, &ctx, &mut rng).unwrap();
+        let b = select(&p, &snap, Role::Decode, &ctx, &mut rng).unwrap();
+        assert_ne!(a.worker, b.worker);
+        // Within a worker the least-loaded rank wins.
+        let w = snap.worker(Role::Decode, WorkerId(0)).unwrap();
+        let _g = LoadGuard::new(w, 0);
+        for _ in 0..4 {
+            let t = select(&p, &snap, Role::Decode, &ctx, &mut rng).unwrap();
+            if t.worker == WorkerId(0) {
+                assert_eq!(t.rank, 1);
+            }
+        }
     }
 }

@@ -1,10 +1,8 @@
-//! Uniformly random over the routable targets.
+//! Uniformly random over the eligible workers.
 
 use rand::{Rng, RngCore};
 
-use super::{scan_from, Policy};
-use crate::pool::Snapshot;
-use crate::types::{Role, Target, WorkerId};
+use super::{Candidate, PickCtx, Policy};
 
 #[derive(Debug, Default)]
 pub struct Random;
@@ -13,17 +11,7 @@ impl Policy for Random {
     fn name(&self) -> &'static str {
         "random"
     }
-    fn pick(
-        &self,
-        snap: &Snapshot,
-        role: Role,
-        exclude: &[WorkerId],
-        rng: &mut dyn RngCore,
-    ) -> Option<Target> {
-        let targets = snap.targets(role);
-        if targets.is_empty() {
-            return None;
-        }
-        scan_from(targets, rng.random_range(0..targets.len()), exclude)
+    fn pick(&self, cands: &[Candidate<'_>], _ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> usize {
+        rng.random_range(0..cands.len())
     }
 }

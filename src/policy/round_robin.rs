@@ -1,12 +1,10 @@
-//! Round robin over the routable targets (one shared counter, lock-free).
+//! Round robin over the eligible workers (one shared counter, lock-free).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rand::RngCore;
 
-use super::{scan_from, Policy};
-use crate::pool::Snapshot;
-use crate::types::{Role, Target, WorkerId};
+use super::{Candidate, PickCtx, Policy};
 
 #[derive(Debug, Default)]
 pub struct RoundRobin {
@@ -17,18 +15,7 @@ impl Policy for RoundRobin {
     fn name(&self) -> &'static str {
         "round_robin"
     }
-    fn pick(
-        &self,
-        snap: &Snapshot,
-        role: Role,
-        exclude: &[WorkerId],
-        _rng: &mut dyn RngCore,
-    ) -> Option<Target> {
-        let targets = snap.targets(role);
-        if targets.is_empty() {
-            return None;
-        }
-        let start = self.next.fetch_add(1, Ordering::Relaxed);
-        scan_from(targets, start % targets.len(), exclude)
+    fn pick(&self, cands: &[Candidate<'_>], _ctx: &PickCtx<'_>, _rng: &mut dyn RngCore) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % cands.len()
     }
 }

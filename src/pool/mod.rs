@@ -20,7 +20,7 @@ use arc_swap::ArcSwap;
 use tokio::sync::watch;
 
 use crate::bootstrap::Layout;
-use crate::types::{DpRank, Role, Target, WorkerId};
+use crate::types::{DpRank, Role, WorkerId};
 use crate::upstream::BaseUrl;
 
 /// The router's view of what a decode engine would find for one (prefill, DP rank).
@@ -84,6 +84,9 @@ pub struct WorkerState {
     pub health_checked: bool,
     pub dp_size: Option<u32>,
     pub loads: Arc<[AtomicU64]>,
+    /// Engine-reported load per DP rank (requests running + waiting, from `/v1/loads`
+    /// or `/get_load`); all 0 while not polled. Written by the load poller in place.
+    pub engine_load: Arc<[AtomicU64]>,
     /// Prefill only.
     pub bootstrap: Option<BootstrapInfo>,
     pub layout: Option<Layout>,
@@ -104,6 +107,7 @@ pub struct WorkerView {
     pub healthy: bool,
     pub dp_size: Option<u32>,
     pub loads: Arc<[AtomicU64]>,
+    pub engine_load: Arc<[AtomicU64]>,
     pub bootstrap: Option<BootstrapInfo>,
     pub layout: Option<Layout>,
     pub ranks: Vec<RankReadiness>,
@@ -122,8 +126,16 @@ impl WorkerView {
         }
     }
 
+    /// Requests pdgate has in flight on `rank`.
     pub fn in_flight(&self, rank: DpRank) -> u64 {
         self.loads
+            .get(rank as usize)
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    /// The engine's own last reported load on `rank` (0 when not polled).
+    pub fn engine_load(&self, rank: DpRank) -> u64 {
+        self.engine_load
             .get(rank as usize)
             .map_or(0, |c| c.load(Ordering::Relaxed))
     }
@@ -134,11 +146,18 @@ impl WorkerView {
 pub struct Snapshot {
     pub prefills: Vec<WorkerView>,
     pub decodes: Vec<WorkerView>,
-    /// Routable prefill (worker, rank)s.
-    pub prefill_targets: Vec<Target>,
-    /// Routable decode (worker, rank)s.
-    pub decode_targets: Vec<Target>,
+    /// Routable prefill workers, each with its routable DP ranks.
+    pub prefill_routable: Vec<Routable>,
+    /// Routable decode workers, each with its routable DP ranks.
+    pub decode_routable: Vec<Routable>,
     pub version: u64,
+}
+
+/// A worker that can take a leg now, and which of its DP ranks can.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Routable {
+    pub worker: WorkerId,
+    pub ranks: Vec<DpRank>,
 }
 
 impl Snapshot {
@@ -150,11 +169,16 @@ impl Snapshot {
         list.get(id.0 as usize).filter(|w| w.id == id)
     }
 
-    pub fn targets(&self, role: Role) -> &[Target] {
+    pub fn routable(&self, role: Role) -> &[Routable] {
         match role {
-            Role::Prefill => &self.prefill_targets,
-            Role::Decode => &self.decode_targets,
+            Role::Prefill => &self.prefill_routable,
+            Role::Decode => &self.decode_routable,
         }
+    }
+
+    /// Number of routable (worker, rank)s of a role.
+    pub fn routable_ranks(&self, role: Role) -> usize {
+        self.routable(role).iter().map(|r| r.ranks.len()).sum()
     }
 }
 
@@ -233,6 +257,7 @@ impl Pool {
                 health_checked: false,
                 dp_size: None,
                 loads: new_loads(1),
+                engine_load: new_loads(1),
                 bootstrap,
                 layout: None,
                 ranks: Vec::new(),
@@ -258,6 +283,7 @@ impl Pool {
                     .max(1);
                 if w.loads.len() != dp as usize {
                     w.loads = new_loads(dp);
+                    w.engine_load = new_loads(dp);
                 }
             }
         });
@@ -301,6 +327,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             healthy: w.healthy,
             dp_size: w.dp_size,
             loads: w.loads.clone(),
+            engine_load: w.engine_load.clone(),
             bootstrap: w.bootstrap.clone(),
             layout: w.layout.clone(),
             ranks: w.ranks.clone(),
@@ -310,25 +337,28 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
         match w.role {
             Role::Prefill => {
                 if w.healthy && w.layout.is_some() {
-                    for (r, st) in w.ranks.iter().enumerate() {
-                        if *st == RankReadiness::Ready {
-                            s.prefill_targets.push(Target {
-                                worker: w.id,
-                                rank: r as u32,
-                            });
-                        }
+                    let ranks: Vec<DpRank> = w
+                        .ranks
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, st)| **st == RankReadiness::Ready)
+                        .map(|(r, _)| r as DpRank)
+                        .collect();
+                    if !ranks.is_empty() {
+                        s.prefill_routable.push(Routable {
+                            worker: w.id,
+                            ranks,
+                        });
                     }
                 }
                 s.prefills.push(view);
             }
             Role::Decode => {
                 if w.healthy {
-                    for r in 0..view.effective_dp() {
-                        s.decode_targets.push(Target {
-                            worker: w.id,
-                            rank: r,
-                        });
-                    }
+                    s.decode_routable.push(Routable {
+                        worker: w.id,
+                        ranks: (0..view.effective_dp()).collect(),
+                    });
                 }
                 s.decodes.push(view);
             }

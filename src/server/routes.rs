@@ -256,7 +256,7 @@ impl App {
         let snap = self.dispatcher.pool.load();
         let draining = self.draining.load(Ordering::SeqCst);
         let ready =
-            !draining && !snap.prefill_targets.is_empty() && !snap.decode_targets.is_empty();
+            !draining && !snap.prefill_routable.is_empty() && !snap.decode_routable.is_empty();
         let workers: Vec<serde_json::Value> = snap
             .prefills
             .iter()
@@ -275,8 +275,8 @@ impl App {
         let body = serde_json::json!({
             "ready": ready,
             "draining": draining,
-            "routable_prefill_ranks": snap.prefill_targets.len(),
-            "routable_decode_ranks": snap.decode_targets.len(),
+            "routable_prefill_ranks": snap.routable_ranks(Role::Prefill),
+            "routable_decode_ranks": snap.routable_ranks(Role::Decode),
             "workers": workers,
         });
         let status = if ready {

@@ -107,14 +107,14 @@ impl Env {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             let s = self.router.pool.load();
-            if s.prefill_targets.len() == p && s.decode_targets.len() == d {
+            if s.routable_ranks(pdgate::types::Role::Prefill) == p && s.routable_ranks(pdgate::types::Role::Decode) == d {
                 return;
             }
             if tokio::time::Instant::now() > deadline {
                 panic!(
                     "not routable in time: prefill {} of {p}, decode {} of {d}; {:?}",
-                    s.prefill_targets.len(),
-                    s.decode_targets.len(),
+                    s.routable_ranks(pdgate::types::Role::Prefill),
+                    s.routable_ranks(pdgate::types::Role::Decode),
                     s.prefills
                         .iter()
                         .map(|w| (w.url.to_string(), w.healthy, w.ranks.clone()))
