@@ -42,6 +42,8 @@ pub struct Config {
     pub timeouts: TimeoutConfig,
     pub retry: RetryConfig,
     pub health: HealthConfig,
+    pub breaker: BreakerConfig,
+    pub admission: AdmissionConfig,
     pub bootstrap: BootstrapConfig,
     pub upstream: UpstreamConfig,
     pub log: LogConfig,
@@ -95,6 +97,10 @@ pub struct DecodeWorkerConfig {
 pub enum PolicyKind {
     Random,
     RoundRobin,
+    /// The less loaded of two random workers (load = in flight + engine-reported).
+    PowerOfTwo,
+    /// Prefix affinity by consistent hashing with bounded loads.
+    CacheAware,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -102,6 +108,13 @@ pub enum PolicyKind {
 pub struct PolicyConfig {
     pub prefill: PolicyKind,
     pub decode: PolicyKind,
+    /// cache_aware: bounded-load factor c; a worker takes a request only while its load
+    /// stays within ceil(c x (total load + 1) / workers). At least 1.0.
+    pub cache_aware_balance_factor: f64,
+    /// cache_aware: virtual nodes per worker on the hash ring.
+    pub cache_aware_vnodes: u32,
+    /// Poll each engine's own load (`/v1/loads`, else `/get_load`) this often; 0 = off.
+    pub load_poll_interval_ms: u64,
 }
 
 impl Default for PolicyConfig {
@@ -109,7 +122,17 @@ impl Default for PolicyConfig {
         PolicyConfig {
             prefill: PolicyKind::RoundRobin,
             decode: PolicyKind::RoundRobin,
+            cache_aware_balance_factor: 1.25,
+            cache_aware_vnodes: 100,
+            load_poll_interval_ms: 0,
         }
+    }
+}
+
+impl PolicyConfig {
+    /// The load poll period, `None` when polling is off.
+    pub fn load_poll_interval(&self) -> Option<Duration> {
+        (self.load_poll_interval_ms > 0).then(|| Duration::from_millis(self.load_poll_interval_ms))
     }
 }
 
@@ -223,7 +246,7 @@ pub struct HealthConfig {
 impl Default for HealthConfig {
     fn default() -> Self {
         HealthConfig {
-            interval_secs: 1.0,
+            interval_secs: 0.5,
             timeout_secs: 1.0,
             failure_threshold: 2,
             success_threshold: 1,
@@ -237,6 +260,52 @@ impl HealthConfig {
     }
     pub fn timeout(&self) -> Duration {
         Duration::from_secs_f64(self.timeout_secs)
+    }
+}
+
+/// Passive health: a circuit breaker per worker, fed by real request outcomes.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BreakerConfig {
+    /// Failures in a row (blamed on the worker's own leg) that open the circuit; 0 = off.
+    pub failure_threshold: u32,
+    /// First open time; doubles on every re-open (a failed half-open trial).
+    pub open_ms: u64,
+    pub max_open_ms: u64,
+    /// Largest share of a pool that passive signals alone may hold open (rounded down).
+    pub max_ejection_ratio: f64,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            failure_threshold: 3,
+            open_ms: 1000,
+            max_open_ms: 30_000,
+            max_ejection_ratio: 0.5,
+        }
+    }
+}
+
+/// Admission: a cap on requests in flight, with a bounded wait queue.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Requests served at once (0 = no limit).
+    pub max_in_flight: usize,
+    /// Requests that may wait for a slot; more get 429.
+    pub max_queue: usize,
+    /// Longest wait for a slot; longer gets 503.
+    pub queue_timeout_ms: u64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            max_in_flight: 4096,
+            max_queue: 4096,
+            queue_timeout_ms: 10_000,
+        }
     }
 }
 
@@ -261,9 +330,9 @@ pub struct BootstrapConfig {
 impl Default for BootstrapConfig {
     fn default() -> Self {
         BootstrapConfig {
-            heartbeat_interval_ms: 1000,
+            heartbeat_interval_ms: 500,
             heartbeat_max_failures: 2,
-            refresh_interval_ms: 2000,
+            refresh_interval_ms: 500,
             freshness_ms: 5000,
             preflight_timeout_ms: 500,
             http_timeout_ms: 2000,
@@ -377,7 +446,16 @@ impl Config {
                 return bad(format!("decode[{i}].url {:?}: {e}", d.url));
             }
         }
-        let checks: [(&str, bool); 13] = [
+        let checks: &[(&str, bool)] = &[
+            (
+                "breaker.max_ejection_ratio",
+                (0.0..=1.0).contains(&self.breaker.max_ejection_ratio),
+            ),
+            ("breaker.open_ms", self.breaker.open_ms >= 1),
+            (
+                "admission.queue_timeout_ms",
+                self.admission.queue_timeout_ms >= 1,
+            ),
             ("server.max_body_bytes", self.server.max_body_bytes > 0),
             ("timeouts.connect_ms", self.timeouts.connect_ms > 0),
             ("timeouts.prefill_secs", self.timeouts.prefill_secs > 0),
@@ -421,8 +499,21 @@ impl Config {
                     && self.bootstrap.preflight_timeout_ms >= 1
                     && self.bootstrap.http_timeout_ms >= 1,
             ),
+            (
+                "policy.cache_aware_balance_factor",
+                self.policy.cache_aware_balance_factor.is_finite()
+                    && (1.0..=1000.0).contains(&self.policy.cache_aware_balance_factor),
+            ),
+            (
+                "policy.cache_aware_vnodes",
+                (1..=1024).contains(&self.policy.cache_aware_vnodes),
+            ),
+            (
+                "policy.load_poll_interval_ms",
+                self.policy.load_poll_interval_ms == 0 || self.policy.load_poll_interval_ms >= 10,
+            ),
         ];
-        for (key, ok) in checks {
+        for (key, ok) in checks.iter().copied() {
             if !ok {
                 return bad(format!("{key} is out of range"));
             }
@@ -488,5 +579,47 @@ mod tests {
         });
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("decode[0].url"), "{err}");
+    }
+
+    #[test]
+    fn policy_keys_parse_and_are_checked() {
+        let cfg = Config::from_toml(
+            "[policy]\nprefill = \"cache_aware\"\ndecode = \"power_of_two\"\n\
+             cache_aware_balance_factor = 1.5\ncache_aware_vnodes = 40\nload_poll_interval_ms = 250\n",
+        )
+        .unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.policy.prefill, PolicyKind::CacheAware);
+        assert_eq!(cfg.policy.decode, PolicyKind::PowerOfTwo);
+        assert_eq!(cfg.policy.cache_aware_vnodes, 40);
+        assert_eq!(
+            cfg.policy.load_poll_interval(),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(Config::default().policy.load_poll_interval(), None);
+        let err = Config::from_toml("[policy]\ncache_aware_vnode = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cache_aware_vnode"), "{err}");
+        for (key, f) in [
+            (
+                "policy.cache_aware_balance_factor",
+                (|c: &mut Config| c.policy.cache_aware_balance_factor = 0.9) as fn(&mut Config),
+            ),
+            ("policy.cache_aware_balance_factor", |c| {
+                c.policy.cache_aware_balance_factor = f64::NAN
+            }),
+            ("policy.cache_aware_vnodes", |c| {
+                c.policy.cache_aware_vnodes = 0
+            }),
+            ("policy.load_poll_interval_ms", |c| {
+                c.policy.load_poll_interval_ms = 5
+            }),
+        ] {
+            let mut cfg = Config::default();
+            f(&mut cfg);
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{err}");
+        }
     }
 }

@@ -21,6 +21,7 @@ pub enum FailReason {
     MethodNotAllowed,
     Unauthorized,
     Overloaded,
+    QueueTimeout,
     NoPrefillAvailable,
     NoDecodeAvailable,
     BootstrapUnreachable,
@@ -45,7 +46,7 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 28] = [
+    pub const ALL: [FailReason; 29] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
         FailReason::UnsupportedMediaType,
@@ -53,6 +54,7 @@ impl FailReason {
         FailReason::MethodNotAllowed,
         FailReason::Unauthorized,
         FailReason::Overloaded,
+        FailReason::QueueTimeout,
         FailReason::NoPrefillAvailable,
         FailReason::NoDecodeAvailable,
         FailReason::BootstrapUnreachable,
@@ -87,6 +89,7 @@ impl FailReason {
             MethodNotAllowed => "method_not_allowed",
             Unauthorized => "unauthorized",
             Overloaded => "overloaded",
+            QueueTimeout => "queue_timeout",
             NoPrefillAvailable => "no_prefill_available",
             NoDecodeAvailable => "no_decode_available",
             BootstrapUnreachable => "bootstrap_unreachable",
@@ -123,7 +126,7 @@ impl FailReason {
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Unauthorized => StatusCode::UNAUTHORIZED,
             Overloaded => StatusCode::TOO_MANY_REQUESTS,
-            NoPrefillAvailable | NoDecodeAvailable | BootstrapUnreachable | BootstrapNotReady
+            QueueTimeout | NoPrefillAvailable | NoDecodeAvailable | BootstrapUnreachable | BootstrapNotReady
             | BootstrapRankMissing => StatusCode::SERVICE_UNAVAILABLE,
             PrefillRejected | DecodeRejected => match upstream {
                 Some(s) if s.is_client_error() => s,

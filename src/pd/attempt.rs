@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response};
 use http_body_util::BodyExt;
 
-use super::flight::{PdBody, PdBodyParts, PrefillWatch, RequestRecord};
+use super::flight::{Passive, PdBody, PdBodyParts, PrefillWatch, RequestRecord};
 use super::legs::{self, LegCancel, PrefillDone};
 use super::logprobs::PrefillLogprobs;
 use super::request::{LegFields, ParsedRequest};
@@ -20,7 +20,7 @@ use crate::config::ContractMode;
 use crate::error::{FailReason, Failure};
 use crate::policy::{self, PickCtx};
 use crate::pool::{LoadGuard, RankFailure, RankReadiness, Snapshot};
-use crate::types::{Role, WorkerId};
+use crate::types::{Pair, Role, WorkerId};
 
 /// A failed attempt and the worker it blames (excluded from the next attempt).
 pub struct AttemptFailure {
@@ -34,6 +34,7 @@ fn fail(f: Failure, blame: Option<(Role, WorkerId)>) -> AttemptFailure {
 
 /// An attempt whose decode produced its first bytes.
 pub struct Ready {
+    pub pair: Pair,
     head: http::response::Parts,
     body: PdBodyParts,
 }
@@ -389,6 +390,10 @@ impl Dispatcher {
             Some(pw)
         };
         Ok(Ready {
+            pair: Pair {
+                prefill: pt,
+                decode: dt,
+            },
             head,
             body: PdBodyParts {
                 first: Bytes::from(first),
@@ -398,6 +403,12 @@ impl Dispatcher {
                 sse,
                 prefill,
                 idle_for: timeouts.stream_idle(),
+                passive: Passive {
+                    pool: self.pool.clone(),
+                    cfg: self.cfg.breaker.clone(),
+                    prefill: pt.worker,
+                    decode: dt.worker,
+                },
             },
         })
     }

@@ -143,7 +143,16 @@ pub struct PdBody {
     idle: Pin<Box<Sleep>>,
     idle_for: Duration,
     record: RequestRecord,
+    passive: Passive,
     done: bool,
+}
+
+/// Where a failure after the first byte is reported (the blamed leg's breaker).
+pub struct Passive {
+    pub pool: std::sync::Arc<crate::pool::Pool>,
+    pub cfg: crate::config::BreakerConfig,
+    pub prefill: crate::types::WorkerId,
+    pub decode: crate::types::WorkerId,
 }
 
 pub struct PdBodyParts {
@@ -154,6 +163,7 @@ pub struct PdBodyParts {
     pub sse: Option<SseScanner>,
     pub prefill: Option<PrefillWatch>,
     pub idle_for: Duration,
+    pub passive: Passive,
 }
 
 impl PdBody {
@@ -168,6 +178,7 @@ impl PdBody {
             idle: Box::pin(tokio::time::sleep(p.idle_for)),
             idle_for: p.idle_for,
             record,
+            passive: p.passive,
             done: false,
         }
     }
@@ -178,6 +189,13 @@ impl PdBody {
         tracing::warn!(request_id = %self.record.request_id, reason = f.reason.as_str(), error = %f.message, "request failed after streaming began");
         metrics::counter!("pdgate_request_failures_total", "reason" => f.reason.as_str(), "phase" => "streaming").increment(1);
         self.record.finish(f.reason.as_str());
+        if let Some(role) = f.reason.leg() {
+            let id = match role {
+                crate::types::Role::Prefill => self.passive.prefill,
+                crate::types::Role::Decode => self.passive.decode,
+            };
+            self.passive.pool.report_failure(role, id, f.reason, &self.passive.cfg);
+        }
         self.done = true;
         self.decode = None;
         self.prefill = None;

@@ -159,15 +159,21 @@ impl Dispatcher {
                 }),
             };
             match res {
-                Ok(ready) => return ready.into_response(record, &ctx.request_id),
+                Ok(ready) => {
+                    self.pool.report_success(Role::Prefill, ready.pair.prefill.worker);
+                    self.pool.report_success(Role::Decode, ready.pair.decode.worker);
+                    return ready.into_response(record, &ctx.request_id);
+                }
                 Err(af) => {
                     let f = &af.failure;
                     metrics::counter!("pdgate_request_failures_total", "reason" => f.reason.as_str(), "phase" => "before_first_byte").increment(1);
                     tracing::warn!(request_id = %ctx.id, attempt = attempt_no, reason = f.reason.as_str(), error = %f.message, "attempt failed");
-                    match af.blame {
-                        Some((Role::Prefill, w)) => exclude_p.push(w),
-                        Some((Role::Decode, w)) => exclude_d.push(w),
-                        None => {}
+                    if let Some((role, w)) = af.blame {
+                        self.pool.report_failure(role, w, f.reason, &self.cfg.breaker);
+                        match role {
+                            Role::Prefill => exclude_p.push(w),
+                            Role::Decode => exclude_d.push(w),
+                        }
                     }
                     // Retry only where a fresh pair can avoid the blamed worker.
                     let can_retry = f.reason.retryable()

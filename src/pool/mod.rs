@@ -17,6 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
+
+pub mod breaker;
+
+pub use breaker::{Breaker, BreakerState};
 use tokio::sync::watch;
 
 use crate::bootstrap::Layout;
@@ -96,6 +100,8 @@ pub struct WorkerState {
     pub lost_tx: watch::Sender<u64>,
     /// The engine's `/server_info` facts, once read.
     pub info: Option<crate::bootstrap::client::ServerInfo>,
+    /// Passive health of this worker's leg.
+    pub breaker: Arc<Breaker>,
 }
 
 /// An immutable view of one worker inside a snapshot.
@@ -113,6 +119,7 @@ pub struct WorkerView {
     pub ranks: Vec<RankReadiness>,
     pub ranks_checked_at: Vec<Instant>,
     pub lost: watch::Receiver<u64>,
+    pub breaker: Arc<Breaker>,
 }
 
 impl WorkerView {
@@ -264,6 +271,7 @@ impl Pool {
                 ranks_checked_at: Vec::new(),
                 lost_tx,
                 info: None,
+                breaker: Arc::new(Breaker::default()),
             });
         });
         id
@@ -333,10 +341,12 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             ranks: w.ranks.clone(),
             ranks_checked_at: w.ranks_checked_at.clone(),
             lost: w.lost_tx.subscribe(),
+            breaker: w.breaker.clone(),
         };
+        let breaker_open = w.breaker.state() == BreakerState::Open;
         match w.role {
             Role::Prefill => {
-                if w.healthy && w.layout.is_some() {
+                if w.healthy && !breaker_open && w.layout.is_some() {
                     let ranks: Vec<DpRank> = w
                         .ranks
                         .iter()
@@ -354,7 +364,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
                 s.prefills.push(view);
             }
             Role::Decode => {
-                if w.healthy {
+                if w.healthy && !breaker_open {
                     s.decode_routable.push(Routable {
                         worker: w.id,
                         ranks: (0..view.effective_dp()).collect(),

@@ -4,6 +4,7 @@
 //! Invariant: once shutdown starts, `/readiness` answers 503, no new connection is accepted,
 //! and in-flight requests get up to the drain deadline to finish.
 
+pub mod admission;
 mod routes;
 
 use std::net::SocketAddr;

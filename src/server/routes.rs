@@ -11,6 +11,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 
+use super::admission::{Admission, Admitted};
 use super::REQUEST_ID;
 use crate::body::{full_body, RespBody};
 use crate::error::{FailReason, Failure};
@@ -51,6 +52,7 @@ const FORWARD: [HeaderName; 2] = [
 pub struct App {
     pub dispatcher: Dispatcher,
     pub draining: AtomicBool,
+    admission: Admission,
 }
 
 enum Endpoint {
@@ -103,6 +105,7 @@ fn json_response(
 impl App {
     pub fn new(dispatcher: Dispatcher) -> App {
         App {
+            admission: Admission::new(&dispatcher.cfg.admission),
             dispatcher,
             draining: AtomicBool::new(false),
         }
@@ -142,7 +145,20 @@ impl App {
             return r;
         }
         match ep {
-            Endpoint::Pd(route) => self.pd(route, req, id, rid_header).await,
+            Endpoint::Pd(route) => {
+                let slot = match self.admission.admit().await {
+                    Ok(s) => s,
+                    Err(f) => {
+                        metrics::counter!("pdgate_requests_total", "route" => route.label(), "outcome" => f.reason.as_str()).increment(1);
+                        return f.into_response(Some(&rid_header));
+                    }
+                };
+                let resp = self.pd(route, req, id, rid_header).await;
+                match slot {
+                    None => resp,
+                    Some(slot) => resp.map(|b| Admitted::wrap(b, Some(slot)).boxed_unsync()),
+                }
+            }
             Endpoint::Health => json_response(StatusCode::OK, r#"{"status":"ok"}"#, &rid_header),
             Endpoint::Readiness => self.readiness(&rid_header),
             Endpoint::Metrics => {

@@ -1,0 +1,273 @@
+//! Passive health: a circuit breaker per worker (each worker serves one leg, so this is per
+//! (worker, leg)), fed by the outcomes of real requests.
+//!
+//! Closed → (`failure_threshold` failures in a row) → Open: out of rotation for the open
+//! time, which doubles with every re-open up to `max_open_ms` → HalfOpen: back in rotation
+//! for exactly one trial request → success closes it, failure re-opens it.
+//!
+//! Invariants:
+//! - Attribution is per leg: only failures blamed on this worker's own leg count (a prefill
+//!   error never trips a decode's breaker); client-caused 4xx and client disconnects never
+//!   count (see [`counts_against_worker`]).
+//! - Ejection cap: passive signals alone never hold open more than
+//!   `max_ejection_ratio` of a pool (rounded down), so they cannot empty a pool.
+//! - The counters are atomics shared across snapshots; only transitions rebuild the
+//!   snapshot, through the pool's single writer.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::BreakerConfig;
+use crate::error::FailReason;
+use crate::types::{Role, WorkerId};
+
+use super::Pool;
+
+/// The breaker's state as the snapshot sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BreakerState {
+    Closed,
+    Open,
+    HalfOpen,
+}
+
+impl BreakerState {
+    fn from_u8(v: u8) -> BreakerState {
+        match v {
+            1 => BreakerState::Open,
+            2 => BreakerState::HalfOpen,
+            _ => BreakerState::Closed,
+        }
+    }
+    fn as_u8(self) -> u8 {
+        match self {
+            BreakerState::Closed => 0,
+            BreakerState::Open => 1,
+            BreakerState::HalfOpen => 2,
+        }
+    }
+    pub fn label(self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half_open",
+        }
+    }
+}
+
+/// One worker's breaker; shared by every snapshot the worker appears in.
+#[derive(Debug, Default)]
+pub struct Breaker {
+    consecutive: AtomicU32,
+    state: AtomicU8,
+    trial_taken: AtomicBool,
+    reopens: AtomicU32,
+}
+
+impl Breaker {
+    pub fn state(&self) -> BreakerState {
+        BreakerState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    /// Whether a half-open breaker's one trial is already out.
+    pub fn trial_taken(&self) -> bool {
+        self.trial_taken.load(Ordering::Acquire)
+    }
+
+    /// Claims the half-open trial; false when someone else has it.
+    pub fn take_trial(&self) -> bool {
+        self.trial_taken
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+}
+
+/// Whether a failure is the blamed worker's fault (and so counts for its breaker).
+pub fn counts_against_worker(reason: FailReason) -> bool {
+    use FailReason::*;
+    matches!(
+        reason,
+        BootstrapUnreachable
+            | BootstrapRankMissing
+            | PrefillConnect
+            | PrefillStatus
+            | PrefillAborted
+            | PrefillTimeout
+            | PrefillLost
+            | DecodeConnect
+            | DecodeStatus
+            | DecodeAborted
+            | DecodeFirstByteTimeout
+            | DecodeIdleTimeout
+            | DecodeBroken
+    )
+}
+
+fn open_for(cfg: &BreakerConfig, reopens: u32) -> Duration {
+    let base = cfg.open_ms.max(1);
+    let ms = base.saturating_mul(1u64 << reopens.min(16)).min(cfg.max_open_ms.max(base));
+    Duration::from_millis(ms)
+}
+
+impl Pool {
+    /// A leg on `id` succeeded.
+    pub fn report_success(&self, role: Role, id: WorkerId) {
+        let Some(b) = self.breaker(role, id) else { return };
+        b.consecutive.store(0, Ordering::Relaxed);
+        if b.state() == BreakerState::HalfOpen {
+            b.reopens.store(0, Ordering::Relaxed);
+            self.set_breaker(role, id, &b, BreakerState::Closed);
+        }
+    }
+
+    /// A leg on `id` failed for `reason`.
+    pub fn report_failure(self: &Arc<Self>, role: Role, id: WorkerId, reason: FailReason, cfg: &BreakerConfig) {
+        if !counts_against_worker(reason) || reason.leg() != Some(role) || cfg.failure_threshold == 0 {
+            return;
+        }
+        let Some(b) = self.breaker(role, id) else { return };
+        let n = b.consecutive.fetch_add(1, Ordering::Relaxed) + 1;
+        match b.state() {
+            BreakerState::HalfOpen => {
+                let reopens = b.reopens.fetch_add(1, Ordering::Relaxed) + 1;
+                self.open(role, id, &b, cfg, reopens, reason);
+            }
+            BreakerState::Closed if n >= cfg.failure_threshold => {
+                if self.may_eject(role, cfg) {
+                    self.open(role, id, &b, cfg, 0, reason);
+                } else {
+                    tracing::warn!(role = %role, worker = %id, "breaker would open but the ejection cap is reached");
+                    metrics::counter!("pdgate_breaker_ejection_capped_total", "role" => role.as_str()).increment(1);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn breaker(&self, role: Role, id: WorkerId) -> Option<Arc<Breaker>> {
+        self.load().worker(role, id).map(|w| w.breaker.clone())
+    }
+
+    /// Whether opening one more breaker of `role` stays within the ejection cap.
+    fn may_eject(&self, role: Role, cfg: &BreakerConfig) -> bool {
+        let snap = self.load();
+        let list = match role {
+            Role::Prefill => &snap.prefills,
+            Role::Decode => &snap.decodes,
+        };
+        let open = list.iter().filter(|w| w.breaker.state() != BreakerState::Closed).count();
+        let cap = (cfg.max_ejection_ratio * list.len() as f64).floor() as usize;
+        open < cap
+    }
+
+    fn open(self: &Arc<Self>, role: Role, id: WorkerId, b: &Arc<Breaker>, cfg: &BreakerConfig, reopens: u32, reason: FailReason) {
+        let dur = open_for(cfg, reopens);
+        tracing::warn!(role = %role, worker = %id, reason = reason.as_str(), open_ms = dur.as_millis() as u64, "circuit opened");
+        self.set_breaker(role, id, b, BreakerState::Open);
+        let pool = Arc::clone(self);
+        let b = Arc::clone(b);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                tokio::time::sleep(dur).await;
+                if b.state() == BreakerState::Open {
+                    b.trial_taken.store(false, Ordering::Release);
+                    pool.set_breaker(role, id, &b, BreakerState::HalfOpen);
+                }
+            });
+        }
+    }
+
+    fn set_breaker(&self, role: Role, id: WorkerId, b: &Breaker, to: BreakerState) {
+        let from = BreakerState::from_u8(b.state.swap(to.as_u8(), Ordering::AcqRel));
+        if from == to {
+            return;
+        }
+        if to == BreakerState::Closed {
+            b.consecutive.store(0, Ordering::Relaxed);
+        }
+        tracing::info!(role = %role, worker = %id, from = from.label(), to = to.label(), "circuit breaker");
+        metrics::counter!("pdgate_breaker_transitions_total", "role" => role.as_str(), "to" => to.label()).increment(1);
+        // Rebuild the snapshot so routability follows the new state.
+        self.update_worker(role, id, |_| {});
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::upstream::parse_base_url;
+
+    fn cfg() -> BreakerConfig {
+        BreakerConfig {
+            failure_threshold: 3,
+            open_ms: 50,
+            max_open_ms: 400,
+            max_ejection_ratio: 0.5,
+        }
+    }
+
+    fn pool(n: usize) -> Arc<Pool> {
+        let pool = Arc::new(Pool::new());
+        for i in 0..n {
+            let id = pool.add_worker(Role::Decode, parse_base_url(&format!("http://127.0.0.1:{}", 2000 + i)).unwrap(), None);
+            pool.update_worker(Role::Decode, id, |w| w.healthy = true);
+        }
+        pool
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_half_opens_and_closes() {
+        let pool = pool(2);
+        let c = cfg();
+        let w = WorkerId(0);
+        for _ in 0..2 {
+            pool.report_failure(Role::Decode, w, FailReason::DecodeStatus, &c);
+        }
+        assert_eq!(pool.load().decode_routable.len(), 2);
+        pool.report_failure(Role::Decode, w, FailReason::DecodeStatus, &c);
+        assert_eq!(pool.load().decode_routable.len(), 1, "open: out of rotation");
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(pool.load().decode_routable.len(), 2, "half-open: back for a trial");
+        assert_eq!(pool.breaker(Role::Decode, w).unwrap().state(), BreakerState::HalfOpen);
+        // The trial fails: open again, for twice as long.
+        pool.report_failure(Role::Decode, w, FailReason::DecodeBroken, &c);
+        assert_eq!(pool.load().decode_routable.len(), 1);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(pool.load().decode_routable.len(), 1, "backoff doubled the open time");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(pool.load().decode_routable.len(), 2);
+        pool.report_success(Role::Decode, w);
+        assert_eq!(pool.breaker(Role::Decode, w).unwrap().state(), BreakerState::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn attribution_and_client_errors() {
+        let pool = pool(2);
+        let c = cfg();
+        for _ in 0..10 {
+            // Prefill-blamed and client-caused reasons never trip a decode breaker.
+            pool.report_failure(Role::Decode, WorkerId(0), FailReason::PrefillStatus, &c);
+            pool.report_failure(Role::Decode, WorkerId(0), FailReason::DecodeRejected, &c);
+            pool.report_failure(Role::Decode, WorkerId(0), FailReason::ClientDisconnected, &c);
+        }
+        assert_eq!(pool.load().decode_routable.len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ejection_cap_keeps_part_of_the_pool() {
+        let pool = pool(2);
+        let c = cfg();
+        for w in [WorkerId(0), WorkerId(1)] {
+            for _ in 0..3 {
+                pool.report_failure(Role::Decode, w, FailReason::DecodeConnect, &c);
+            }
+        }
+        assert_eq!(pool.load().decode_routable.len(), 1, "only half the pool may be ejected");
+        let single = self::pool(1);
+        for _ in 0..5 {
+            single.report_failure(Role::Decode, WorkerId(0), FailReason::DecodeConnect, &c);
+        }
+        assert_eq!(single.load().decode_routable.len(), 1, "a pool of one is never emptied by passive signals");
+    }
+}

@@ -1,0 +1,245 @@
+//! Self-healing pools under bounded load: workers and DP ranks that die are taken out with
+//! no client errors while capacity remains, and are used again after they recover; passive
+//! circuit breaking blames the right leg; admission sheds load with 429/503 + Retry-After.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{start, Env};
+use pdgate::pool::BreakerState;
+use pdgate::sim::{EngineConfig, Faults};
+use pdgate::types::{Role, WorkerId};
+
+const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
+const GEN_STREAM: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3},"stream":true}"#;
+
+/// `clients` closed-loop clients send `per_client` requests each (alternating streaming and
+/// not); returns the number of non-200 answers (and SSE error events).
+async fn load(env: &Arc<Env>, clients: usize, per_client: usize) -> usize {
+    let errors = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let env = env.clone();
+        let errors = errors.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..per_client {
+                let stream = (c + i) % 2 == 1;
+                let (st, _, bytes) = env.post("/generate", if stream { GEN_STREAM } else { GEN }).await;
+                let bad_event = stream && bytes.windows(9).any(|w| w == b"\"error\":{");
+                if st != 200 || bad_event {
+                    eprintln!("error: {st} {}", String::from_utf8_lossy(&bytes));
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    errors.load(Ordering::Relaxed)
+}
+
+/// Runs load while `during` happens, then checks no request failed.
+async fn no_errors_while(env: &Arc<Env>, during: impl std::future::Future<Output = ()>) {
+    let l = load(env, 4, 40);
+    let (errors, ()) = tokio::join!(l, during);
+    assert_eq!(errors, 0, "client errors while capacity remained");
+}
+
+fn used_since(env: &Env, role: Role, i: usize, before: u64) -> bool {
+    let e = match role {
+        Role::Prefill => &env.cluster.prefills[i],
+        Role::Decode => &env.cluster.decodes[i],
+    };
+    e.stats().requests_total > before
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_killed_and_restarted_under_load() {
+    let env = Arc::new(start(vec![EngineConfig::prefill(2), EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await);
+    env.wait_routable(4, 1).await;
+    let e = env.clone();
+    no_errors_while(&env, async move {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        e.cluster.prefills[0].set_down(true);
+        e.wait_pool("prefill 0 out", |s| s.prefill_routable.iter().all(|r| r.worker != WorkerId(0))).await;
+    })
+    .await;
+    // Restarted: back in rotation and used again.
+    env.cluster.prefills[0].set_down(false);
+    env.wait_routable(4, 1).await;
+    let before = env.cluster.prefills[0].stats().requests_total;
+    assert_eq!(load(&env, 2, 10).await, 0);
+    assert!(used_since(&env, Role::Prefill, 0, before), "restarted prefill not used again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp_rank_unregistered_and_back_under_load() {
+    let env = Arc::new(start(vec![EngineConfig::prefill(2), EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await);
+    env.wait_routable(4, 1).await;
+    let e = env.clone();
+    no_errors_while(&env, async move {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        e.cluster.prefills[0].set_faults(Faults {
+            unregistered_ranks: vec![1],
+            ..Faults::default()
+        });
+        e.wait_pool("prefill 0 rank 1 out", |s| !s.prefill_routable.iter().any(|r| r.worker == WorkerId(0) && r.ranks.contains(&1)))
+            .await;
+    })
+    .await;
+    env.cluster.prefills[0].set_faults(Faults::default());
+    env.wait_routable(4, 1).await;
+    let before = env.cluster.prefills[0].stats().requests_per_rank.get(1).copied().unwrap_or(0);
+    assert_eq!(load(&env, 2, 10).await, 0);
+    let after = env.cluster.prefills[0].stats().requests_per_rank.get(1).copied().unwrap_or(0);
+    assert!(after > before, "re-registered rank not used again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_killed_and_restarted_under_load() {
+    let env = Arc::new(start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(2), EngineConfig::decode(2)], |_| {}).await);
+    env.wait_routable(2, 4).await;
+    let e = env.clone();
+    no_errors_while(&env, async move {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        e.cluster.decodes[0].set_down(true);
+        e.wait_pool("decode 0 out", |s| s.decode_routable.iter().all(|r| r.worker != WorkerId(0))).await;
+    })
+    .await;
+    env.cluster.decodes[0].set_down(false);
+    env.wait_routable(2, 4).await;
+    let before = env.cluster.decodes[0].stats().requests_total;
+    assert_eq!(load(&env, 2, 10).await, 0);
+    assert!(used_since(&env, Role::Decode, 0, before), "restarted decode not used again");
+}
+
+fn breaker(env: &Env, role: Role, i: u32) -> BreakerState {
+    env.router.pool.load().worker(role, WorkerId(i)).unwrap().breaker.state()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn breakers_blame_the_failing_leg_only() {
+    let bad = EngineConfig {
+        faults: Faults {
+            prefill_status: Some(500),
+            ..Faults::default()
+        },
+        ..EngineConfig::prefill(1)
+    };
+    // Health checks would not notice (the engine's /health is fine): only passive signals.
+    let env = Arc::new(start(vec![bad, EngineConfig::prefill(1)], vec![EngineConfig::decode(1)], |c| c.breaker.open_ms = 60_000).await);
+    env.wait_routable(2, 1).await;
+    assert_eq!(load(&env, 2, 10).await, 0, "retries cover the failing prefill");
+    assert_eq!(breaker(&env, Role::Prefill, 0), BreakerState::Open);
+    assert_eq!(breaker(&env, Role::Prefill, 1), BreakerState::Closed);
+    assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Closed, "prefill errors never trip a decode breaker");
+    // Once open, the failing prefill gets nothing more.
+    let before = env.cluster.prefills[0].stats().requests_total;
+    assert_eq!(load(&env, 2, 10).await, 0);
+    assert_eq!(env.cluster.prefills[0].stats().requests_total, before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn breaker_half_open_trial_readmits_a_recovered_worker() {
+    let bad = EngineConfig {
+        faults: Faults {
+            decode_status: Some(500),
+            ..Faults::default()
+        },
+        ..EngineConfig::decode(1)
+    };
+    let env = Arc::new(start(vec![EngineConfig::prefill(1)], vec![bad, EngineConfig::decode(1)], |c| c.breaker.open_ms = 200).await);
+    env.wait_routable(1, 2).await;
+    assert_eq!(load(&env, 2, 10).await, 0);
+    assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Open);
+    assert_eq!(breaker(&env, Role::Prefill, 0), BreakerState::Closed, "decode errors never trip a prefill breaker");
+    env.cluster.decodes[0].set_faults(Faults::default());
+    env.wait_pool("half-open", |s| s.worker(Role::Decode, WorkerId(0)).unwrap().breaker.state() == BreakerState::HalfOpen).await;
+    let before = env.cluster.decodes[0].stats().requests_total;
+    assert_eq!(load(&env, 2, 10).await, 0);
+    assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Closed, "a good trial closes the circuit");
+    assert!(used_since(&env, Role::Decode, 0, before));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_errors_never_count() {
+    let rejecting = EngineConfig {
+        faults: Faults {
+            prefill_status: Some(400),
+            ..Faults::default()
+        },
+        ..EngineConfig::prefill(1)
+    };
+    let env = Arc::new(start(vec![rejecting], vec![EngineConfig::decode(1)], |_| {}).await);
+    env.wait_routable(1, 1).await;
+    for _ in 0..10 {
+        let (st, _, _) = env.post("/generate", GEN).await;
+        assert_eq!(st, 400);
+    }
+    assert_eq!(breaker(&env, Role::Prefill, 0), BreakerState::Closed);
+    assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Closed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_is_shed_with_retry_after() {
+    let slow = EngineConfig {
+        faults: Faults {
+            decode_extra_ttft_ms: 400,
+            ..Faults::default()
+        },
+        ..EngineConfig::decode(1)
+    };
+    // Queue full → 429.
+    let env = Arc::new(
+        start(vec![EngineConfig::prefill(1)], vec![slow.clone()], |c| {
+            c.admission.max_in_flight = 2;
+            c.admission.max_queue = 1;
+            c.admission.queue_timeout_ms = 5_000;
+        })
+        .await,
+    );
+    env.wait_routable(1, 1).await;
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let env = env.clone();
+        tasks.push(tokio::spawn(async move { env.post("/generate", GEN).await }));
+    }
+    let mut codes = Vec::new();
+    for t in tasks {
+        let (st, headers, bytes) = t.await.unwrap();
+        if st == 429 {
+            assert_eq!(headers["retry-after"], "1");
+            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            assert_eq!(v["error"]["type"], "overloaded");
+        }
+        codes.push(st.as_u16());
+    }
+    codes.sort();
+    assert_eq!(codes, vec![200, 200, 200, 429, 429, 429], "2 served, 1 queued then served, 3 shed");
+
+    // Queue wait too long → 503.
+    let env = Arc::new(
+        start(vec![EngineConfig::prefill(1)], vec![slow], |c| {
+            c.admission.max_in_flight = 1;
+            c.admission.max_queue = 10;
+            c.admission.queue_timeout_ms = 50;
+        })
+        .await,
+    );
+    env.wait_routable(1, 1).await;
+    let first = {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", GEN).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (st, headers, bytes) = env.post("/generate", GEN).await;
+    assert_eq!(st, 503, "{}", String::from_utf8_lossy(&bytes));
+    assert_eq!(headers["retry-after"], "1");
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(v["error"]["type"], "queue_timeout");
+    assert_eq!(first.await.unwrap().0, 200);
+}
