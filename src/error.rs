@@ -33,6 +33,7 @@ pub enum FailReason {
     PrefillAborted,
     PrefillTimeout,
     PrefillLost,
+    KvTransferFailed,
     DecodeConnect,
     DecodeStatus,
     DecodeRejected,
@@ -46,7 +47,7 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 29] = [
+    pub const ALL: [FailReason; 30] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
         FailReason::UnsupportedMediaType,
@@ -66,6 +67,7 @@ impl FailReason {
         FailReason::PrefillAborted,
         FailReason::PrefillTimeout,
         FailReason::PrefillLost,
+        FailReason::KvTransferFailed,
         FailReason::DecodeConnect,
         FailReason::DecodeStatus,
         FailReason::DecodeRejected,
@@ -101,6 +103,7 @@ impl FailReason {
             PrefillAborted => "prefill_aborted",
             PrefillTimeout => "prefill_timeout",
             PrefillLost => "prefill_lost",
+            KvTransferFailed => "kv_transfer_failed",
             DecodeConnect => "decode_connect",
             DecodeStatus => "decode_status",
             DecodeRejected => "decode_rejected",
@@ -126,14 +129,16 @@ impl FailReason {
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Unauthorized => StatusCode::UNAUTHORIZED,
             Overloaded => StatusCode::TOO_MANY_REQUESTS,
-            QueueTimeout | NoPrefillAvailable | NoDecodeAvailable | BootstrapUnreachable | BootstrapNotReady
-            | BootstrapRankMissing => StatusCode::SERVICE_UNAVAILABLE,
+            QueueTimeout | NoPrefillAvailable | NoDecodeAvailable | BootstrapUnreachable
+            | BootstrapNotReady | BootstrapRankMissing => StatusCode::SERVICE_UNAVAILABLE,
             PrefillRejected | DecodeRejected => match upstream {
                 Some(s) if s.is_client_error() => s,
                 _ => StatusCode::BAD_REQUEST,
             },
-            PrefillConnect | PrefillStatus | PrefillAborted | PrefillLost | DecodeConnect
-            | DecodeStatus | DecodeAborted | DecodeBroken => StatusCode::BAD_GATEWAY,
+            PrefillConnect | PrefillStatus | PrefillAborted | PrefillLost | KvTransferFailed
+            | DecodeConnect | DecodeStatus | DecodeAborted | DecodeBroken => {
+                StatusCode::BAD_GATEWAY
+            }
             PrefillTimeout | DecodeFirstByteTimeout | DecodeIdleTimeout | RequestTimeout => {
                 StatusCode::GATEWAY_TIMEOUT
             }
@@ -155,6 +160,7 @@ impl FailReason {
                 | PrefillStatus
                 | PrefillAborted
                 | PrefillLost
+                | KvTransferFailed
                 | DecodeConnect
                 | DecodeStatus
                 | DecodeAborted
@@ -169,9 +175,8 @@ impl FailReason {
         use FailReason::*;
         match self {
             BootstrapUnreachable | BootstrapNotReady | BootstrapRankMissing | PrefillConnect
-            | PrefillStatus | PrefillRejected | PrefillAborted | PrefillTimeout | PrefillLost => {
-                Some(Role::Prefill)
-            }
+            | PrefillStatus | PrefillRejected | PrefillAborted | PrefillTimeout | PrefillLost
+            | KvTransferFailed => Some(Role::Prefill),
             DecodeConnect
             | DecodeStatus
             | DecodeRejected

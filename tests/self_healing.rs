@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,10 +15,19 @@ use pdgate::types::{Role, WorkerId};
 const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
 const GEN_STREAM: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3},"stream":true}"#;
 
+/// Errors seen by the clients of [`load`].
+#[derive(Debug, Default)]
+struct Errors {
+    /// Requests answered with an error before any byte (non-200).
+    before_first_byte: usize,
+    /// Streams that began and then ended with an error event, by error type.
+    mid_stream: Vec<String>,
+}
+
 /// `clients` closed-loop clients send `per_client` requests each (alternating streaming and
-/// not); returns the number of non-200 answers (and SSE error events).
-async fn load(env: &Arc<Env>, clients: usize, per_client: usize) -> usize {
-    let errors = Arc::new(AtomicUsize::new(0));
+/// not) and collect every error.
+async fn load(env: &Arc<Env>, clients: usize, per_client: usize) -> Errors {
+    let errors = Arc::new(std::sync::Mutex::new(Errors::default()));
     let mut tasks = Vec::new();
     for c in 0..clients {
         let env = env.clone();
@@ -27,11 +35,19 @@ async fn load(env: &Arc<Env>, clients: usize, per_client: usize) -> usize {
         tasks.push(tokio::spawn(async move {
             for i in 0..per_client {
                 let stream = (c + i) % 2 == 1;
-                let (st, _, bytes) = env.post("/generate", if stream { GEN_STREAM } else { GEN }).await;
-                let bad_event = stream && bytes.windows(9).any(|w| w == b"\"error\":{");
-                if st != 200 || bad_event {
+                let (st, _, bytes) = env
+                    .post("/generate", if stream { GEN_STREAM } else { GEN })
+                    .await;
+                let mut e = errors.lock().unwrap();
+                if st != 200 {
                     eprintln!("error: {st} {}", String::from_utf8_lossy(&bytes));
-                    errors.fetch_add(1, Ordering::Relaxed);
+                    e.before_first_byte += 1;
+                } else if stream {
+                    let (events, _) = common::sse_events(&bytes);
+                    if let Some(kind) = events.iter().find_map(|ev| ev["error"]["type"].as_str()) {
+                        eprintln!("mid-stream error: {}", String::from_utf8_lossy(&bytes));
+                        e.mid_stream.push(kind.to_string());
+                    }
                 }
             }
         }));
@@ -39,14 +55,19 @@ async fn load(env: &Arc<Env>, clients: usize, per_client: usize) -> usize {
     for t in tasks {
         t.await.unwrap();
     }
-    errors.load(Ordering::Relaxed)
+    let e = std::mem::take(&mut *errors.lock().unwrap());
+    e
 }
 
-/// Runs load while `during` happens, then checks no request failed.
-async fn no_errors_while(env: &Arc<Env>, during: impl std::future::Future<Output = ()>) {
+fn clean(e: &Errors) -> bool {
+    e.before_first_byte == 0 && e.mid_stream.is_empty()
+}
+
+/// Runs load while `during` happens; returns what the clients saw.
+async fn load_while(env: &Arc<Env>, during: impl std::future::Future<Output = ()>) -> Errors {
     let l = load(env, 4, 40);
     let (errors, ()) = tokio::join!(l, during);
-    assert_eq!(errors, 0, "client errors while capacity remained");
+    errors
 }
 
 fn used_since(env: &Env, role: Role, i: usize, before: u64) -> bool {
@@ -59,66 +80,139 @@ fn used_since(env: &Env, role: Role, i: usize, before: u64) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_killed_and_restarted_under_load() {
-    let env = Arc::new(start(vec![EngineConfig::prefill(2), EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await);
+    let env = Arc::new(
+        start(
+            vec![EngineConfig::prefill(2), EngineConfig::prefill(2)],
+            vec![EngineConfig::decode(1)],
+            |_| {},
+        )
+        .await,
+    );
     env.wait_routable(4, 1).await;
     let e = env.clone();
-    no_errors_while(&env, async move {
+    let errors = load_while(&env, async move {
         tokio::time::sleep(Duration::from_millis(30)).await;
         e.cluster.prefills[0].set_down(true);
-        e.wait_pool("prefill 0 out", |s| s.prefill_routable.iter().all(|r| r.worker != WorkerId(0))).await;
+        e.wait_pool("prefill 0 out", |s| {
+            s.prefill_routable.iter().all(|r| r.worker != WorkerId(0))
+        })
+        .await;
     })
     .await;
+    assert!(
+        clean(&errors),
+        "client errors while another prefill was healthy: {errors:?}"
+    );
     // Restarted: back in rotation and used again.
     env.cluster.prefills[0].set_down(false);
     env.wait_routable(4, 1).await;
     let before = env.cluster.prefills[0].stats().requests_total;
-    assert_eq!(load(&env, 2, 10).await, 0);
-    assert!(used_since(&env, Role::Prefill, 0, before), "restarted prefill not used again");
+    assert!(clean(&load(&env, 2, 10).await));
+    assert!(
+        used_since(&env, Role::Prefill, 0, before),
+        "restarted prefill not used again"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dp_rank_unregistered_and_back_under_load() {
-    let env = Arc::new(start(vec![EngineConfig::prefill(2), EngineConfig::prefill(2)], vec![EngineConfig::decode(1)], |_| {}).await);
+    let env = Arc::new(
+        start(
+            vec![EngineConfig::prefill(2), EngineConfig::prefill(2)],
+            vec![EngineConfig::decode(1)],
+            |_| {},
+        )
+        .await,
+    );
     env.wait_routable(4, 1).await;
     let e = env.clone();
-    no_errors_while(&env, async move {
+    let errors = load_while(&env, async move {
         tokio::time::sleep(Duration::from_millis(30)).await;
         e.cluster.prefills[0].set_faults(Faults {
             unregistered_ranks: vec![1],
             ..Faults::default()
         });
-        e.wait_pool("prefill 0 rank 1 out", |s| !s.prefill_routable.iter().any(|r| r.worker == WorkerId(0) && r.ranks.contains(&1)))
-            .await;
+        e.wait_pool("prefill 0 rank 1 out", |s| {
+            !s.prefill_routable
+                .iter()
+                .any(|r| r.worker == WorkerId(0) && r.ranks.contains(&1))
+        })
+        .await;
     })
     .await;
+    assert!(
+        clean(&errors),
+        "client errors while capacity remained: {errors:?}"
+    );
     env.cluster.prefills[0].set_faults(Faults::default());
     env.wait_routable(4, 1).await;
-    let before = env.cluster.prefills[0].stats().requests_per_rank.get(1).copied().unwrap_or(0);
-    assert_eq!(load(&env, 2, 10).await, 0);
-    let after = env.cluster.prefills[0].stats().requests_per_rank.get(1).copied().unwrap_or(0);
+    let before = env.cluster.prefills[0]
+        .stats()
+        .requests_per_rank
+        .get(1)
+        .copied()
+        .unwrap_or(0);
+    assert!(clean(&load(&env, 2, 10).await));
+    let after = env.cluster.prefills[0]
+        .stats()
+        .requests_per_rank
+        .get(1)
+        .copied()
+        .unwrap_or(0);
     assert!(after > before, "re-registered rank not used again");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_killed_and_restarted_under_load() {
-    let env = Arc::new(start(vec![EngineConfig::prefill(2)], vec![EngineConfig::decode(2), EngineConfig::decode(2)], |_| {}).await);
+    let env = Arc::new(
+        start(
+            vec![EngineConfig::prefill(2)],
+            vec![EngineConfig::decode(2), EngineConfig::decode(2)],
+            |_| {},
+        )
+        .await,
+    );
     env.wait_routable(2, 4).await;
     let e = env.clone();
-    no_errors_while(&env, async move {
+    let errors = load_while(&env, async move {
         tokio::time::sleep(Duration::from_millis(30)).await;
         e.cluster.decodes[0].set_down(true);
-        e.wait_pool("decode 0 out", |s| s.decode_routable.iter().all(|r| r.worker != WorkerId(0))).await;
+        e.wait_pool("decode 0 out", |s| {
+            s.decode_routable.iter().all(|r| r.worker != WorkerId(0))
+        })
+        .await;
     })
     .await;
+    // Nothing fails before its first byte (those are retried on the other decode). A stream
+    // that was already flowing from the killed decode cannot move (its KV died with it):
+    // it ends with one decode_broken error event, and only those streams do.
+    assert_eq!(errors.before_first_byte, 0, "{errors:?}");
+    assert!(
+        errors.mid_stream.iter().all(|k| k == "decode_broken"),
+        "{errors:?}"
+    );
+    assert!(
+        errors.mid_stream.len() <= 4,
+        "more broken streams than clients: {errors:?}"
+    );
     env.cluster.decodes[0].set_down(false);
     env.wait_routable(2, 4).await;
     let before = env.cluster.decodes[0].stats().requests_total;
-    assert_eq!(load(&env, 2, 10).await, 0);
-    assert!(used_since(&env, Role::Decode, 0, before), "restarted decode not used again");
+    assert!(clean(&load(&env, 2, 10).await));
+    assert!(
+        used_since(&env, Role::Decode, 0, before),
+        "restarted decode not used again"
+    );
 }
 
 fn breaker(env: &Env, role: Role, i: u32) -> BreakerState {
-    env.router.pool.load().worker(role, WorkerId(i)).unwrap().breaker.state()
+    env.router
+        .pool
+        .load()
+        .worker(role, WorkerId(i))
+        .unwrap()
+        .breaker
+        .state()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -131,15 +225,29 @@ async fn breakers_blame_the_failing_leg_only() {
         ..EngineConfig::prefill(1)
     };
     // Health checks would not notice (the engine's /health is fine): only passive signals.
-    let env = Arc::new(start(vec![bad, EngineConfig::prefill(1)], vec![EngineConfig::decode(1)], |c| c.breaker.open_ms = 60_000).await);
+    let env = Arc::new(
+        start(
+            vec![bad, EngineConfig::prefill(1)],
+            vec![EngineConfig::decode(1)],
+            |c| c.breaker.open_ms = 60_000,
+        )
+        .await,
+    );
     env.wait_routable(2, 1).await;
-    assert_eq!(load(&env, 2, 10).await, 0, "retries cover the failing prefill");
+    assert!(
+        clean(&load(&env, 2, 10).await),
+        "retries cover the failing prefill"
+    );
     assert_eq!(breaker(&env, Role::Prefill, 0), BreakerState::Open);
     assert_eq!(breaker(&env, Role::Prefill, 1), BreakerState::Closed);
-    assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Closed, "prefill errors never trip a decode breaker");
+    assert_eq!(
+        breaker(&env, Role::Decode, 0),
+        BreakerState::Closed,
+        "prefill errors never trip a decode breaker"
+    );
     // Once open, the failing prefill gets nothing more.
     let before = env.cluster.prefills[0].stats().requests_total;
-    assert_eq!(load(&env, 2, 10).await, 0);
+    assert!(clean(&load(&env, 2, 10).await));
     assert_eq!(env.cluster.prefills[0].stats().requests_total, before);
 }
 
@@ -152,16 +260,34 @@ async fn breaker_half_open_trial_readmits_a_recovered_worker() {
         },
         ..EngineConfig::decode(1)
     };
-    let env = Arc::new(start(vec![EngineConfig::prefill(1)], vec![bad, EngineConfig::decode(1)], |c| c.breaker.open_ms = 200).await);
+    let env = Arc::new(
+        start(
+            vec![EngineConfig::prefill(1)],
+            vec![bad, EngineConfig::decode(1)],
+            |c| c.breaker.open_ms = 200,
+        )
+        .await,
+    );
     env.wait_routable(1, 2).await;
-    assert_eq!(load(&env, 2, 10).await, 0);
+    assert!(clean(&load(&env, 2, 10).await));
     assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Open);
-    assert_eq!(breaker(&env, Role::Prefill, 0), BreakerState::Closed, "decode errors never trip a prefill breaker");
+    assert_eq!(
+        breaker(&env, Role::Prefill, 0),
+        BreakerState::Closed,
+        "decode errors never trip a prefill breaker"
+    );
     env.cluster.decodes[0].set_faults(Faults::default());
-    env.wait_pool("half-open", |s| s.worker(Role::Decode, WorkerId(0)).unwrap().breaker.state() == BreakerState::HalfOpen).await;
+    env.wait_pool("half-open", |s| {
+        s.worker(Role::Decode, WorkerId(0)).unwrap().breaker.state() == BreakerState::HalfOpen
+    })
+    .await;
     let before = env.cluster.decodes[0].stats().requests_total;
-    assert_eq!(load(&env, 2, 10).await, 0);
-    assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Closed, "a good trial closes the circuit");
+    assert!(clean(&load(&env, 2, 10).await));
+    assert_eq!(
+        breaker(&env, Role::Decode, 0),
+        BreakerState::Closed,
+        "a good trial closes the circuit"
+    );
     assert!(used_since(&env, Role::Decode, 0, before));
 }
 
@@ -206,7 +332,9 @@ async fn overload_is_shed_with_retry_after() {
     let mut tasks = Vec::new();
     for _ in 0..6 {
         let env = env.clone();
-        tasks.push(tokio::spawn(async move { env.post("/generate", GEN).await }));
+        tasks.push(tokio::spawn(
+            async move { env.post("/generate", GEN).await },
+        ));
     }
     let mut codes = Vec::new();
     for t in tasks {
@@ -219,7 +347,11 @@ async fn overload_is_shed_with_retry_after() {
         codes.push(st.as_u16());
     }
     codes.sort();
-    assert_eq!(codes, vec![200, 200, 200, 429, 429, 429], "2 served, 1 queued then served, 3 shed");
+    assert_eq!(
+        codes,
+        vec![200, 200, 200, 429, 429, 429],
+        "2 served, 1 queued then served, 3 shed"
+    );
 
     // Queue wait too long → 503.
     let env = Arc::new(

@@ -18,11 +18,25 @@ async fn sigterm_drains_in_flight_requests() {
         decode_extra_itl_ms: 100,
         ..Faults::default()
     };
-    let cluster = SimCluster::spawn(&[common::fast_engine(EngineConfig::prefill(2))], &[decode]).await.unwrap();
+    let cluster = SimCluster::spawn(&[common::fast_engine(EngineConfig::prefill(2))], &[decode])
+        .await
+        .unwrap();
     let p = &cluster.prefills[0];
     let mut child = Command::new(env!("CARGO_BIN_EXE_pdgate"))
-        .args(["serve", "--port", "0", "--log-format", "json", "--health-check-interval-secs", "0.05"])
-        .args(["--prefill", &p.url(), &p.bootstrap_port().unwrap().to_string()])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--log-format",
+            "json",
+            "--health-check-interval-secs",
+            "0.05",
+        ])
+        .args([
+            "--prefill",
+            &p.url(),
+            &p.bootstrap_port().unwrap().to_string(),
+        ])
         .args(["--decode", &cluster.decodes[0].url()])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -38,7 +52,9 @@ async fn sigterm_drains_in_flight_requests() {
         }
     });
     let url = loop {
-        let line = rx.recv_timeout(Duration::from_secs(20)).expect("pdgate never said it listens");
+        let line = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("pdgate never said it listens");
         let v: serde_json::Value = match serde_json::from_str(&line) {
             Ok(v) => v,
             Err(_) => continue,
@@ -50,7 +66,11 @@ async fn sigterm_drains_in_flight_requests() {
     let client = common::client();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let ok = client.get(format!("{url}/readiness").parse().unwrap()).await.map(|r| r.status() == 200).unwrap_or(false);
+        let ok = client
+            .get(format!("{url}/readiness").parse().unwrap())
+            .await
+            .map(|r| r.status() == 200)
+            .unwrap_or(false);
         if ok {
             break;
         }
@@ -59,7 +79,9 @@ async fn sigterm_drains_in_flight_requests() {
     }
     let req = http::Request::post(format!("{url}/generate"))
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from_static(br#"{"text":"a","sampling_params":{"max_new_tokens":15},"stream":true}"#)))
+        .body(Full::new(Bytes::from_static(
+            br#"{"text":"a","sampling_params":{"max_new_tokens":15},"stream":true}"#,
+        )))
         .unwrap();
     let resp = client.request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
@@ -67,7 +89,10 @@ async fn sigterm_drains_in_flight_requests() {
     let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
     assert!(first.starts_with(b"data: "));
 
-    let status = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+    let status = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
     assert!(status.success());
     // New connections are refused once the drain started (bounded wait for it to start).
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -77,7 +102,10 @@ async fn sigterm_drains_in_flight_requests() {
         if r.is_err() {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "still accepting after SIGTERM");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still accepting after SIGTERM"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The in-flight stream still completes.
@@ -94,7 +122,10 @@ async fn sigterm_drains_in_flight_requests() {
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        assert!(std::time::Instant::now() < deadline, "pdgate did not exit after draining");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pdgate did not exit after draining"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(code.success(), "{code:?}");

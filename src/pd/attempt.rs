@@ -32,6 +32,14 @@ fn fail(f: Failure, blame: Option<(Role, WorkerId)>) -> AttemptFailure {
     AttemptFailure { failure: f, blame }
 }
 
+/// The worker a failure blames: the one serving the leg its reason names.
+fn blame(f: &Failure, pair: &Pair) -> Option<(Role, WorkerId)> {
+    match f.reason.leg()? {
+        Role::Prefill => Some((Role::Prefill, pair.prefill.worker)),
+        Role::Decode => Some((Role::Decode, pair.decode.worker)),
+    }
+}
+
 /// An attempt whose decode produced its first bytes.
 pub struct Ready {
     pub pair: Pair,
@@ -174,7 +182,14 @@ impl Dispatcher {
             ));
         };
         let blame_p = Some((Role::Prefill, pt.worker));
-        let blame_d = Some((Role::Decode, dt.worker));
+        let pair = Pair {
+            prefill: pt,
+            decode: dt,
+        };
+        let failed = |f: Failure| {
+            let b = blame(&f, &pair);
+            fail(f, b)
+        };
 
         // Preflight: a view older than the freshness bound is re-checked now, briefly.
         let bcfg = &self.cfg.bootstrap;
@@ -292,13 +307,13 @@ impl Dispatcher {
                         prefill_done = Some(d);
                         first_byte_deadline = tokio::time::Instant::now() + timeouts.decode_first_byte();
                     }
-                    Err(f) => return Err(fail(f, blame_p)),
+                    Err(f) => return Err(failed(f)),
                 },
                 r = &mut dfut => match r {
                     Ok(resp) => break resp,
-                    Err(e) => return Err(fail(Failure::new(FailReason::DecodeConnect, format!("decode request failed: {}", crate::upstream::error_chain(&e))), blame_d)),
+                    Err(e) => return Err(failed(Failure::new(FailReason::DecodeConnect, format!("decode request failed: {}", crate::upstream::error_chain(&e))))),
                 },
-                _ = tokio::time::sleep_until(first_byte_deadline) => return Err(fail(first_byte_timeout(timeouts.decode_first_byte_secs), blame_d)),
+                _ = tokio::time::sleep_until(first_byte_deadline) => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
             }
         };
         let status = resp.status();
@@ -306,7 +321,7 @@ impl Dispatcher {
             dcancel.disarm();
             let (_, body) = resp.into_parts();
             let f = legs::decode_status_failure(status, body).await;
-            return Err(fail(f, blame_d));
+            return Err(failed(f));
         }
         let (mut head, mut dbody_in) = resp.into_parts();
 
@@ -316,9 +331,9 @@ impl Dispatcher {
                 tokio::select! {
                     r = &mut pw => match r {
                         Ok(d) => prefill_done = Some(d),
-                        Err(f) => return Err(fail(f, blame_p)),
+                        Err(f) => return Err(failed(f)),
                     },
-                    _ = tokio::time::sleep_until(far) => return Err(fail(Failure::new(FailReason::PrefillTimeout, "prefill did not answer"), blame_p)),
+                    _ = tokio::time::sleep_until(far) => return Err(failed(Failure::new(FailReason::PrefillTimeout, "prefill did not answer"))),
                 }
             }
         }
@@ -344,11 +359,11 @@ impl Dispatcher {
                         prefill_done = Some(d);
                         first_byte_deadline = tokio::time::Instant::now() + timeouts.decode_first_byte();
                     }
-                    Err(f) => return Err(fail(f, blame_p)),
+                    Err(f) => return Err(failed(f)),
                 },
                 fr = dbody_in.frame() => match fr {
                     None => { ended = true; break; }
-                    Some(Err(e)) => return Err(fail(Failure::new(FailReason::DecodeBroken, format!("decode answer broke off: {}", crate::upstream::error_chain(&e))), blame_d)),
+                    Some(Err(e)) => return Err(failed(Failure::new(FailReason::DecodeBroken, format!("decode answer broke off: {}", crate::upstream::error_chain(&e))))),
                     Some(Ok(frame)) => {
                         let Ok(data) = frame.into_data() else { continue };
                         match sse.as_mut() {
@@ -356,7 +371,7 @@ impl Dispatcher {
                                 Scan::Forward(b) => first.extend_from_slice(&b),
                                 Scan::Abort { message, .. } => {
                                     dcancel.disarm();
-                                    return Err(fail(Failure::new(FailReason::DecodeAborted, format!("decode aborted the request: {message}")), blame_d));
+                                    return Err(failed(legs::decode_abort_failure(&message)));
                                 }
                             },
                             None => first.extend_from_slice(&data),
@@ -366,7 +381,7 @@ impl Dispatcher {
                         }
                     }
                 },
-                _ = tokio::time::sleep_until(first_byte_deadline) => return Err(fail(first_byte_timeout(timeouts.decode_first_byte_secs), blame_d)),
+                _ = tokio::time::sleep_until(first_byte_deadline) => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
             }
         }
         if ended {
@@ -390,10 +405,7 @@ impl Dispatcher {
             Some(pw)
         };
         Ok(Ready {
-            pair: Pair {
-                prefill: pt,
-                decode: dt,
-            },
+            pair,
             head,
             body: PdBodyParts {
                 first: Bytes::from(first),

@@ -194,7 +194,9 @@ impl PdBody {
                 crate::types::Role::Prefill => self.passive.prefill,
                 crate::types::Role::Decode => self.passive.decode,
             };
-            self.passive.pool.report_failure(role, id, f.reason, &self.passive.cfg);
+            self.passive
+                .pool
+                .report_failure(role, id, f.reason, &self.passive.cfg);
         }
         self.done = true;
         self.decode = None;
@@ -267,10 +269,7 @@ impl Body for PdBody {
                         Some(sse) => match sse.push(data) {
                             Scan::Forward(b) => b,
                             Scan::Abort { before, message } => {
-                                let f = Failure::new(
-                                    FailReason::DecodeAborted,
-                                    format!("decode aborted the request: {message}"),
-                                );
+                                let f = super::legs::decode_abort_failure(&message);
                                 return this.fail(f, before);
                             }
                         },

@@ -142,6 +142,37 @@ pub async fn decode_status_failure(status: StatusCode, body: hyper::body::Incomi
     status_failure(Role::Decode, status, &bytes)
 }
 
+/// What SGLang's decode says when the KV handoff from the prefill failed: the fault is on
+/// the prefill side (or between the two), so it is blamed on the prefill and retried with
+/// another one.
+const KV_MARKERS: [&str; 6] = [
+    "KVTransferError",
+    "Lost connection with prefill",
+    "Failed to get kvcache from prefill",
+    "Could not fetch bootstrap info",
+    "Could not fetch prefill parallel info",
+    "Prefill bootstrap failed",
+];
+
+fn is_kv_failure(message: &str) -> bool {
+    KV_MARKERS.iter().any(|m| message.contains(m))
+}
+
+/// An abort reported by decode (an SSE abort chunk, or an abort inside its answer).
+pub fn decode_abort_failure(message: &str) -> Failure {
+    if is_kv_failure(message) {
+        Failure::new(
+            FailReason::KvTransferFailed,
+            format!("the KV handoff from the prefill failed: {message}"),
+        )
+    } else {
+        Failure::new(
+            FailReason::DecodeAborted,
+            format!("decode aborted the request: {message}"),
+        )
+    }
+}
+
 /// A non-2xx engine answer as a failure; a 4xx passes through as that 4xx.
 pub fn status_failure(role: Role, status: StatusCode, body: &[u8]) -> Failure {
     let msg = error_message(body).unwrap_or_else(|| {
@@ -149,6 +180,16 @@ pub fn status_failure(role: Role, status: StatusCode, body: &[u8]) -> Failure {
             .trim()
             .to_string()
     });
+    if role == Role::Decode && !status.is_client_error() && is_kv_failure(&msg) {
+        return Failure::new(
+            FailReason::KvTransferFailed,
+            format!(
+                "the KV handoff from the prefill failed ({}): {msg}",
+                status.as_u16()
+            ),
+        )
+        .with_status(status);
+    }
     let (reason, what) = match (role, status.is_client_error()) {
         (Role::Prefill, true) => (FailReason::PrefillRejected, "prefill rejected the request"),
         (Role::Prefill, false) => (FailReason::PrefillStatus, "prefill failed"),

@@ -160,8 +160,10 @@ impl Dispatcher {
             };
             match res {
                 Ok(ready) => {
-                    self.pool.report_success(Role::Prefill, ready.pair.prefill.worker);
-                    self.pool.report_success(Role::Decode, ready.pair.decode.worker);
+                    self.pool
+                        .report_success(Role::Prefill, ready.pair.prefill.worker);
+                    self.pool
+                        .report_success(Role::Decode, ready.pair.decode.worker);
                     return ready.into_response(record, &ctx.request_id);
                 }
                 Err(af) => {
@@ -169,7 +171,8 @@ impl Dispatcher {
                     metrics::counter!("pdgate_request_failures_total", "reason" => f.reason.as_str(), "phase" => "before_first_byte").increment(1);
                     tracing::warn!(request_id = %ctx.id, attempt = attempt_no, reason = f.reason.as_str(), error = %f.message, "attempt failed");
                     if let Some((role, w)) = af.blame {
-                        self.pool.report_failure(role, w, f.reason, &self.cfg.breaker);
+                        self.pool
+                            .report_failure(role, w, f.reason, &self.cfg.breaker);
                         match role {
                             Role::Prefill => exclude_p.push(w),
                             Role::Decode => exclude_d.push(w),

@@ -95,6 +95,7 @@ pub fn counts_against_worker(reason: FailReason) -> bool {
             | PrefillAborted
             | PrefillTimeout
             | PrefillLost
+            | KvTransferFailed
             | DecodeConnect
             | DecodeStatus
             | DecodeAborted
@@ -106,14 +107,18 @@ pub fn counts_against_worker(reason: FailReason) -> bool {
 
 fn open_for(cfg: &BreakerConfig, reopens: u32) -> Duration {
     let base = cfg.open_ms.max(1);
-    let ms = base.saturating_mul(1u64 << reopens.min(16)).min(cfg.max_open_ms.max(base));
+    let ms = base
+        .saturating_mul(1u64 << reopens.min(16))
+        .min(cfg.max_open_ms.max(base));
     Duration::from_millis(ms)
 }
 
 impl Pool {
     /// A leg on `id` succeeded.
     pub fn report_success(&self, role: Role, id: WorkerId) {
-        let Some(b) = self.breaker(role, id) else { return };
+        let Some(b) = self.breaker(role, id) else {
+            return;
+        };
         b.consecutive.store(0, Ordering::Relaxed);
         if b.state() == BreakerState::HalfOpen {
             b.reopens.store(0, Ordering::Relaxed);
@@ -122,11 +127,22 @@ impl Pool {
     }
 
     /// A leg on `id` failed for `reason`.
-    pub fn report_failure(self: &Arc<Self>, role: Role, id: WorkerId, reason: FailReason, cfg: &BreakerConfig) {
-        if !counts_against_worker(reason) || reason.leg() != Some(role) || cfg.failure_threshold == 0 {
+    pub fn report_failure(
+        self: &Arc<Self>,
+        role: Role,
+        id: WorkerId,
+        reason: FailReason,
+        cfg: &BreakerConfig,
+    ) {
+        if !counts_against_worker(reason)
+            || reason.leg() != Some(role)
+            || cfg.failure_threshold == 0
+        {
             return;
         }
-        let Some(b) = self.breaker(role, id) else { return };
+        let Some(b) = self.breaker(role, id) else {
+            return;
+        };
         let n = b.consecutive.fetch_add(1, Ordering::Relaxed) + 1;
         match b.state() {
             BreakerState::HalfOpen => {
@@ -156,12 +172,23 @@ impl Pool {
             Role::Prefill => &snap.prefills,
             Role::Decode => &snap.decodes,
         };
-        let open = list.iter().filter(|w| w.breaker.state() != BreakerState::Closed).count();
+        let open = list
+            .iter()
+            .filter(|w| w.breaker.state() != BreakerState::Closed)
+            .count();
         let cap = (cfg.max_ejection_ratio * list.len() as f64).floor() as usize;
         open < cap
     }
 
-    fn open(self: &Arc<Self>, role: Role, id: WorkerId, b: &Arc<Breaker>, cfg: &BreakerConfig, reopens: u32, reason: FailReason) {
+    fn open(
+        self: &Arc<Self>,
+        role: Role,
+        id: WorkerId,
+        b: &Arc<Breaker>,
+        cfg: &BreakerConfig,
+        reopens: u32,
+        reason: FailReason,
+    ) {
         let dur = open_for(cfg, reopens);
         tracing::warn!(role = %role, worker = %id, reason = reason.as_str(), open_ms = dur.as_millis() as u64, "circuit opened");
         self.set_breaker(role, id, b, BreakerState::Open);
@@ -210,7 +237,11 @@ mod tests {
     fn pool(n: usize) -> Arc<Pool> {
         let pool = Arc::new(Pool::new());
         for i in 0..n {
-            let id = pool.add_worker(Role::Decode, parse_base_url(&format!("http://127.0.0.1:{}", 2000 + i)).unwrap(), None);
+            let id = pool.add_worker(
+                Role::Decode,
+                parse_base_url(&format!("http://127.0.0.1:{}", 2000 + i)).unwrap(),
+                None,
+            );
             pool.update_worker(Role::Decode, id, |w| w.healthy = true);
         }
         pool
@@ -226,19 +257,37 @@ mod tests {
         }
         assert_eq!(pool.load().decode_routable.len(), 2);
         pool.report_failure(Role::Decode, w, FailReason::DecodeStatus, &c);
-        assert_eq!(pool.load().decode_routable.len(), 1, "open: out of rotation");
+        assert_eq!(
+            pool.load().decode_routable.len(),
+            1,
+            "open: out of rotation"
+        );
         tokio::time::sleep(Duration::from_millis(60)).await;
-        assert_eq!(pool.load().decode_routable.len(), 2, "half-open: back for a trial");
-        assert_eq!(pool.breaker(Role::Decode, w).unwrap().state(), BreakerState::HalfOpen);
+        assert_eq!(
+            pool.load().decode_routable.len(),
+            2,
+            "half-open: back for a trial"
+        );
+        assert_eq!(
+            pool.breaker(Role::Decode, w).unwrap().state(),
+            BreakerState::HalfOpen
+        );
         // The trial fails: open again, for twice as long.
         pool.report_failure(Role::Decode, w, FailReason::DecodeBroken, &c);
         assert_eq!(pool.load().decode_routable.len(), 1);
         tokio::time::sleep(Duration::from_millis(60)).await;
-        assert_eq!(pool.load().decode_routable.len(), 1, "backoff doubled the open time");
+        assert_eq!(
+            pool.load().decode_routable.len(),
+            1,
+            "backoff doubled the open time"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(pool.load().decode_routable.len(), 2);
         pool.report_success(Role::Decode, w);
-        assert_eq!(pool.breaker(Role::Decode, w).unwrap().state(), BreakerState::Closed);
+        assert_eq!(
+            pool.breaker(Role::Decode, w).unwrap().state(),
+            BreakerState::Closed
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -249,7 +298,12 @@ mod tests {
             // Prefill-blamed and client-caused reasons never trip a decode breaker.
             pool.report_failure(Role::Decode, WorkerId(0), FailReason::PrefillStatus, &c);
             pool.report_failure(Role::Decode, WorkerId(0), FailReason::DecodeRejected, &c);
-            pool.report_failure(Role::Decode, WorkerId(0), FailReason::ClientDisconnected, &c);
+            pool.report_failure(
+                Role::Decode,
+                WorkerId(0),
+                FailReason::ClientDisconnected,
+                &c,
+            );
         }
         assert_eq!(pool.load().decode_routable.len(), 2);
     }
@@ -263,11 +317,19 @@ mod tests {
                 pool.report_failure(Role::Decode, w, FailReason::DecodeConnect, &c);
             }
         }
-        assert_eq!(pool.load().decode_routable.len(), 1, "only half the pool may be ejected");
+        assert_eq!(
+            pool.load().decode_routable.len(),
+            1,
+            "only half the pool may be ejected"
+        );
         let single = self::pool(1);
         for _ in 0..5 {
             single.report_failure(Role::Decode, WorkerId(0), FailReason::DecodeConnect, &c);
         }
-        assert_eq!(single.load().decode_routable.len(), 1, "a pool of one is never emptied by passive signals");
+        assert_eq!(
+            single.load().decode_routable.len(),
+            1,
+            "a pool of one is never emptied by passive signals"
+        );
     }
 }

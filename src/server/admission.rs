@@ -54,18 +54,26 @@ impl Admission {
         }
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.max_queue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
-            metrics::counter!("pdgate_admission_rejected_total", "reason" => "queue_full").increment(1);
-            return Err(Failure::new(FailReason::Overloaded, "too many requests in flight and the wait queue is full"));
+            metrics::counter!("pdgate_admission_rejected_total", "reason" => "queue_full")
+                .increment(1);
+            return Err(Failure::new(
+                FailReason::Overloaded,
+                "too many requests in flight and the wait queue is full",
+            ));
         }
         let _w = Waiting(&self.waiting);
         match tokio::time::timeout(self.timeout, Arc::clone(slots).acquire_owned()).await {
             Ok(Ok(p)) => Ok(Some(p)),
             Ok(Err(_)) => Err(Failure::new(FailReason::Internal, "admission closed")),
             Err(_) => {
-                metrics::counter!("pdgate_admission_rejected_total", "reason" => "queue_timeout").increment(1);
+                metrics::counter!("pdgate_admission_rejected_total", "reason" => "queue_timeout")
+                    .increment(1);
                 Err(Failure::new(
                     FailReason::QueueTimeout,
-                    format!("no slot within the queue timeout of {} ms", self.timeout.as_millis()),
+                    format!(
+                        "no slot within the queue timeout of {} ms",
+                        self.timeout.as_millis()
+                    ),
                 ))
             }
         }
@@ -92,7 +100,10 @@ impl Admitted {
 impl Body for Admitted {
     type Data = Bytes;
     type Error = BoxError;
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         Pin::new(&mut self.inner).poll_frame(cx)
     }
     fn is_end_stream(&self) -> bool {

@@ -107,7 +107,9 @@ impl Env {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             let s = self.router.pool.load();
-            if s.routable_ranks(pdgate::types::Role::Prefill) == p && s.routable_ranks(pdgate::types::Role::Decode) == d {
+            if s.routable_ranks(pdgate::types::Role::Prefill) == p
+                && s.routable_ranks(pdgate::types::Role::Decode) == d
+            {
                 return;
             }
             if tokio::time::Instant::now() > deadline {
