@@ -154,8 +154,16 @@ pub async fn sentinel(
                         status: 200,
                         body: snippet(&body),
                     })?;
+                // A v1 server ignores the v2 query's extra parameter; tell them apart by
+                // the answer's shape (v2 names attention-TP and PP sizes).
+                let generation =
+                    if info.prefill_attn_tp_size.is_some() || info.prefill_pp_size.is_some() {
+                        Generation::V2
+                    } else {
+                        Generation::V1
+                    };
                 return Ok(Sentinel::Ready(Layout {
-                    generation: *g,
+                    generation,
                     dp_size: info.prefill_dp_size.max(1),
                     attn_tp_size: info
                         .prefill_attn_tp_size

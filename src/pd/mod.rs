@@ -92,6 +92,38 @@ impl RetryBudget {
     }
 }
 
+#[cfg(test)]
+mod budget_tests {
+    use super::RetryBudget;
+
+    #[test]
+    fn retries_are_a_bounded_share_of_requests() {
+        let b = RetryBudget::new(0.2, 2);
+        // The reserve: two retries with no traffic.
+        assert!(b.try_withdraw());
+        assert!(b.try_withdraw());
+        assert!(!b.try_withdraw());
+        // Then one retry per five requests.
+        for _ in 0..4 {
+            b.deposit();
+        }
+        assert!(!b.try_withdraw());
+        b.deposit();
+        assert!(b.try_withdraw());
+        assert!(!b.try_withdraw());
+        // A dead pool under heavy load retries at most ratio × requests.
+        let b = RetryBudget::new(0.2, 0);
+        let mut retries = 0;
+        for _ in 0..1000 {
+            b.deposit();
+            while b.try_withdraw() {
+                retries += 1;
+            }
+        }
+        assert_eq!(retries, 200);
+    }
+}
+
 /// Per-request context from the front door.
 pub struct ReqCtx {
     /// Fixed-length internal id (16 hex digits): the base of every leg's rid.

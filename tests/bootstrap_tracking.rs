@@ -1,0 +1,182 @@
+//! The embedded bootstrap poll beyond the happy path: the request-path preflight when the
+//! view is stale, the older wire generations (spec §2.8), and learning a prefill's
+//! bootstrap port from its `/server_info` when `--prefill URL` gives none.
+
+mod common;
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::start;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use pdgate::bootstrap::client::{self, Generation, RankRoute, Sentinel};
+use pdgate::config::{TimeoutConfig, UpstreamConfig};
+use pdgate::sim::{EngineConfig, Faults};
+use pdgate::types::{Role, WorkerId};
+use pdgate::upstream::{parse_base_url, Upstream};
+
+/// With the background refresh far apart, a rank view older than the freshness bound is
+/// checked again on the request path; a rank that went away is then not dispatched into.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_views_are_checked_on_the_request_path() {
+    let env = start(
+        vec![EngineConfig::prefill(2), EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            c.bootstrap.refresh_interval_ms = 600_000;
+            c.bootstrap.freshness_ms = 1;
+        },
+    )
+    .await;
+    env.wait_routable(4, 1).await;
+    // Prefill 0 stops being registered; the heartbeat (bootstrap /health) stays fine and the
+    // background refresh will not run again during the test: only the preflight can see it.
+    env.cluster.prefills[0].set_faults(Faults {
+        register_none: true,
+        ..Faults::default()
+    });
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    for _ in 0..8 {
+        let (st, _, b) = env.post("/generate", r#"{"text":"a"}"#).await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    }
+    assert_eq!(
+        env.cluster.prefills[0].stats().requests_total,
+        0,
+        "no leg went to the unregistered prefill"
+    );
+    let snap = env.router.pool.load();
+    let p0 = snap.worker(Role::Prefill, WorkerId(0)).unwrap();
+    assert!(
+        p0.ranks.iter().all(|r| r.label() == "bootstrapping"),
+        "{:?}",
+        p0.ranks
+    );
+}
+
+/// A prefill given without a bootstrap port: the port comes from its `/server_info`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_port_is_learned_from_server_info() {
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            c.prefill[0].bootstrap_port = None;
+        },
+    )
+    .await;
+    env.wait_routable(2, 1).await;
+    let snap = env.router.pool.load();
+    let b = snap.prefills[0].bootstrap.as_ref().unwrap();
+    assert_eq!(Some(b.port), env.cluster.prefills[0].bootstrap_port());
+    let (st, _, _) = env.post("/generate", r#"{"text":"a"}"#).await;
+    assert_eq!(st, 200);
+    assert_eq!(env.settled_stats().await.contract_violations, 0);
+}
+
+/// A bootstrap server of an older generation (v1/v2), answering as those did: its own
+/// query parameters, old sentinel JSON, and a KeyError (500) for an unknown rank.
+async fn old_server(gen: Generation) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| async move {
+                    let q = req.uri().query().unwrap_or("").to_string();
+                    let p = |k: &str| {
+                        q.split('&')
+                            .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+                            .map(str::to_string)
+                    };
+                    let (status, body) = match gen {
+                        _ if req.uri().path() == "/health" => (200, "OK".to_string()),
+                        Generation::V2
+                            if p("engine_rank").is_none()
+                                || p("target_dp_group").is_none()
+                                || p("target_pp_rank").is_none() =>
+                        {
+                            (400, "Missing inputs for bootstrap server.".to_string())
+                        }
+                        Generation::V1
+                            if p("engine_rank").is_none() || p("target_dp_group").is_none() =>
+                        {
+                            (400, "Missing inputs for bootstrap server.".to_string())
+                        }
+                        Generation::V2 if p("engine_rank").as_deref() == Some("-1") => (
+                            200,
+                            r#"{"prefill_attn_tp_size":1,"prefill_dp_size":2,"prefill_pp_size":1}"#
+                                .to_string(),
+                        ),
+                        Generation::V1 if p("engine_rank").as_deref() == Some("-1") => (
+                            200,
+                            r#"{"prefill_tp_size":1,"prefill_dp_size":2}"#.to_string(),
+                        ),
+                        _ => match p("target_dp_group").as_deref() {
+                            Some("0") | Some("1") => (
+                                200,
+                                r#"{"rank_ip":"127.0.0.1","rank_port":17000}"#.to_string(),
+                            ),
+                            _ => (
+                                500,
+                                "500 Internal Server Error\n\nServer got itself in trouble"
+                                    .to_string(),
+                            ),
+                        },
+                    };
+                    let mut r = Response::new(Full::new(Bytes::from(body)));
+                    *r.status_mut() = StatusCode::from_u16(status).unwrap();
+                    Ok::<_, Infallible>(r)
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    (url, task)
+}
+
+#[tokio::test]
+async fn older_bootstrap_generations_are_understood() {
+    let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+    for gen in [Generation::V1, Generation::V2] {
+        let (url, task) = old_server(gen).await;
+        let base = parse_base_url(&url).unwrap();
+        let t = Duration::from_secs(2);
+        let Sentinel::Ready(layout) = client::sentinel(&up, &base, None, t).await.unwrap() else {
+            panic!("{gen:?}: not ready")
+        };
+        assert_eq!(layout.generation, gen);
+        assert_eq!(layout.dp_size, 2);
+        assert!(layout.follow_bootstrap_room);
+        for r in 0..2 {
+            assert!(
+                matches!(
+                    client::rank_route(&up, &base, gen, r, t).await.unwrap(),
+                    RankRoute::Ready {
+                        rank_port: 17000,
+                        ..
+                    }
+                ),
+                "{gen:?} rank {r}"
+            );
+        }
+        assert!(
+            matches!(
+                client::rank_route(&up, &base, gen, 5, t).await.unwrap(),
+                RankRoute::Missing(_)
+            ),
+            "{gen:?}: a KeyError means the rank is missing"
+        );
+        task.abort();
+    }
+}
