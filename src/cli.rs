@@ -45,36 +45,47 @@ pub struct ServeArgs {
     /// A decode engine URL (repeatable).
     #[arg(long, action = clap::ArgAction::Append)]
     pub decode: Vec<String>,
+    /// Listen address (default 127.0.0.1).
     #[arg(long)]
     pub host: Option<std::net::IpAddr>,
+    /// Listen port (default 8000; 0 picks a free one).
     #[arg(long)]
     pub port: Option<u16>,
     /// Policy for both pools (overridden per pool by the two flags below).
     #[arg(long, value_enum)]
     pub policy: Option<PolicyKind>,
+    /// Policy for the prefill pool.
     #[arg(long, value_enum)]
     pub prefill_policy: Option<PolicyKind>,
+    /// Policy for the decode pool.
     #[arg(long, value_enum)]
     pub decode_policy: Option<PolicyKind>,
     /// `modulo` (no DP field on the prefill leg) or `pinned` (routed_dp_rank and
     /// disagg_prefill_dp_rank on both legs).
     #[arg(long, value_enum)]
     pub contract_mode: Option<ContractMode>,
+    /// Cap on a request before its first byte, and on a non-streamed request.
     #[arg(long)]
     pub request_timeout_secs: Option<u64>,
+    /// Seconds between engine health checks.
     #[arg(long)]
     pub health_check_interval_secs: Option<f64>,
+    /// Timeout of one engine health check (seconds).
     #[arg(long)]
     pub health_check_timeout_secs: Option<f64>,
+    /// Failed checks in a row that take a worker out.
     #[arg(long)]
     pub health_failure_threshold: Option<u32>,
+    /// Good checks in a row that bring it back.
     #[arg(long)]
     pub health_success_threshold: Option<u32>,
     /// Largest request body in bytes.
     #[arg(long)]
     pub max_payload_size: Option<usize>,
+    /// Log format: text or json.
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Log filter (`info`, `pdgate=debug`, ...); RUST_LOG wins.
     #[arg(long)]
     pub log_level: Option<String>,
     /// Accepted for compatibility with SGLang's router; pdgate is always PD.
