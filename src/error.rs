@@ -147,26 +147,21 @@ impl FailReason {
         }
     }
 
+    /// Whether the failure is the fault of the worker serving the leg it names (and so
+    /// counts for that worker's circuit breaker): every leg failure except an engine's
+    /// client error (4xx) and a bootstrap that is still registering.
+    pub fn is_worker_fault(self) -> bool {
+        use FailReason::*;
+        self.leg().is_some()
+            && !matches!(self, PrefillRejected | DecodeRejected | BootstrapNotReady)
+    }
+
     /// Whether a fresh pair may succeed where this attempt failed (only before the client
-    /// saw a byte). Client errors and long timeouts are not retried.
+    /// saw a byte): worker faults and a registering bootstrap, except the long timeouts.
     pub fn retryable(self) -> bool {
         use FailReason::*;
-        matches!(
-            self,
-            BootstrapUnreachable
-                | BootstrapNotReady
-                | BootstrapRankMissing
-                | PrefillConnect
-                | PrefillStatus
-                | PrefillAborted
-                | PrefillLost
-                | KvTransferFailed
-                | DecodeConnect
-                | DecodeStatus
-                | DecodeAborted
-                | DecodeFirstByteTimeout
-                | DecodeBroken
-        )
+        (self.is_worker_fault() || self == BootstrapNotReady)
+            && !matches!(self, PrefillTimeout | DecodeIdleTimeout)
     }
 
     /// Which leg a reason blames, for logs and breaker attribution.
@@ -290,6 +285,54 @@ mod tests {
                 .unwrap();
             serde_json::from_str::<serde_json::Value>(first).unwrap();
             assert!(s.ends_with("data: [DONE]\n\n"));
+        }
+    }
+
+    #[test]
+    fn fault_and_retry_classes() {
+        use FailReason::*;
+        let faults: Vec<_> = FailReason::ALL
+            .into_iter()
+            .filter(|r| r.is_worker_fault())
+            .collect();
+        assert_eq!(
+            faults,
+            vec![
+                BootstrapUnreachable,
+                BootstrapRankMissing,
+                PrefillConnect,
+                PrefillStatus,
+                PrefillAborted,
+                PrefillTimeout,
+                PrefillLost,
+                KvTransferFailed,
+                DecodeConnect,
+                DecodeStatus,
+                DecodeAborted,
+                DecodeFirstByteTimeout,
+                DecodeIdleTimeout,
+                DecodeBroken
+            ]
+        );
+        for r in [
+            InvalidRequest,
+            PrefillRejected,
+            DecodeRejected,
+            PrefillTimeout,
+            DecodeIdleTimeout,
+            RequestTimeout,
+            Overloaded,
+        ] {
+            assert!(!r.retryable(), "{r:?}");
+        }
+        for r in [
+            BootstrapNotReady,
+            PrefillConnect,
+            KvTransferFailed,
+            DecodeFirstByteTimeout,
+            DecodeBroken,
+        ] {
+            assert!(r.retryable(), "{r:?}");
         }
     }
 

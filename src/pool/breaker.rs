@@ -8,7 +8,7 @@
 //! Invariants:
 //! - Attribution is per leg: only failures blamed on this worker's own leg count (a prefill
 //!   error never trips a decode's breaker); client-caused 4xx and client disconnects never
-//!   count (see [`counts_against_worker`]).
+//!   count (see [`FailReason::is_worker_fault`]).
 //! - Ejection cap: passive signals alone never hold open more than
 //!   `max_ejection_ratio` of a pool (rounded down), so they cannot empty a pool.
 //! - The counters are atomics shared across snapshots; only transitions rebuild the
@@ -83,28 +83,6 @@ impl Breaker {
     }
 }
 
-/// Whether a failure is the blamed worker's fault (and so counts for its breaker).
-pub fn counts_against_worker(reason: FailReason) -> bool {
-    use FailReason::*;
-    matches!(
-        reason,
-        BootstrapUnreachable
-            | BootstrapRankMissing
-            | PrefillConnect
-            | PrefillStatus
-            | PrefillAborted
-            | PrefillTimeout
-            | PrefillLost
-            | KvTransferFailed
-            | DecodeConnect
-            | DecodeStatus
-            | DecodeAborted
-            | DecodeFirstByteTimeout
-            | DecodeIdleTimeout
-            | DecodeBroken
-    )
-}
-
 fn open_for(cfg: &BreakerConfig, reopens: u32) -> Duration {
     let base = cfg.open_ms.max(1);
     let ms = base
@@ -134,10 +112,7 @@ impl Pool {
         reason: FailReason,
         cfg: &BreakerConfig,
     ) {
-        if !counts_against_worker(reason)
-            || reason.leg() != Some(role)
-            || cfg.failure_threshold == 0
-        {
+        if !reason.is_worker_fault() || reason.leg() != Some(role) || cfg.failure_threshold == 0 {
             return;
         }
         let Some(b) = self.breaker(role, id) else {
