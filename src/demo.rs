@@ -7,12 +7,9 @@ use crate::pd::RngSource;
 use crate::sim::{EngineConfig, SimCluster};
 use crate::types::Role;
 
-pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let prefill = [EngineConfig::prefill(2), EngineConfig::prefill(2)];
-    let decode = [EngineConfig::decode(2), EngineConfig::decode(2)];
-    let cluster = SimCluster::spawn(&prefill, &decode).await?;
-    let mut cfg = Config::default();
-    cfg.server.port = args.port;
+/// Adds every engine of a simulated cluster to `cfg` as a worker (prefills with their
+/// bootstrap ports).
+pub fn add_sim_workers(cfg: &mut Config, cluster: &SimCluster) {
     for p in &cluster.prefills {
         cfg.prefill.push(PrefillWorkerConfig {
             url: p.url(),
@@ -23,6 +20,15 @@ pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send 
     for d in &cluster.decodes {
         cfg.decode.push(DecodeWorkerConfig { url: d.url() });
     }
+}
+
+pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let prefill = [EngineConfig::prefill(2), EngineConfig::prefill(2)];
+    let decode = [EngineConfig::decode(2), EngineConfig::decode(2)];
+    let cluster = SimCluster::spawn(&prefill, &decode).await?;
+    let mut cfg = Config::default();
+    cfg.server.port = args.port;
+    add_sim_workers(&mut cfg, &cluster);
     let router = crate::router::start(cfg, None, RngSource::Os).await?;
     // Wait (bounded) until both pools are routable, so the printed commands work at once.
     for _ in 0..100 {

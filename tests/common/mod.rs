@@ -11,7 +11,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
+use pdgate::config::Config;
 use pdgate::pd::RngSource;
 use pdgate::router::Router;
 use pdgate::sim::{EngineConfig, SimCluster, StatsSnapshot};
@@ -73,16 +73,7 @@ pub async fn start(
         .await
         .expect("sim cluster");
     let mut cfg = fast_config();
-    for p in &cluster.prefills {
-        cfg.prefill.push(PrefillWorkerConfig {
-            url: p.url(),
-            bootstrap_port: p.bootstrap_port(),
-            bootstrap_host: None,
-        });
-    }
-    for d in &cluster.decodes {
-        cfg.decode.push(DecodeWorkerConfig { url: d.url() });
-    }
+    pdgate::demo::add_sim_workers(&mut cfg, &cluster);
     tweak(&mut cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
