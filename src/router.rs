@@ -1,5 +1,6 @@
 //! Assembling a running router from a validated [`Config`]: the pool, one bootstrap
-//! tracker per prefill, one health checker per worker, and the front door.
+//! tracker per prefill, one health checker (and, when enabled, one load poller) per
+//! worker, and the front door.
 
 use std::sync::Arc;
 
@@ -9,8 +10,8 @@ use crate::config::{Config, ConfigError};
 use crate::pd::{Dispatcher, RngSource};
 use crate::pool::Pool;
 use crate::server::Server;
-use crate::types::Role;
-use crate::upstream::{parse_base_url, Upstream};
+use crate::types::{Role, WorkerId};
+use crate::upstream::{parse_base_url, BaseUrl, Upstream};
 
 /// A router serving on its listener.
 pub struct Router {
@@ -33,6 +34,28 @@ pub enum StartError {
         addr: String,
         source: std::io::Error,
     },
+}
+
+/// Starts the engine load poller of a worker when `policy.load_poll_interval_ms` > 0.
+fn spawn_load_poller(
+    cfg: &Config,
+    pool: &Arc<Pool>,
+    up: &Upstream,
+    role: Role,
+    id: WorkerId,
+    url: BaseUrl,
+) {
+    if let Some(every) = cfg.policy.load_poll_interval() {
+        crate::health::load::spawn(
+            pool.clone(),
+            up.clone(),
+            every,
+            cfg.bootstrap.http_timeout(),
+            role,
+            id,
+            url,
+        );
+    }
 }
 
 /// Starts a router. `listener`: an already-bound socket (tests bind port 0), else
@@ -67,8 +90,9 @@ pub async fn start(
             cfg.bootstrap.clone(),
             Role::Prefill,
             id,
-            url,
+            url.clone(),
         );
+        spawn_load_poller(&cfg, &pool, &up, Role::Prefill, id, url);
     }
     for d in &cfg.decode {
         let url = parse_base_url(&d.url)
@@ -81,8 +105,9 @@ pub async fn start(
             cfg.bootstrap.clone(),
             Role::Decode,
             id,
-            url,
+            url.clone(),
         );
+        spawn_load_poller(&cfg, &pool, &up, Role::Decode, id, url);
     }
     let listener = match listener {
         Some(l) => l,

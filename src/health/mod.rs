@@ -6,6 +6,8 @@
 //! first good check. Health probes on PD engines use a fake bootstrap (spec R10), so for
 //! prefills this is combined with the bootstrap tracker's readiness in the pool.
 
+pub mod load;
+
 use std::sync::Arc;
 
 use crate::bootstrap::client;

@@ -1,21 +1,26 @@
 //! Selection policies: pure functions over a pool [`Snapshot`] that pick one routable
 //! worker; [`select`] then takes that worker's least-loaded routable DP rank (the room is
 //! made to match it, see `pd::room`). The randomness is injected (`rng`), so a policy is
-//! deterministic under a seeded generator.
+//! deterministic under a seeded generator. Kinds: `random`, `round_robin`, `power_of_two`
+//! (load-aware) and `cache_aware` (prefix affinity with bounded loads); see POLICIES.md.
 //!
 //! Invariant: [`select`] only ever returns a (worker, rank) listed routable in the snapshot,
 //! never a worker in `ctx.exclude` (workers that already failed this request), and never a
 //! worker whose circuit is half-open with its one trial already taken.
 
+mod cache_aware;
+mod power_of_two;
 mod random;
 mod round_robin;
 
 use rand::{Rng, RngCore};
 
-use crate::config::PolicyKind;
+use crate::config::{PolicyConfig, PolicyKind};
 use crate::pool::{Routable, Snapshot, WorkerView};
 use crate::types::{DpRank, Role, Target, WorkerId};
 
+pub use cache_aware::CacheAware;
+pub use power_of_two::{load, PowerOfTwo};
 pub use random::Random;
 pub use round_robin::RoundRobin;
 
@@ -50,12 +55,28 @@ pub trait Policy: Send + Sync {
     fn pick(&self, cands: &[Candidate<'_>], ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> usize;
 }
 
+/// A policy with the default `[policy]` settings (see [`build_with`]).
 pub fn build(kind: PolicyKind) -> Box<dyn Policy> {
+    build_with(kind, &PolicyConfig::default())
+}
+
+/// A policy configured by `[policy]` (`cache_aware_*` keys).
+pub fn build_with(kind: PolicyKind, cfg: &PolicyConfig) -> Box<dyn Policy> {
     match kind {
         PolicyKind::Random => Box::new(Random),
         PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
+        PolicyKind::PowerOfTwo => Box::new(PowerOfTwo),
+        PolicyKind::CacheAware => Box::new(CacheAware::from_config(cfg)),
     }
 }
+
+/// Every policy kind, for tests and the simulator.
+pub const ALL_KINDS: [PolicyKind; 4] = [
+    PolicyKind::Random,
+    PolicyKind::RoundRobin,
+    PolicyKind::PowerOfTwo,
+    PolicyKind::CacheAware,
+];
 
 fn candidate<'a>(snap: &'a Snapshot, role: Role, r: &'a Routable) -> Option<Candidate<'a>> {
     let worker = snap.worker(role, r.worker)?;
@@ -138,14 +159,21 @@ mod tests {
 
     proptest! {
         #[test]
-        fn never_picks_unroutable_or_excluded(healthy in proptest::collection::vec(any::<bool>(), 0..6), excl in 0u32..7, seed: u64) {
+        fn never_picks_unroutable_or_excluded(healthy in proptest::collection::vec(any::<bool>(), 0..6), excl in 0u32..7, seed: u64, busy in proptest::collection::vec(0usize..12, 0..8)) {
             let pool = pool(&healthy);
             let snap = pool.load_full();
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            // Some load, so load-aware policies do not just take the first candidate.
+            let _guards: Vec<LoadGuard> = busy
+                .iter()
+                .filter_map(|b| snap.decodes.get(b / 2).map(|w| LoadGuard::new(w, (b % 2) as DpRank)))
+                .collect();
             let exclude = [WorkerId(excl)];
-            let ctx = PickCtx { exclude: &exclude, prefix_hash: Some(seed) };
-            for kind in [PolicyKind::Random, PolicyKind::RoundRobin] {
+            let prefix_hash = (seed % 3 != 0).then_some(seed);
+            let ctx = PickCtx { exclude: &exclude, prefix_hash };
+            for kind in ALL_KINDS {
                 let p = build(kind);
+                prop_assert_eq!(p.wants_prefix(), kind == PolicyKind::CacheAware);
                 for _ in 0..8 {
                     let got = select(p.as_ref(), &snap, Role::Decode, &ctx, &mut rng);
                     let possible = healthy.iter().enumerate().any(|(i, h)| *h && i as u32 != excl);

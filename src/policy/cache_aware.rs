@@ -1,0 +1,415 @@
+//! Prefix affinity by consistent hashing with bounded loads (Mirrokni, Thorup and
+//! Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018).
+//!
+//! Why: an engine's radix cache only helps when the turns of a conversation (same
+//! `prefix_hash`) land on the same worker, but pure affinity lets one hot key overload a
+//! worker. Consistent hashing gives affinity that survives workers joining and leaving
+//! (only the keys of the changed worker move); the load bound caps how far any worker can
+//! run above the mean, spilling the excess to the next workers clockwise, which are the
+//! same for every replica, so spilled keys also keep a (secondary) affinity.
+//!
+//! The ring: worker `w` owns `vnodes` points `mix(fnv1a(url_w) + (v+1)·φ)`, v = 0..vnodes
+//! (a SplitMix64 stream seeded by the FNV-1a hash of its normalised base URL); a request
+//! sits at `mix(prefix_hash)`. Walking clockwise from the key meets each worker first at
+//! its point with the smallest clockwise distance, so the walk order over candidates is
+//! the order of `min_v (point − key) mod 2^64`. The whole ring is therefore never built:
+//! each worker's sorted points (a pure function of its URL) are kept in an `ArcSwap`ed
+//! list keyed by URL, and [`CacheAware::pick`] binary-searches each candidate's
+//! points for its distance (n × log2(vnodes) steps), then takes the nearest candidate whose
+//! load is within the bound. A worker not seen before has its points computed on the spot
+//! and published with a compare-and-swap (`rcu`); the pick path never blocks on a lock.
+//! The list is bounded ([`MAX_CACHED`]); past that it starts over.
+//!
+//! Load = [`super::power_of_two::load`] (in flight + engine-reported). Bound =
+//! ceil(c × (total load + 1) / n) over the n candidates; a candidate is eligible when its
+//! load ≤ bound, so after taking the request a worker is at most one above the bound.
+//!
+//! Invariants:
+//! - Replica independence: the choice depends only on the candidates' URLs, loads, `c`,
+//!   `vnodes` and the key; never on candidate order, process, build or a random seed
+//!   (FNV-1a and SplitMix64 are fixed functions; ties broken by URL hash, then URL).
+//! - With c ≥ 1 some candidate is always within the bound (the mean is below it); if none
+//!   were, the least loaded candidate is taken, so the pick never exceeds what any other
+//!   candidate would.
+//! - No prefix hash: falls back to power of two choices.
+//! - Returns an index `< cands.len()`.
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use rand::RngCore;
+
+use super::power_of_two::{load, PowerOfTwo};
+use super::{Candidate, PickCtx, Policy};
+use crate::config::PolicyConfig;
+
+/// 64-bit FNV-1a: stable across processes, builds and versions (same function as the
+/// prefix key in `pd::request`).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// SplitMix64's finaliser: a fixed bijective mixer.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// Position of a worker's virtual node `v` on the ring.
+pub fn ring_point(url_hash: u64, v: u32) -> u64 {
+    mix64(url_hash.wrapping_add(u64::from(v).wrapping_add(1).wrapping_mul(GOLDEN)))
+}
+
+/// Position of a request key on the ring.
+pub fn key_point(prefix_hash: u64) -> u64 {
+    mix64(prefix_hash)
+}
+
+/// Most workers whose points are kept (configured workers are far fewer).
+pub const MAX_CACHED: usize = 4096;
+
+/// One worker's sorted ring points.
+type Points = Arc<[u64]>;
+
+/// A worker's ring identity: its URL's hash and sorted points.
+#[derive(Clone, Debug)]
+struct RingEntry {
+    url: Box<str>,
+    hash: u64,
+    points: Points,
+}
+
+/// Sorted by URL.
+type PointCache = Vec<RingEntry>;
+
+#[derive(Debug)]
+pub struct CacheAware {
+    factor: f64,
+    vnodes: u32,
+    points: ArcSwap<PointCache>,
+}
+
+impl Default for CacheAware {
+    fn default() -> Self {
+        CacheAware::from_config(&PolicyConfig::default())
+    }
+}
+
+impl CacheAware {
+    /// `factor` below 1 or not finite is taken as 1; `vnodes` at least 1.
+    pub fn new(factor: f64, vnodes: u32) -> CacheAware {
+        let factor = if factor.is_finite() && factor >= 1.0 {
+            factor
+        } else {
+            1.0
+        };
+        CacheAware {
+            factor,
+            vnodes: vnodes.max(1),
+            points: ArcSwap::from_pointee(Vec::new()),
+        }
+    }
+
+    pub fn from_config(cfg: &PolicyConfig) -> CacheAware {
+        CacheAware::new(cfg.cache_aware_balance_factor, cfg.cache_aware_vnodes)
+    }
+
+    /// ceil(c × (total + 1) / n): the most load a worker may have and still take one more.
+    pub fn bound(&self, total: u64, n: usize) -> u64 {
+        let n = n.max(1) as f64;
+        // Float to int casts saturate; the value is finite and non-negative.
+        (self.factor * (total as f64 + 1.0) / n).ceil() as u64
+    }
+
+    /// Clockwise distance from `key` to the worker's nearest virtual node, from scratch
+    /// (the definition; the pick path uses [`Self::distance`]).
+    pub fn distance_direct(&self, url_hash: u64, key: u64) -> u64 {
+        (0..self.vnodes)
+            .map(|v| ring_point(url_hash, v).wrapping_sub(key))
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
+    /// The same distance from the worker's sorted points: the first point at or after
+    /// `key`, else (wrapping) the first point of the ring.
+    fn distance_sorted(points: &[u64], key: u64) -> u64 {
+        let i = points.partition_point(|p| *p < key);
+        points
+            .get(i)
+            .or(points.first())
+            .map_or(u64::MAX, |p| p.wrapping_sub(key))
+    }
+
+    /// A worker's ring entry, computed and published when not cached yet.
+    fn add_entry(&self, url: &str) -> RingEntry {
+        let hash = fnv1a(url.as_bytes());
+        let mut v: Vec<u64> = (0..self.vnodes).map(|i| ring_point(hash, i)).collect();
+        v.sort_unstable();
+        let entry = RingEntry {
+            url: url.into(),
+            hash,
+            points: v.into(),
+        };
+        self.points.rcu(|cur| {
+            let mut next: PointCache = if cur.len() >= MAX_CACHED {
+                Vec::new()
+            } else {
+                cur.as_ref().clone()
+            };
+            if let Err(at) = next.binary_search_by(|e| (*e.url).cmp(url)) {
+                next.insert(at, entry.clone());
+            }
+            next
+        });
+        entry
+    }
+
+    /// The worker's URL hash and the clockwise distance from `key` to its nearest
+    /// virtual node.
+    fn distance(&self, cache: &PointCache, url: &str, key: u64) -> (u64, u64) {
+        match cache.binary_search_by(|e| (*e.url).cmp(url)) {
+            Ok(i) => (cache[i].hash, Self::distance_sorted(&cache[i].points, key)),
+            Err(_) => {
+                let e = self.add_entry(url);
+                (e.hash, Self::distance_sorted(&e.points, key))
+            }
+        }
+    }
+
+    /// The candidate the key maps to, honouring the load bound.
+    fn walk(&self, cands: &[Candidate<'_>], prefix_hash: u64) -> usize {
+        let key = key_point(prefix_hash);
+        let total = cands.iter().fold(0u64, |t, c| t.saturating_add(load(c)));
+        let bound = self.bound(total, cands.len());
+        let cache = self.points.load();
+        // (within bound?, load if not, distance, url hash, url) – smallest wins.
+        let mut best: Option<(usize, (bool, u64, u64, u64))> = None;
+        for (i, c) in cands.iter().enumerate() {
+            let url = c.worker.url.as_str();
+            let (h, d) = self.distance(&cache, url, key);
+            let l = load(c);
+            let over = l > bound;
+            let rank = (over, if over { l } else { 0 }, d, h);
+            let better = match &best {
+                None => true,
+                Some((j, r)) => rank < *r || (rank == *r && url < cands[*j].worker.url.as_str()),
+            };
+            if better {
+                best = Some((i, rank));
+            }
+        }
+        best.map_or(0, |(i, _)| i)
+    }
+}
+
+impl Policy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+    fn wants_prefix(&self) -> bool {
+        true
+    }
+    fn pick(&self, cands: &[Candidate<'_>], ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> usize {
+        match ctx.prefix_hash {
+            Some(key) if cands.len() > 1 => self.walk(cands, key),
+            Some(_) => 0,
+            None => PowerOfTwo::choose(cands, rng),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::{Pool, Snapshot};
+    use crate::types::Role;
+    use crate::upstream::parse_base_url;
+    use proptest::prelude::*;
+    use rand::SeedableRng;
+
+    fn url(i: usize) -> String {
+        format!("http://10.1.{}.{}:30001", i / 200, i % 200)
+    }
+
+    fn pool_of(urls: &[String]) -> Pool {
+        let pool = Pool::new();
+        for u in urls {
+            pool.add_worker(Role::Decode, parse_base_url(u).unwrap(), None);
+        }
+        pool
+    }
+
+    fn cands<'a>(snap: &'a Snapshot, loads: &[u64]) -> Vec<Candidate<'a>> {
+        snap.decodes
+            .iter()
+            .enumerate()
+            .map(|(i, w)| Candidate {
+                worker: w,
+                ranks: &[0],
+                in_flight: loads.get(i).copied().unwrap_or(0),
+                engine_load: 0,
+            })
+            .collect()
+    }
+
+    fn pick(p: &CacheAware, c: &[Candidate<'_>], key: u64) -> usize {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let ctx = PickCtx {
+            exclude: &[],
+            prefix_hash: Some(key),
+        };
+        p.pick(c, &ctx, &mut rng)
+    }
+
+    #[test]
+    fn hash_functions_are_pinned() {
+        // Changing any of these remaps every key in every deployed replica.
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(mix64(0), 0);
+        assert_eq!(mix64(1), 0x5692_161d_100b_05e5);
+        assert_eq!(ring_point(0, 0), mix64(GOLDEN));
+        let h = fnv1a(b"http://10.0.0.1:30000");
+        assert_eq!(h, 0x10d6_2349_fd6b_e93c);
+        assert_eq!(ring_point(h, 0), 0xd9ae_66a6_a7be_d8b0);
+        assert_eq!(ring_point(h, 7), 0xf07c_fe7b_d565_32eb);
+        assert_eq!(key_point(fnv1a(b"pin")), 0xfb64_e3cb_d862_11a4);
+    }
+
+    #[test]
+    fn independent_replicas_agree() {
+        let urls: Vec<String> = (0..7).map(url).collect();
+        let mut rev = urls.clone();
+        rev.reverse();
+        let (a, b) = (pool_of(&urls), pool_of(&rev));
+        let (sa, sb) = (a.load_full(), b.load_full());
+        // Two instances built separately, candidates in a different order, same loads by URL.
+        let (pa, pb) = (
+            CacheAware::default(),
+            CacheAware::from_config(&PolicyConfig::default()),
+        );
+        let la: Vec<u64> = (0..7).map(|i| (i as u64 * 7) % 5).collect();
+        let mut lb = la.clone();
+        lb.reverse();
+        let (ca, cb) = (cands(&sa, &la), cands(&sb, &lb));
+        let mut used = std::collections::HashSet::new();
+        for k in 0..2000u64 {
+            let key = fnv1a(format!("conversation {k}").as_bytes());
+            let x = ca[pick(&pa, &ca, key)].worker.url.as_str();
+            let y = cb[pick(&pb, &cb, key)].worker.url.as_str();
+            assert_eq!(x, y, "key {k}");
+            used.insert(x.to_string());
+        }
+        assert!(used.len() >= 5, "keys should spread: {used:?}");
+    }
+
+    #[test]
+    fn no_key_falls_back_to_power_of_two() {
+        let urls: Vec<String> = (0..2).map(url).collect();
+        let pool = pool_of(&urls);
+        let snap = pool.load_full();
+        let c = cands(&snap, &[5, 1]);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for _ in 0..20 {
+            assert_eq!(
+                CacheAware::default().pick(&c, &PickCtx::default(), &mut rng),
+                1
+            );
+        }
+        assert_eq!(pick(&CacheAware::default(), &c[..1], 9), 0);
+    }
+
+    #[test]
+    fn bound_formula() {
+        let p = CacheAware::new(1.25, 10);
+        assert_eq!(p.bound(0, 4), 1);
+        assert_eq!(p.bound(4, 4), 2);
+        assert_eq!(p.bound(99, 4), 32);
+        assert_eq!(p.bound(u64::MAX, 1), u64::MAX);
+        assert_eq!(p.bound(3, 0), 5);
+        assert_eq!(CacheAware::new(f64::NAN, 0).bound(9, 10), 1);
+    }
+
+    proptest! {
+        #[test]
+        fn cached_points_give_the_ring_distance(url in "http://[a-z0-9.]{1,20}:[0-9]{1,5}", keys in proptest::collection::vec(any::<u64>(), 1..20), vnodes in 1u32..200) {
+            let p = CacheAware::new(1.25, vnodes);
+            let h = fnv1a(url.as_bytes());
+            for key in keys.into_iter().chain([0, u64::MAX, ring_point(h, 0)]) {
+                let cache = p.points.load();
+                prop_assert_eq!(p.distance(&cache, &url, key), (h, p.distance_direct(h, key)));
+            }
+            prop_assert_eq!(p.points.load().len(), 1);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        #[test]
+        fn bounded_load_holds(loads in proptest::collection::vec(0u64..40, 1..12), key: u64, c in 1.0f64..3.0) {
+            let urls: Vec<String> = (0..loads.len()).map(url).collect();
+            let pool = pool_of(&urls);
+            let snap = pool.load_full();
+            let cs = cands(&snap, &loads);
+            let p = CacheAware::new(c, 16);
+            let i = pick(&p, &cs, key);
+            prop_assert!(i < cs.len());
+            let bound = p.bound(loads.iter().sum(), loads.len());
+            if loads.iter().any(|l| *l <= bound) {
+                prop_assert!(loads[i] <= bound, "picked {} > bound {}", loads[i], bound);
+            } else {
+                prop_assert_eq!(loads[i], *loads.iter().min().unwrap());
+            }
+            // A spill goes where the key would go if the overloaded owners were absent.
+            let kept: Vec<Candidate<'_>> = cands(&snap, &loads)
+                .into_iter()
+                .filter(|c| c.in_flight <= bound)
+                .collect();
+            if !kept.is_empty() && kept.len() < cs.len() {
+                let zero: Vec<Candidate<'_>> = kept
+                    .iter()
+                    .map(|c| Candidate { worker: c.worker, ranks: c.ranks, in_flight: 0, engine_load: 0 })
+                    .collect();
+                let j = pick(&p, &zero, key);
+                prop_assert_eq!(zero[j].worker.url.as_str(), cs[i].worker.url.as_str());
+            }
+        }
+
+        #[test]
+        fn removing_one_worker_moves_only_its_keys(n in 2usize..12, gone in 0usize..12, seed: u64) {
+            let gone = gone % n;
+            let urls: Vec<String> = (0..n).map(url).collect();
+            let all = pool_of(&urls);
+            let rest: Vec<String> = urls.iter().enumerate().filter(|(i, _)| *i != gone).map(|(_, u)| u.clone()).collect();
+            let fewer = pool_of(&rest);
+            let (sa, sb) = (all.load_full(), fewer.load_full());
+            let (ca, cb) = (cands(&sa, &[]), cands(&sb, &[]));
+            let p = CacheAware::default();
+            let keys = 1000u64;
+            let mut moved = 0u64;
+            for k in 0..keys {
+                let key = mix64(seed ^ k);
+                let before = ca[pick(&p, &ca, key)].worker.url.as_str();
+                let after = cb[pick(&p, &cb, key)].worker.url.as_str();
+                if before != after {
+                    moved += 1;
+                    // Only keys of the removed worker move.
+                    prop_assert_eq!(before, urls[gone].as_str());
+                } else {
+                    prop_assert_ne!(before, urls[gone].as_str());
+                }
+            }
+            let frac = moved as f64 / keys as f64;
+            prop_assert!(frac <= 1.6 / n as f64 + 0.04, "moved {frac} of keys with n = {n}");
+            prop_assert!(frac >= 0.4 / n as f64 - 0.04, "moved {frac} of keys with n = {n}");
+        }
+    }
+}
