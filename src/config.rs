@@ -568,6 +568,16 @@ mod tests {
     }
 
     #[test]
+    fn the_example_file_loads() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/pdgate.example.toml");
+        let cfg = Config::load(&path).unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.prefill.len(), 2);
+        assert_eq!(cfg.decode.len(), 2);
+    }
+
+    #[test]
     fn bad_values_are_named() {
         let mut cfg = Config::default();
         cfg.health.failure_threshold = 0;

@@ -92,38 +92,6 @@ impl RetryBudget {
     }
 }
 
-#[cfg(test)]
-mod budget_tests {
-    use super::RetryBudget;
-
-    #[test]
-    fn retries_are_a_bounded_share_of_requests() {
-        let b = RetryBudget::new(0.2, 2);
-        // The reserve: two retries with no traffic.
-        assert!(b.try_withdraw());
-        assert!(b.try_withdraw());
-        assert!(!b.try_withdraw());
-        // Then one retry per five requests.
-        for _ in 0..4 {
-            b.deposit();
-        }
-        assert!(!b.try_withdraw());
-        b.deposit();
-        assert!(b.try_withdraw());
-        assert!(!b.try_withdraw());
-        // A dead pool under heavy load retries at most ratio × requests.
-        let b = RetryBudget::new(0.2, 0);
-        let mut retries = 0;
-        for _ in 0..1000 {
-            b.deposit();
-            while b.try_withdraw() {
-                retries += 1;
-            }
-        }
-        assert_eq!(retries, 200);
-    }
-}
-
 /// Per-request context from the front door.
 pub struct ReqCtx {
     /// Fixed-length internal id (16 hex digits): the base of every leg's rid.
@@ -148,8 +116,8 @@ pub struct Dispatcher {
 impl Dispatcher {
     pub fn new(pool: Arc<Pool>, up: Upstream, cfg: Arc<Config>, rng: RngSource) -> Dispatcher {
         Dispatcher {
-            prefill_policy: policy::build(cfg.policy.prefill),
-            decode_policy: policy::build(cfg.policy.decode),
+            prefill_policy: policy::build_with(cfg.policy.prefill, &cfg.policy),
+            decode_policy: policy::build_with(cfg.policy.decode, &cfg.policy),
             budget: RetryBudget::new(cfg.retry.budget_ratio, cfg.retry.budget_min_reserve),
             pool,
             up,
@@ -235,5 +203,37 @@ impl Dispatcher {
             snap.routable(role).iter().any(|r| !ex.contains(&r.worker))
         };
         any(Role::Prefill, exclude_p) && any(Role::Decode, exclude_d)
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::RetryBudget;
+
+    #[test]
+    fn retries_are_a_bounded_share_of_requests() {
+        let b = RetryBudget::new(0.2, 2);
+        // The reserve: two retries with no traffic.
+        assert!(b.try_withdraw());
+        assert!(b.try_withdraw());
+        assert!(!b.try_withdraw());
+        // Then one retry per five requests.
+        for _ in 0..4 {
+            b.deposit();
+        }
+        assert!(!b.try_withdraw());
+        b.deposit();
+        assert!(b.try_withdraw());
+        assert!(!b.try_withdraw());
+        // A dead pool under heavy load retries at most ratio × requests.
+        let b = RetryBudget::new(0.2, 0);
+        let mut retries = 0;
+        for _ in 0..1000 {
+            b.deposit();
+            while b.try_withdraw() {
+                retries += 1;
+            }
+        }
+        assert_eq!(retries, 200);
     }
 }

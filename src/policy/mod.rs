@@ -16,7 +16,7 @@ mod round_robin;
 use rand::{Rng, RngCore};
 
 use crate::config::{PolicyConfig, PolicyKind};
-use crate::pool::{Routable, Snapshot, WorkerView};
+use crate::pool::{BreakerState, Routable, Snapshot, WorkerView};
 use crate::types::{DpRank, Role, Target, WorkerId};
 
 pub use cache_aware::CacheAware;
@@ -104,12 +104,19 @@ pub fn select(
         .iter()
         .filter(|r| !ctx.exclude.contains(&r.worker))
         .filter_map(|r| candidate(snap, role, r))
+        .filter(|c| {
+            !(c.worker.breaker.state() == BreakerState::HalfOpen && c.worker.breaker.trial_taken())
+        })
         .collect();
     if cands.is_empty() {
         return None;
     }
     let i = policy.pick(&cands, ctx, rng).min(cands.len() - 1);
     let c = &cands[i];
+    if c.worker.breaker.state() == BreakerState::HalfOpen {
+        // This request is the half-open worker's one trial.
+        c.worker.breaker.take_trial();
+    }
     Some(Target {
         worker: c.worker.id,
         rank: least_loaded_rank(c, rng),
