@@ -1,0 +1,148 @@
+//! The pure parts of the request path, one by one: parsing a client body, writing a leg,
+//! drawing rooms, and scanning a decode SSE chunk.
+//!
+//! Run: `cargo bench --bench hot_path` (`PDGATE_BENCH_QUICK=1` for a smoke run).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use bytes::Bytes;
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use pdgate::pd::request::{parse, ApiRoute, LegFields};
+use pdgate::pd::room::assign;
+use pdgate::pd::sse::{Scan, SseScanner};
+
+const CHAT: &str = r#"{"model":"sim-model","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"What is the capital of France?"}],"max_tokens":64,"temperature":0.7,"stream":true}"#;
+
+/// A `/generate` body of about 4 KB: a long text prompt plus sampling parameters.
+fn generate_4k() -> String {
+    let sentence = "The quick brown fox jumps over the lazy dog, and then it runs far away. ";
+    let mut text = String::new();
+    while text.len() < 3900 {
+        text.push_str(sentence);
+    }
+    format!(
+        r#"{{"text":"{text}","sampling_params":{{"max_new_tokens":128,"temperature":0.6,"top_p":0.95,"stop":["\n\n"]}},"stream":false,"return_logprob":false}}"#
+    )
+}
+
+/// A batch of 8 prompts with `n = 2` (16 instances, so 16 rooms).
+fn batch() -> String {
+    let prompts: Vec<String> = (0..8).map(|i| format!("\"prompt number {i}: tell me a story\"")).collect();
+    format!(r#"{{"text":[{}],"sampling_params":{{"max_new_tokens":32,"n":2}}}}"#, prompts.join(","))
+}
+
+/// One decode SSE chunk as SGLang sends it for a chat stream (a whole event).
+const SSE_CHUNK: &[u8] = b"data: {\"id\":\"2a1d8c0b6b6c4e0f9d2a3b4c5d6e7f80\",\"object\":\"chat.completion.chunk\",\"created\":1760000000,\"model\":\"sim-model\",\"choices\":[{\"index\":0,\"delta\":{\"role\":null,\"content\":\" Paris\",\"reasoning_content\":null,\"tool_calls\":null},\"logprobs\":null,\"finish_reason\":null,\"matched_stop\":null}],\"usage\":null}\n\n";
+
+fn config() -> Criterion {
+    let quick = std::env::var("PDGATE_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+    let c = Criterion::default().without_plots();
+    if quick {
+        c.measurement_time(Duration::from_millis(300))
+            .warm_up_time(Duration::from_millis(100))
+            .sample_size(10)
+    } else {
+        c.measurement_time(Duration::from_secs(2))
+            .warm_up_time(Duration::from_millis(500))
+            .sample_size(30)
+    }
+}
+
+fn bench_parse(c: &mut Criterion) {
+    let mut g = c.benchmark_group("parse");
+    let cases = [
+        ("chat_small", ApiRoute::ChatCompletions, Bytes::from_static(CHAT.as_bytes())),
+        ("generate_4k", ApiRoute::Generate, Bytes::from(generate_4k())),
+        ("generate_batch8_n2", ApiRoute::Generate, Bytes::from(batch())),
+    ];
+    for (name, route, body) in cases {
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_function(name, |b| b.iter(|| parse(route, black_box(body.clone())).expect("valid body")));
+    }
+    g.finish();
+}
+
+fn bench_write_leg(c: &mut Criterion) {
+    let mut g = c.benchmark_group("write_leg");
+    let cases = [
+        ("chat_small", ApiRoute::ChatCompletions, Bytes::from_static(CHAT.as_bytes())),
+        ("generate_4k", ApiRoute::Generate, Bytes::from(generate_4k())),
+        ("generate_batch8_n2", ApiRoute::Generate, Bytes::from(batch())),
+    ];
+    for (name, route, body) in cases {
+        let req = parse(route, body).expect("valid body");
+        let rooms: Vec<u64> = (0..req.instances() as u64).map(|i| 4_611_686_018_427_387_904 + 8 * i).collect();
+        let mut out = Vec::new();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                req.write_leg(
+                    &mut out,
+                    &LegFields {
+                        host_json: "\"10.0.0.17\"",
+                        port: 8998,
+                        rooms: black_box(&rooms),
+                        rid: "pdg-0123456789abcdef-00d",
+                        routed_dp_rank: None,
+                        disagg_prefill_dp_rank: Some(3),
+                        stream: true,
+                    },
+                );
+                black_box(out.len())
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_rooms(c: &mut Criterion) {
+    let mut g = c.benchmark_group("room_assign");
+    let mut out = Vec::new();
+    for (name, dp, count) in [("single_dp8", 8u32, 1usize), ("batch16_dp8", 8, 16)] {
+        g.bench_function(name, |b| {
+            let mut rng = rand::rng();
+            b.iter(|| {
+                assign(&mut rng, black_box(dp), 3, black_box(count), &mut out);
+                black_box(out.len())
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_sse(c: &mut Criterion) {
+    let mut g = c.benchmark_group("sse_push");
+    g.throughput(Throughput::Bytes(SSE_CHUNK.len() as u64));
+    g.bench_function("whole_event", |b| {
+        let mut s = SseScanner::new(None);
+        let chunk = Bytes::from_static(SSE_CHUNK);
+        b.iter(|| match s.push(black_box(chunk.clone())) {
+            Scan::Forward(b) => black_box(b.len()),
+            Scan::Abort { .. } => unreachable!("no abort in the chunk"),
+        })
+    });
+    // The same event split in two reads (the tail is carried over).
+    g.bench_function("event_split_in_two", |b| {
+        let (a, rest) = SSE_CHUNK.split_at(SSE_CHUNK.len() / 2);
+        let (a, rest) = (Bytes::from_static(a), Bytes::from_static(rest));
+        b.iter_batched(
+            || SseScanner::new(None),
+            |mut s| {
+                let _ = s.push(a.clone());
+                match s.push(rest.clone()) {
+                    Scan::Forward(b) => black_box(b.len()),
+                    Scan::Abort { .. } => unreachable!("no abort in the chunk"),
+                }
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = bench_parse, bench_write_leg, bench_rooms, bench_sse
+}
+criterion_main!(benches);
