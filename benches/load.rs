@@ -454,6 +454,8 @@ struct PointResult {
     router_ticks: (u64, u64),
     sim_ticks: u64,
     listen_overflows: u64,
+    /// Router VmRSS (KiB) right after the point.
+    router_rss: u64,
 }
 
 impl PointResult {
@@ -533,6 +535,7 @@ async fn run_point(
         router_ticks: (0, 0),
         sim_ticks: 0,
         listen_overflows: 0,
+        router_rss: 0,
     };
     for t in tasks {
         let (lat, first, ok, errors, fe) = t.await.expect("load task");
@@ -550,6 +553,7 @@ async fn run_point(
     res.router_ticks = (r1.0.saturating_sub(r0.0), r1.1.saturating_sub(r0.1));
     res.sim_ticks = (s1.0 + s1.1).saturating_sub(s0.0 + s0.1);
     res.listen_overflows = listen_overflows().saturating_sub(lo0);
+    res.router_rss = rss_kib(pids.0).0;
     res.lat_us.sort_unstable();
     res.first_chunk_us.sort_unstable();
     res
@@ -690,14 +694,15 @@ fn print_report(s: &Settings, rows: &[Row], rss: &[(Route, u64, u64)], idle_rss:
         s.duration.as_secs_f64(),
         if s.quick { ", QUICK smoke run" } else { "" }
     );
+    println!();
     if let Ok(extra) = std::env::var("PDGATE_BENCH_ROUTER_ARGS") {
         if !extra.trim().is_empty() {
             println!("Extra `pdgate serve` flags: `{}`", extra.trim());
             println!();
         }
     }
-    println!("| route | conc | target | req/s | p50 ms | p99 ms | added p50 ms | errors | router CPU ms/req (user / sys) | sim CPU ms/req | listen overflows |");
-    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| route | conc | target | req/s | p50 ms | p99 ms | added p50 ms | errors | router CPU ms/req (user / sys) | sim CPU ms/req | listen overflows | router RSS after, MiB |");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         let added = match r.target {
             Target::Pdgate => find(r.route, r.conc, Target::Direct)
@@ -715,7 +720,7 @@ fn print_report(s: &Settings, rows: &[Row], rss: &[(Route, u64, u64)], idle_rss:
             Target::Direct => "—".to_string(),
         };
         println!(
-            "| {} | {} | {} | {:.0} | {:.3} | {:.3} | {} | {} | {} | {:.4} | {} |",
+            "| {} | {} | {} | {:.0} | {:.3} | {:.3} | {} | {} | {} | {:.4} | {} | {:.1} |",
             r.route.label(),
             r.conc,
             r.target.label(),
@@ -727,6 +732,7 @@ fn print_report(s: &Settings, rows: &[Row], rss: &[(Route, u64, u64)], idle_rss:
             router_cpu,
             ms_per_req(r.res.sim_ticks, r.res.ok, tck),
             r.res.listen_overflows,
+            r.res.router_rss as f64 / 1024.0,
         );
     }
     println!();
