@@ -58,6 +58,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// How long SIGTERM waits for in-flight requests before exiting.
     pub drain_secs: u64,
+    /// Accept backlog of the listening socket.
+    pub listen_backlog: u32,
 }
 
 impl Default for ServerConfig {
@@ -67,6 +69,7 @@ impl Default for ServerConfig {
             port: 8000,
             max_body_bytes: 32 * 1024 * 1024,
             drain_secs: 30,
+            listen_backlog: 4096,
         }
     }
 }
@@ -226,7 +229,7 @@ impl Default for RetryConfig {
         RetryConfig {
             max_retries: 2,
             budget_ratio: 0.2,
-            budget_min_reserve: 10,
+            budget_min_reserve: 100,
         }
     }
 }

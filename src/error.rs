@@ -157,11 +157,13 @@ impl FailReason {
     }
 
     /// Whether a fresh pair may succeed where this attempt failed (only before the client
-    /// saw a byte): worker faults and a registering bootstrap, except the long timeouts.
+    /// saw a byte): worker faults and a registering bootstrap. A prefill that timed out is
+    /// retried too: the client has seen nothing, and a hung prefill (or one whose decode
+    /// never came for its KV) must not cost every request sent to it before its breaker
+    /// opens. A stream idle timeout only happens after bytes were sent, so it never is.
     pub fn retryable(self) -> bool {
         use FailReason::*;
-        (self.is_worker_fault() || self == BootstrapNotReady)
-            && !matches!(self, PrefillTimeout | DecodeIdleTimeout)
+        (self.is_worker_fault() || self == BootstrapNotReady) && self != DecodeIdleTimeout
     }
 
     /// Which leg a reason blames, for logs and breaker attribution.
@@ -318,7 +320,6 @@ mod tests {
             InvalidRequest,
             PrefillRejected,
             DecodeRejected,
-            PrefillTimeout,
             DecodeIdleTimeout,
             RequestTimeout,
             Overloaded,
@@ -328,6 +329,7 @@ mod tests {
         for r in [
             BootstrapNotReady,
             PrefillConnect,
+            PrefillTimeout,
             KvTransferFailed,
             DecodeFirstByteTimeout,
             DecodeBroken,

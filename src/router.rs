@@ -58,6 +58,19 @@ fn spawn_load_poller(
     }
 }
 
+/// Binds with an explicit accept backlog (the default of 128 overflows when hundreds of
+/// clients connect at once, and each overflowed client waits a 1 s SYN retry).
+fn bind(addr: std::net::SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
+}
+
 /// Starts a router. `listener`: an already-bound socket (tests bind port 0), else
 /// `server.host:server.port` is bound.
 pub async fn start(
@@ -113,12 +126,10 @@ pub async fn start(
         Some(l) => l,
         None => {
             let addr = std::net::SocketAddr::new(cfg.server.host, cfg.server.port);
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| StartError::Bind {
-                    addr: addr.to_string(),
-                    source,
-                })?
+            bind(addr, cfg.server.listen_backlog).map_err(|source| StartError::Bind {
+                addr: addr.to_string(),
+                source,
+            })?
         }
     };
     let drain = std::time::Duration::from_secs(cfg.server.drain_secs);

@@ -618,3 +618,32 @@ async fn client_disconnect_cancels_both_legs() {
     assert!(cancelled(&env.cluster.prefills[0].stats()) >= 1, "{s:?}");
     assert!(cancelled(&env.cluster.decodes[0].stats()) >= 1, "{s:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_hangs_with_another_prefill_is_retried() {
+    let p = with_faults(
+        EngineConfig::prefill(1),
+        Faults {
+            prefill_hang: true,
+            ..Faults::default()
+        },
+    );
+    let env = start(
+        vec![p, EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            c.timeouts.prefill_secs = 1;
+            c.breaker.open_ms = 60_000;
+        },
+    )
+    .await;
+    env.wait_routable(2, 1).await;
+    // Requests that land on the hung prefill wait out its deadline, then go to the healthy
+    // one; once its breaker opened, nothing more is sent to it.
+    for stream in [false, true, false, true] {
+        expect_ok(&env, stream, 1).await;
+    }
+    let s = env.settled_stats().await;
+    assert_eq!(s.held_now, 0);
+    assert_eq!(s.contract_violations, 0);
+}

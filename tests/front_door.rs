@@ -355,3 +355,42 @@ async fn info_routes() {
     let resp = env.send("GET", "/readiness", &[], "").await;
     assert_eq!(resp.status(), 503);
 }
+
+/// A request that succeeds cancels nothing: no abort reaches either engine, streamed or not
+/// (a non-streamed answer with a Content-Length ends without its body being read to EOF).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn success_cancels_nothing() {
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(2, 1).await;
+    for body in [
+        r#"{"text":"a","sampling_params":{"max_new_tokens":2}}"#,
+        r#"{"text":"a","sampling_params":{"max_new_tokens":2},"stream":true}"#,
+        r#"{"text":["a","b"],"sampling_params":{"max_new_tokens":2},"return_logprob":true}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":2}"#,
+    ] {
+        for _ in 0..3 {
+            let path = if body.contains("messages") {
+                "/v1/chat/completions"
+            } else {
+                "/generate"
+            };
+            let (st, _, b) = env.post(path, body).await;
+            assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+        }
+    }
+    // Give any stray abort (sent asynchronously) time to arrive before looking.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let s = env.settled_stats().await;
+    assert_eq!(
+        s.abort_requests_received, 0,
+        "a successful request sent an abort: {s:?}"
+    );
+    assert_eq!(s.aborted, 0, "{s:?}");
+    assert_eq!(s.client_disconnects, 0, "{s:?}");
+    assert_eq!(s.failed, 0, "{s:?}");
+}

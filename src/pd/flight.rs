@@ -63,6 +63,29 @@ impl PrefillWatch {
     }
 }
 
+impl PrefillWatch {
+    /// Lets the prefill leg run to its own end (bounded by its deadline) without this
+    /// request: no abort, no cancel.
+    pub fn detach(mut self) {
+        self.finished = true;
+        self.cancel.disarm();
+    }
+}
+
+/// `a` then `b`, copying only when both hold bytes.
+fn join(a: Bytes, b: Bytes) -> Bytes {
+    match (a.is_empty(), b.is_empty()) {
+        (_, true) => a,
+        (true, false) => b,
+        (false, false) => {
+            let mut v = Vec::with_capacity(a.len() + b.len());
+            v.extend_from_slice(&a);
+            v.extend_from_slice(&b);
+            Bytes::from(v)
+        }
+    }
+}
+
 impl Future for PrefillWatch {
     type Output = Result<PrefillDone, Failure>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -183,6 +206,23 @@ impl PdBody {
         }
     }
 
+    /// Decode's answer is complete: nothing is cancelled, and a prefill answer still on its
+    /// way (its KV was sent, or decode could not have answered) is left to finish on its
+    /// own. Returns the scanner's unfinished tail, if any.
+    fn end_ok(&mut self) -> Bytes {
+        self.done = true;
+        self.decode = None;
+        self.decode_cancel.disarm();
+        if let Some(pw) = self.prefill.take() {
+            pw.detach();
+        }
+        self.record.finish("ok");
+        self.sse
+            .as_mut()
+            .map(SseScanner::finish)
+            .unwrap_or_default()
+    }
+
     /// Ends the response with `f`: cancels what still runs, then an SSE error event or a
     /// cut connection.
     fn fail(&mut self, f: Failure, before: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
@@ -242,6 +282,13 @@ impl Body for PdBody {
             return Poll::Ready(None);
         }
         if let Some(b) = this.pending.take() {
+            // The whole answer may have come with the first bytes (a non-streamed answer
+            // with a Content-Length, after which hyper stops polling this body).
+            let b = if this.decode.as_ref().is_some_and(Body::is_end_stream) {
+                join(b, this.end_ok())
+            } else {
+                b
+            };
             return Poll::Ready(Some(Ok(Frame::data(b))));
         }
         if let Some(pw) = this.prefill.as_mut() {
@@ -274,7 +321,16 @@ impl Body for PdBody {
                             }
                         },
                     };
+                    let at_end = this.decode.as_ref().is_some_and(Body::is_end_stream);
+                    let out = if at_end {
+                        join(out, this.end_ok())
+                    } else {
+                        out
+                    };
                     if out.is_empty() {
+                        if at_end {
+                            return Poll::Ready(None);
+                        }
                         continue;
                     }
                     return Poll::Ready(Some(Ok(Frame::data(out))));
@@ -290,15 +346,7 @@ impl Body for PdBody {
                     return this.fail(f, Bytes::new());
                 }
                 Poll::Ready(None) => {
-                    this.done = true;
-                    this.decode = None;
-                    this.decode_cancel.disarm();
-                    this.record.finish("ok");
-                    let tail = this
-                        .sse
-                        .as_mut()
-                        .map(SseScanner::finish)
-                        .unwrap_or_default();
+                    let tail = this.end_ok();
                     if !tail.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(tail))));
                     }

@@ -446,6 +446,10 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Resp, Cut
             http::text(200, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n")
         }
         "/abort_request" if method == Method::POST => {
+            engine
+                .stats
+                .abort_requests_received
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let body = http::read_body(req.into_body()).await?;
             let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
             let rid = v.get("rid").and_then(Value::as_str).unwrap_or("");

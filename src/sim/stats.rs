@@ -39,6 +39,9 @@ pub struct StatsSnapshot {
     pub violation_rank_mismatch: u64,
     pub violation_room_reused: u64,
     pub violation_bootstrap_mismatch: u64,
+    /// `POST /abort_request` calls received, matched or not (a router that aborts legs
+    /// which already finished shows here).
+    pub abort_requests_received: u64,
 }
 
 impl StatsSnapshot {
@@ -66,6 +69,7 @@ impl StatsSnapshot {
         self.violation_rank_mismatch += other.violation_rank_mismatch;
         self.violation_room_reused += other.violation_room_reused;
         self.violation_bootstrap_mismatch += other.violation_bootstrap_mismatch;
+        self.abort_requests_received += other.abort_requests_received;
     }
 }
 
@@ -106,6 +110,7 @@ pub(crate) struct Stats {
     rank_mismatch: AtomicU64,
     room_reused: AtomicU64,
     bootstrap_mismatch: AtomicU64,
+    pub(crate) abort_requests_received: AtomicU64,
     /// Mirror of `Faults::down`, read by guards dropped on a cut connection.
     pub(crate) engine_down: AtomicBool,
 }
@@ -134,6 +139,7 @@ impl Stats {
             rank_mismatch: AtomicU64::new(0),
             room_reused: AtomicU64::new(0),
             bootstrap_mismatch: AtomicU64::new(0),
+            abort_requests_received: AtomicU64::new(0),
             engine_down: AtomicBool::new(false),
         })
     }
@@ -158,6 +164,7 @@ impl Stats {
             contract_violations: rank_mismatch + room_reused + bootstrap_mismatch,
             violation_rank_mismatch: rank_mismatch,
             violation_room_reused: room_reused,
+            abort_requests_received: self.abort_requests_received.load(Ordering::Relaxed),
             violation_bootstrap_mismatch: bootstrap_mismatch,
         }
     }
