@@ -79,6 +79,9 @@ pub struct ServeArgs {
     /// Good checks in a row that bring it back.
     #[arg(long)]
     pub health_success_threshold: Option<u32>,
+    /// Runtime worker threads (1 = one current-thread runtime; 0 = one per core).
+    #[arg(long)]
+    pub worker_threads: Option<usize>,
     /// Largest request body in bytes.
     #[arg(long)]
     pub max_payload_size: Option<usize>,
@@ -175,6 +178,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.health_success_threshold {
             cfg.health.success_threshold = v;
+        }
+        if let Some(v) = self.worker_threads {
+            cfg.server.worker_threads = v;
         }
         if let Some(v) = self.max_payload_size {
             cfg.server.max_body_bytes = v;

@@ -60,6 +60,10 @@ pub struct ServerConfig {
     pub drain_secs: u64,
     /// Accept backlog of the listening socket.
     pub listen_backlog: u32,
+    /// Runtime worker threads of `pdgate serve`: 1 (default) runs one current-thread
+    /// runtime, the leanest per request; scale out with replicas, or raise this (0 = one per
+    /// core).
+    pub worker_threads: usize,
 }
 
 impl Default for ServerConfig {
@@ -70,6 +74,7 @@ impl Default for ServerConfig {
             max_body_bytes: 32 * 1024 * 1024,
             drain_secs: 30,
             listen_backlog: 4096,
+            worker_threads: 1,
         }
     }
 }

@@ -39,16 +39,49 @@ async fn wait_for_signal() {
     }
 }
 
+/// The runtime for `threads` workers: 1 is a current-thread runtime (no cross-thread
+/// wake-ups: about half the CPU per request of a 2-worker pool on a 2-core machine, see
+/// BENCHMARKS.md), 0 is one worker per core.
+fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    match threads {
+        1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        0 => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build(),
+    }
+}
+
 fn main() -> std::process::ExitCode {
     let matches = Cli::command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // `serve` reads its config first: it says how many worker threads to run.
+    let (command, serve_cfg) = match cli.command {
+        Command::Serve(args) => {
+            let sm = matches
+                .subcommand_matches("serve")
+                .cloned()
+                .unwrap_or_default();
+            match prefill_groups(&sm).and_then(|g| args.into_config(g)) {
+                Ok(cfg) => (None, Some(cfg)),
+                Err(e) => {
+                    eprintln!("pdgate: {e}");
+                    return std::process::ExitCode::FAILURE;
+                }
+            }
+        }
+        other => (Some(other), None),
+    };
+    let threads = serve_cfg.as_ref().map_or(0, |c| c.server.worker_threads);
+    let rt = match runtime(threads) {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("pdgate: cannot start the runtime: {e}");
@@ -56,13 +89,8 @@ fn main() -> std::process::ExitCode {
         }
     };
     let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = rt.block_on(async {
-        match cli.command {
-            Command::Serve(args) => {
-                let sm = matches
-                    .subcommand_matches("serve")
-                    .cloned()
-                    .unwrap_or_default();
-                let cfg = prefill_groups(&sm).and_then(|g| args.into_config(g))?;
+        match (command, serve_cfg) {
+            (_, Some(cfg)) => {
                 init_logs(&cfg.log);
                 let router = pdgate::router::start(cfg, None, RngSource::Os).await?;
                 wait_for_signal().await;
@@ -70,14 +98,15 @@ fn main() -> std::process::ExitCode {
                 router.server.shutdown().await;
                 Ok(())
             }
-            Command::Sim(args) => {
+            (Some(Command::Sim(args)), None) => {
                 init_logs(&LogConfig::default());
                 pdgate::sim::cli::run(args).await
             }
-            Command::Demo(args) => {
+            (Some(Command::Demo(args)), None) => {
                 init_logs(&LogConfig::default());
                 pdgate::demo::run(args).await
             }
+            _ => Err("no command".into()),
         }
     });
     match result {

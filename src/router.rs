@@ -80,6 +80,17 @@ pub async fn start(
 ) -> Result<Router, StartError> {
     cfg.validate()?;
     crate::server::routes_metrics_init();
+    // The Prometheus recorder keeps histogram samples until upkeep folds them in: run it
+    // on a timer so memory stays flat when nobody scrapes `/metrics`.
+    tokio::spawn(async {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            if let Some(h) = crate::server::prometheus() {
+                h.run_upkeep();
+            }
+        }
+    });
     let cfg = Arc::new(cfg);
     let up = Upstream::new(&cfg.upstream, &cfg.timeouts);
     let pool = Arc::new(Pool::new());

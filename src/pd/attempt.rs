@@ -285,9 +285,9 @@ impl Dispatcher {
 
         // Both legs go out together.
         let timeouts = &self.cfg.timeouts;
-        let handle = tokio::spawn(legs::run_prefill(self.up.clone(), preq, timeouts.prefill()));
+        let leg: super::flight::PrefillFuture = Box::pin(legs::run_prefill(self.up.clone(), preq, timeouts.prefill()));
         let mut pw = PrefillWatch::new(
-            handle,
+            leg,
             pv.lost.clone(),
             LegCancel::new(&self.up, &pv.url, &rid_p),
             LoadGuard::new(pv, pt.rank),

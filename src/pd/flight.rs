@@ -20,7 +20,6 @@ use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use tokio::time::Sleep;
 
 use super::legs::{LegCancel, PrefillDone};
@@ -31,44 +30,44 @@ use crate::pool::LoadGuard;
 
 type LostFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// Waits on the prefill leg; resolves with its outcome, or `PrefillLost` when the
-/// prefill's bootstrap heartbeat is lost first.
+/// The prefill leg's future (sent, read, classified).
+pub type PrefillFuture = Pin<Box<dyn Future<Output = Result<PrefillDone, Failure>> + Send>>;
+
+/// Drives the prefill leg; resolves with its outcome, or `PrefillLost` when the prefill's
+/// bootstrap heartbeat is lost first. The leg is polled inline by whoever holds this (the
+/// attempt, then the response body): no task of its own, so dropping it closes the leg's
+/// connection at once.
 pub struct PrefillWatch {
-    handle: JoinHandle<Result<PrefillDone, Failure>>,
+    leg: Option<PrefillFuture>,
     lost: LostFuture,
     cancel: LegCancel,
     guard: Option<LoadGuard>,
-    finished: bool,
 }
 
 impl PrefillWatch {
-    pub fn new(
-        handle: JoinHandle<Result<PrefillDone, Failure>>,
-        mut lost: watch::Receiver<u64>,
-        cancel: LegCancel,
-        guard: LoadGuard,
-    ) -> PrefillWatch {
+    pub fn new(leg: PrefillFuture, mut lost: watch::Receiver<u64>, cancel: LegCancel, guard: LoadGuard) -> PrefillWatch {
         let lost = Box::pin(async move {
             if lost.changed().await.is_err() {
                 std::future::pending::<()>().await;
             }
         });
         PrefillWatch {
-            handle,
+            leg: Some(leg),
             lost,
             cancel,
             guard: Some(guard),
-            finished: false,
         }
     }
-}
 
-impl PrefillWatch {
     /// Lets the prefill leg run to its own end (bounded by its deadline) without this
     /// request: no abort, no cancel.
     pub fn detach(mut self) {
-        self.finished = true;
         self.cancel.disarm();
+        if let Some(leg) = self.leg.take() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(leg);
+            }
+        }
     }
 }
 
@@ -90,16 +89,12 @@ impl Future for PrefillWatch {
     type Output = Result<PrefillDone, Failure>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
-        if let Poll::Ready(r) = Pin::new(&mut this.handle).poll(cx) {
-            this.finished = true;
+        let Some(leg) = this.leg.as_mut() else {
+            return Poll::Ready(Err(Failure::new(FailReason::Internal, "prefill leg polled after it ended")));
+        };
+        if let Poll::Ready(r) = leg.as_mut().poll(cx) {
+            this.leg = None;
             this.guard = None;
-            let r = match r {
-                Ok(r) => r,
-                Err(e) => Err(Failure::new(
-                    FailReason::Internal,
-                    format!("prefill task failed: {e}"),
-                )),
-            };
             // A prefill that answered (even with an error) needs no abort.
             this.cancel.disarm();
             return Poll::Ready(r);
@@ -111,14 +106,6 @@ impl Future for PrefillWatch {
             )));
         }
         Poll::Pending
-    }
-}
-
-impl Drop for PrefillWatch {
-    fn drop(&mut self) {
-        if !self.finished {
-            self.handle.abort();
-        }
     }
 }
 
