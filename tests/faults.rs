@@ -554,6 +554,10 @@ async fn legacy_bootstrap_bug_raced_is_answered_within_heartbeat_detection() {
         "{status} {kind}: {}",
         String::from_utf8_lossy(&bytes)
     );
+    assert!(
+        env.cluster.prefills[0].stats().requests_total > 0,
+        "no request met the stale view"
+    );
     let s = env.settled_stats().await;
     assert_eq!(s.held_now, 0, "{s:?}");
 }
@@ -646,4 +650,73 @@ async fn prefill_hangs_with_another_prefill_is_retried() {
     let s = env.settled_stats().await;
     assert_eq!(s.held_now, 0);
     assert_eq!(s.contract_violations, 0);
+}
+
+/// The router's view was stale when it dispatched (the rank had just stopped being
+/// registered), and the decode is an old engine that waits out its whole waiting timeout
+/// when a rank lookup fails. The tracker's next look ends the in-flight requests on that
+/// rank at once, and they are retried on the healthy prefill: every client gets its answer
+/// (without this they would sit until the request timeout and get a 504).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legacy_bootstrap_bug_with_a_stale_view_is_cut_short() {
+    let mut legacy = EngineConfig::decode(1);
+    legacy.legacy_bootstrap_bug = true;
+    legacy.waiting_timeout = Duration::from_secs(300);
+    let env = start(
+        vec![EngineConfig::prefill(4), EngineConfig::prefill(4)],
+        vec![legacy],
+        |c| {
+            c.timeouts.prefill_secs = 300;
+            c.timeouts.request_secs = 20;
+            c.bootstrap.refresh_interval_ms = 200;
+            c.bootstrap.freshness_ms = 60_000;
+        },
+    )
+    .await;
+    env.wait_routable(8, 1).await;
+    // Warm the decode's cache of prefill 0 by hand (its layout and rank 0's route), as
+    // earlier traffic would have: later lookups of ranks 1-3 then go to the bootstrap server.
+    let p = &env.cluster.prefills[0];
+    let port = p.bootstrap_port().unwrap();
+    let leg = |rid: &str| {
+        format!(
+            r#"{{"text":"w","sampling_params":{{"max_new_tokens":1}},"bootstrap_host":"127.0.0.1","bootstrap_port":{port},"bootstrap_room":4,"rid":"{rid}"}}"#
+        )
+    };
+    let (pl, dl) = tokio::join!(
+        env.client.request(
+            http::Request::post(format!("{}/generate", p.url()))
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(bytes::Bytes::from(leg("warm-p"))))
+                .unwrap()
+        ),
+        env.client.request(
+            http::Request::post(format!("{}/generate", env.cluster.decodes[0].url()))
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(bytes::Bytes::from(leg("warm-d"))))
+                .unwrap()
+        ),
+    );
+    assert_eq!(pl.unwrap().status(), 200);
+    assert_eq!(dl.unwrap().status(), 200);
+    env.cluster.prefills[0].set_faults(Faults {
+        register_none: true,
+        ..Faults::default()
+    });
+    // Sent before the tracker's next look: some land on prefill 0's ranks 1-3.
+    let futs = (0..12).map(|i| env.post("/generate", if i % 2 == 0 { GEN } else { GEN_STREAM }));
+    for (st, _, bytes) in futures_util::future::join_all(futs).await {
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+        assert!(
+            !bytes.windows(9).any(|w| w == b"\"error\":{"),
+            "{}",
+            String::from_utf8_lossy(&bytes)
+        );
+    }
+    assert!(
+        env.cluster.prefills[0].stats().requests_total > 1,
+        "no request met the stale view"
+    );
+    let s = env.settled_stats().await;
+    assert_eq!(s.held_now, 0, "{s:?}");
 }

@@ -51,6 +51,16 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, now: Insta
         );
         metrics::counter!("pdgate_bootstrap_rank_transitions_total", "to" => new.label())
             .increment(1);
+        if *old == RankReadiness::Ready {
+            // Requests in flight on this rank whose prefill has not answered would have
+            // their decode fail (or, on engines without SGLang PR #24772, hang): end them.
+            w.rank_lost_tx.send_modify(|v| {
+                if v.len() <= rank {
+                    v.resize(rank + 1, 0);
+                }
+                v[rank] += 1;
+            });
+        }
         w.ranks[rank] = new;
     }
 }

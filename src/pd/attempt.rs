@@ -285,10 +285,13 @@ impl Dispatcher {
 
         // Both legs go out together.
         let timeouts = &self.cfg.timeouts;
-        let leg: super::flight::PrefillFuture = Box::pin(legs::run_prefill(self.up.clone(), preq, timeouts.prefill()));
+        let leg: super::flight::PrefillFuture =
+            Box::pin(legs::run_prefill(self.up.clone(), preq, timeouts.prefill()));
         let mut pw = PrefillWatch::new(
             leg,
             pv.lost.clone(),
+            pv.rank_lost.clone(),
+            pt.rank,
             LegCancel::new(&self.up, &pv.url, &rid_p),
             LoadGuard::new(pv, pt.rank),
         );

@@ -27,8 +27,9 @@ use super::sse::{Scan, SseScanner};
 use crate::body::BoxError;
 use crate::error::{FailReason, Failure};
 use crate::pool::LoadGuard;
+use crate::types::DpRank;
 
-type LostFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+type LostFuture = Pin<Box<dyn Future<Output = &'static str> + Send>>;
 
 /// The prefill leg's future (sent, read, classified).
 pub type PrefillFuture = Pin<Box<dyn Future<Output = Result<PrefillDone, Failure>> + Send>>;
@@ -45,10 +46,34 @@ pub struct PrefillWatch {
 }
 
 impl PrefillWatch {
-    pub fn new(leg: PrefillFuture, mut lost: watch::Receiver<u64>, cancel: LegCancel, guard: LoadGuard) -> PrefillWatch {
+    pub fn new(
+        leg: PrefillFuture,
+        mut lost: watch::Receiver<u64>,
+        mut rank_lost: watch::Receiver<Vec<u64>>,
+        rank: DpRank,
+        cancel: LegCancel,
+        guard: LoadGuard,
+    ) -> PrefillWatch {
+        let k = rank as usize;
+        let seen = rank_lost.borrow_and_update().get(k).copied().unwrap_or(0);
         let lost = Box::pin(async move {
-            if lost.changed().await.is_err() {
-                std::future::pending::<()>().await;
+            let heartbeat = async {
+                if lost.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            let rank_gone = async {
+                if rank_lost
+                    .wait_for(|v| v.get(k).copied().unwrap_or(0) != seen)
+                    .await
+                    .is_err()
+                {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                _ = heartbeat => "lost the prefill's bootstrap server (heartbeat) while the request was in flight",
+                _ = rank_gone => "the prefill's DP rank stopped being ready (its bootstrap route went away) while the request was in flight",
             }
         });
         PrefillWatch {
@@ -90,7 +115,10 @@ impl Future for PrefillWatch {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
         let Some(leg) = this.leg.as_mut() else {
-            return Poll::Ready(Err(Failure::new(FailReason::Internal, "prefill leg polled after it ended")));
+            return Poll::Ready(Err(Failure::new(
+                FailReason::Internal,
+                "prefill leg polled after it ended",
+            )));
         };
         if let Poll::Ready(r) = leg.as_mut().poll(cx) {
             this.leg = None;
@@ -99,11 +127,8 @@ impl Future for PrefillWatch {
             this.cancel.disarm();
             return Poll::Ready(r);
         }
-        if this.lost.as_mut().poll(cx).is_ready() {
-            return Poll::Ready(Err(Failure::new(
-                FailReason::PrefillLost,
-                "lost the prefill's bootstrap server (heartbeat) while the request was in flight",
-            )));
+        if let Poll::Ready(why) = this.lost.as_mut().poll(cx) {
+            return Poll::Ready(Err(Failure::new(FailReason::PrefillLost, why)));
         }
         Poll::Pending
     }

@@ -98,6 +98,9 @@ pub struct WorkerState {
     pub ranks_checked_at: Vec<Instant>,
     /// Bumped when the prefill is lost; in-flight requests on it watch this.
     pub lost_tx: watch::Sender<u64>,
+    /// Per DP rank, bumped when the rank stops being `Ready`; in-flight requests whose
+    /// prefill has not answered yet watch their rank's entry.
+    pub rank_lost_tx: watch::Sender<Vec<u64>>,
     /// The engine's `/server_info` facts, once read.
     pub info: Option<crate::bootstrap::client::ServerInfo>,
     /// Passive health of this worker's leg.
@@ -119,6 +122,7 @@ pub struct WorkerView {
     pub ranks: Vec<RankReadiness>,
     pub ranks_checked_at: Vec<Instant>,
     pub lost: watch::Receiver<u64>,
+    pub rank_lost: watch::Receiver<Vec<u64>>,
     pub breaker: Arc<Breaker>,
 }
 
@@ -256,6 +260,7 @@ impl Pool {
             let n = workers.iter().filter(|w| w.role == role).count();
             id = WorkerId(n as u32);
             let (lost_tx, _) = watch::channel(0u64);
+            let (rank_lost_tx, _) = watch::channel(Vec::new());
             workers.push(WorkerState {
                 id,
                 role,
@@ -270,6 +275,7 @@ impl Pool {
                 ranks: Vec::new(),
                 ranks_checked_at: Vec::new(),
                 lost_tx,
+                rank_lost_tx,
                 info: None,
                 breaker: Arc::new(Breaker::default()),
             });
@@ -341,6 +347,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             ranks: w.ranks.clone(),
             ranks_checked_at: w.ranks_checked_at.clone(),
             lost: w.lost_tx.subscribe(),
+            rank_lost: w.rank_lost_tx.subscribe(),
             breaker: w.breaker.clone(),
         };
         let breaker_open = w.breaker.state() == BreakerState::Open;
