@@ -93,7 +93,9 @@ struct Env {
 }
 
 async fn start(prefill: Vec<EngineConfig>, decode: Vec<EngineConfig>) -> Env {
-    let cluster = SimCluster::spawn(&prefill, &decode).await.expect("sim cluster");
+    let cluster = SimCluster::spawn(&prefill, &decode)
+        .await
+        .expect("sim cluster");
     let mut cfg = router_config();
     for p in &cluster.prefills {
         cfg.prefill.push(PrefillWorkerConfig {
@@ -105,23 +107,39 @@ async fn start(prefill: Vec<EngineConfig>, decode: Vec<EngineConfig>) -> Env {
     for d in &cluster.decodes {
         cfg.decode.push(DecodeWorkerConfig { url: d.url() });
     }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let router = pdgate::router::start(cfg, Some(listener), RngSource::Os).await.expect("router");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let router = pdgate::router::start(cfg, Some(listener), RngSource::Os)
+        .await
+        .expect("router");
     let mut conn = HttpConnector::new();
     conn.set_nodelay(true);
     let client = Client::builder(TokioExecutor::new()).build(conn);
-    Env { cluster, router, client }
+    Env {
+        cluster,
+        router,
+        client,
+    }
 }
 
 fn worker_id(snap: &Snapshot, url: &str, prefill: bool) -> Option<pdgate::types::WorkerId> {
-    let list = if prefill { &snap.prefills } else { &snap.decodes };
+    let list = if prefill {
+        &snap.prefills
+    } else {
+        &snap.decodes
+    };
     list.iter().find(|w| w.url.as_str() == url).map(|w| w.id)
 }
 
 fn routable(snap: &Snapshot, e: &SimEngine, prefill: bool) -> bool {
-    let Some(id) = worker_id(snap, &e.url(), prefill) else { return false };
+    let Some(id) = worker_id(snap, &e.url(), prefill) else {
+        return false;
+    };
     let role = if prefill { Role::Prefill } else { Role::Decode };
-    snap.routable(role).iter().any(|r| r.worker == id && !r.ranks.is_empty())
+    snap.routable(role)
+        .iter()
+        .any(|r| r.worker == id && !r.ranks.is_empty())
 }
 
 impl Env {
@@ -187,10 +205,16 @@ enum Kind {
 
 fn request(env: &Env, kind: Kind) -> Request<Full<Bytes>> {
     let (path, body) = match kind {
-        Kind::Generate => ("/generate", r#"{"text":"The capital of France is","sampling_params":{"max_new_tokens":4}}"#.to_string()),
+        Kind::Generate => (
+            "/generate",
+            r#"{"text":"The capital of France is","sampling_params":{"max_new_tokens":4}}"#
+                .to_string(),
+        ),
         Kind::Stream(t) => (
             "/v1/chat/completions",
-            format!(r#"{{"model":"sim-model","messages":[{{"role":"user","content":"hi"}}],"max_tokens":{t},"stream":true}}"#),
+            format!(
+                r#"{{"model":"sim-model","messages":[{{"role":"user","content":"hi"}}],"max_tokens":{t},"stream":true}}"#
+            ),
         ),
     };
     Request::post(env.url(path))
@@ -265,7 +289,11 @@ struct Row {
 
 impl Row {
     fn errors(&self) -> usize {
-        self.mix.iter().filter(|(k, _)| k.as_str() != "200").map(|(_, v)| v).sum()
+        self.mix
+            .iter()
+            .filter(|(k, _)| k.as_str() != "200")
+            .map(|(_, v)| v)
+            .sum()
     }
     fn pct(&self, p: f64) -> f64 {
         pct(&self.lat_ms, p)
@@ -336,8 +364,14 @@ async fn measure(env: &Env, faulty: &SimEngine, kind: Kind, n: usize) -> Row {
         held_after,
         released,
         held_1s: (p1.held_now, d1.held_now),
-        p_abort: (p1.aborted - p0.aborted, p1.client_disconnects - p0.client_disconnects),
-        d_abort: (d1.aborted - d0.aborted, d1.client_disconnects - d0.client_disconnects),
+        p_abort: (
+            p1.aborted - p0.aborted,
+            p1.client_disconnects - p0.client_disconnects,
+        ),
+        d_abort: (
+            d1.aborted - d0.aborted,
+            d1.client_disconnects - d0.client_disconnects,
+        ),
         target: String::new(),
         verdict: String::new(),
     }
@@ -411,7 +445,9 @@ fn judge_prefill_status(r: &mut Row, setup: Setup) {
             r.verdict = ok_text(fast);
         }
         Setup::Spare if has_4xx => {
-            r.target = "4xx passed through ≤ 10 ms after the prefill's (a client error: not retried)".into();
+            r.target =
+                "4xx passed through ≤ 10 ms after the prefill's (a client error: not retried)"
+                    .into();
             r.verdict = ok_text(fast);
         }
         Setup::Spare => {
@@ -430,8 +466,18 @@ fn ok_text(ok: bool) -> String {
 }
 
 /// Prefill fault set at run time, visible before dispatch: waits until the router sees it.
-async fn prefill_visible(name: &str, setup: Setup, n: usize, seen: bool, fault: fn(&mut Faults)) -> Row {
-    let env = start(prefills(setup, EngineConfig::prefill(1)), vec![engine(EngineConfig::decode(1))]).await;
+async fn prefill_visible(
+    name: &str,
+    setup: Setup,
+    n: usize,
+    seen: bool,
+    fault: fn(&mut Faults),
+) -> Row {
+    let env = start(
+        prefills(setup, EngineConfig::prefill(1)),
+        vec![engine(EngineConfig::decode(1))],
+    )
+    .await;
     env.wait_routable(&[]).await;
     warm_up(&env, 4).await;
     let faulty = &env.cluster.prefills[0];
@@ -439,8 +485,12 @@ async fn prefill_visible(name: &str, setup: Setup, n: usize, seen: bool, fault: 
     set(faulty, fault);
     let mut detect = "not waited for".to_string();
     if seen {
-        let d = env.wait_pool(Duration::from_secs(10), |s| !routable(s, faulty, true)).await;
-        detect = d.map_or("not within 10 s".into(), |_| format!("{:.0} ms", t0.elapsed().as_secs_f64() * 1000.0));
+        let d = env
+            .wait_pool(Duration::from_secs(10), |s| !routable(s, faulty, true))
+            .await;
+        detect = d.map_or("not within 10 s".into(), |_| {
+            format!("{:.0} ms", t0.elapsed().as_secs_f64() * 1000.0)
+        });
     }
     let mut r = measure(&env, faulty, Kind::Generate, n).await;
     r.fault = name.to_string();
@@ -450,7 +500,11 @@ async fn prefill_visible(name: &str, setup: Setup, n: usize, seen: bool, fault: 
         judge_visible(&mut r, setup);
     } else {
         r.target = "(not yet visible: retried / failed fast)".into();
-        r.verdict = if setup == Setup::Spare { ok_text(r.errors() == 0) } else { "—".into() };
+        r.verdict = if setup == Setup::Spare {
+            ok_text(r.errors() == 0)
+        } else {
+            "—".into()
+        };
     }
     r
 }
@@ -466,7 +520,10 @@ async fn ranks_never_registered(setup: Setup, n: usize) -> Row {
     let d = env
         .wait_pool(Duration::from_secs(10), |s| {
             s.prefills.iter().any(|w| {
-                w.url.as_str() == faulty.url() && w.healthy && !w.ranks.is_empty() && w.ranks.iter().all(|r| *r != RankReadiness::Unknown)
+                w.url.as_str() == faulty.url()
+                    && w.healthy
+                    && !w.ranks.is_empty()
+                    && w.ranks.iter().all(|r| *r != RankReadiness::Unknown)
             })
         })
         .await;
@@ -476,14 +533,26 @@ async fn ranks_never_registered(setup: Setup, n: usize) -> Row {
     let mut r = measure(&env, faulty, Kind::Generate, n).await;
     r.fault = "ranks never registered".into();
     r.setup = setup.label();
-    r.detect = d.map_or("not within 10 s".into(), |_| format!("view after {:.0} ms", t0.elapsed().as_secs_f64() * 1000.0));
+    r.detect = d.map_or("not within 10 s".into(), |_| {
+        format!("view after {:.0} ms", t0.elapsed().as_secs_f64() * 1000.0)
+    });
     judge_visible(&mut r, setup);
     r
 }
 
 /// A prefill fault that only shows when a request arrives.
-async fn prefill_runtime(name: &str, setup: Setup, n: usize, fault: fn(&mut Faults), judge: fn(&mut Row, Setup)) -> Row {
-    let env = start(prefills(setup, EngineConfig::prefill(1)), vec![engine(EngineConfig::decode(1))]).await;
+async fn prefill_runtime(
+    name: &str,
+    setup: Setup,
+    n: usize,
+    fault: fn(&mut Faults),
+    judge: fn(&mut Row, Setup),
+) -> Row {
+    let env = start(
+        prefills(setup, EngineConfig::prefill(1)),
+        vec![engine(EngineConfig::decode(1))],
+    )
+    .await;
     env.wait_routable(&[]).await;
     warm_up(&env, 4).await;
     let faulty = &env.cluster.prefills[0];
@@ -495,8 +564,19 @@ async fn prefill_runtime(name: &str, setup: Setup, n: usize, fault: fn(&mut Faul
     r
 }
 
-async fn decode_runtime(name: &str, setup: Setup, n: usize, kind: Kind, fault: fn(&mut Faults), judge: fn(&mut Row, Setup)) -> Row {
-    let env = start(vec![engine(EngineConfig::prefill(1))], decodes(setup, EngineConfig::decode(1))).await;
+async fn decode_runtime(
+    name: &str,
+    setup: Setup,
+    n: usize,
+    kind: Kind,
+    fault: fn(&mut Faults),
+    judge: fn(&mut Row, Setup),
+) -> Row {
+    let env = start(
+        vec![engine(EngineConfig::prefill(1))],
+        decodes(setup, EngineConfig::decode(1)),
+    )
+    .await;
     env.wait_routable(&[]).await;
     warm_up(&env, 4).await;
     let faulty = &env.cluster.decodes[0];
@@ -533,8 +613,12 @@ async fn legacy_bug(setup: Setup, n: usize, seen: bool) -> Row {
     set(faulty, |f| f.unregistered_ranks = vec![other]);
     let mut detect = "not waited for (stale view)".to_string();
     if seen {
-        let dd = env.wait_pool(Duration::from_secs(10), |s| !routable(s, faulty, true)).await;
-        detect = dd.map_or("not within 10 s".into(), |_| format!("{:.0} ms", t0.elapsed().as_secs_f64() * 1000.0));
+        let dd = env
+            .wait_pool(Duration::from_secs(10), |s| !routable(s, faulty, true))
+            .await;
+        detect = dd.map_or("not within 10 s".into(), |_| {
+            format!("{:.0} ms", t0.elapsed().as_secs_f64() * 1000.0)
+        });
     }
     let mut r = measure(&env, faulty, Kind::Generate, n).await;
     r.fault = if seen {
@@ -651,7 +735,9 @@ async fn disconnect(before_first_byte: bool, n: usize) -> DisconnectRow {
             not_cancelled += 1;
             // Do not let one stuck request spoil the next one.
             let t = Instant::now();
-            while t.elapsed() < Duration::from_secs(5) && env.prefill_stats().held_now + env.decode_stats().held_now > 0 {
+            while t.elapsed() < Duration::from_secs(5)
+                && env.prefill_stats().held_now + env.decode_stats().held_now > 0
+            {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
@@ -670,8 +756,14 @@ async fn disconnect(before_first_byte: bool, n: usize) -> DisconnectRow {
         held_at_drop,
         cancel_ms,
         not_cancelled,
-        p_abort: (p1.aborted - p0.aborted, p1.client_disconnects - p0.client_disconnects),
-        d_abort: (d1.aborted - d0.aborted, d1.client_disconnects - d0.client_disconnects),
+        p_abort: (
+            p1.aborted - p0.aborted,
+            p1.client_disconnects - p0.client_disconnects,
+        ),
+        d_abort: (
+            d1.aborted - d0.aborted,
+            d1.client_disconnects - d0.client_disconnects,
+        ),
         early,
     }
 }
@@ -706,29 +798,85 @@ fn main() {
     let started = Instant::now();
     let mut rows: Vec<Row> = Vec::new();
     for setup in [Setup::Only, Setup::Spare] {
-        rows.push(run("prefill down (seen)", prefill_visible("prefill down (router saw it)", setup, n, true, set_down)));
-        rows.push(run("prefill down (at once)", prefill_visible("prefill down, requests at once", setup, n, false, set_down)));
-        rows.push(run("bootstrap down (seen)", prefill_visible("bootstrap server down (router saw it)", setup, n, true, set_bootstrap_down)));
+        rows.push(run(
+            "prefill down (seen)",
+            prefill_visible("prefill down (router saw it)", setup, n, true, set_down),
+        ));
+        rows.push(run(
+            "prefill down (at once)",
+            prefill_visible("prefill down, requests at once", setup, n, false, set_down),
+        ));
+        rows.push(run(
+            "bootstrap down (seen)",
+            prefill_visible(
+                "bootstrap server down (router saw it)",
+                setup,
+                n,
+                true,
+                set_bootstrap_down,
+            ),
+        ));
         rows.push(run(
             "bootstrap down (at once)",
-            prefill_visible("bootstrap server down, requests at once", setup, n, false, set_bootstrap_down),
+            prefill_visible(
+                "bootstrap server down, requests at once",
+                setup,
+                n,
+                false,
+                set_bootstrap_down,
+            ),
         ));
-        rows.push(run("ranks never registered", ranks_never_registered(setup, n)));
-        rows.push(run("prefill 500", prefill_runtime("prefill answers 500", setup, n, |f| f.prefill_status = Some(500), judge_prefill_status)));
-        rows.push(run("prefill 400", prefill_runtime("prefill answers 400", setup, n, |f| f.prefill_status = Some(400), judge_prefill_status)));
+        rows.push(run(
+            "ranks never registered",
+            ranks_never_registered(setup, n),
+        ));
+        rows.push(run(
+            "prefill 500",
+            prefill_runtime(
+                "prefill answers 500",
+                setup,
+                n,
+                |f| f.prefill_status = Some(500),
+                judge_prefill_status,
+            ),
+        ));
+        rows.push(run(
+            "prefill 400",
+            prefill_runtime(
+                "prefill answers 400",
+                setup,
+                n,
+                |f| f.prefill_status = Some(400),
+                judge_prefill_status,
+            ),
+        ));
         rows.push(run(
             "prefill hangs",
-            prefill_runtime("prefill hangs", setup, n, |f| f.prefill_hang = true, |r, _| {
-                r.target = "answered at the prefill timeout (3 s here), nothing held".into();
-                r.verdict = ok_text(r.max() <= 3000.0 + 200.0 && r.held_1s == (0, 0));
-            }),
+            prefill_runtime(
+                "prefill hangs",
+                setup,
+                n,
+                |f| f.prefill_hang = true,
+                |r, _| {
+                    r.target = "answered at the prefill timeout (3 s here), nothing held".into();
+                    r.verdict = ok_text(r.max() <= 3000.0 + 200.0 && r.held_1s == (0, 0));
+                },
+            ),
         ));
         rows.push(run(
             "prefill dies mid-request",
-            prefill_runtime("prefill dies mid-request", setup, n, |f| f.prefill_die_mid_request = true, |r, setup| {
-                r.target = "answered within the heartbeat detection (~2 s)".into();
-                r.verdict = ok_text(r.max() <= 2000.0 + 200.0 && (setup == Setup::Only || r.errors() == 0));
-            }),
+            prefill_runtime(
+                "prefill dies mid-request",
+                setup,
+                n,
+                |f| f.prefill_die_mid_request = true,
+                |r, setup| {
+                    r.target = "answered within the heartbeat detection (~2 s)".into();
+                    r.verdict = ok_text(
+                        r.max() <= 2000.0 + 200.0 && (setup == Setup::Only || r.errors() == 0),
+                    );
+                },
+            ),
         ));
         rows.push(run(
             "prefill goes silent",
@@ -748,23 +896,37 @@ fn main() {
         ));
         rows.push(run(
             "decode 500",
-            decode_runtime("decode answers 500", setup, n, Kind::Generate, |f| f.decode_status = Some(500), |r, setup| {
-                if setup == Setup::Spare {
-                    r.target = "0 client errors (retried on the other decode)".into();
-                    r.verdict = ok_text(r.errors() == 0);
-                } else {
-                    r.target = "error answered ≤ 10 ms, prefill leg cancelled".into();
-                    r.verdict = ok_text(r.err_max() <= 10.0 && r.held_1s == (0, 0));
-                }
-            }),
+            decode_runtime(
+                "decode answers 500",
+                setup,
+                n,
+                Kind::Generate,
+                |f| f.decode_status = Some(500),
+                |r, setup| {
+                    if setup == Setup::Spare {
+                        r.target = "0 client errors (retried on the other decode)".into();
+                        r.verdict = ok_text(r.errors() == 0);
+                    } else {
+                        r.target = "error answered ≤ 10 ms, prefill leg cancelled".into();
+                        r.verdict = ok_text(r.err_max() <= 10.0 && r.held_1s == (0, 0));
+                    }
+                },
+            ),
         ));
         rows.push(run(
             "decode dies mid-stream",
-            decode_runtime("decode dies mid-stream (after 2 chunks)", setup, n, Kind::Stream(8), |f| f.decode_die_mid_stream_after = Some(2), |r, _| {
-                r.target = "stream ends with an error event, nothing held".into();
-                let ended = r.mix.keys().all(|k| k == "200" || k == "200 + error event");
-                r.verdict = ok_text(ended && r.held_1s == (0, 0));
-            }),
+            decode_runtime(
+                "decode dies mid-stream (after 2 chunks)",
+                setup,
+                n,
+                Kind::Stream(8),
+                |f| f.decode_die_mid_stream_after = Some(2),
+                |r, _| {
+                    r.target = "stream ends with an error event, nothing held".into();
+                    let ended = r.mix.keys().all(|k| k == "200" || k == "200 + error event");
+                    r.verdict = ok_text(ended && r.held_1s == (0, 0));
+                },
+            ),
         ));
         rows.push(run(
             "slow decode",
@@ -787,7 +949,10 @@ fn main() {
         rows.push(run("legacy bug (seen)", legacy_bug(setup, n, true)));
     }
     let dis = vec![
-        run("disconnect before first byte", disconnect(true, k.n_disconnect)),
+        run(
+            "disconnect before first byte",
+            disconnect(true, k.n_disconnect),
+        ),
         run("disconnect mid-stream", disconnect(false, k.n_disconnect)),
     ];
     report(&k, &rows, &dis, started.elapsed());

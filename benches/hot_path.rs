@@ -28,8 +28,13 @@ fn generate_4k() -> String {
 
 /// A batch of 8 prompts with `n = 2` (16 instances, so 16 rooms).
 fn batch() -> String {
-    let prompts: Vec<String> = (0..8).map(|i| format!("\"prompt number {i}: tell me a story\"")).collect();
-    format!(r#"{{"text":[{}],"sampling_params":{{"max_new_tokens":32,"n":2}}}}"#, prompts.join(","))
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("\"prompt number {i}: tell me a story\""))
+        .collect();
+    format!(
+        r#"{{"text":[{}],"sampling_params":{{"max_new_tokens":32,"n":2}}}}"#,
+        prompts.join(",")
+    )
 }
 
 /// One decode SSE chunk as SGLang sends it for a chat stream (a whole event).
@@ -52,13 +57,27 @@ fn config() -> Criterion {
 fn bench_parse(c: &mut Criterion) {
     let mut g = c.benchmark_group("parse");
     let cases = [
-        ("chat_small", ApiRoute::ChatCompletions, Bytes::from_static(CHAT.as_bytes())),
-        ("generate_4k", ApiRoute::Generate, Bytes::from(generate_4k())),
-        ("generate_batch8_n2", ApiRoute::Generate, Bytes::from(batch())),
+        (
+            "chat_small",
+            ApiRoute::ChatCompletions,
+            Bytes::from_static(CHAT.as_bytes()),
+        ),
+        (
+            "generate_4k",
+            ApiRoute::Generate,
+            Bytes::from(generate_4k()),
+        ),
+        (
+            "generate_batch8_n2",
+            ApiRoute::Generate,
+            Bytes::from(batch()),
+        ),
     ];
     for (name, route, body) in cases {
         g.throughput(Throughput::Bytes(body.len() as u64));
-        g.bench_function(name, |b| b.iter(|| parse(route, black_box(body.clone())).expect("valid body")));
+        g.bench_function(name, |b| {
+            b.iter(|| parse(route, black_box(body.clone())).expect("valid body"))
+        });
     }
     g.finish();
 }
@@ -66,13 +85,27 @@ fn bench_parse(c: &mut Criterion) {
 fn bench_write_leg(c: &mut Criterion) {
     let mut g = c.benchmark_group("write_leg");
     let cases = [
-        ("chat_small", ApiRoute::ChatCompletions, Bytes::from_static(CHAT.as_bytes())),
-        ("generate_4k", ApiRoute::Generate, Bytes::from(generate_4k())),
-        ("generate_batch8_n2", ApiRoute::Generate, Bytes::from(batch())),
+        (
+            "chat_small",
+            ApiRoute::ChatCompletions,
+            Bytes::from_static(CHAT.as_bytes()),
+        ),
+        (
+            "generate_4k",
+            ApiRoute::Generate,
+            Bytes::from(generate_4k()),
+        ),
+        (
+            "generate_batch8_n2",
+            ApiRoute::Generate,
+            Bytes::from(batch()),
+        ),
     ];
     for (name, route, body) in cases {
         let req = parse(route, body).expect("valid body");
-        let rooms: Vec<u64> = (0..req.instances() as u64).map(|i| 4_611_686_018_427_387_904 + 8 * i).collect();
+        let rooms: Vec<u64> = (0..req.instances() as u64)
+            .map(|i| 4_611_686_018_427_387_904 + 8 * i)
+            .collect();
         let mut out = Vec::new();
         g.bench_function(name, |b| {
             b.iter(|| {

@@ -108,7 +108,10 @@ fn pdgate_bin() -> PathBuf {
         .unwrap_or_else(|| manifest_dir().join("target/release"));
     let bin = release.join("pdgate");
     if !bin.exists() {
-        eprintln!("[load] {} is missing; running `cargo build --release --bin pdgate` ...", bin.display());
+        eprintln!(
+            "[load] {} is missing; running `cargo build --release --bin pdgate` ...",
+            bin.display()
+        );
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
         let status = Command::new(cargo)
             .args(["build", "--release", "--bin", "pdgate"])
@@ -169,7 +172,15 @@ struct SimInfo {
 /// `pdgate sim --prefill 1 --decode 1` with tiny latencies; parses its `READY` lines.
 fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
     let mut child = Command::new(bin)
-        .args(["sim", "--prefill", "1", "--decode", "1", "--host", "127.0.0.1"])
+        .args([
+            "sim",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--host",
+            "127.0.0.1",
+        ])
         .args(["--prefill-ms", "0", "--ttft-ms", "0", "--itl-ms", "0"])
         .args(["--tokens", &tokens.to_string()])
         .env("RUST_LOG", "warn")
@@ -179,7 +190,10 @@ fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
         .spawn()
         .expect("spawn pdgate sim");
     let stdout = child.stdout.take().expect("sim stdout");
-    let proc = Proc { child, name: "pdgate sim" };
+    let proc = Proc {
+        child,
+        name: "pdgate sim",
+    };
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
@@ -194,7 +208,9 @@ fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
     let (mut prefill, mut decode) = (None, None);
     while prefill.is_none() || decode.is_none() {
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = rx.recv_timeout(left).unwrap_or_else(|_| panic!("pdgate sim printed no READY lines within 20 s"));
+        let line = rx
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("pdgate sim printed no READY lines within 20 s"));
         let mut it = line.split_whitespace();
         if it.next() != Some("READY") {
             continue;
@@ -233,15 +249,29 @@ fn start_router(bin: &Path, sim: &SimInfo) -> (Proc, String) {
     let port = free_port();
     let child = Command::new(bin)
         .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--prefill", &sim.prefill_url, &sim.bootstrap_port.to_string()])
+        .args([
+            "--prefill",
+            &sim.prefill_url,
+            &sim.bootstrap_port.to_string(),
+        ])
         .args(["--decode", &sim.decode_url])
-        .args(std::env::var("PDGATE_BENCH_ROUTER_ARGS").unwrap_or_default().split_whitespace())
+        .args(
+            std::env::var("PDGATE_BENCH_ROUTER_ARGS")
+                .unwrap_or_default()
+                .split_whitespace(),
+        )
         .stdin(Stdio::null())
         .stdout(log_file("router-out"))
         .stderr(log_file("router"))
         .spawn()
         .expect("spawn pdgate serve");
-    (Proc { child, name: "pdgate serve" }, format!("http://127.0.0.1:{port}"))
+    (
+        Proc {
+            child,
+            name: "pdgate serve",
+        },
+        format!("http://127.0.0.1:{port}"),
+    )
 }
 
 // ---------------------------------------------------------------------------------------
@@ -260,27 +290,42 @@ fn clk_tck() -> f64 {
 
 /// (utime, stime) of a process (all threads), in clock ticks.
 fn cpu_ticks(pid: u32) -> (u64, u64) {
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return (0, 0) };
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return (0, 0);
+    };
     // The command name may contain spaces: fields are counted after the last ')'.
-    let Some(rest) = s.rfind(')').map(|i| &s[i + 1..]) else { return (0, 0) };
+    let Some(rest) = s.rfind(')').map(|i| &s[i + 1..]) else {
+        return (0, 0);
+    };
     let f: Vec<&str> = rest.split_whitespace().collect();
     // rest[0] is field 3 (state); utime is field 14, stime field 15.
-    let get = |field: usize| f.get(field - 3).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let get = |field: usize| {
+        f.get(field - 3)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     (get(14), get(15))
 }
 
 /// System-wide `TcpExt: ListenOverflows` (accept queue full → SYN dropped → the client
 /// retransmits its SYN after 1 s).
 fn listen_overflows() -> u64 {
-    let Ok(s) = std::fs::read_to_string("/proc/net/netstat") else { return 0 };
+    let Ok(s) = std::fs::read_to_string("/proc/net/netstat") else {
+        return 0;
+    };
     let mut lines = s.lines();
     while let Some(names) = lines.next() {
         let Some(values) = lines.next() else { break };
         if !names.starts_with("TcpExt:") {
             continue;
         }
-        let i = names.split_whitespace().position(|n| n == "ListenOverflows");
-        if let Some(v) = i.and_then(|i| values.split_whitespace().nth(i)).and_then(|v| v.parse().ok()) {
+        let i = names
+            .split_whitespace()
+            .position(|n| n == "ListenOverflows");
+        if let Some(v) = i
+            .and_then(|i| values.split_whitespace().nth(i))
+            .and_then(|v| v.parse().ok())
+        {
             return v;
         }
     }
@@ -289,7 +334,9 @@ fn listen_overflows() -> u64 {
 
 /// (VmRSS, VmHWM) in KiB.
 fn rss_kib(pid: u32) -> (u64, u64) {
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return (0, 0) };
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return (0, 0);
+    };
     let get = |key: &str| {
         s.lines()
             .find_map(|l| l.strip_prefix(key))
@@ -340,7 +387,9 @@ impl Route {
     }
     /// One leg as a zero-overhead router would write it.
     fn leg_body(self, tokens: u32, port: u16, room: u64, rid: &str, stream: bool) -> String {
-        let pd = format!(r#""bootstrap_host":"127.0.0.1","bootstrap_port":{port},"bootstrap_room":{room},"rid":"{rid}","stream":{stream}"#);
+        let pd = format!(
+            r#""bootstrap_host":"127.0.0.1","bootstrap_port":{port},"bootstrap_room":{room},"rid":"{rid}","stream":{stream}"#
+        );
         match self {
             Route::Generate => format!(
                 r#"{{"text":"The capital of France is","sampling_params":{{"max_new_tokens":{tokens},"temperature":0}},{pd}}}"#
@@ -383,8 +432,16 @@ fn post(url: String, body: String) -> Request<Full<Bytes>> {
 }
 
 /// Sends one request and reads the whole answer; returns (time to first body chunk, total).
-async fn read_answer(client: &HttpClient, req: Request<Full<Bytes>>, t0: Instant, stream: bool) -> Result<(Duration, Duration), String> {
-    let resp = client.request(req).await.map_err(|e| format!("request: {e}"))?;
+async fn read_answer(
+    client: &HttpClient,
+    req: Request<Full<Bytes>>,
+    t0: Instant,
+    stream: bool,
+) -> Result<(Duration, Duration), String> {
+    let resp = client
+        .request(req)
+        .await
+        .map_err(|e| format!("request: {e}"))?;
     let status = resp.status();
     let mut body = resp.into_body();
     let mut first = None;
@@ -417,11 +474,20 @@ async fn read_answer(client: &HttpClient, req: Request<Full<Bytes>>, t0: Instant
 }
 
 /// One request through `target`: (time to first chunk of the answer, total latency).
-async fn one(client: &HttpClient, ep: &Endpoints, route: Route, target: Target, seq: u64) -> Result<(Duration, Duration), String> {
+async fn one(
+    client: &HttpClient,
+    ep: &Endpoints,
+    route: Route,
+    target: Target,
+    seq: u64,
+) -> Result<(Duration, Duration), String> {
     let t0 = Instant::now();
     match target {
         Target::Pdgate => {
-            let req = post(format!("{}{}", ep.router, route.path()), route.client_body(ep.tokens));
+            let req = post(
+                format!("{}{}", ep.router, route.path()),
+                route.client_body(ep.tokens),
+            );
             read_answer(client, req, t0, route.stream()).await
         }
         Target::Direct => {
@@ -429,11 +495,26 @@ async fn one(client: &HttpClient, ep: &Endpoints, route: Route, target: Target, 
             // fields, the answer is decode's; the request is done when both legs are.
             let room = rand::random::<u64>() >> 1;
             let rid = format!("bench-{:016x}", seq ^ (room << 20));
-            let pbody = route.leg_body(ep.tokens, ep.bootstrap_port, room, &format!("{rid}-p"), false);
-            let dbody = route.leg_body(ep.tokens, ep.bootstrap_port, room, &format!("{rid}-d"), route.stream());
+            let pbody = route.leg_body(
+                ep.tokens,
+                ep.bootstrap_port,
+                room,
+                &format!("{rid}-p"),
+                false,
+            );
+            let dbody = route.leg_body(
+                ep.tokens,
+                ep.bootstrap_port,
+                room,
+                &format!("{rid}-d"),
+                route.stream(),
+            );
             let preq = post(format!("{}{}", ep.prefill, route.path()), pbody);
             let dreq = post(format!("{}{}", ep.decode, route.path()), dbody);
-            let (p, d) = tokio::join!(read_answer(client, preq, t0, false), read_answer(client, dreq, t0, route.stream()));
+            let (p, d) = tokio::join!(
+                read_answer(client, preq, t0, false),
+                read_answer(client, dreq, t0, route.stream())
+            );
             p.map_err(|e| format!("prefill leg: {e}"))?;
             let (first, _) = d.map_err(|e| format!("decode leg: {e}"))?;
             Ok((first, t0.elapsed()))
@@ -506,7 +587,12 @@ async fn run_point(
                 if seq >= max {
                     break;
                 }
-                match tokio::time::timeout(Duration::from_secs(10), one(&client, &ep, route, target, seq)).await {
+                match tokio::time::timeout(
+                    Duration::from_secs(10),
+                    one(&client, &ep, route, target, seq),
+                )
+                .await
+                {
                     Ok(Ok((f, t))) => {
                         ok += 1;
                         lat.push(t.as_micros().min(u128::from(u32::MAX)) as u32);
@@ -563,7 +649,9 @@ async fn wait_ready(client: &HttpClient, router: &str) -> Result<Duration, Strin
     let t0 = Instant::now();
     let deadline = t0 + Duration::from_secs(20);
     loop {
-        let req = Request::get(format!("{router}/readiness")).body(Full::new(Bytes::new())).expect("req");
+        let req = Request::get(format!("{router}/readiness"))
+            .body(Full::new(Bytes::new()))
+            .expect("req");
         if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(1), client.request(req)).await {
             let ok = r.status() == StatusCode::OK;
             let _ = r.into_body().collect().await;
@@ -609,7 +697,10 @@ fn main() {
     );
 
     // The load generator: one thread, so that it takes as little of the 2 cores as it can.
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     rt.block_on(async {
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
@@ -685,8 +776,19 @@ fn verdict(ok: bool) -> &'static str {
     }
 }
 
-fn print_report(s: &Settings, rows: &[Row], rss: &[(Route, u64, u64)], idle_rss: u64, tck: f64, cores: usize, total: Duration) {
-    let find = |route: Route, conc: usize, target: Target| rows.iter().find(|r| r.route == route && r.conc == conc && r.target == target);
+fn print_report(
+    s: &Settings,
+    rows: &[Row],
+    rss: &[(Route, u64, u64)],
+    idle_rss: u64,
+    tck: f64,
+    cores: usize,
+    total: Duration,
+) {
+    let find = |route: Route, conc: usize, target: Target| {
+        rows.iter()
+            .find(|r| r.route == route && r.conc == conc && r.target == target)
+    };
     println!();
     println!(
         "## pdgate load bench ({} cores shared by load generator, router and simulator; {} s per point{}; CLK_TCK {tck})",
@@ -736,7 +838,10 @@ fn print_report(s: &Settings, rows: &[Row], rss: &[(Route, u64, u64)], idle_rss:
         );
     }
     println!();
-    println!("Router RSS: {:.1} MiB idle after start.", idle_rss as f64 / 1024.0);
+    println!(
+        "Router RSS: {:.1} MiB idle after start.",
+        idle_rss as f64 / 1024.0
+    );
     for (route, cur, hwm) in rss {
         println!(
             "Router RSS after the concurrency-256 run of {}: VmRSS {:.1} MiB, VmHWM {:.1} MiB.",
@@ -754,11 +859,20 @@ fn print_report(s: &Settings, rows: &[Row], rss: &[(Route, u64, u64)], idle_rss:
         let vals: Vec<(usize, f64)> = rows
             .iter()
             .filter(|r| r.route == route && r.target == Target::Pdgate)
-            .map(|r| (r.conc, ms_per_req(r.res.router_ticks.0 + r.res.router_ticks.1, r.res.ok, tck)))
+            .map(|r| {
+                (
+                    r.conc,
+                    ms_per_req(r.res.router_ticks.0 + r.res.router_ticks.1, r.res.ok, tck),
+                )
+            })
             .collect();
         let worst = vals.iter().map(|v| v.1).fold(f64::NAN, f64::max);
         let list: Vec<String> = vals.iter().map(|(c, v)| format!("c={c}: {v:.4}")).collect();
-        let met: Vec<String> = vals.iter().filter(|v| v.1 <= limit).map(|v| format!("c={}", v.0)).collect();
+        let met: Vec<String> = vals
+            .iter()
+            .filter(|v| v.1 <= limit)
+            .map(|v| format!("c={}", v.0))
+            .collect();
         let verdict_text = if worst <= limit {
             "met at every concurrency".to_string()
         } else if met.is_empty() {
@@ -766,11 +880,17 @@ fn print_report(s: &Settings, rows: &[Row], rss: &[(Route, u64, u64)], idle_rss:
         } else {
             format!("**missed** (met only at {})", met.join(", "))
         };
-        println!("| router CPU ≤ {limit} ms per {what} request | {} ms | {verdict_text} |", list.join(", "));
+        println!(
+            "| router CPU ≤ {limit} ms per {what} request | {} ms | {verdict_text} |",
+            list.join(", ")
+        );
     };
     cpu_row(Route::Generate, 0.04, "non-streamed");
     cpu_row(Route::ChatStream, 0.06, "streamed");
-    if let (Some(p), Some(d)) = (find(Route::Generate, 1, Target::Pdgate), find(Route::Generate, 1, Target::Direct)) {
+    if let (Some(p), Some(d)) = (
+        find(Route::Generate, 1, Target::Pdgate),
+        find(Route::Generate, 1, Target::Direct),
+    ) {
         let added = pct(&p.res.lat_us, 0.5) - pct(&d.res.lat_us, 0.5);
         println!(
             "| added p50 ≤ 0.2 ms at concurrency 1 (non-streamed) | {added:+.3} ms (pdgate {:.3} − direct {:.3}) | {} |",
@@ -779,7 +899,10 @@ fn print_report(s: &Settings, rows: &[Row], rss: &[(Route, u64, u64)], idle_rss:
             verdict(added <= 0.2)
         );
     }
-    if let (Some(p), Some(d)) = (find(Route::ChatStream, 1, Target::Pdgate), find(Route::ChatStream, 1, Target::Direct)) {
+    if let (Some(p), Some(d)) = (
+        find(Route::ChatStream, 1, Target::Pdgate),
+        find(Route::ChatStream, 1, Target::Direct),
+    ) {
         let added = pct(&p.res.lat_us, 0.5) - pct(&d.res.lat_us, 0.5);
         println!(
             "| added p50 ≤ 0.2 ms at concurrency 1 (streamed, whole stream) | {added:+.3} ms (pdgate {:.3} − direct {:.3}) | {} |",
