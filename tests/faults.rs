@@ -720,3 +720,48 @@ async fn legacy_bootstrap_bug_with_a_stale_view_is_cut_short() {
     let s = env.settled_stats().await;
     assert_eq!(s.held_now, 0, "{s:?}");
 }
+
+/// Heartbeat loss fails the requests in flight on that prefill at once (here the prefill
+/// hangs, so nothing else would end them before the prefill deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_loss_fails_in_flight_requests() {
+    for stream in [false, true] {
+        let p = with_faults(
+            EngineConfig::prefill(1),
+            Faults {
+                prefill_hang: true,
+                ..Faults::default()
+            },
+        );
+        let env = std::sync::Arc::new(
+            start(vec![p], vec![EngineConfig::decode(1)], |c| {
+                c.timeouts.prefill_secs = 300
+            })
+            .await,
+        );
+        env.wait_routable(1, 1).await;
+        let e = env.clone();
+        let req = tokio::spawn(async move { e.post("/generate", body(stream)).await });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while env.stats().held_now < 2 {
+            assert!(tokio::time::Instant::now() < deadline, "legs never arrived");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        env.cluster.prefills[0].set_faults(Faults {
+            prefill_hang: true,
+            bootstrap_down: true,
+            ..Faults::default()
+        });
+        let (st, _, bytes) = req.await.unwrap();
+        let (status, kind) = error_of(st.as_u16(), &bytes);
+        assert_eq!(
+            (status, kind.as_str()),
+            (502, "prefill_lost"),
+            "{}",
+            String::from_utf8_lossy(&bytes)
+        );
+        let s = env.settled_stats().await;
+        assert_eq!(s.held_now, 0, "{s:?}");
+        assert_leg_cancelled(&env.cluster.decodes[0].stats(), "decode");
+    }
+}

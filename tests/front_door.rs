@@ -394,3 +394,58 @@ async fn success_cancels_nothing() {
     assert_eq!(s.client_disconnects, 0, "{s:?}");
     assert_eq!(s.failed, 0, "{s:?}");
 }
+
+/// With `return_logprob`, the prefill's input logprobs are merged into decode's answer,
+/// streamed or not, per item of a batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn input_logprobs_from_the_prefill_are_merged() {
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(2, 1).await;
+    // Non-streamed batch: each item carries its prompt's input logprobs (one per token,
+    // first one null), which only the prefill computes.
+    let (st, _, bytes) = env
+        .post(
+            "/generate",
+            r#"{"input_ids":[[11,12,13],[21,22]],"sampling_params":{"max_new_tokens":2},"return_logprob":true}"#,
+        )
+        .await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    for (i, want) in [3usize, 2].iter().enumerate() {
+        let lp = v[i]["meta_info"]["input_token_logprobs"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{v}"));
+        assert_eq!(lp.len(), *want, "{v}");
+        assert!(lp[0][0].is_null());
+        assert!(
+            v[i]["meta_info"]["output_token_logprobs"]
+                .as_array()
+                .is_some_and(|o| o.len() == 2),
+            "{v}"
+        );
+    }
+    // Streamed: every chunk carries them.
+    let (st, _, bytes) = env
+        .post(
+            "/generate",
+            r#"{"input_ids":[5,6,7,8],"sampling_params":{"max_new_tokens":3},"return_logprob":true,"stream":true}"#,
+        )
+        .await;
+    assert_eq!(st, 200);
+    let (events, done) = sse_events(&bytes);
+    assert!(done && !events.is_empty());
+    for e in &events {
+        assert_eq!(
+            e["meta_info"]["input_token_logprobs"]
+                .as_array()
+                .map(Vec::len),
+            Some(4),
+            "{e}"
+        );
+    }
+}
