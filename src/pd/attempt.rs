@@ -300,15 +300,19 @@ impl Dispatcher {
         let dfut = self.up.client.request(dreq);
         tokio::pin!(dfut);
 
-        let far = tokio::time::Instant::now() + timeouts.request();
-        let mut first_byte_deadline = far;
+        // Decode's first-byte deadline runs from the prefill's completion: one timer, armed
+        // then (the request's own deadline bounds everything before that).
+        let first_byte = tokio::time::sleep(timeouts.decode_first_byte());
+        tokio::pin!(first_byte);
+        let mut first_byte_armed = false;
         let mut prefill_done: Option<PrefillDone> = None;
         let resp = loop {
             tokio::select! {
                 r = &mut pw, if prefill_done.is_none() => match r {
                     Ok(d) => {
                         prefill_done = Some(d);
-                        first_byte_deadline = tokio::time::Instant::now() + timeouts.decode_first_byte();
+                        first_byte.as_mut().reset(tokio::time::Instant::now() + timeouts.decode_first_byte());
+                        first_byte_armed = true;
                     }
                     Err(f) => return Err(failed(f)),
                 },
@@ -316,7 +320,7 @@ impl Dispatcher {
                     Ok(resp) => break resp,
                     Err(e) => return Err(failed(Failure::new(FailReason::DecodeConnect, format!("decode request failed: {}", crate::upstream::error_chain(&e))))),
                 },
-                _ = tokio::time::sleep_until(first_byte_deadline) => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
+                _ = &mut first_byte, if first_byte_armed => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
             }
         };
         let status = resp.status();
@@ -331,13 +335,17 @@ impl Dispatcher {
         // With return_logprob the prefill's answer is needed before decode's first bytes.
         if req.return_logprob {
             while prefill_done.is_none() {
-                tokio::select! {
-                    r = &mut pw => match r {
-                        Ok(d) => prefill_done = Some(d),
-                        Err(f) => return Err(failed(f)),
-                    },
-                    _ = tokio::time::sleep_until(far) => return Err(failed(Failure::new(FailReason::PrefillTimeout, "prefill did not answer"))),
+                // Bounded by the prefill's own deadline and the request's.
+                match (&mut pw).await {
+                    Ok(d) => prefill_done = Some(d),
+                    Err(f) => return Err(failed(f)),
                 }
+            }
+            if !first_byte_armed {
+                first_byte
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + timeouts.decode_first_byte());
+                first_byte_armed = true;
             }
         }
         let logprobs = prefill_done
@@ -360,7 +368,8 @@ impl Dispatcher {
                 r = &mut pw, if prefill_done.is_none() => match r {
                     Ok(d) => {
                         prefill_done = Some(d);
-                        first_byte_deadline = tokio::time::Instant::now() + timeouts.decode_first_byte();
+                        first_byte.as_mut().reset(tokio::time::Instant::now() + timeouts.decode_first_byte());
+                        first_byte_armed = true;
                     }
                     Err(f) => return Err(failed(f)),
                 },
@@ -384,7 +393,7 @@ impl Dispatcher {
                         }
                     }
                 },
-                _ = tokio::time::sleep_until(first_byte_deadline) => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
+                _ = &mut first_byte, if first_byte_armed => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
             }
         }
         if ended {
