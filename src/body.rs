@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 
 use bytes::Bytes;
-use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Empty, Full};
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
 
 /// Errors a body can end with; ending with an error makes hyper cut the connection,
 /// which is how a non-SSE response signals a broken upstream after headers.
@@ -12,18 +12,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pub type RespBody = UnsyncBoxBody<Bytes, BoxError>;
 
-pub fn full(b: impl Into<Bytes>) -> Full<Bytes> {
-    Full::new(b.into())
-}
-
 pub fn full_body(b: impl Into<Bytes>) -> RespBody {
     Full::new(b.into())
-        .map_err(|e: Infallible| match e {})
-        .boxed_unsync()
-}
-
-pub fn empty_body() -> RespBody {
-    Empty::<Bytes>::new()
         .map_err(|e: Infallible| match e {})
         .boxed_unsync()
 }

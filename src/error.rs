@@ -7,9 +7,8 @@
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
-use http_body_util::BodyExt;
 
-use crate::body::{full, RespBody};
+use crate::body::{full_body, RespBody};
 
 /// The reason a request failed. `as_str` is the error `type` and the metrics label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -238,7 +237,7 @@ impl Failure {
     /// The complete HTTP response for a failure before headers.
     pub fn into_response(self, request_id: Option<&HeaderValue>) -> Response<RespBody> {
         let status = self.status();
-        let mut resp = Response::new(full(self.json()).map_err(|e| match e {}).boxed_unsync());
+        let mut resp = Response::new(full_body(self.json()));
         *resp.status_mut() = status;
         let h = resp.headers_mut();
         h.insert(

@@ -79,7 +79,7 @@ pub async fn start(
     rng: RngSource,
 ) -> Result<Router, StartError> {
     cfg.validate()?;
-    crate::server::routes_metrics_init();
+    let _ = crate::server::prometheus();
     // The Prometheus recorder keeps histogram samples until upkeep folds them in: run it
     // on a timer so memory stays flat when nobody scrapes `/metrics`.
     tokio::spawn(async {

@@ -44,9 +44,6 @@ impl ApiRoute {
             ApiRoute::Completions => "completions",
         }
     }
-    pub fn is_openai(self) -> bool {
-        !matches!(self, ApiRoute::Generate)
-    }
 }
 
 /// Keys pdgate owns on the legs; a client's values for them are dropped.

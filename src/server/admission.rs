@@ -78,11 +78,6 @@ impl Admission {
             }
         }
     }
-
-    /// Requests waiting for a slot now.
-    pub fn waiting(&self) -> usize {
-        self.waiting.load(Ordering::Acquire)
-    }
 }
 
 /// A response body that holds its admission slot until it ends.

@@ -24,11 +24,6 @@ use crate::pd::Dispatcher;
 
 pub use routes::{prometheus, App};
 
-/// Installs the metrics recorder (idempotent).
-pub fn routes_metrics_init() {
-    let _ = prometheus();
-}
-
 /// The request id header, echoed on every response and forwarded to engines.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -67,20 +62,11 @@ impl Server {
         format!("http://{}", self.addr)
     }
 
-    pub fn app(&self) -> &Arc<App> {
-        &self.app
-    }
-
     /// Stops accepting, drains in-flight requests (up to the drain deadline), then returns.
     pub async fn shutdown(self) {
         self.app.draining.store(true, Ordering::SeqCst);
         let _ = self.shutdown.send(true);
         let _ = self.task.await;
-    }
-
-    /// Waits until the server stops by itself (it only does after `shutdown`).
-    pub async fn wait(&mut self) {
-        let _ = (&mut self.task).await;
     }
 }
 
