@@ -46,6 +46,10 @@ pub fn spawn(
                     warn_mismatches(&pool);
                 }
             }
+            // Idle leg connections past their timeout are closed here, off the request path.
+            if let Some(conns) = pool.with_worker(role, id, |w| w.conns.clone()) {
+                conns.sweep(up.legs.idle_timeout);
+            }
             if good {
                 ok_run += 1;
                 fail_run = 0;

@@ -277,16 +277,18 @@ impl Dispatcher {
             },
         );
         let path = req.route.path();
-        let preq =
-            legs::leg_request(&pv.url, path, pbody, &ctx.forward).map_err(|f| fail(f, None))?;
-        let dreq =
-            legs::leg_request(&dv.url, path, dbody, &ctx.forward).map_err(|f| fail(f, None))?;
+        let preq = legs::leg_request(&pv.conns, path, pbody, &ctx.forward);
+        let dreq = legs::leg_request(&dv.conns, path, dbody, &ctx.forward);
         tracing::debug!(request_id = %ctx.id, prefill = %pv.url, prefill_rank = pt.rank, decode = %dv.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
 
         // Both legs go out together.
         let timeouts = &self.cfg.timeouts;
-        let leg: super::flight::PrefillFuture =
-            Box::pin(legs::run_prefill(self.up.clone(), preq, timeouts.prefill()));
+        let leg: super::flight::PrefillFuture = Box::pin(legs::run_prefill(
+            self.up.clone(),
+            pv.conns.clone(),
+            preq,
+            timeouts.prefill(),
+        ));
         let mut pw = PrefillWatch::new(
             leg,
             pv.lost.clone(),
@@ -297,7 +299,7 @@ impl Dispatcher {
         );
         let mut dcancel = LegCancel::new(&self.up, &dv.url, &rid_d);
         let dguard = LoadGuard::new(dv, dt.rank);
-        let dfut = self.up.client.request(dreq);
+        let dfut = self.up.send_leg(&dv.conns, &dreq);
         tokio::pin!(dfut);
 
         // Decode's first-byte deadline runs from the prefill's completion: one timer, armed

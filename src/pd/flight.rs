@@ -16,8 +16,8 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use crate::upstream::LegBody;
 use bytes::Bytes;
-use hyper::body::Incoming;
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::sync::watch;
 use tokio::time::Sleep;
@@ -170,7 +170,7 @@ impl Drop for RequestRecord {
 /// The client's response body: decode's bytes, watched.
 pub struct PdBody {
     pending: Option<Bytes>,
-    decode: Option<Incoming>,
+    decode: Option<LegBody>,
     decode_cancel: LegCancel,
     _decode_guard: LoadGuard,
     sse: Option<SseScanner>,
@@ -192,7 +192,7 @@ pub struct Passive {
 
 pub struct PdBodyParts {
     pub first: Bytes,
-    pub decode: Incoming,
+    pub decode: LegBody,
     pub decode_cancel: LegCancel,
     pub decode_guard: LoadGuard,
     pub sse: Option<SseScanner>,

@@ -8,16 +8,17 @@
 //!   its KV was sent, and failures show as a status (SGLang turns aborts into 4xx/5xx for
 //!   non-streamed requests), so one small JSON read classifies it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderMap, HeaderValue, Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http::{HeaderMap, StatusCode};
+use http_body_util::{BodyExt, Limited};
 use serde::Deserialize;
 
 use crate::error::{FailReason, Failure};
 use crate::types::Role;
-use crate::upstream::{error_chain, BaseUrl, Upstream};
+use crate::upstream::{error_chain, BaseUrl, HostConns, LegBody, LegRequest, Upstream};
 
 /// Largest prefill answer read (it carries input logprobs when asked for).
 const PREFILL_BODY_LIMIT: usize = 64 * 1024 * 1024;
@@ -55,27 +56,8 @@ impl Drop for LegCancel {
 }
 
 /// Builds a leg request with the forwarded headers.
-pub fn leg_request(
-    url: &BaseUrl,
-    path: &str,
-    body: Vec<u8>,
-    fwd: &HeaderMap,
-) -> Result<Request<Full<Bytes>>, Failure> {
-    let uri = url
-        .uri(path)
-        .map_err(|e| Failure::new(FailReason::Internal, format!("bad upstream URI: {e}")))?;
-    let mut req = Request::new(Full::new(Bytes::from(body)));
-    *req.method_mut() = Method::POST;
-    *req.uri_mut() = uri;
-    let h = req.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    for (k, v) in fwd {
-        h.insert(k.clone(), v.clone());
-    }
-    Ok(req)
+pub fn leg_request(host: &HostConns, path: &str, body: Vec<u8>, fwd: &HeaderMap) -> LegRequest {
+    LegRequest::post_json(host, path, body, fwd)
 }
 
 /// What a successful prefill leg returns.
@@ -87,11 +69,12 @@ pub struct PrefillDone {
 /// Sends the prefill leg and reads its whole answer, within `deadline`.
 pub async fn run_prefill(
     up: Upstream,
-    req: Request<Full<Bytes>>,
+    host: Arc<HostConns>,
+    req: LegRequest,
     deadline: Duration,
 ) -> Result<PrefillDone, Failure> {
     let fut = async {
-        let resp = up.client.request(req).await.map_err(|e| {
+        let resp = up.send_leg(&host, &req).await.map_err(|e| {
             Failure::new(
                 FailReason::PrefillConnect,
                 format!("prefill request failed: {}", error_chain(&e)),
@@ -129,7 +112,7 @@ pub async fn run_prefill(
 }
 
 /// Reads a failed decode's (bounded) error body and classifies it.
-pub async fn decode_status_failure(status: StatusCode, body: hyper::body::Incoming) -> Failure {
+pub async fn decode_status_failure(status: StatusCode, body: LegBody) -> Failure {
     let bytes = tokio::time::timeout(
         Duration::from_secs(2),
         Limited::new(body, ERROR_BODY_LIMIT).collect(),

@@ -25,7 +25,7 @@ use tokio::sync::watch;
 
 use crate::bootstrap::Layout;
 use crate::types::{DpRank, Role, WorkerId};
-use crate::upstream::BaseUrl;
+use crate::upstream::{BaseUrl, HostConns};
 
 /// The router's view of what a decode engine would find for one (prefill, DP rank).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -105,6 +105,8 @@ pub struct WorkerState {
     pub info: Option<crate::bootstrap::client::ServerInfo>,
     /// Passive health of this worker's leg.
     pub breaker: Arc<Breaker>,
+    /// Kept-alive connections for this worker's legs.
+    pub conns: Arc<HostConns>,
 }
 
 /// An immutable view of one worker inside a snapshot.
@@ -124,6 +126,7 @@ pub struct WorkerView {
     pub lost: watch::Receiver<u64>,
     pub rank_lost: watch::Receiver<Vec<u64>>,
     pub breaker: Arc<Breaker>,
+    pub conns: Arc<HostConns>,
 }
 
 impl WorkerView {
@@ -264,6 +267,7 @@ impl Pool {
             workers.push(WorkerState {
                 id,
                 role,
+                conns: Arc::new(HostConns::new(&url)),
                 url,
                 healthy: false,
                 health_checked: false,
@@ -349,6 +353,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             lost: w.lost_tx.subscribe(),
             rank_lost: w.rank_lost_tx.subscribe(),
             breaker: w.breaker.clone(),
+            conns: w.conns.clone(),
         };
         let breaker_open = w.breaker.state() == BreakerState::Open;
         match w.role {

@@ -1,8 +1,20 @@
-//! The HTTP client pdgate uses towards engines and bootstrap servers.
+//! The HTTP clients pdgate uses towards engines and bootstrap servers.
 //!
-//! One pooled hyper client (HTTP/1.1, TCP_NODELAY, connect timeout, keep-alive) shared by
-//! every leg; background calls (server info, bootstrap polls, health) go through
-//! [`Upstream::get`] with their own timeout.
+//! - Legs (the request path) go through [`leg`]: a lean HTTP/1.1 client whose connections
+//!   belong to each worker ([`HostConns`]) and are driven by the request's own future.
+//! - Background calls (server info, bootstrap polls, health, `/abort_request`) go through
+//!   one pooled hyper client (HTTP/1.1, TCP_NODELAY, connect timeout, keep-alive), via
+//!   [`Upstream::get`] / [`Upstream::call`], each with its own timeout.
+//!
+//! [`Upstream`] is a cheap handle (one `Arc`): legs keep a clone to send their abort.
+
+mod leg;
+mod leg_body;
+
+pub use leg::{HostConns, LegError, LegRequest, LegSettings};
+pub use leg_body::LegBody;
+
+use std::sync::Arc;
 
 use std::time::Duration;
 
@@ -109,12 +121,22 @@ pub enum CallError {
     Body(String),
 }
 
-/// Shared client plus the settings legs need.
+/// Shared clients plus the settings legs need.
 #[derive(Clone)]
-pub struct Upstream {
+pub struct Upstream(Arc<UpstreamInner>);
+
+pub struct UpstreamInner {
     pub client: HttpClient,
     pub auth: Option<http::HeaderValue>,
     pub forward_authorization: bool,
+    pub legs: LegSettings,
+}
+
+impl std::ops::Deref for Upstream {
+    type Target = UpstreamInner;
+    fn deref(&self) -> &UpstreamInner {
+        &self.0
+    }
 }
 
 impl Upstream {
@@ -134,11 +156,26 @@ impl Upstream {
             .api_key
             .as_ref()
             .and_then(|k| http::HeaderValue::try_from(format!("Bearer {k}")).ok());
-        Upstream {
+        Upstream(Arc::new(UpstreamInner {
             client,
             auth,
             forward_authorization: cfg.forward_authorization,
-        }
+            legs: LegSettings {
+                connect_timeout: timeouts.connect(),
+                max_idle: cfg.pool_max_idle_per_host,
+                idle_timeout: Duration::from_secs(cfg.pool_idle_timeout_secs),
+            },
+        }))
+    }
+
+    /// Sends a leg to `host` and returns the answer's head; its body streams from the
+    /// socket as it is polled.
+    pub async fn send_leg(
+        &self,
+        host: &Arc<HostConns>,
+        req: &LegRequest,
+    ) -> Result<http::Response<LegBody>, LegError> {
+        leg::send(host, &self.legs, req).await
     }
 
     /// A small request with a whole-call timeout; returns status and (bounded) body.

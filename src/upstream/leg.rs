@@ -1,0 +1,577 @@
+//! The lean HTTP/1.1 client that carries request legs to engines.
+//!
+//! Why not hyper's client here: a leg is one POST and one answer on a kept-alive
+//! connection, and the request path should pay for nothing else. hyper-util's pooled
+//! client spends, per request, a pool checkout keyed by a hashed URI, a dispatch channel
+//! (with its own allocation blocks) into a per-connection task, a oneshot back, and
+//! 16 KB of buffers per idle connection. Here the request's own future drives its socket:
+//! it writes the head and body in one `writev`, parses the answer's head with `httparse`,
+//! and hands back a [`LegBody`] that reads the socket directly as the response body is
+//! polled. No task, no channel, no buffer kept on idle connections.
+//! (Background calls — bootstrap polls, health, aborts — still use hyper's client.)
+//!
+//! Invariants:
+//! - A connection goes back to its worker's idle list only after its answer was read to
+//!   the end, exactly (no extra bytes), with HTTP/1.1 keep-alive. Anything else closes it.
+//! - Dropping the send future or the [`LegBody`] closes the connection at once, which is
+//!   how an engine learns the leg was cancelled.
+//! - A request sent on a reused connection that the engine had closed (EOF or reset before
+//!   any byte of an answer) is sent once more on a new connection; nothing else is retried
+//!   here.
+//! - Nothing in here panics on what an engine sends: malformed heads, bad chunk sizes and
+//!   early EOFs are errors.
+//!
+//! The idle list is a `Mutex<Vec<_>>` held for one push or pop (never across an await);
+//! it belongs to the worker (see `pool::WorkerView::conns`), so no map is looked up per
+//! request.
+
+use std::io::{self, IoSlice};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpSocket, TcpStream};
+
+use super::leg_body::{Framing, LegBody};
+
+/// Largest response head accepted from an engine.
+const MAX_HEAD: usize = 64 * 1024;
+/// Most headers accepted in a response head.
+const MAX_HEADERS: usize = 64;
+/// Read buffer size a leg starts with (grows for large answers).
+pub(crate) const READ_CHUNK: usize = 4096;
+
+/// Why a leg failed at the transport or protocol level.
+#[derive(Debug, thiserror::Error)]
+pub enum LegError {
+    #[error("connect to {addr} failed: {source}")]
+    Connect { addr: String, source: io::Error },
+    #[error("connect to {0} timed out after {1:?}")]
+    ConnectTimeout(String, Duration),
+    #[error("cannot resolve {0}: {1}")]
+    Resolve(String, String),
+    #[error("sending the request failed: {0}")]
+    Write(io::Error),
+    #[error("reading the answer failed: {0}")]
+    Read(io::Error),
+    #[error("the engine closed the connection before answering")]
+    ClosedBeforeAnswer,
+    #[error("the engine closed the connection before the answer was complete")]
+    ClosedEarly,
+    #[error("malformed answer from the engine: {0}")]
+    Protocol(String),
+}
+
+impl LegError {
+    /// Whether a request on a reused connection may be sent again on a new one: the
+    /// engine closed the connection before it could have answered (a stale keep-alive).
+    fn is_stale(&self) -> bool {
+        match self {
+            LegError::ClosedBeforeAnswer => true,
+            LegError::Write(e) | LegError::Read(e) => matches!(
+                e.kind(),
+                io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::UnexpectedEof
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// Pool settings (from `[upstream]` and `[timeouts]`).
+#[derive(Clone, Copy, Debug)]
+pub struct LegSettings {
+    pub connect_timeout: Duration,
+    pub max_idle: usize,
+    pub idle_timeout: Duration,
+}
+
+struct Idle {
+    stream: TcpStream,
+    since: Instant,
+}
+
+/// One engine's kept-alive connections for legs.
+pub struct HostConns {
+    host: String,
+    port: u16,
+    /// Parsed once when the host is an IP literal (no resolver on the request path).
+    ip: Option<SocketAddr>,
+    /// The `Host` header value.
+    authority: String,
+    idle: Mutex<Vec<Idle>>,
+}
+
+impl std::fmt::Debug for HostConns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostConns")
+            .field("authority", &self.authority)
+            .field("idle", &self.idle_count())
+            .finish()
+    }
+}
+
+impl HostConns {
+    pub fn new(url: &super::BaseUrl) -> HostConns {
+        let host = url.host().to_string();
+        let port = url.port();
+        let ip = host
+            .parse::<IpAddr>()
+            .ok()
+            .map(|ip| SocketAddr::new(ip, port));
+        let authority = if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        HostConns {
+            host,
+            port,
+            ip,
+            authority,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Idle connections held now.
+    pub fn idle_count(&self) -> usize {
+        self.idle.lock().map_or(0, |v| v.len())
+    }
+
+    /// Closes idle connections older than `idle_timeout` (called from background loops).
+    pub fn sweep(&self, idle_timeout: Duration) {
+        let now = Instant::now();
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.retain(|c| now.duration_since(c.since) < idle_timeout);
+        }
+    }
+
+    /// The most recently used idle connection that still looks alive.
+    fn checkout(&self, s: &LegSettings) -> Option<TcpStream> {
+        loop {
+            let c = self.idle.lock().ok()?.pop()?;
+            if c.since.elapsed() >= s.idle_timeout {
+                continue;
+            }
+            if looks_alive(&c.stream) {
+                return Some(c.stream);
+            }
+        }
+    }
+
+    /// Returns a connection whose answer was read exactly to its end.
+    pub(crate) fn checkin(&self, stream: TcpStream, s: &LegSettings) {
+        let Ok(mut idle) = self.idle.lock() else {
+            return;
+        };
+        if idle.len() < s.max_idle {
+            idle.push(Idle {
+                stream,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    async fn connect(&self, s: &LegSettings) -> Result<TcpStream, LegError> {
+        let addr = match self.ip {
+            Some(a) => a,
+            None => tokio::net::lookup_host((self.host.as_str(), self.port))
+                .await
+                .map_err(|e| LegError::Resolve(self.authority.clone(), e.to_string()))?
+                .next()
+                .ok_or_else(|| {
+                    LegError::Resolve(self.authority.clone(), "no address".to_string())
+                })?,
+        };
+        let connect = async {
+            let sock = if addr.is_ipv4() {
+                TcpSocket::new_v4()?
+            } else {
+                TcpSocket::new_v6()?
+            };
+            sock.set_nodelay(true)?;
+            sock.set_keepalive(true)?;
+            sock.connect(addr).await
+        };
+        match tokio::time::timeout(s.connect_timeout, connect).await {
+            Ok(Ok(stream)) => Ok(stream),
+            Ok(Err(source)) => Err(LegError::Connect {
+                addr: self.authority.clone(),
+                source,
+            }),
+            Err(_) => Err(LegError::ConnectTimeout(
+                self.authority.clone(),
+                s.connect_timeout,
+            )),
+        }
+    }
+}
+
+/// Whether an idle connection can be reused: the engine has not closed it (EOF) nor sent
+/// anything unasked. Costs no syscall unless the socket was reported readable.
+fn looks_alive(stream: &TcpStream) -> bool {
+    let mut cx = Context::from_waker(Waker::noop());
+    match stream.poll_read_ready(&mut cx) {
+        Poll::Pending => true,
+        Poll::Ready(Err(_)) => false,
+        Poll::Ready(Ok(())) => {
+            let mut probe = [0u8; 1];
+            matches!(stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+        }
+    }
+}
+
+/// A leg ready to send: its request head (request line and headers) and its body.
+pub struct LegRequest {
+    pub head: Vec<u8>,
+    pub body: Vec<u8>,
+}
+
+impl LegRequest {
+    /// `POST path` with a JSON body and the forwarded headers.
+    pub fn post_json(host: &HostConns, path: &str, body: Vec<u8>, fwd: &HeaderMap) -> LegRequest {
+        let mut head = Vec::with_capacity(160 + path.len());
+        head.extend_from_slice(b"POST ");
+        head.extend_from_slice(path.as_bytes());
+        head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+        head.extend_from_slice(host.authority.as_bytes());
+        head.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
+        head.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
+        head.extend_from_slice(b"\r\n");
+        for (k, v) in fwd {
+            if k == http::header::HOST
+                || k == http::header::CONTENT_LENGTH
+                || k == http::header::CONTENT_TYPE
+                || k == http::header::TRANSFER_ENCODING
+                || k == http::header::CONNECTION
+            {
+                continue;
+            }
+            head.extend_from_slice(k.as_str().as_bytes());
+            head.extend_from_slice(b": ");
+            head.extend_from_slice(v.as_bytes());
+            head.extend_from_slice(b"\r\n");
+        }
+        head.extend_from_slice(b"\r\n");
+        LegRequest { head, body }
+    }
+}
+
+/// Sends `req` to `host` and reads the answer's head; the body streams from the returned
+/// [`LegBody`].
+pub async fn send(
+    host: &Arc<HostConns>,
+    s: &LegSettings,
+    req: &LegRequest,
+) -> Result<Response<LegBody>, LegError> {
+    if let Some(stream) = host.checkout(s) {
+        match exchange(stream, host, s, req).await {
+            Err(e) if e.is_stale() => {
+                metrics::counter!("pdgate_upstream_stale_retries_total").increment(1);
+            }
+            other => return other,
+        }
+    }
+    let stream = host.connect(s).await?;
+    exchange(stream, host, s, req).await
+}
+
+async fn exchange(
+    mut stream: TcpStream,
+    host: &Arc<HostConns>,
+    s: &LegSettings,
+    req: &LegRequest,
+) -> Result<Response<LegBody>, LegError> {
+    write_two(&mut stream, &req.head, &req.body)
+        .await
+        .map_err(LegError::Write)?;
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    loop {
+        match parse_head(&mut buf)? {
+            Head::Done(parts) => return Ok(build(parts, buf, stream, host, s)),
+            // 1xx: the real answer follows (maybe already in `buf`).
+            Head::Informational => continue,
+            Head::Partial => {
+                if buf.len() > MAX_HEAD {
+                    return Err(LegError::Protocol(format!(
+                        "response head larger than {MAX_HEAD} bytes"
+                    )));
+                }
+                let n = read_more(&mut stream, &mut buf)
+                    .await
+                    .map_err(LegError::Read)?;
+                if n == 0 {
+                    return Err(if buf.is_empty() {
+                        LegError::ClosedBeforeAnswer
+                    } else {
+                        LegError::ClosedEarly
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// A parsed response head.
+pub(crate) struct Parts {
+    status: StatusCode,
+    headers: HeaderMap,
+    framing: Framing,
+    keep_alive: bool,
+}
+
+enum Head {
+    Partial,
+    Informational,
+    Done(Parts),
+}
+
+/// Parses one response head at the front of `buf`; on success the head's bytes are split
+/// off `buf` (what remains is body).
+fn parse_head(buf: &mut BytesMut) -> Result<Head, LegError> {
+    let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut hs);
+    let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(Head::Partial),
+        Err(e) => return Err(LegError::Protocol(format!("bad response head: {e}"))),
+    };
+    let code = resp.code.unwrap_or(0);
+    let status = StatusCode::from_u16(code)
+        .map_err(|_| LegError::Protocol(format!("bad status code {code}")))?;
+    let http11 = resp.version == Some(1);
+    // Header values are kept as slices of the head (no copy per value).
+    let mut ranges: Vec<(HeaderName, usize, usize)> = Vec::with_capacity(resp.headers.len());
+    let base = buf.as_ptr() as usize;
+    let mut chunked = false;
+    let mut te = false;
+    let mut length: Option<u64> = None;
+    let mut close = !http11;
+    for h in resp.headers.iter() {
+        let name = HeaderName::from_bytes(h.name.as_bytes())
+            .map_err(|_| LegError::Protocol(format!("bad header name {:?}", h.name)))?;
+        let start = h.value.as_ptr() as usize - base;
+        ranges.push((name.clone(), start, start + h.value.len()));
+        if name == http::header::TRANSFER_ENCODING {
+            te = true;
+            chunked = last_token_is(h.value, b"chunked");
+        } else if name == http::header::CONTENT_LENGTH {
+            let n = std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| LegError::Protocol("bad content-length".to_string()))?;
+            if length.is_some_and(|l| l != n) {
+                return Err(LegError::Protocol("conflicting content-length".to_string()));
+            }
+            length = Some(n);
+        } else if name == http::header::CONNECTION {
+            if has_token(h.value, b"close") {
+                close = true;
+            } else if !http11 && has_token(h.value, b"keep-alive") {
+                close = false;
+            }
+        }
+    }
+    if status.is_informational() && code != 101 {
+        let _ = buf.split_to(len);
+        return Ok(Head::Informational);
+    }
+    let raw = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(ranges.len());
+    for (name, a, b) in ranges {
+        let v = HeaderValue::from_maybe_shared(raw.slice(a..b))
+            .map_err(|_| LegError::Protocol("bad header value".to_string()))?;
+        headers.append(name, v);
+    }
+    let framing = if code == 204 || code == 304 || code == 101 {
+        Framing::Done
+    } else if te {
+        if chunked {
+            Framing::chunked()
+        } else {
+            close = true;
+            Framing::Eof
+        }
+    } else if let Some(n) = length {
+        Framing::Length(n)
+    } else {
+        close = true;
+        Framing::Eof
+    };
+    Ok(Head::Done(Parts {
+        status,
+        headers,
+        framing,
+        keep_alive: !close && code != 101,
+    }))
+}
+
+fn build(
+    p: Parts,
+    buf: BytesMut,
+    stream: TcpStream,
+    host: &Arc<HostConns>,
+    s: &LegSettings,
+) -> Response<LegBody> {
+    let body = LegBody::new(
+        stream,
+        buf,
+        p.framing,
+        p.keep_alive.then(|| (host.clone(), *s)),
+    );
+    let mut resp = Response::new(body);
+    *resp.status_mut() = p.status;
+    *resp.headers_mut() = p.headers;
+    resp
+}
+
+fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {
+    v.split(|&b| b == b',').map(|t| t.trim_ascii())
+}
+
+fn has_token(v: &[u8], tok: &[u8]) -> bool {
+    tokens(v).any(|t| t.eq_ignore_ascii_case(tok))
+}
+
+fn last_token_is(v: &[u8], tok: &[u8]) -> bool {
+    tokens(v)
+        .filter(|t| !t.is_empty())
+        .last()
+        .is_some_and(|t| t.eq_ignore_ascii_case(tok))
+}
+
+/// Reads more bytes into `buf` (growing it when full); 0 means EOF.
+pub(crate) async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    std::future::poll_fn(|cx| poll_read_more(stream, buf, cx)).await
+}
+
+pub(crate) fn poll_read_more(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<usize>> {
+    let spare = buf.capacity() - buf.len();
+    if spare < READ_CHUNK / 4 {
+        buf.reserve(buf.len().max(READ_CHUNK));
+    }
+    tokio_util::io::poll_read_buf(std::pin::Pin::new(stream), cx, buf)
+}
+
+/// Writes `a` then `b` with as few `writev`s as the socket allows.
+async fn write_two(stream: &mut TcpStream, a: &[u8], b: &[u8]) -> io::Result<()> {
+    let (mut i, mut j) = (0usize, 0usize);
+    while i < a.len() || j < b.len() {
+        let bufs = [IoSlice::new(&a[i..]), IoSlice::new(&b[j..])];
+        let n = stream.write_vectored(&bufs).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        let from_a = n.min(a.len() - i);
+        i += from_a;
+        j += n - from_a;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(s: &str) -> Result<Head, LegError> {
+        let mut b = BytesMut::from(s.as_bytes());
+        parse_head(&mut b)
+    }
+
+    #[test]
+    fn heads_table() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
+                "200 len5 ka",
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+                "200 chunked ka",
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+                "200 chunked ka",
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+                "200 eof close",
+            ),
+            ("HTTP/1.1 200 OK\r\n\r\n", "200 eof close"),
+            ("HTTP/1.1 204 No Content\r\n\r\n", "204 done ka"),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n",
+                "200 len2 close",
+            ),
+            (
+                "HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\n",
+                "200 len2 close",
+            ),
+            (
+                "HTTP/1.0 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\n",
+                "200 len2 ka",
+            ),
+            ("HTTP/1.1 100 Continue\r\n\r\n", "1xx"),
+            ("HTTP/1.1 200 OK\r\ncontent-le", "partial"),
+            ("HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n", "err"),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+                "err",
+            ),
+            ("garbage\r\n\r\n", "err"),
+            ("HTTP/1.1 099 What\r\n\r\n", "err"),
+            ("HTTP/1.1 999 What\r\n\r\n", "999 eof close"),
+        ];
+        for (input, want) in cases {
+            let got = match head(input) {
+                Ok(Head::Partial) => "partial".to_string(),
+                Ok(Head::Informational) => "1xx".to_string(),
+                Err(_) => "err".to_string(),
+                Ok(Head::Done(p)) => format!(
+                    "{} {} {}",
+                    p.status.as_u16(),
+                    p.framing.label(),
+                    if p.keep_alive { "ka" } else { "close" }
+                ),
+            };
+            assert_eq!(&got, want, "{input:?}");
+        }
+    }
+
+    #[test]
+    fn header_values_survive_the_split() {
+        let mut b = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-A: 1\r\n\r\nbody"[..],
+        );
+        let Ok(Head::Done(p)) = parse_head(&mut b) else {
+            panic!("not parsed")
+        };
+        assert_eq!(p.headers["content-type"], "text/event-stream");
+        assert_eq!(p.headers["x-a"], "1");
+        assert_eq!(&b[..], b"body");
+    }
+
+    #[test]
+    fn request_head_is_well_formed() {
+        let url = super::super::parse_base_url("http://[::1]:8000").unwrap();
+        let host = HostConns::new(&url);
+        let mut fwd = HeaderMap::new();
+        fwd.insert("x-request-id", HeaderValue::from_static("abc"));
+        fwd.insert("content-length", HeaderValue::from_static("999"));
+        let r = LegRequest::post_json(&host, "/generate", b"{}".to_vec(), &fwd);
+        assert_eq!(
+            std::str::from_utf8(&r.head).unwrap(),
+            "POST /generate HTTP/1.1\r\nhost: [::1]:8000\r\ncontent-type: application/json\r\ncontent-length: 2\r\nx-request-id: abc\r\n\r\n"
+        );
+    }
+}

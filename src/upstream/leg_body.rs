@@ -1,0 +1,337 @@
+//! A leg's response body, read straight from its connection as it is polled.
+//!
+//! Framing: `Content-Length`, `Transfer-Encoding: chunked` (chunk extensions and
+//! trailers are read and dropped), or read to EOF. Data frames are slices of the read
+//! buffer (no copy). The body reports its end (`is_end_stream`) as soon as the bytes that
+//! end it were read, even when they came with the last data, so that a caller can finish
+//! the response without polling again.
+//!
+//! Invariants: a connection is handed back to its worker's idle list only when the body
+//! ended exactly at the end of what was read and the answer allowed keep-alive; dropping
+//! the body before its end closes the connection.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes, BytesMut};
+use hyper::body::{Body, Frame, SizeHint};
+use tokio::net::TcpStream;
+
+use super::leg::{poll_read_more, HostConns, LegError, LegSettings};
+
+/// Longest chunk-size or trailer line accepted.
+const MAX_LINE: usize = 4096;
+
+/// How the body's end is found.
+#[derive(Debug)]
+pub enum Framing {
+    /// This many bytes are left.
+    Length(u64),
+    Chunked(Chunk),
+    /// Until the engine closes the connection (never reused).
+    Eof,
+    /// Complete.
+    Done,
+}
+
+/// Where a chunked decoder is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chunk {
+    /// Expecting a chunk-size line.
+    Size,
+    /// This many data bytes of the current chunk are left.
+    Data(u64),
+    /// Expecting the CRLF after a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer lines until an empty one.
+    Trailers,
+}
+
+impl Framing {
+    pub(crate) fn chunked() -> Framing {
+        Framing::Chunked(Chunk::Size)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn label(&self) -> String {
+        match self {
+            Framing::Length(n) => format!("len{n}"),
+            Framing::Chunked(_) => "chunked".to_string(),
+            Framing::Eof => "eof".to_string(),
+            Framing::Done => "done".to_string(),
+        }
+    }
+}
+
+/// The body of a leg's answer.
+pub struct LegBody {
+    stream: Option<TcpStream>,
+    buf: BytesMut,
+    framing: Framing,
+    /// Where the connection goes back when the body ends cleanly (None: close it).
+    reuse: Option<(Arc<HostConns>, LegSettings)>,
+    /// A framing error found before the first poll.
+    error: Option<LegError>,
+}
+
+impl std::fmt::Debug for LegBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LegBody")
+            .field("framing", &self.framing)
+            .field("buffered", &self.buf.len())
+            .finish()
+    }
+}
+
+impl LegBody {
+    pub(crate) fn new(
+        stream: TcpStream,
+        buf: BytesMut,
+        framing: Framing,
+        reuse: Option<(Arc<HostConns>, LegSettings)>,
+    ) -> LegBody {
+        let mut b = LegBody {
+            stream: Some(stream),
+            buf,
+            framing,
+            reuse,
+            error: None,
+        };
+        if matches!(b.framing, Framing::Length(0)) {
+            b.framing = Framing::Done;
+        }
+        if let Framing::Chunked(_) = b.framing {
+            // A tiny chunked answer may already be whole.
+            if let Err(e) = b.advance_chunk_meta() {
+                b.error = Some(e);
+                return b;
+            }
+        }
+        if matches!(b.framing, Framing::Done) {
+            b.finish();
+        }
+        b
+    }
+
+    /// The body ended: hand the connection back if it is clean, else close it.
+    fn finish(&mut self) {
+        self.framing = Framing::Done;
+        let stream = self.stream.take();
+        if let (Some(stream), Some((host, s))) = (stream, self.reuse.take()) {
+            if self.buf.is_empty() {
+                host.checkin(stream, &s);
+            }
+        }
+        self.buf = BytesMut::new();
+    }
+
+    /// Consumes everything but data in the chunked stream that is already buffered
+    /// (chunk-size lines, data CRLFs, trailers), stopping at data or at missing bytes.
+    fn advance_chunk_meta(&mut self) -> Result<(), LegError> {
+        loop {
+            let Framing::Chunked(state) = self.framing else {
+                return Ok(());
+            };
+            match state {
+                Chunk::Data(_) => return Ok(()),
+                Chunk::DataEnd => {
+                    if self.buf.len() < 2 {
+                        return Ok(());
+                    }
+                    if &self.buf[..2] != b"\r\n" {
+                        return Err(LegError::Protocol("chunk data not followed by CRLF".into()));
+                    }
+                    self.buf.advance(2);
+                    self.framing = Framing::Chunked(Chunk::Size);
+                }
+                Chunk::Size => {
+                    let Some(line) = self.take_line()? else {
+                        return Ok(());
+                    };
+                    let size = parse_chunk_size(&line)?;
+                    self.framing = Framing::Chunked(if size == 0 {
+                        Chunk::Trailers
+                    } else {
+                        Chunk::Data(size)
+                    });
+                }
+                Chunk::Trailers => {
+                    let Some(line) = self.take_line()? else {
+                        return Ok(());
+                    };
+                    if line.is_empty() {
+                        self.finish();
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// One CRLF-terminated line from the buffer (without the CRLF), if whole.
+    fn take_line(&mut self) -> Result<Option<Bytes>, LegError> {
+        match memchr::memchr(b'\n', &self.buf) {
+            Some(i) => {
+                let mut line = self.buf.split_to(i + 1).freeze();
+                line.truncate(i);
+                if line.last() == Some(&b'\r') {
+                    line.truncate(i - 1);
+                }
+                Ok(Some(line))
+            }
+            None if self.buf.len() > MAX_LINE => {
+                Err(LegError::Protocol("chunk line too long".into()))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Up to `max` buffered bytes as a frame.
+    fn take_data(&mut self, max: u64) -> Bytes {
+        let n = (self.buf.len() as u64).min(max) as usize;
+        self.buf.split_to(n).freeze()
+    }
+
+    fn fail(&mut self, e: LegError) -> Poll<Option<Result<Frame<Bytes>, LegError>>> {
+        self.framing = Framing::Done;
+        self.stream = None;
+        self.reuse = None;
+        self.buf = BytesMut::new();
+        Poll::Ready(Some(Err(e)))
+    }
+}
+
+fn parse_chunk_size(line: &[u8]) -> Result<u64, LegError> {
+    let digits = line
+        .split(|&b| b == b';')
+        .next()
+        .unwrap_or_default()
+        .trim_ascii();
+    if digits.is_empty() || digits.len() > 15 {
+        return Err(LegError::Protocol("bad chunk size".into()));
+    }
+    let mut n: u64 = 0;
+    for &d in digits {
+        let v = match d {
+            b'0'..=b'9' => d - b'0',
+            b'a'..=b'f' => d - b'a' + 10,
+            b'A'..=b'F' => d - b'A' + 10,
+            _ => return Err(LegError::Protocol("bad chunk size".into())),
+        };
+        n = n * 16 + u64::from(v);
+    }
+    Ok(n)
+}
+
+impl Body for LegBody {
+    type Data = Bytes;
+    type Error = LegError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, LegError>>> {
+        let this = &mut *self;
+        if let Some(e) = this.error.take() {
+            return this.fail(e);
+        }
+        loop {
+            match this.framing {
+                Framing::Done => return Poll::Ready(None),
+                Framing::Length(left) => {
+                    if !this.buf.is_empty() {
+                        let data = this.take_data(left);
+                        let left = left - data.len() as u64;
+                        this.framing = Framing::Length(left);
+                        if left == 0 {
+                            this.finish();
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                }
+                Framing::Eof => {
+                    if !this.buf.is_empty() {
+                        let data = this.take_data(u64::MAX);
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                }
+                Framing::Chunked(_) => {
+                    if let Err(e) = this.advance_chunk_meta() {
+                        return this.fail(e);
+                    }
+                    if let Framing::Chunked(Chunk::Data(left)) = this.framing {
+                        if !this.buf.is_empty() {
+                            let data = this.take_data(left);
+                            let left = left - data.len() as u64;
+                            this.framing = Framing::Chunked(if left == 0 {
+                                Chunk::DataEnd
+                            } else {
+                                Chunk::Data(left)
+                            });
+                            // Read past the chunk's end now, so that the body's end is
+                            // known together with its last data.
+                            if let Err(e) = this.advance_chunk_meta() {
+                                return this.fail(e);
+                            }
+                            return Poll::Ready(Some(Ok(Frame::data(data))));
+                        }
+                    }
+                    if matches!(this.framing, Framing::Done) {
+                        return Poll::Ready(None);
+                    }
+                }
+            }
+            // Need more bytes.
+            let Some(stream) = this.stream.as_mut() else {
+                return this.fail(LegError::ClosedEarly);
+            };
+            match poll_read_more(stream, &mut this.buf, cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(e)) => return this.fail(LegError::Read(e)),
+                Poll::Ready(Ok(0)) => {
+                    if matches!(this.framing, Framing::Eof) {
+                        this.reuse = None;
+                        this.finish();
+                        return Poll::Ready(None);
+                    }
+                    return this.fail(LegError::ClosedEarly);
+                }
+                Poll::Ready(Ok(_)) => {}
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.error.is_none() && matches!(self.framing, Framing::Done)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Length(n) => SizeHint::with_exact(n),
+            Framing::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_sizes() {
+        let cases: &[(&[u8], Option<u64>)] = &[
+            (b"0", Some(0)),
+            (b"1a", Some(26)),
+            (b"FF;ext=1", Some(255)),
+            (b" 10 ", Some(16)),
+            (b"", None),
+            (b"xyz", None),
+            (b"1234567890abcdef0", None),
+        ];
+        for (line, want) in cases {
+            assert_eq!(parse_chunk_size(line).ok(), *want, "{line:?}");
+        }
+    }
+}
