@@ -277,8 +277,8 @@ impl Dispatcher {
             },
         );
         let path = req.route.path();
-        let preq = legs::leg_request(&pv.conns, path, pbody, &ctx.forward);
-        let dreq = legs::leg_request(&dv.conns, path, dbody, &ctx.forward);
+        let preq = legs::leg_request(&pv.conns, path, pbody, &ctx.forward, false);
+        let dreq = legs::leg_request(&dv.conns, path, dbody, &ctx.forward, true);
         tracing::debug!(request_id = %ctx.id, prefill = %pv.url, prefill_rank = pt.rank, decode = %dv.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
 
         // Both legs go out together.
@@ -294,10 +294,10 @@ impl Dispatcher {
             pv.lost.clone(),
             pv.rank_lost.clone(),
             pt.rank,
-            LegCancel::new(&self.up, &pv.url, &rid_p),
+            LegCancel::new(&self.up, &pv.url, rid_p),
             LoadGuard::new(pv, pt.rank),
         );
-        let mut dcancel = LegCancel::new(&self.up, &dv.url, &rid_d);
+        let mut dcancel = LegCancel::new(&self.up, &dv.url, rid_d);
         let dguard = LoadGuard::new(dv, dt.rank);
         let dfut = self.up.send_leg(&dv.conns, &dreq);
         tokio::pin!(dfut);

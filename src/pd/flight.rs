@@ -23,6 +23,7 @@ use tokio::sync::watch;
 use tokio::time::Sleep;
 
 use super::legs::{LegCancel, PrefillDone};
+use super::request::ApiRoute;
 use super::sse::{Scan, SseScanner};
 use crate::body::BoxError;
 use crate::error::{FailReason, Failure};
@@ -136,7 +137,7 @@ impl Future for PrefillWatch {
 
 /// Outcome accounting for one request: metrics and a log line when it ends.
 pub struct RequestRecord {
-    pub route: &'static str,
+    pub route: ApiRoute,
     pub request_id: String,
     pub start: Instant,
     pub outcome: Option<&'static str>,
@@ -156,15 +157,45 @@ impl Drop for RequestRecord {
             .outcome
             .unwrap_or(FailReason::ClientDisconnected.as_str());
         let secs = self.start.elapsed().as_secs_f64();
-        metrics::counter!("pdgate_requests_total", "route" => self.route, "outcome" => outcome)
-            .increment(1);
-        metrics::histogram!("pdgate_request_duration_seconds", "route" => self.route).record(secs);
+        let h = route_handles(self.route);
+        let route = self.route.label();
         if outcome == "ok" {
-            tracing::debug!(request_id = %self.request_id, route = self.route, secs, "request done");
+            h.ok.increment(1);
+        } else {
+            metrics::counter!("pdgate_requests_total", "route" => route, "outcome" => outcome)
+                .increment(1);
+        }
+        h.duration.record(secs);
+        if outcome == "ok" {
+            tracing::debug!(request_id = %self.request_id, route, secs, "request done");
         } else if outcome == FailReason::ClientDisconnected.as_str() {
-            tracing::info!(request_id = %self.request_id, route = self.route, secs, "client went away; legs cancelled");
+            tracing::info!(request_id = %self.request_id, route, secs, "client went away; legs cancelled");
         }
     }
+}
+
+/// Metric handles of a route's common outcome, registered once: a labelled `counter!`
+/// call hashes its name and labels (and allocates) on every call. Resolved at the first
+/// request, after the recorder was installed at start.
+struct RouteHandles {
+    ok: metrics::Counter,
+    duration: metrics::Histogram,
+}
+
+fn route_handles(route: ApiRoute) -> &'static RouteHandles {
+    static H: std::sync::OnceLock<[RouteHandles; 3]> = std::sync::OnceLock::new();
+    let all = H.get_or_init(|| {
+        [
+            ApiRoute::Generate,
+            ApiRoute::ChatCompletions,
+            ApiRoute::Completions,
+        ]
+        .map(|r| RouteHandles {
+            ok: metrics::counter!("pdgate_requests_total", "route" => r.label(), "outcome" => "ok"),
+            duration: metrics::histogram!("pdgate_request_duration_seconds", "route" => r.label()),
+        })
+    });
+    &all[route as usize]
 }
 
 /// The client's response body: decode's bytes, watched.

@@ -8,12 +8,13 @@
 //!   its KV was sent, and failures show as a status (SGLang turns aborts into 4xx/5xx for
 //!   non-streamed requests), so one small JSON read classifies it.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, StatusCode};
+use http::StatusCode;
 use http_body_util::{BodyExt, Limited};
+use memchr::memmem::Finder;
 use serde::Deserialize;
 
 use crate::error::{FailReason, Failure};
@@ -34,11 +35,11 @@ pub struct LegCancel {
 }
 
 impl LegCancel {
-    pub fn new(up: &Upstream, url: &BaseUrl, rid: &str) -> LegCancel {
+    pub fn new(up: &Upstream, url: &BaseUrl, rid: String) -> LegCancel {
         LegCancel {
             up: up.clone(),
             url: url.clone(),
-            rid: rid.to_string(),
+            rid,
             armed: true,
         }
     }
@@ -55,9 +56,18 @@ impl Drop for LegCancel {
     }
 }
 
-/// Builds a leg request with the forwarded headers.
-pub fn leg_request(host: &HostConns, path: &str, body: Vec<u8>, fwd: &HeaderMap) -> LegRequest {
-    LegRequest::post_json(host, path, body, fwd)
+/// Builds a leg request with the forwarded header lines; `keep_headers`: whether the
+/// answer's headers are needed (decode's go to the client, the prefill's are not read).
+pub fn leg_request(
+    host: &HostConns,
+    path: &str,
+    body: Vec<u8>,
+    fwd: &[u8],
+    keep_headers: bool,
+) -> LegRequest {
+    let mut r = LegRequest::post_json(host, path, body, fwd);
+    r.keep_headers = keep_headers;
+    r
 }
 
 /// What a successful prefill leg returns.
@@ -211,9 +221,10 @@ pub fn error_message(body: &[u8]) -> Option<String> {
 /// An abort or error inside a 200 JSON answer (or one SSE event's JSON): a
 /// `finish_reason` of type `abort`, or a top-level `error` object. Returns its message.
 pub fn abort_in_json(json: &[u8]) -> Option<String> {
-    // Cheap pre-check: most answers contain neither word.
-    let has = |w: &[u8]| memchr::memmem::find(json, w).is_some();
-    if !has(b"\"abort\"") && !has(b"\"error\"") {
+    // Cheap pre-check: most answers contain neither word (searchers built once).
+    static ABORT: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"abort\""));
+    static ERROR: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"error\""));
+    if ABORT.find(json).is_none() && ERROR.find(json).is_none() {
         return None;
     }
     let v: serde_json::Value = serde_json::from_slice(json).ok()?;

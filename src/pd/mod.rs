@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::{HeaderMap, HeaderValue, Response};
+use http::{HeaderValue, Response};
 use rand::{RngCore, SeedableRng};
 
 use crate::body::RespBody;
@@ -98,8 +98,8 @@ pub struct ReqCtx {
     pub id: String,
     /// The id shown to the client and forwarded (`x-request-id`): the client's, or `id`.
     pub request_id: HeaderValue,
-    /// Headers forwarded to both legs.
-    pub forward: HeaderMap,
+    /// Headers forwarded on both legs, serialized once (`name: value\r\n` lines).
+    pub forward: Vec<u8>,
 }
 
 /// Everything the request path needs.
@@ -130,7 +130,7 @@ impl Dispatcher {
     /// once by [`Failure::into_response`].
     pub async fn dispatch(&self, req: ParsedRequest, ctx: ReqCtx) -> Response<RespBody> {
         let mut record = RequestRecord {
-            route: req.route.label(),
+            route: req.route,
             request_id: ctx.id.clone(),
             start: Instant::now(),
             outcome: None,

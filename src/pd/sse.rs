@@ -30,10 +30,23 @@ pub enum Scan {
     Abort { before: Bytes, message: String },
 }
 
+/// The end of the last complete event in `buf` (after its `\n\n` or `\r\n\r\n`).
+/// Both separators end with `\n`, so the last `\n` that closes one gives the answer; a
+/// chunk of whole events ends with one, found at once.
 fn event_end(buf: &[u8]) -> Option<usize> {
-    let a = memchr::memmem::rfind(buf, b"\n\n").map(|i| i + 2);
-    let b = memchr::memmem::rfind(buf, b"\r\n\r\n").map(|i| i + 4);
-    a.max(b)
+    memchr::memrchr_iter(b'\n', buf)
+        .find(|&i| {
+            let head = &buf[..=i];
+            head.ends_with(b"\n\n") || head.ends_with(b"\r\n\r\n")
+        })
+        .map(|i| i + 1)
+}
+
+/// The length of the first event in `buf` (through its `\n\n`), else all of `buf`.
+fn first_event_len(buf: &[u8]) -> usize {
+    memchr::memchr_iter(b'\n', buf)
+        .find(|&i| buf.get(i + 1) == Some(&b'\n'))
+        .map_or(buf.len(), |i| i + 2)
 }
 
 impl SseScanner {
@@ -82,7 +95,7 @@ impl SseScanner {
         let buf = &complete[..];
         while pos < buf.len() {
             let rest = &buf[pos..];
-            let len = memchr::memmem::find(rest, b"\n\n").map_or(rest.len(), |i| i + 2);
+            let len = first_event_len(rest);
             let event = &rest[..len];
             for line in event.split(|b| *b == b'\n') {
                 let line = line.strip_suffix(b"\r").unwrap_or(line);
@@ -132,6 +145,37 @@ fn merge_event(out: &mut Vec<u8>, event: &[u8], lp: &PrefillLogprobs) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn event_boundaries() {
+        let ends: &[(&[u8], Option<usize>)] = &[
+            (b"data: a\n\n", Some(9)),
+            (b"data: a\n\ndata: b", Some(9)),
+            (b"data: a\r\n\r\ndata: b\n", Some(11)),
+            (b"data: a\n\ndata: b\r\n\r\n", Some(20)),
+            (b"data: a\n", None),
+            (b"\n", None),
+            (b"", None),
+            (b"\n\n", Some(2)),
+        ];
+        for (buf, want) in ends {
+            assert_eq!(event_end(buf), *want, "{:?}", String::from_utf8_lossy(buf));
+        }
+        let firsts: &[(&[u8], usize)] = &[
+            (b"data: a\n\ndata: b\n\n", 9),
+            (b"data: a\n", 8),
+            (b"a\nb\n\n", 5),
+            (b"", 0),
+        ];
+        for (buf, want) in firsts {
+            assert_eq!(
+                first_event_len(buf),
+                *want,
+                "{:?}",
+                String::from_utf8_lossy(buf)
+            );
+        }
+    }
 
     fn fwd(s: &Scan) -> &[u8] {
         match s {

@@ -127,16 +127,12 @@ pub fn select(
 pub fn least_loaded_rank(c: &Candidate<'_>, rng: &mut dyn RngCore) -> DpRank {
     let load = |k: DpRank| (c.worker.in_flight(k), c.worker.engine_load(k));
     let best = c.ranks.iter().map(|k| load(*k)).min().unwrap_or((0, 0));
-    let ties: Vec<DpRank> = c
-        .ranks
-        .iter()
-        .copied()
-        .filter(|k| load(*k) == best)
-        .collect();
-    match ties.len() {
+    // Two passes over the (few) ranks instead of collecting the ties.
+    let ties = || c.ranks.iter().copied().filter(|k| load(*k) == best);
+    match ties().count() {
         0 => c.ranks.first().copied().unwrap_or(0),
-        1 => ties[0],
-        n => ties[rng.random_range(0..n)],
+        1 => ties().next().unwrap_or(0),
+        n => ties().nth(rng.random_range(0..n)).unwrap_or(0),
     }
 }
 

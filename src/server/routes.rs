@@ -249,23 +249,24 @@ impl App {
         self.dispatcher.dispatch(parsed, ctx).await
     }
 
-    fn forward_headers(&self, incoming: &HeaderMap, rid: &HeaderValue) -> HeaderMap {
-        let mut h = HeaderMap::with_capacity(4);
-        h.insert(REQUEST_ID, rid.clone());
-        for name in &FORWARD {
-            if let Some(v) = incoming.get(name) {
-                h.insert(name.clone(), v.clone());
-            }
-        }
+    /// The allow-listed headers both legs carry, as `name: value\r\n` lines.
+    fn forward_headers(&self, incoming: &HeaderMap, rid: &HeaderValue) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64);
         let up = &self.dispatcher.up;
-        if let Some(a) = &up.auth {
-            h.insert(header::AUTHORIZATION, a.clone());
-        } else if up.forward_authorization {
-            if let Some(v) = incoming.get(header::AUTHORIZATION) {
-                h.insert(header::AUTHORIZATION, v.clone());
-            }
-        }
-        h
+        let auth = match &up.auth {
+            Some(a) => Some(a),
+            None if up.forward_authorization => incoming.get(header::AUTHORIZATION),
+            None => None,
+        };
+        let (names, rid_name, auth_name) = (FORWARD, REQUEST_ID, header::AUTHORIZATION);
+        let fwd = names
+            .iter()
+            .filter_map(|name| incoming.get(name).map(|v| (name, v)));
+        let lines = std::iter::once((&rid_name, rid))
+            .chain(fwd)
+            .chain(auth.map(|a| (&auth_name, a)));
+        crate::upstream::header_lines(lines, &mut out);
+        out
     }
 
     fn readiness(&self, rid: &HeaderValue) -> Response<RespBody> {

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
@@ -178,26 +178,39 @@ impl HostConns {
         }
     }
 
+    /// A new connection (TCP_NODELAY, keep-alive probes), within the connect timeout. A
+    /// host name is resolved here (only new connections pay for it) and each of its
+    /// addresses is tried in turn.
     async fn connect(&self, s: &LegSettings) -> Result<TcpStream, LegError> {
-        let addr = match self.ip {
-            Some(a) => a,
+        let addrs: Vec<SocketAddr> = match self.ip {
+            Some(a) => vec![a],
             None => tokio::net::lookup_host((self.host.as_str(), self.port))
                 .await
                 .map_err(|e| LegError::Resolve(self.authority.clone(), e.to_string()))?
-                .next()
-                .ok_or_else(|| {
-                    LegError::Resolve(self.authority.clone(), "no address".to_string())
-                })?,
+                .collect(),
         };
+        if addrs.is_empty() {
+            return Err(LegError::Resolve(
+                self.authority.clone(),
+                "no address".to_string(),
+            ));
+        }
         let connect = async {
-            let sock = if addr.is_ipv4() {
-                TcpSocket::new_v4()?
-            } else {
-                TcpSocket::new_v6()?
-            };
-            sock.set_nodelay(true)?;
-            sock.set_keepalive(true)?;
-            sock.connect(addr).await
+            let mut last = io::Error::other("no address");
+            for addr in addrs {
+                let sock = if addr.is_ipv4() {
+                    TcpSocket::new_v4()?
+                } else {
+                    TcpSocket::new_v6()?
+                };
+                sock.set_nodelay(true)?;
+                sock.set_keepalive(true)?;
+                match sock.connect(addr).await {
+                    Ok(stream) => return Ok(stream),
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
         };
         match tokio::time::timeout(s.connect_timeout, connect).await {
             Ok(Ok(stream)) => Ok(stream),
@@ -231,11 +244,14 @@ fn looks_alive(stream: &TcpStream) -> bool {
 pub struct LegRequest {
     pub head: Vec<u8>,
     pub body: Vec<u8>,
+    /// Whether the answer's headers are wanted (else only status and body are read).
+    pub keep_headers: bool,
 }
 
 impl LegRequest {
-    /// `POST path` with a JSON body and the forwarded headers.
-    pub fn post_json(host: &HostConns, path: &str, body: Vec<u8>, fwd: &HeaderMap) -> LegRequest {
+    /// `POST path` with a JSON body and the forwarded header lines (`name: value\r\n`
+    /// each, see [`header_lines`]).
+    pub fn post_json(host: &HostConns, path: &str, body: Vec<u8>, fwd: &[u8]) -> LegRequest {
         let mut head = Vec::with_capacity(160 + path.len());
         head.extend_from_slice(b"POST ");
         head.extend_from_slice(path.as_bytes());
@@ -244,22 +260,36 @@ impl LegRequest {
         head.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
         head.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
         head.extend_from_slice(b"\r\n");
-        for (k, v) in fwd {
-            if k == http::header::HOST
-                || k == http::header::CONTENT_LENGTH
-                || k == http::header::CONTENT_TYPE
-                || k == http::header::TRANSFER_ENCODING
-                || k == http::header::CONNECTION
-            {
-                continue;
-            }
-            head.extend_from_slice(k.as_str().as_bytes());
-            head.extend_from_slice(b": ");
-            head.extend_from_slice(v.as_bytes());
-            head.extend_from_slice(b"\r\n");
-        }
+        head.extend_from_slice(fwd);
         head.extend_from_slice(b"\r\n");
-        LegRequest { head, body }
+        LegRequest {
+            head,
+            body,
+            keep_headers: true,
+        }
+    }
+}
+
+/// Serializes headers to forward on legs as `name: value\r\n` lines, once per request.
+/// Headers that framing owns (host, length, type, transfer-encoding, connection) are
+/// skipped: the leg writes its own.
+pub fn header_lines<'a>(
+    headers: impl IntoIterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+    out: &mut Vec<u8>,
+) {
+    for (k, v) in headers {
+        if k == http::header::HOST
+            || k == http::header::CONTENT_LENGTH
+            || k == http::header::CONTENT_TYPE
+            || k == http::header::TRANSFER_ENCODING
+            || k == http::header::CONNECTION
+        {
+            continue;
+        }
+        out.extend_from_slice(k.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(v.as_bytes());
+        out.extend_from_slice(b"\r\n");
     }
 }
 
@@ -293,7 +323,7 @@ async fn exchange(
         .map_err(LegError::Write)?;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     loop {
-        match parse_head(&mut buf)? {
+        match parse_head(&mut buf, req.keep_headers)? {
             Head::Done(parts) => return Ok(build(parts, buf, stream, host, s)),
             // 1xx: the real answer follows (maybe already in `buf`).
             Head::Informational => continue,
@@ -332,12 +362,18 @@ enum Head {
     Done(Parts),
 }
 
-/// Parses one response head at the front of `buf`; on success the head's bytes are split
-/// off `buf` (what remains is body).
-fn parse_head(buf: &mut BytesMut) -> Result<Head, LegError> {
+/// Parses one response head at the front of `buf`; on success the head's bytes are taken
+/// off `buf` (what remains is body). Headers are kept only when asked for (decode's are
+/// re-sent to the client; the prefill's are not needed).
+fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> {
     let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut hs);
     let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) if n > MAX_HEAD => {
+            return Err(LegError::Protocol(format!(
+                "response head larger than {MAX_HEAD} bytes"
+            )))
+        }
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(Head::Partial),
         Err(e) => return Err(LegError::Protocol(format!("bad response head: {e}"))),
@@ -346,49 +382,60 @@ fn parse_head(buf: &mut BytesMut) -> Result<Head, LegError> {
     let status = StatusCode::from_u16(code)
         .map_err(|_| LegError::Protocol(format!("bad status code {code}")))?;
     let http11 = resp.version == Some(1);
-    // Header values are kept as slices of the head (no copy per value).
-    let mut ranges: Vec<(HeaderName, usize, usize)> = Vec::with_capacity(resp.headers.len());
+    // Where each header's name and value sit in the head (no allocation per header).
+    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
     let base = buf.as_ptr() as usize;
     let mut chunked = false;
     let mut te = false;
     let mut length: Option<u64> = None;
     let mut close = !http11;
-    for h in resp.headers.iter() {
-        let name = HeaderName::from_bytes(h.name.as_bytes())
-            .map_err(|_| LegError::Protocol(format!("bad header name {:?}", h.name)))?;
-        let start = h.value.as_ptr() as usize - base;
-        ranges.push((name.clone(), start, start + h.value.len()));
-        if name == http::header::TRANSFER_ENCODING {
+    for (h, span) in resp.headers.iter().zip(spans.iter_mut()) {
+        let name = h.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"transfer-encoding") {
             te = true;
             chunked = last_token_is(h.value, b"chunked");
-        } else if name == http::header::CONTENT_LENGTH {
-            let n = std::str::from_utf8(h.value)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
+        } else if name.eq_ignore_ascii_case(b"content-length") {
+            // Digits only (`u64::from_str` would take a sign).
+            let v = h.value.trim_ascii();
+            let n = (!v.is_empty() && v.iter().all(u8::is_ascii_digit))
+                .then(|| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
+                .flatten()
                 .ok_or_else(|| LegError::Protocol("bad content-length".to_string()))?;
             if length.is_some_and(|l| l != n) {
                 return Err(LegError::Protocol("conflicting content-length".to_string()));
             }
             length = Some(n);
-        } else if name == http::header::CONNECTION {
+        } else if name.eq_ignore_ascii_case(b"connection") {
             if has_token(h.value, b"close") {
                 close = true;
             } else if !http11 && has_token(h.value, b"keep-alive") {
                 close = false;
             }
         }
+        let n0 = name.as_ptr() as usize - base;
+        let v0 = h.value.as_ptr() as usize - base;
+        *span = (n0, n0 + name.len(), v0, v0 + h.value.len());
     }
+    let count = resp.headers.len();
     if status.is_informational() && code != 101 {
-        let _ = buf.split_to(len);
+        buf.advance(len);
         return Ok(Head::Informational);
     }
-    let raw = buf.split_to(len).freeze();
-    let mut headers = HeaderMap::with_capacity(ranges.len());
-    for (name, a, b) in ranges {
-        let v = HeaderValue::from_maybe_shared(raw.slice(a..b))
-            .map_err(|_| LegError::Protocol("bad header value".to_string()))?;
-        headers.append(name, v);
-    }
+    let headers = if keep_headers {
+        let raw = buf.split_to(len).freeze();
+        let mut headers = HeaderMap::with_capacity(count);
+        for &(n0, n1, v0, v1) in &spans[..count] {
+            let name = HeaderName::from_bytes(&raw[n0..n1])
+                .map_err(|_| LegError::Protocol("bad header name".to_string()))?;
+            let v = HeaderValue::from_maybe_shared(raw.slice(v0..v1))
+                .map_err(|_| LegError::Protocol("bad header value".to_string()))?;
+            headers.append(name, v);
+        }
+        headers
+    } else {
+        buf.advance(len);
+        HeaderMap::new()
+    };
     let framing = if code == 204 || code == 304 || code == 101 {
         Framing::Done
     } else if te {
@@ -485,7 +532,7 @@ mod tests {
 
     fn head(s: &str) -> Result<Head, LegError> {
         let mut b = BytesMut::from(s.as_bytes());
-        parse_head(&mut b)
+        parse_head(&mut b, true)
     }
 
     #[test]
@@ -524,6 +571,11 @@ mod tests {
             ("HTTP/1.1 100 Continue\r\n\r\n", "1xx"),
             ("HTTP/1.1 200 OK\r\ncontent-le", "partial"),
             ("HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n", "err"),
+            ("HTTP/1.1 200 OK\r\ncontent-length: +5\r\n\r\n", "err"),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length:  7 \r\n\r\n",
+                "200 len7 ka",
+            ),
             (
                 "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
                 "err",
@@ -553,7 +605,7 @@ mod tests {
         let mut b = BytesMut::from(
             &b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-A: 1\r\n\r\nbody"[..],
         );
-        let Ok(Head::Done(p)) = parse_head(&mut b) else {
+        let Ok(Head::Done(p)) = parse_head(&mut b, true) else {
             panic!("not parsed")
         };
         assert_eq!(p.headers["content-type"], "text/event-stream");
@@ -568,7 +620,9 @@ mod tests {
         let mut fwd = HeaderMap::new();
         fwd.insert("x-request-id", HeaderValue::from_static("abc"));
         fwd.insert("content-length", HeaderValue::from_static("999"));
-        let r = LegRequest::post_json(&host, "/generate", b"{}".to_vec(), &fwd);
+        let mut lines = Vec::new();
+        header_lines(&fwd, &mut lines);
+        let r = LegRequest::post_json(&host, "/generate", b"{}".to_vec(), &lines);
         assert_eq!(
             std::str::from_utf8(&r.head).unwrap(),
             "POST /generate HTTP/1.1\r\nhost: [::1]:8000\r\ncontent-type: application/json\r\ncontent-length: 2\r\nx-request-id: abc\r\n\r\n"

@@ -11,7 +11,7 @@
 mod leg;
 mod leg_body;
 
-pub use leg::{HostConns, LegError, LegRequest, LegSettings};
+pub use leg::{header_lines, HostConns, LegError, LegRequest, LegSettings};
 pub use leg_body::LegBody;
 
 use std::sync::Arc;
@@ -31,50 +31,57 @@ pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 /// Largest body a background call reads (server info, routes, health).
 const SMALL_BODY_LIMIT: usize = 4 * 1024 * 1024;
 
-/// An engine's base URL: `http://host:port`, without a trailing slash.
+/// An engine's base URL: `http://host:port`, without a trailing slash. Cheap to clone
+/// (one `Arc`): legs keep one for their abort.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BaseUrl {
+pub struct BaseUrl(Arc<UrlParts>);
+
+#[derive(Debug, PartialEq, Eq)]
+struct UrlParts {
     base: String,
     host: String,
     port: u16,
 }
 
 impl BaseUrl {
+    fn new(base: String, host: String, port: u16) -> BaseUrl {
+        BaseUrl(Arc::new(UrlParts { base, host, port }))
+    }
+}
+
+impl BaseUrl {
     pub fn as_str(&self) -> &str {
-        &self.base
+        &self.0.base
     }
     /// The host as written (IPv6 without brackets).
     pub fn host(&self) -> &str {
-        &self.host
+        &self.0.host
     }
     pub fn port(&self) -> u16 {
-        self.port
+        self.0.port
     }
     /// `base + path` as a URI; `path` starts with `/`.
     pub fn uri(&self, path: &str) -> Result<Uri, http::Error> {
-        let mut s = String::with_capacity(self.base.len() + path.len());
-        s.push_str(&self.base);
+        let mut s = String::with_capacity(self.0.base.len() + path.len());
+        s.push_str(&self.0.base);
         s.push_str(path);
         Ok(Uri::try_from(s)?)
     }
     /// `http://host:port` with another port on the same host (the bootstrap server).
     pub fn with_port(&self, port: u16) -> BaseUrl {
-        let host = if self.host.contains(':') {
-            format!("[{}]", self.host)
+        let h = self.host();
+        let host = if h.contains(':') {
+            format!("[{h}]")
         } else {
-            self.host.clone()
+            h.to_string()
         };
-        BaseUrl {
-            base: format!("http://{host}:{port}"),
-            host: self.host.clone(),
-            port,
-        }
+        BaseUrl::new(format!("http://{host}:{port}"), h.to_string(), port)
     }
 }
 
 impl std::fmt::Display for BaseUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.base)
+        f.write_str(self.as_str())
     }
 }
 
@@ -101,11 +108,11 @@ pub fn parse_base_url(s: &str) -> Result<BaseUrl, String> {
     } else {
         host.to_string()
     };
-    Ok(BaseUrl {
-        base: format!("http://{host_part}:{port}"),
-        host: host.to_string(),
+    Ok(BaseUrl::new(
+        format!("http://{host_part}:{port}"),
+        host.to_string(),
         port,
-    })
+    ))
 }
 
 /// Why a background call failed.
