@@ -449,19 +449,9 @@ fn first_byte_timeout(secs: u64) -> Failure {
     )
 }
 
-/// Strips hop-by-hop headers (and the length, when pdgate rewrites the body) from
-/// decode's head before it is re-sent.
+/// Drops decode's length when pdgate rewrites the body (hop-by-hop headers were never
+/// kept, see `upstream::leg`).
 fn clean_head(head: &mut http::response::Parts, rewritten: bool) {
-    for h in [
-        header::CONNECTION,
-        header::TRANSFER_ENCODING,
-        header::TE,
-        header::TRAILER,
-        header::UPGRADE,
-    ] {
-        head.headers.remove(h);
-    }
-    head.headers.remove("keep-alive");
     if rewritten {
         head.headers.remove(header::CONTENT_LENGTH);
     }

@@ -206,8 +206,11 @@ pub struct PdBody {
     _decode_guard: LoadGuard,
     sse: Option<SseScanner>,
     prefill: Option<PrefillWatch>,
+    /// Fires `idle_for` after the last decode bytes; re-armed lazily (only when it fires
+    /// early), so that a frame costs a clock read, not a timer-wheel update.
     idle: Pin<Box<Sleep>>,
     idle_for: Duration,
+    last_data: tokio::time::Instant,
     record: RequestRecord,
     passive: Passive,
     done: bool,
@@ -243,6 +246,7 @@ impl PdBody {
             prefill: p.prefill,
             idle: Box::pin(tokio::time::sleep(p.idle_for)),
             idle_for: p.idle_for,
+            last_data: tokio::time::Instant::now(),
             record,
             passive: p.passive,
             done: false,
@@ -351,9 +355,7 @@ impl Body for PdBody {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    this.idle
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + this.idle_for);
+                    this.last_data = tokio::time::Instant::now();
                     let out = match this.sse.as_mut() {
                         None => data,
                         Some(sse) => match sse.push(data) {
@@ -398,7 +400,13 @@ impl Body for PdBody {
                 Poll::Pending => break,
             }
         }
-        if this.idle.as_mut().poll(cx).is_ready() {
+        while this.idle.as_mut().poll(cx).is_ready() {
+            let due = this.last_data + this.idle_for;
+            if due > tokio::time::Instant::now() {
+                // Data came since the timer was armed: re-arm from the last data.
+                this.idle.as_mut().reset(due);
+                continue;
+            }
             let f = Failure::new(
                 FailReason::DecodeIdleTimeout,
                 format!("decode sent nothing for {}s", this.idle_for.as_secs_f64()),

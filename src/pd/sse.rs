@@ -97,7 +97,11 @@ impl SseScanner {
             let rest = &buf[pos..];
             let len = first_event_len(rest);
             let event = &rest[..len];
-            for line in event.split(|b| *b == b'\n') {
+            let mut start = 0;
+            let ends = memchr::memchr_iter(b'\n', event).chain(std::iter::once(event.len()));
+            for end in ends {
+                let line = &event[start..end];
+                start = end + 1;
                 let line = line.strip_suffix(b"\r").unwrap_or(line);
                 let Some(data) = line.strip_prefix(b"data:") else {
                     continue;

@@ -348,7 +348,7 @@ async fn exchange(
     }
 }
 
-/// A parsed response head.
+/// A parsed response head (without hop-by-hop headers).
 pub(crate) struct Parts {
     status: StatusCode,
     headers: HeaderMap,
@@ -383,13 +383,14 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
         .map_err(|_| LegError::Protocol(format!("bad status code {code}")))?;
     let http11 = resp.version == Some(1);
     // Where each header's name and value sit in the head (no allocation per header).
-    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
     let base = buf.as_ptr() as usize;
     let mut chunked = false;
     let mut te = false;
     let mut length: Option<u64> = None;
     let mut close = !http11;
-    for (h, span) in resp.headers.iter().zip(spans.iter_mut()) {
+    let mut count = 0;
+    for h in resp.headers.iter() {
         let name = h.name.as_bytes();
         if name.eq_ignore_ascii_case(b"transfer-encoding") {
             te = true;
@@ -412,11 +413,14 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
                 close = false;
             }
         }
-        let n0 = name.as_ptr() as usize - base;
-        let v0 = h.value.as_ptr() as usize - base;
-        *span = (n0, n0 + name.len(), v0, v0 + h.value.len());
+        if keep_headers && !is_hop_by_hop(name) {
+            // Offsets fit: the head is at most MAX_HEAD bytes.
+            let n0 = (name.as_ptr() as usize - base) as u32;
+            let v0 = (h.value.as_ptr() as usize - base) as u32;
+            spans[count] = (n0, n0 + name.len() as u32, v0, v0 + h.value.len() as u32);
+            count += 1;
+        }
     }
-    let count = resp.headers.len();
     if status.is_informational() && code != 101 {
         buf.advance(len);
         return Ok(Head::Informational);
@@ -425,6 +429,7 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
         let raw = buf.split_to(len).freeze();
         let mut headers = HeaderMap::with_capacity(count);
         for &(n0, n1, v0, v1) in &spans[..count] {
+            let (n0, n1, v0, v1) = (n0 as usize, n1 as usize, v0 as usize, v1 as usize);
             let name = HeaderName::from_bytes(&raw[n0..n1])
                 .map_err(|_| LegError::Protocol("bad header name".to_string()))?;
             let v = HeaderValue::from_maybe_shared(raw.slice(v0..v1))
@@ -476,6 +481,22 @@ fn build(
     *resp.status_mut() = p.status;
     *resp.headers_mut() = p.headers;
     resp
+}
+
+/// Headers that describe one connection (RFC 9110 §7.6.1): never kept from a leg's
+/// answer, whose framing [`LegBody`] has already handled.
+fn is_hop_by_hop(name: &[u8]) -> bool {
+    const HOP: [&[u8]; 8] = [
+        b"connection",
+        b"transfer-encoding",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-connection",
+        b"proxy-authenticate",
+    ];
+    HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
 }
 
 fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {

@@ -146,10 +146,11 @@ impl LegBody {
                     self.framing = Framing::Chunked(Chunk::Size);
                 }
                 Chunk::Size => {
-                    let Some(line) = self.take_line()? else {
+                    let Some(i) = self.line_end()? else {
                         return Ok(());
                     };
-                    let size = parse_chunk_size(&line)?;
+                    let size = parse_chunk_size(trim_cr(&self.buf[..i]))?;
+                    self.buf.advance(i + 1);
                     self.framing = Framing::Chunked(if size == 0 {
                         Chunk::Trailers
                     } else {
@@ -157,10 +158,12 @@ impl LegBody {
                     });
                 }
                 Chunk::Trailers => {
-                    let Some(line) = self.take_line()? else {
+                    let Some(i) = self.line_end()? else {
                         return Ok(());
                     };
-                    if line.is_empty() {
+                    let empty = trim_cr(&self.buf[..i]).is_empty();
+                    self.buf.advance(i + 1);
+                    if empty {
                         self.finish();
                         return Ok(());
                     }
@@ -169,17 +172,10 @@ impl LegBody {
         }
     }
 
-    /// One CRLF-terminated line from the buffer (without the CRLF), if whole.
-    fn take_line(&mut self) -> Result<Option<Bytes>, LegError> {
+    /// Where the buffered line ends (its `\n`), if it is whole.
+    fn line_end(&self) -> Result<Option<usize>, LegError> {
         match memchr::memchr(b'\n', &self.buf) {
-            Some(i) => {
-                let mut line = self.buf.split_to(i + 1).freeze();
-                line.truncate(i);
-                if line.last() == Some(&b'\r') {
-                    line.truncate(i - 1);
-                }
-                Ok(Some(line))
-            }
+            Some(i) => Ok(Some(i)),
             None if self.buf.len() > MAX_LINE => {
                 Err(LegError::Protocol("chunk line too long".into()))
             }
@@ -200,6 +196,10 @@ impl LegBody {
         self.buf = BytesMut::new();
         Poll::Ready(Some(Err(e)))
     }
+}
+
+fn trim_cr(line: &[u8]) -> &[u8] {
+    line.strip_suffix(b"\r").unwrap_or(line)
 }
 
 fn parse_chunk_size(line: &[u8]) -> Result<u64, LegError> {
