@@ -57,6 +57,11 @@ fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
     }
 }
 
+/// mimalloc instead of glibc's malloc: the request path allocates a few dozen small
+/// objects per request; see BENCHMARKS.md for the measured effect.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     let matches = Cli::command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
