@@ -21,6 +21,11 @@
 //! - Nothing in here panics on what an engine sends: malformed heads, bad chunk sizes and
 //!   early EOFs are errors.
 //!
+//! Known limits: an idle connection is judged alive from tokio's readiness (no syscall), so
+//! an engine that sends something unasked (a 408, say) just before the connection is
+//! reused can have it read as the answer; chunk data followed by a bad CRLF in the same
+//! read is dropped with the error.
+//!
 //! The idle list is a `Mutex<Vec<_>>` held for one push or pop (never across an await);
 //! it belongs to the worker (see `pool::WorkerView::conns`), so no map is looked up per
 //! request.
