@@ -29,6 +29,19 @@ impl fmt::Display for Role {
     }
 }
 
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            other => Err(format!(
+                "unknown role {other:?} (expected prefill or decode)"
+            )),
+        }
+    }
+}
+
 /// Index of a worker in its pool's configuration order; stable for the worker's life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerId(pub u32);

@@ -29,6 +29,7 @@ pub fn spawn(
     tokio::spawn(async move {
         let (mut ok_run, mut fail_run) = (0u32, 0u32);
         let mut have_info = false;
+        let conns = pool.with_worker(role, id, |w| w.conns.clone());
         let mut tick = tokio::time::interval(cfg.interval());
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -47,7 +48,7 @@ pub fn spawn(
                 }
             }
             // Idle leg connections past their timeout are closed here, off the request path.
-            if let Some(conns) = pool.with_worker(role, id, |w| w.conns.clone()) {
+            if let Some(conns) = &conns {
                 conns.sweep(up.legs.idle_timeout);
             }
             if good {

@@ -21,6 +21,7 @@ use crate::error::{FailReason, Failure};
 use crate::policy::{self, PickCtx};
 use crate::pool::{LoadGuard, RankFailure, RankReadiness, Snapshot};
 use crate::types::{Pair, Role, WorkerId};
+use crate::upstream::LegRequest;
 
 /// A failed attempt and the worker it blames (excluded from the next attempt).
 pub struct AttemptFailure {
@@ -277,8 +278,10 @@ impl Dispatcher {
             },
         );
         let path = req.route.path();
-        let preq = legs::leg_request(&pv.conns, path, pbody, &ctx.forward, false);
-        let dreq = legs::leg_request(&dv.conns, path, dbody, &ctx.forward, true);
+        let mut preq = LegRequest::post_json(&pv.conns, path, pbody, &ctx.forward);
+        // The prefill's answer headers are never read (decode's go to the client).
+        preq.keep_headers = false;
+        let dreq = LegRequest::post_json(&dv.conns, path, dbody, &ctx.forward);
         tracing::debug!(request_id = %ctx.id, prefill = %pv.url, prefill_rank = pt.rank, decode = %dv.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
 
         // Both legs go out together.

@@ -159,16 +159,15 @@ impl Drop for RequestRecord {
         let secs = self.start.elapsed().as_secs_f64();
         let h = route_handles(self.route);
         let route = self.route.label();
-        if outcome == "ok" {
-            h.ok.increment(1);
-        } else {
-            metrics::counter!("pdgate_requests_total", "route" => route, "outcome" => outcome)
-                .increment(1);
-        }
         h.duration.record(secs);
         if outcome == "ok" {
+            h.ok.increment(1);
             tracing::debug!(request_id = %self.request_id, route, secs, "request done");
-        } else if outcome == FailReason::ClientDisconnected.as_str() {
+            return;
+        }
+        metrics::counter!("pdgate_requests_total", "route" => route, "outcome" => outcome)
+            .increment(1);
+        if outcome == FailReason::ClientDisconnected.as_str() {
             tracing::info!(request_id = %self.request_id, route, secs, "client went away; legs cancelled");
         }
     }

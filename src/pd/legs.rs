@@ -56,20 +56,6 @@ impl Drop for LegCancel {
     }
 }
 
-/// Builds a leg request with the forwarded header lines; `keep_headers`: whether the
-/// answer's headers are needed (decode's go to the client, the prefill's are not read).
-pub fn leg_request(
-    host: &HostConns,
-    path: &str,
-    body: Vec<u8>,
-    fwd: &[u8],
-    keep_headers: bool,
-) -> LegRequest {
-    let mut r = LegRequest::post_json(host, path, body, fwd);
-    r.keep_headers = keep_headers;
-    r
-}
-
 /// What a successful prefill leg returns.
 #[derive(Debug)]
 pub struct PrefillDone {

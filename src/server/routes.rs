@@ -43,7 +43,7 @@ pub fn prometheus() -> Option<&'static PrometheusHandle> {
 }
 
 /// Headers forwarded to engines as they are.
-const FORWARD: [HeaderName; 2] = [
+static FORWARD: [HeaderName; 2] = [
     HeaderName::from_static("traceparent"),
     HeaderName::from_static("tracestate"),
 ];
@@ -258,14 +258,15 @@ impl App {
             None if up.forward_authorization => incoming.get(header::AUTHORIZATION),
             None => None,
         };
-        let (names, rid_name, auth_name) = (FORWARD, REQUEST_ID, header::AUTHORIZATION);
-        let fwd = names
+        let fwd = FORWARD
             .iter()
             .filter_map(|name| incoming.get(name).map(|v| (name, v)));
-        let lines = std::iter::once((&rid_name, rid))
-            .chain(fwd)
-            .chain(auth.map(|a| (&auth_name, a)));
-        crate::upstream::header_lines(lines, &mut out);
+        crate::upstream::header_lines(
+            std::iter::once((&REQUEST_ID, rid))
+                .chain(fwd)
+                .chain(auth.map(|a| (&header::AUTHORIZATION, a))),
+            &mut out,
+        );
         out
     }
 

@@ -14,45 +14,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-/// Which half of a PD pair an engine simulates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// `--disaggregation-mode prefill`: runs the prompt, owns a bootstrap server
-    /// and one KV rank endpoint per DP rank.
-    Prefill,
-    /// `--disaggregation-mode decode`: pulls KV from a prefill and generates.
-    Decode,
-}
-
-impl Role {
-    /// SGLang's `disaggregation_mode` string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "prefill" => Ok(Role::Prefill),
-            "decode" => Ok(Role::Decode),
-            other => Err(format!(
-                "unknown role {other:?} (expected prefill or decode)"
-            )),
-        }
-    }
-}
+/// Which half of a PD pair an engine simulates (`--disaggregation-mode prefill|decode`):
+/// the router's own [`crate::types::Role`].
+pub use crate::types::Role;
 
 /// Faults that can be switched on and off while the engine runs
 /// (`SimEngine::set_faults`, `POST /sim/faults`).

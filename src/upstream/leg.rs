@@ -130,11 +130,12 @@ impl HostConns {
             .parse::<IpAddr>()
             .ok()
             .map(|ip| SocketAddr::new(ip, port));
-        let authority = if host.contains(':') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        };
+        // `http://host:port` with IPv6 hosts bracketed: the rest is the Host header.
+        let authority = url
+            .as_str()
+            .strip_prefix("http://")
+            .unwrap_or(url.as_str())
+            .to_string();
         HostConns {
             host,
             port,
