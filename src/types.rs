@@ -52,6 +52,69 @@ impl fmt::Display for WorkerId {
     }
 }
 
+/// A request's internal id: 16 lowercase hex digits, kept inline (`Copy`, no allocation).
+/// It is the base of every leg's `rid` and of the `x-request-id` pdgate makes up.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RequestId([u8; 16]);
+
+impl RequestId {
+    /// A fresh random id.
+    pub fn random() -> RequestId {
+        RequestId::from_u64(rand::random())
+    }
+
+    pub fn from_u64(v: u64) -> RequestId {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [0u8; 16];
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = HEX[((v >> (60 - 4 * i)) & 0xf) as usize];
+        }
+        RequestId(out)
+    }
+
+    pub fn as_str(&self) -> &str {
+        // Only ASCII hex digits are ever stored.
+        std::str::from_utf8(&self.0).unwrap_or("0000000000000000")
+    }
+
+    /// The `rid` of one leg: `pdg-{id}-{attempt:02}{side}` (`side` is `p` or `d`).
+    pub fn leg_rid(&self, attempt: u32, side: char) -> String {
+        let mut s = String::with_capacity(26);
+        s.push_str("pdg-");
+        s.push_str(self.as_str());
+        s.push('-');
+        if attempt < 10 {
+            s.push('0');
+        }
+        let mut digits = [0u8; 10];
+        let mut n = attempt;
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        s.push_str(std::str::from_utf8(&digits[i..]).unwrap_or("0"));
+        s.push(side);
+        s
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A data-parallel rank inside one engine.
 pub type DpRank = u32;
 
@@ -100,4 +163,25 @@ pub struct Target {
 pub struct Pair {
     pub prefill: Target,
     pub decode: Target,
+}
+
+#[cfg(test)]
+mod request_id_tests {
+    use super::RequestId;
+
+    #[test]
+    fn ids_and_leg_rids_match_the_formatted_forms() {
+        for v in [0u64, 1, 0xdead_beef, u64::MAX, 0x0123_4567_89ab_cdef] {
+            let id = RequestId::from_u64(v);
+            assert_eq!(id.as_str(), format!("{v:016x}"));
+            for attempt in [0u32, 1, 9, 10, 99, 100, 12345, u32::MAX] {
+                for side in ['p', 'd'] {
+                    assert_eq!(
+                        id.leg_rid(attempt, side),
+                        format!("pdg-{v:016x}-{attempt:02}{side}")
+                    );
+                }
+            }
+        }
+    }
 }

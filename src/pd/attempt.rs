@@ -249,8 +249,8 @@ impl Dispatcher {
         let pinned = self.cfg.contract.mode == ContractMode::Pinned;
         let hint = pinned.then_some(pt.rank);
         let decode_rank = (dv.effective_dp() > 1).then_some(dt.rank);
-        let rid_p = format!("pdg-{}-{:02}p", ctx.id, attempt_no);
-        let rid_d = format!("pdg-{}-{:02}d", ctx.id, attempt_no);
+        let rid_p = ctx.id.leg_rid(attempt_no, 'p');
+        let rid_d = ctx.id.leg_rid(attempt_no, 'd');
         let mut pbody = Vec::new();
         req.write_leg(
             &mut pbody,

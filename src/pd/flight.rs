@@ -28,7 +28,7 @@ use super::sse::{Scan, SseScanner};
 use crate::body::BoxError;
 use crate::error::{FailReason, Failure};
 use crate::pool::LoadGuard;
-use crate::types::DpRank;
+use crate::types::{DpRank, RequestId};
 
 type LostFuture = Pin<Box<dyn Future<Output = &'static str> + Send>>;
 
@@ -138,7 +138,7 @@ impl Future for PrefillWatch {
 /// Outcome accounting for one request: metrics and a log line when it ends.
 pub struct RequestRecord {
     pub route: ApiRoute,
-    pub request_id: String,
+    pub request_id: RequestId,
     pub start: Instant,
     pub outcome: Option<&'static str>,
 }

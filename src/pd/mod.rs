@@ -33,7 +33,7 @@ use crate::config::Config;
 use crate::error::{FailReason, Failure};
 use crate::policy::{self, Policy};
 use crate::pool::Pool;
-use crate::types::{Role, WorkerId};
+use crate::types::{RequestId, Role, WorkerId};
 use crate::upstream::Upstream;
 use flight::RequestRecord;
 use request::ParsedRequest;
@@ -95,7 +95,7 @@ impl RetryBudget {
 /// Per-request context from the front door.
 pub struct ReqCtx {
     /// Fixed-length internal id (16 hex digits): the base of every leg's rid.
-    pub id: String,
+    pub id: RequestId,
     /// The id shown to the client and forwarded (`x-request-id`): the client's, or `id`.
     pub request_id: HeaderValue,
     /// Headers forwarded on both legs, serialized once (`name: value\r\n` lines).
@@ -131,7 +131,7 @@ impl Dispatcher {
     pub async fn dispatch(&self, req: ParsedRequest, ctx: ReqCtx) -> Response<RespBody> {
         let mut record = RequestRecord {
             route: req.route,
-            request_id: ctx.id.clone(),
+            request_id: ctx.id,
             start: Instant::now(),
             outcome: None,
         };

@@ -66,9 +66,17 @@ pub const MAX_INSTANCES: usize = 65_536;
 #[derive(Debug)]
 struct Field {
     /// The key, JSON-escaped and quoted, ready to write.
-    key_json: Box<str>,
+    key_json: KeyJson,
     /// Byte range of the raw value inside the body.
     value: Range<usize>,
+}
+
+/// A key as JSON: its quoted span in the body when it has no escapes (the usual case, no
+/// allocation), else re-escaped.
+#[derive(Debug)]
+enum KeyJson {
+    Span(Range<usize>),
+    Escaped(Box<str>),
 }
 
 /// A validated client request.
@@ -157,7 +165,10 @@ impl ParsedRequest {
         out.reserve(self.body.len() + 96 + leg.rooms.len() * 48);
         out.push(b'{');
         for f in &self.fields {
-            out.extend_from_slice(f.key_json.as_bytes());
+            match &f.key_json {
+                KeyJson::Span(r) => out.extend_from_slice(&self.body[r.clone()]),
+                KeyJson::Escaped(k) => out.extend_from_slice(k.as_bytes()),
+            }
             out.push(b':');
             out.extend_from_slice(&self.body[f.value.clone()]);
             out.push(b',');
@@ -430,6 +441,15 @@ fn ids_or_prompt_batch(
     }
 }
 
+/// The quoted span of a key borrowed from `text` (so it had no escapes), if it is one.
+fn key_span(text: &str, base: usize, key: &Cow<'_, str>) -> Option<Range<usize>> {
+    let Cow::Borrowed(k) = key else { return None };
+    let start = (k.as_ptr() as usize).checked_sub(base)?;
+    let (open, close) = (start.checked_sub(1)?, start + k.len());
+    let b = text.as_bytes();
+    (b.get(open) == Some(&b'"') && b.get(close) == Some(&b'"')).then_some(open..close + 1)
+}
+
 /// Parses and validates a client body for `route`.
 pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
     let text =
@@ -502,9 +522,12 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
         if prompt_keys == 1 && prompt.is_none() {
             prompt = Some(start..start + raw.len());
         }
-        let key_json = match serde_json::to_string(k) {
-            Ok(s) => s.into_boxed_str(),
-            Err(e) => return Err(invalid(format!("bad key: {e}"))),
+        let key_json = match key_span(text, base, &key) {
+            Some(span) => KeyJson::Span(span),
+            None => match serde_json::to_string(k) {
+                Ok(s) => KeyJson::Escaped(s.into_boxed_str()),
+                Err(e) => return Err(invalid(format!("bad key: {e}"))),
+            },
         };
         fields.push(Field {
             key_json,
@@ -606,6 +629,34 @@ mod tests {
         assert_eq!(v["bootstrap_host"], "h");
         assert_eq!(v["bootstrap_room"], 5);
         assert_eq!(v["stream"], false);
+    }
+
+    #[test]
+    fn keys_with_and_without_escapes_are_written_as_valid_json() {
+        // Whitespace around keys, an escaped key, a key with a non-ASCII char, an escaped
+        // key that means a PD key (still replaced).
+        let body = "{ \"text\" : \"hi\" ,\n\"k\\\"q\":1,\"\u{e9}t\u{e9}\":2,\"a\\u0062\":3,\"bootstrap\\u005froom\":9}";
+        let req = parse(ApiRoute::Generate, Bytes::from(body)).unwrap();
+        assert_eq!(req.replaced, vec!["bootstrap_room"]);
+        let mut out = Vec::new();
+        req.write_leg(
+            &mut out,
+            &LegFields {
+                host_json: "\"h\"",
+                port: 1,
+                rooms: &[5],
+                rid: "r",
+                routed_dp_rank: None,
+                disagg_prefill_dp_rank: None,
+                stream: false,
+            },
+        );
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["text"], "hi");
+        assert_eq!(v["k\"q"], 1);
+        assert_eq!(v["\u{e9}t\u{e9}"], 2);
+        assert_eq!(v["ab"], 3);
+        assert_eq!(v["bootstrap_room"], 5);
     }
 
     #[test]

@@ -99,7 +99,8 @@ pub fn select(
     ctx: &PickCtx<'_>,
     rng: &mut dyn RngCore,
 ) -> Option<Target> {
-    let cands: Vec<Candidate<'_>> = snap
+    // On the stack for fleets of up to 16 workers per role (no allocation per request).
+    let cands: smallvec::SmallVec<[Candidate<'_>; 16]> = snap
         .routable(role)
         .iter()
         .filter(|r| !ctx.exclude.contains(&r.worker))

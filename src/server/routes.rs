@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 
@@ -17,7 +17,7 @@ use crate::body::{full_body, RespBody};
 use crate::error::{FailReason, Failure};
 use crate::pd::request::{self, ApiRoute};
 use crate::pd::{Dispatcher, ReqCtx};
-use crate::types::Role;
+use crate::types::{RequestId, Role};
 
 static PROMETHEUS: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -78,8 +78,38 @@ fn route(path: &str) -> Option<(Endpoint, &'static [Method])> {
     })
 }
 
-fn new_id() -> String {
-    format!("{:016x}", rand::random::<u64>())
+/// The whole request body, at most `limit` bytes (`Err(None)`: over the limit). A body
+/// that arrives in one frame (the usual case: a small JSON body with a content-length) is
+/// returned as that frame, without a copy.
+async fn read_body(
+    mut body: Incoming,
+    limit: usize,
+    declared: Option<u64>,
+) -> Result<Bytes, Option<hyper::Error>> {
+    let mut first: Option<Bytes> = None;
+    let mut rest: Vec<u8> = Vec::new();
+    let mut total = 0usize;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(Some)?.into_data() else {
+            continue; // trailers
+        };
+        total = total.saturating_add(data.len());
+        if total > limit {
+            return Err(None);
+        }
+        match &first {
+            None if rest.is_empty() => first = Some(data),
+            _ => {
+                if let Some(f) = first.take() {
+                    let cap = declared.map_or(total, |d| d.min(limit as u64) as usize);
+                    rest.reserve(cap.max(total));
+                    rest.extend_from_slice(&f);
+                }
+                rest.extend_from_slice(&data);
+            }
+        }
+    }
+    Ok(first.unwrap_or_else(|| Bytes::from(rest)))
 }
 
 fn valid_request_id(v: &HeaderValue) -> bool {
@@ -112,14 +142,14 @@ impl App {
     }
 
     pub async fn handle(&self, req: Request<Incoming>) -> Response<RespBody> {
-        let id = new_id();
+        let id = RequestId::random();
         let rid_header = req
             .headers()
             .get(REQUEST_ID)
             .filter(|v| valid_request_id(v))
             .cloned()
             .unwrap_or_else(|| {
-                HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("-"))
+                HeaderValue::from_str(id.as_str()).unwrap_or_else(|_| HeaderValue::from_static("-"))
             });
         let Some((ep, methods)) = route(req.uri().path()) else {
             return Failure::new(
@@ -178,7 +208,7 @@ impl App {
         &self,
         route: ApiRoute,
         req: Request<Incoming>,
-        id: String,
+        id: RequestId,
         rid_header: HeaderValue,
     ) -> Response<RespBody> {
         let (parts, body) = req.into_parts();
@@ -217,15 +247,10 @@ impl App {
         if declared.is_some_and(|n| n > limit as u64) {
             return too_large();
         }
-        let bytes = match Limited::new(body, limit).collect().await {
-            Ok(c) => c.to_bytes(),
-            Err(e)
-                if e.downcast_ref::<http_body_util::LengthLimitError>()
-                    .is_some() =>
-            {
-                return too_large()
-            }
-            Err(e) => {
+        let bytes = match read_body(body, limit, declared).await {
+            Ok(b) => b,
+            Err(None) => return too_large(),
+            Err(Some(e)) => {
                 return Failure::new(
                     FailReason::InvalidRequest,
                     format!("could not read the request body: {e}"),
