@@ -569,17 +569,18 @@ async fn tracker_follows_registration_and_loss() {
         assert_eq!(w.effective_dp(), 2);
         w.lost.clone()
     };
-    let epoch = *lost.borrow_and_update();
+    let epoch = lost.borrow_and_update().heartbeat;
 
     srv.kill().await;
 
     // The heartbeat (and the refresher) see the dead server: every rank Unreachable and
     // the lost epoch bumped.
-    tokio::time::timeout(POLL_WAIT, lost.changed())
+    // (Ranks going unreachable bump their own entries of the same channel first.)
+    tokio::time::timeout(POLL_WAIT, lost.wait_for(|e| e.heartbeat != epoch))
         .await
-        .expect("lost watch did not change within the bound after the kill")
+        .expect("heartbeat epoch did not change within the bound after the kill")
         .expect("lost watch sender alive");
-    assert!(*lost.borrow() > epoch, "lost epoch bumped");
+    assert!(lost.borrow().heartbeat > epoch, "lost epoch bumped");
     // The layout is dropped with it, as a decode engine drops its cache.
     wait_for(
         &pool,

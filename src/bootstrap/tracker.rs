@@ -54,11 +54,11 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, now: Insta
         if *old == RankReadiness::Ready {
             // Requests in flight on this rank whose prefill has not answered would have
             // their decode fail (or, on engines without SGLang PR #24772, hang): end them.
-            w.rank_lost_tx.send_modify(|v| {
-                if v.len() <= rank {
-                    v.resize(rank + 1, 0);
+            w.lost_tx.send_modify(|e| {
+                if e.ranks.len() <= rank {
+                    e.ranks.resize(rank + 1, 0);
                 }
-                v[rank] += 1;
+                e.ranks[rank] += 1;
             });
         }
         w.ranks[rank] = new;
@@ -281,7 +281,7 @@ async fn heartbeat(
                     pool.update_worker(Role::Prefill, id, |w| {
                         fail_all(w, RankFailure::Unreachable, now);
                         w.layout = None;
-                        w.lost_tx.send_modify(|e| *e += 1);
+                        w.lost_tx.send_modify(|e| e.heartbeat += 1);
                     });
                 }
             }

@@ -295,7 +295,6 @@ impl Dispatcher {
         let mut pw = PrefillWatch::new(
             leg,
             pv.lost.clone(),
-            pv.rank_lost.clone(),
             pt.rank,
             LegCancel::new(&self.up, &pv.url, rid_p),
             LoadGuard::new(pv, pt.rank),

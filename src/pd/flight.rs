@@ -27,7 +27,7 @@ use super::request::ApiRoute;
 use super::sse::{Scan, SseScanner};
 use crate::body::BoxError;
 use crate::error::{FailReason, Failure};
-use crate::pool::LoadGuard;
+use crate::pool::{LoadGuard, LostEpochs};
 use crate::types::{DpRank, RequestId};
 
 type LostFuture = Pin<Box<dyn Future<Output = &'static str> + Send>>;
@@ -49,32 +49,32 @@ pub struct PrefillWatch {
 impl PrefillWatch {
     pub fn new(
         leg: PrefillFuture,
-        mut lost: watch::Receiver<u64>,
-        mut rank_lost: watch::Receiver<Vec<u64>>,
+        mut lost: watch::Receiver<LostEpochs>,
         rank: DpRank,
         cancel: LegCancel,
         guard: LoadGuard,
     ) -> PrefillWatch {
         let k = rank as usize;
-        let seen = rank_lost.borrow_and_update().get(k).copied().unwrap_or(0);
+        let (heartbeat, rank_seen) = {
+            let e = lost.borrow_and_update();
+            (e.heartbeat, e.rank(k))
+        };
+        // One waiter on one channel: woken by any loss on this prefill, it ends only on
+        // a loss of the whole prefill or of this request's rank.
         let lost = Box::pin(async move {
-            let heartbeat = async {
-                if lost.changed().await.is_err() {
-                    std::future::pending::<()>().await;
-                }
+            let seen = lost
+                .wait_for(|e| e.heartbeat != heartbeat || e.rank(k) != rank_seen)
+                .await
+                .map(|e| e.heartbeat != heartbeat);
+            let whole = match seen {
+                Ok(whole) => whole,
+                // The worker left the pool: its health loop reports that, not this watch.
+                Err(_) => std::future::pending().await,
             };
-            let rank_gone = async {
-                if rank_lost
-                    .wait_for(|v| v.get(k).copied().unwrap_or(0) != seen)
-                    .await
-                    .is_err()
-                {
-                    std::future::pending::<()>().await;
-                }
-            };
-            tokio::select! {
-                _ = heartbeat => "lost the prefill's bootstrap server (heartbeat) while the request was in flight",
-                _ = rank_gone => "the prefill's DP rank stopped being ready (its bootstrap route went away) while the request was in flight",
+            if whole {
+                "lost the prefill's bootstrap server (heartbeat) while the request was in flight"
+            } else {
+                "the prefill's DP rank stopped being ready (its bootstrap route went away) while the request was in flight"
             }
         });
         PrefillWatch {

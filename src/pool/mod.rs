@@ -96,17 +96,30 @@ pub struct WorkerState {
     pub layout: Option<Layout>,
     pub ranks: Vec<RankReadiness>,
     pub ranks_checked_at: Vec<Instant>,
-    /// Bumped when the prefill is lost; in-flight requests on it watch this.
-    pub lost_tx: watch::Sender<u64>,
-    /// Per DP rank, bumped when the rank stops being `Ready`; in-flight requests whose
-    /// prefill has not answered yet watch their rank's entry.
-    pub rank_lost_tx: watch::Sender<Vec<u64>>,
+    /// Bumped when the prefill (or one of its ranks) is lost; in-flight requests on it
+    /// whose prefill has not answered yet watch this.
+    pub lost_tx: watch::Sender<LostEpochs>,
     /// The engine's `/server_info` facts, once read.
     pub info: Option<crate::bootstrap::client::ServerInfo>,
     /// Passive health of this worker's leg.
     pub breaker: Arc<Breaker>,
     /// Kept-alive connections for this worker's legs.
     pub conns: Arc<HostConns>,
+}
+
+/// Loss counters of one prefill, in one channel so that a request in flight waits on a
+/// single signal: `heartbeat` is bumped when the prefill's bootstrap server is lost,
+/// `ranks[k]` when DP rank `k` stops being ready.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct LostEpochs {
+    pub heartbeat: u64,
+    pub ranks: Vec<u64>,
+}
+
+impl LostEpochs {
+    pub fn rank(&self, k: usize) -> u64 {
+        self.ranks.get(k).copied().unwrap_or(0)
+    }
 }
 
 /// An immutable view of one worker inside a snapshot.
@@ -123,8 +136,7 @@ pub struct WorkerView {
     pub layout: Option<Layout>,
     pub ranks: Vec<RankReadiness>,
     pub ranks_checked_at: Vec<Instant>,
-    pub lost: watch::Receiver<u64>,
-    pub rank_lost: watch::Receiver<Vec<u64>>,
+    pub lost: watch::Receiver<LostEpochs>,
     pub breaker: Arc<Breaker>,
     pub conns: Arc<HostConns>,
 }
@@ -262,8 +274,7 @@ impl Pool {
         self.update(|workers| {
             let n = workers.iter().filter(|w| w.role == role).count();
             id = WorkerId(n as u32);
-            let (lost_tx, _) = watch::channel(0u64);
-            let (rank_lost_tx, _) = watch::channel(Vec::new());
+            let (lost_tx, _) = watch::channel(LostEpochs::default());
             workers.push(WorkerState {
                 id,
                 role,
@@ -279,7 +290,6 @@ impl Pool {
                 ranks: Vec::new(),
                 ranks_checked_at: Vec::new(),
                 lost_tx,
-                rank_lost_tx,
                 info: None,
                 breaker: Arc::new(Breaker::default()),
             });
@@ -351,7 +361,6 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             ranks: w.ranks.clone(),
             ranks_checked_at: w.ranks_checked_at.clone(),
             lost: w.lost_tx.subscribe(),
-            rank_lost: w.rank_lost_tx.subscribe(),
             breaker: w.breaker.clone(),
             conns: w.conns.clone(),
         };

@@ -329,7 +329,13 @@ async fn exchange(
         .map_err(LegError::Write)?;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     loop {
-        match parse_head(&mut buf, req.keep_headers)? {
+        // Nothing to parse before the first read.
+        let head = if buf.is_empty() {
+            Head::Partial
+        } else {
+            parse_head(&mut buf, req.keep_headers)?
+        };
+        match head {
             Head::Done(parts) => return Ok(build(parts, buf, stream, host, s)),
             // 1xx: the real answer follows (maybe already in `buf`).
             Head::Informational => continue,
@@ -372,9 +378,12 @@ enum Head {
 /// off `buf` (what remains is body). Headers are kept only when asked for (decode's are
 /// re-sent to the client; the prefill's are not needed).
 fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> {
-    let mut hs = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut resp = httparse::Response::new(&mut hs);
-    let len = match resp.parse(buf) {
+    // Header slots left uninitialized (a 64-slot array is 2 KiB to fill otherwise).
+    let mut hs = [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default()
+        .parse_response_with_uninit_headers(&mut resp, buf, &mut hs)
+    {
         Ok(httparse::Status::Complete(n)) if n > MAX_HEAD => {
             return Err(LegError::Protocol(format!(
                 "response head larger than {MAX_HEAD} bytes"
@@ -389,13 +398,12 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
         .map_err(|_| LegError::Protocol(format!("bad status code {code}")))?;
     let http11 = resp.version == Some(1);
     // Where each header's name and value sit in the head (no allocation per header).
-    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let mut spans: smallvec::SmallVec<[(u32, u32, u32, u32); 16]> = smallvec::SmallVec::new();
     let base = buf.as_ptr() as usize;
     let mut chunked = false;
     let mut te = false;
     let mut length: Option<u64> = None;
     let mut close = !http11;
-    let mut count = 0;
     for h in resp.headers.iter() {
         let name = h.name.as_bytes();
         if name.eq_ignore_ascii_case(b"transfer-encoding") {
@@ -423,8 +431,7 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
             // Offsets fit: the head is at most MAX_HEAD bytes.
             let n0 = (name.as_ptr() as usize - base) as u32;
             let v0 = (h.value.as_ptr() as usize - base) as u32;
-            spans[count] = (n0, n0 + name.len() as u32, v0, v0 + h.value.len() as u32);
-            count += 1;
+            spans.push((n0, n0 + name.len() as u32, v0, v0 + h.value.len() as u32));
         }
     }
     if status.is_informational() && code != 101 {
@@ -433,8 +440,8 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
     }
     let headers = if keep_headers {
         let raw = buf.split_to(len).freeze();
-        let mut headers = HeaderMap::with_capacity(count);
-        for &(n0, n1, v0, v1) in &spans[..count] {
+        let mut headers = HeaderMap::with_capacity(spans.len());
+        for &(n0, n1, v0, v1) in &spans {
             let (n0, n1, v0, v1) = (n0 as usize, n1 as usize, v0 as usize, v1 as usize);
             let name = HeaderName::from_bytes(&raw[n0..n1])
                 .map_err(|_| LegError::Protocol("bad header name".to_string()))?;
