@@ -251,9 +251,7 @@ impl Dispatcher {
         let decode_rank = (dv.effective_dp() > 1).then_some(dt.rank);
         let rid_p = ctx.id.leg_rid(attempt_no, 'p');
         let rid_d = ctx.id.leg_rid(attempt_no, 'd');
-        let mut pbody = Vec::new();
-        req.write_leg(
-            &mut pbody,
+        let (pbody, dbody) = req.write_legs(
             &LegFields {
                 host_json: &boot.host_json,
                 port: boot.port,
@@ -263,10 +261,6 @@ impl Dispatcher {
                 disagg_prefill_dp_rank: hint,
                 stream: false,
             },
-        );
-        let mut dbody = Vec::new();
-        req.write_leg(
-            &mut dbody,
             &LegFields {
                 host_json: &boot.host_json,
                 port: boot.port,

@@ -163,6 +163,31 @@ impl ParsedRequest {
     pub fn write_leg(&self, out: &mut Vec<u8>, leg: &LegFields<'_>) {
         out.clear();
         out.reserve(self.body.len() + 96 + leg.rooms.len() * 48);
+        self.write_shared(out, leg);
+        write_own(out, leg);
+    }
+
+    /// Both legs' bodies, byte for byte what [`Self::write_leg`] writes for each. The part
+    /// they share (the client's members and the bootstrap host, port and rooms, which are
+    /// the same on both legs by the contract) is written once and copied.
+    pub fn write_legs(&self, p: &LegFields<'_>, d: &LegFields<'_>) -> (Vec<u8>, Vec<u8>) {
+        let shared_same = p.host_json == d.host_json && p.port == d.port && p.rooms == d.rooms;
+        let cap = self.body.len() + 96 + p.rooms.len() * 48;
+        let mut pb = Vec::with_capacity(cap);
+        let mut db = Vec::with_capacity(cap);
+        self.write_shared(&mut pb, p);
+        if shared_same {
+            db.extend_from_slice(&pb);
+        } else {
+            self.write_shared(&mut db, d);
+        }
+        write_own(&mut pb, p);
+        write_own(&mut db, d);
+        (pb, db)
+    }
+
+    /// `{`, the client's members, then the bootstrap host, port and room(s).
+    fn write_shared(&self, out: &mut Vec<u8>, leg: &LegFields<'_>) {
         out.push(b'{');
         for f in &self.fields {
             match &f.key_json {
@@ -195,22 +220,26 @@ impl ParsedRequest {
         } else {
             push_u64(out, leg.rooms.first().copied().unwrap_or(0));
         }
-        push_key(out, ",rid");
-        out.push(b'"');
-        out.extend_from_slice(leg.rid.as_bytes());
-        out.push(b'"');
-        if let Some(r) = leg.routed_dp_rank {
-            push_key(out, ",routed_dp_rank");
-            push_u64(out, u64::from(r));
-        }
-        if let Some(r) = leg.disagg_prefill_dp_rank {
-            push_key(out, ",disagg_prefill_dp_rank");
-            push_u64(out, u64::from(r));
-        }
-        push_key(out, ",stream");
-        out.extend_from_slice(if leg.stream { b"true" } else { b"false" });
-        out.push(b'}');
     }
+}
+
+/// What differs between the legs: rid, DP fields, stream, and the closing brace.
+fn write_own(out: &mut Vec<u8>, leg: &LegFields<'_>) {
+    push_key(out, ",rid");
+    out.push(b'"');
+    out.extend_from_slice(leg.rid.as_bytes());
+    out.push(b'"');
+    if let Some(r) = leg.routed_dp_rank {
+        push_key(out, ",routed_dp_rank");
+        push_u64(out, u64::from(r));
+    }
+    if let Some(r) = leg.disagg_prefill_dp_rank {
+        push_key(out, ",disagg_prefill_dp_rank");
+        push_u64(out, u64::from(r));
+    }
+    push_key(out, ",stream");
+    out.extend_from_slice(if leg.stream { b"true" } else { b"false" });
+    out.push(b'}');
 }
 
 /// What pdgate writes on a leg.
@@ -442,8 +471,12 @@ fn ids_or_prompt_batch(
 }
 
 /// The quoted span of a key borrowed from `text` (so it had no escapes), if it is one.
+#[allow(clippy::ptr_arg)] // whether the key is borrowed from `text` is the point
 fn key_span(text: &str, base: usize, key: &Cow<'_, str>) -> Option<Range<usize>> {
-    let Cow::Borrowed(k) = key else { return None };
+    let k: &str = match key {
+        Cow::Borrowed(k) => k,
+        Cow::Owned(_) => return None,
+    };
     let start = (k.as_ptr() as usize).checked_sub(base)?;
     let (open, close) = (start.checked_sub(1)?, start + k.len());
     let b = text.as_bytes();
@@ -571,270 +604,5 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::Value;
-
-    fn leg(
-        req: &ParsedRequest,
-        rooms: &[u64],
-        routed: Option<u32>,
-        hint: Option<u32>,
-        stream: bool,
-    ) -> Value {
-        let mut out = Vec::new();
-        req.write_leg(
-            &mut out,
-            &LegFields {
-                host_json: "\"10.0.0.1\"",
-                port: 8998,
-                rooms,
-                rid: "pdg-0123456789abcdef-00p",
-                routed_dp_rank: routed,
-                disagg_prefill_dp_rank: hint,
-                stream,
-            },
-        );
-        serde_json::from_slice(&out).unwrap()
-    }
-
-    #[test]
-    fn untouched_fields_are_forwarded_byte_for_byte() {
-        let body = r#"{"text":"hi","sampling_params":{"temperature":0.10000000000000001,"max_new_tokens":3},"extra":[1, 2 ,{"a":"\u00e9"}],"bootstrap_host":"evil","routed_dp_rank":7}"#;
-        let req = parse(ApiRoute::Generate, Bytes::from(body)).unwrap();
-        assert_eq!(req.replaced, vec!["bootstrap_host", "routed_dp_rank"]);
-        let mut out = Vec::new();
-        req.write_leg(
-            &mut out,
-            &LegFields {
-                host_json: "\"h\"",
-                port: 1,
-                rooms: &[5],
-                rid: "r",
-                routed_dp_rank: None,
-                disagg_prefill_dp_rank: None,
-                stream: false,
-            },
-        );
-        let s = String::from_utf8(out).unwrap();
-        assert!(
-            s.contains(
-                r#""sampling_params":{"temperature":0.10000000000000001,"max_new_tokens":3}"#
-            ),
-            "{s}"
-        );
-        assert!(s.contains(r#""extra":[1, 2 ,{"a":"\u00e9"}]"#), "{s}");
-        assert!(!s.contains("evil") && !s.contains(":7"), "{s}");
-        let v: Value = serde_json::from_str(&s).unwrap();
-        assert_eq!(v["bootstrap_host"], "h");
-        assert_eq!(v["bootstrap_room"], 5);
-        assert_eq!(v["stream"], false);
-    }
-
-    #[test]
-    fn keys_with_and_without_escapes_are_written_as_valid_json() {
-        // Whitespace around keys, an escaped key, a key with a non-ASCII char, an escaped
-        // key that means a PD key (still replaced).
-        let body = "{ \"text\" : \"hi\" ,\n\"k\\\"q\":1,\"\u{e9}t\u{e9}\":2,\"a\\u0062\":3,\"bootstrap\\u005froom\":9}";
-        let req = parse(ApiRoute::Generate, Bytes::from(body)).unwrap();
-        assert_eq!(req.replaced, vec!["bootstrap_room"]);
-        let mut out = Vec::new();
-        req.write_leg(
-            &mut out,
-            &LegFields {
-                host_json: "\"h\"",
-                port: 1,
-                rooms: &[5],
-                rid: "r",
-                routed_dp_rank: None,
-                disagg_prefill_dp_rank: None,
-                stream: false,
-            },
-        );
-        let v: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v["text"], "hi");
-        assert_eq!(v["k\"q"], 1);
-        assert_eq!(v["\u{e9}t\u{e9}"], 2);
-        assert_eq!(v["ab"], 3);
-        assert_eq!(v["bootstrap_room"], 5);
-    }
-
-    #[test]
-    fn batch_and_n_detection() {
-        let cases: &[(ApiRoute, &str, Option<usize>, u32)] = &[
-            (ApiRoute::Generate, r#"{"text":"a"}"#, None, 1),
-            (ApiRoute::Generate, r#"{"text":["a","b"]}"#, Some(2), 1),
-            (ApiRoute::Generate, r#"{"input_ids":[1,2,3]}"#, None, 1),
-            (
-                ApiRoute::Generate,
-                r#"{"input_ids":[[1],[2],[3]]}"#,
-                Some(3),
-                1,
-            ),
-            (
-                ApiRoute::Generate,
-                r#"{"text":"a","sampling_params":{"n":3}}"#,
-                None,
-                3,
-            ),
-            (
-                ApiRoute::Generate,
-                r#"{"text":["a","b"],"sampling_params":[{"n":2},{"n":2}]}"#,
-                Some(2),
-                2,
-            ),
-            (ApiRoute::Completions, r#"{"prompt":"a","n":2}"#, None, 2),
-            (
-                ApiRoute::Completions,
-                r#"{"prompt":["a","b","c"]}"#,
-                Some(3),
-                1,
-            ),
-            (ApiRoute::Completions, r#"{"prompt":[1,2]}"#, None, 1),
-            (ApiRoute::Completions, r#"{"prompt":[[1],[2]]}"#, Some(2), 1),
-            (
-                ApiRoute::ChatCompletions,
-                r#"{"messages":[{"role":"user","content":"x"}],"n":4}"#,
-                None,
-                4,
-            ),
-        ];
-        for (route, body, batch, n) in cases {
-            let r = parse(*route, Bytes::from(*body)).unwrap_or_else(|e| panic!("{body}: {e}"));
-            assert_eq!((r.batch, r.n), (*batch, *n), "{body}");
-        }
-    }
-
-    #[test]
-    fn multi_instance_legs_get_full_lists() {
-        let req = parse(
-            ApiRoute::Generate,
-            Bytes::from(r#"{"text":["a","b"],"sampling_params":{"n":2}}"#),
-        )
-        .unwrap();
-        assert_eq!(req.instances(), 4);
-        let v = leg(&req, &[2, 4, 6, 8], Some(0), Some(0), true);
-        assert_eq!(v["bootstrap_room"], serde_json::json!([2, 4, 6, 8]));
-        assert_eq!(v["bootstrap_host"].as_array().unwrap().len(), 4);
-        assert_eq!(
-            v["bootstrap_port"],
-            serde_json::json!([8998, 8998, 8998, 8998])
-        );
-        assert_eq!(v["routed_dp_rank"], 0);
-        assert_eq!(v["disagg_prefill_dp_rank"], 0);
-        assert_eq!(v["stream"], true);
-    }
-
-    #[test]
-    fn bad_input_table() {
-        let cases: &[(ApiRoute, &[u8], &str)] = &[
-            (ApiRoute::Generate, b"not json", "not valid JSON"),
-            (ApiRoute::Generate, b"[1,2]", "JSON object"),
-            (ApiRoute::Generate, b"\"s\"", "JSON object"),
-            (ApiRoute::Generate, b"{\"text\":\"\xff\"}", "UTF-8"),
-            (ApiRoute::Generate, b"{}", "no prompt"),
-            (ApiRoute::Generate, br#"{"text":1}"#, "'text'"),
-            (ApiRoute::Generate, br#"{"text":[]}"#, "empty"),
-            (ApiRoute::Generate, br#"{"input_ids":[]}"#, "empty"),
-            (
-                ApiRoute::Generate,
-                br#"{"text":"a","input_ids":[1]}"#,
-                "only one",
-            ),
-            (
-                ApiRoute::Generate,
-                br#"{"text":"a","stream":"yes"}"#,
-                "'stream'",
-            ),
-            (
-                ApiRoute::Generate,
-                br#"{"text":"a","sampling_params":{"n":0}}"#,
-                "sampling_params.n",
-            ),
-            (
-                ApiRoute::Generate,
-                br#"{"text":"a","sampling_params":5}"#,
-                "sampling_params",
-            ),
-            (
-                ApiRoute::Generate,
-                br#"{"text":"a","return_logprob":"x"}"#,
-                "return_logprob",
-            ),
-            (
-                ApiRoute::ChatCompletions,
-                br#"{"model":"m"}"#,
-                "'messages' is required",
-            ),
-            (ApiRoute::ChatCompletions, br#"{"messages":[]}"#, "empty"),
-            (ApiRoute::ChatCompletions, br#"{"messages":{}}"#, "list"),
-            (
-                ApiRoute::ChatCompletions,
-                br#"{"messages":[{}],"n":-1}"#,
-                "'n'",
-            ),
-            (
-                ApiRoute::Completions,
-                br#"{"model":"m"}"#,
-                "'prompt' is required",
-            ),
-            (ApiRoute::Completions, br#"{"prompt":[{}]}"#, "'prompt'"),
-        ];
-        for (route, body, want) in cases {
-            let e = parse(*route, Bytes::copy_from_slice(body))
-                .expect_err(&String::from_utf8_lossy(body));
-            assert_eq!(e.reason, FailReason::InvalidRequest);
-            assert!(
-                e.message.contains(want),
-                "{}: {}",
-                String::from_utf8_lossy(body),
-                e.message
-            );
-        }
-    }
-
-    #[test]
-    fn prefix_keys_are_stable_across_turns() {
-        let key = |route, body: &str| {
-            parse(route, Bytes::from(body.to_string()))
-                .unwrap()
-                .prefix_hash()
-                .unwrap()
-        };
-        let t1 = key(
-            ApiRoute::ChatCompletions,
-            r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"hi"}]}"#,
-        );
-        let t2 = key(
-            ApiRoute::ChatCompletions,
-            r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"hi"},{"role":"assistant","content":"yo"},{"role":"user","content":"more"}]}"#,
-        );
-        let other = key(
-            ApiRoute::ChatCompletions,
-            r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"bye"}]}"#,
-        );
-        assert_eq!(t1, t2);
-        assert_ne!(t1, other);
-        let long = "x".repeat(1000);
-        let a = key(ApiRoute::Completions, &format!(r#"{{"prompt":"{long}"}}"#));
-        let b = key(
-            ApiRoute::Completions,
-            &format!(r#"{{"prompt":"{long} and more","max_tokens":3}}"#),
-        );
-        assert_eq!(a, b);
-        assert_ne!(
-            key(ApiRoute::Generate, r#"{"text":"a"}"#),
-            key(ApiRoute::Generate, r#"{"text":"b"}"#)
-        );
-        assert_eq!(fnv1a(b"a"), 0xaf63dc4c8601ec8c, "FNV-1a must never change");
-    }
-
-    #[test]
-    fn digits() {
-        for v in [0u64, 7, 10, 12345, u64::MAX] {
-            let mut out = Vec::new();
-            push_u64(&mut out, v);
-            assert_eq!(String::from_utf8(out).unwrap(), v.to_string());
-        }
-    }
-}
+#[path = "request_tests.rs"]
+mod tests;
