@@ -26,11 +26,8 @@ fn leg(
     serde_json::from_slice(&out).unwrap()
 }
 
-#[test]
-fn untouched_fields_are_forwarded_byte_for_byte() {
-    let body = r#"{"text":"hi","sampling_params":{"temperature":0.10000000000000001,"max_new_tokens":3},"extra":[1, 2 ,{"a":"\u00e9"}],"bootstrap_host":"evil","routed_dp_rank":7}"#;
-    let req = parse(ApiRoute::Generate, Bytes::from(body)).unwrap();
-    assert_eq!(req.replaced, vec!["bootstrap_host", "routed_dp_rank"]);
+/// A non-streamed leg with host `h`, port 1, room 5, rid `r` and no DP fields.
+fn simple_leg(req: &ParsedRequest) -> Vec<u8> {
     let mut out = Vec::new();
     req.write_leg(
         &mut out,
@@ -44,6 +41,15 @@ fn untouched_fields_are_forwarded_byte_for_byte() {
             stream: false,
         },
     );
+    out
+}
+
+#[test]
+fn untouched_fields_are_forwarded_byte_for_byte() {
+    let body = r#"{"text":"hi","sampling_params":{"temperature":0.10000000000000001,"max_new_tokens":3},"extra":[1, 2 ,{"a":"\u00e9"}],"bootstrap_host":"evil","routed_dp_rank":7}"#;
+    let req = parse(ApiRoute::Generate, Bytes::from(body)).unwrap();
+    assert_eq!(req.replaced, vec!["bootstrap_host", "routed_dp_rank"]);
+    let out = simple_leg(&req);
     let s = String::from_utf8(out).unwrap();
     assert!(
         s.contains(r#""sampling_params":{"temperature":0.10000000000000001,"max_new_tokens":3}"#),
@@ -114,19 +120,7 @@ fn keys_with_and_without_escapes_are_written_as_valid_json() {
     let body = "{ \"text\" : \"hi\" ,\n\"k\\\"q\":1,\"\u{e9}t\u{e9}\":2,\"a\\u0062\":3,\"bootstrap\\u005froom\":9}";
     let req = parse(ApiRoute::Generate, Bytes::from(body)).unwrap();
     assert_eq!(req.replaced, vec!["bootstrap_room"]);
-    let mut out = Vec::new();
-    req.write_leg(
-        &mut out,
-        &LegFields {
-            host_json: "\"h\"",
-            port: 1,
-            rooms: &[5],
-            rid: "r",
-            routed_dp_rank: None,
-            disagg_prefill_dp_rank: None,
-            stream: false,
-        },
-    );
+    let out = simple_leg(&req);
     let v: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(v["text"], "hi");
     assert_eq!(v["k\"q"], 1);
