@@ -124,6 +124,43 @@ fn bench_write_leg(c: &mut Criterion) {
                 black_box(out.len())
             })
         });
+        // Both legs written one by one into fresh buffers (what the request path did).
+        g.bench_function(format!("{name}_two_fresh_legs"), |b| {
+            b.iter(|| {
+                let leg = |rid, stream| LegFields {
+                    host_json: "\"10.0.0.17\"",
+                    port: 8998,
+                    rooms: black_box(&rooms),
+                    rid,
+                    routed_dp_rank: None,
+                    disagg_prefill_dp_rank: Some(3),
+                    stream,
+                };
+                let (mut p, mut d) = (Vec::new(), Vec::new());
+                req.write_leg(&mut p, &leg("pdg-0123456789abcdef-00p", false));
+                req.write_leg(&mut d, &leg("pdg-0123456789abcdef-00d", true));
+                black_box(p.len() + d.len())
+            })
+        });
+        // Both legs of one attempt, as the request path writes them.
+        g.bench_function(format!("{name}_both_legs"), |b| {
+            b.iter(|| {
+                let leg = |rid, stream| LegFields {
+                    host_json: "\"10.0.0.17\"",
+                    port: 8998,
+                    rooms: black_box(&rooms),
+                    rid,
+                    routed_dp_rank: None,
+                    disagg_prefill_dp_rank: Some(3),
+                    stream,
+                };
+                let (p, d) = req.write_legs(
+                    &leg("pdg-0123456789abcdef-00p", false),
+                    &leg("pdg-0123456789abcdef-00d", true),
+                );
+                black_box(p.len() + d.len())
+            })
+        });
     }
     g.finish();
 }
