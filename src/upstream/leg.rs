@@ -440,7 +440,8 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
     }
     let headers = if keep_headers {
         let raw = buf.split_to(len).freeze();
-        let mut headers = HeaderMap::with_capacity(spans.len());
+        // Room for the x-request-id the answer to the client gets.
+        let mut headers = HeaderMap::with_capacity(spans.len() + 1);
         for &(n0, n1, v0, v1) in &spans {
             let (n0, n1, v0, v1) = (n0 as usize, n1 as usize, v0 as usize, v1 as usize);
             let name = HeaderName::from_bytes(&raw[n0..n1])
