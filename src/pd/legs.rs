@@ -204,13 +204,19 @@ pub fn error_message(body: &[u8]) -> Option<String> {
     }
 }
 
+/// Whether `bytes` contain `"abort"` or `"error"` at all: a cheap pre-check (most answers,
+/// and most runs of SSE events, contain neither; searchers built once). When it says no,
+/// [`abort_in_json`] finds nothing in any part of `bytes`.
+pub fn may_hold_abort(bytes: &[u8]) -> bool {
+    static ABORT: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"abort\""));
+    static ERROR: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"error\""));
+    ABORT.find(bytes).is_some() || ERROR.find(bytes).is_some()
+}
+
 /// An abort or error inside a 200 JSON answer (or one SSE event's JSON): a
 /// `finish_reason` of type `abort`, or a top-level `error` object. Returns its message.
 pub fn abort_in_json(json: &[u8]) -> Option<String> {
-    // Cheap pre-check: most answers contain neither word (searchers built once).
-    static ABORT: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"abort\""));
-    static ERROR: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"error\""));
-    if ABORT.find(json).is_none() && ERROR.find(json).is_none() {
+    if !may_hold_abort(json) {
         return None;
     }
     let v: serde_json::Value = serde_json::from_slice(json).ok()?;
@@ -219,7 +225,7 @@ pub fn abort_in_json(json: &[u8]) -> Option<String> {
         other => vec![other],
     };
     for it in items {
-        if let Some(err) = it.get("error") {
+        if let Some(err) = it.get("error").filter(|e| !e.is_null()) {
             let msg = err
                 .get("message")
                 .and_then(|m| m.as_str())

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
-use super::legs::abort_in_json;
+use super::legs::{abort_in_json, may_hold_abort};
 use super::logprobs::PrefillLogprobs;
 
 /// One scanner per decode stream.
@@ -87,6 +87,10 @@ impl SseScanner {
     }
 
     fn scan_events(&self, complete: Bytes) -> Scan {
+        // Fast path: nothing to merge, and no event of the run can hold an abort or error.
+        if self.logprobs.is_none() && !may_hold_abort(&complete) {
+            return Scan::Forward(complete);
+        }
         let mut rebuilt: Option<Vec<u8>> = self
             .logprobs
             .as_ref()
@@ -216,6 +220,14 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn the_words_alone_are_not_an_abort() {
+        // The pre-check finds `"abort"` / `"error"` in the text; the full check does not.
+        let run: &[u8] = b"data: {\"text\":\"\\\"abort\\\" \\\"error\\\"\",\"k\":\"abort\"}\n\ndata: {\"error\":null}\n\n";
+        let mut s = SseScanner::new(None);
+        assert_eq!(fwd(&s.push(Bytes::from_static(run))), run);
     }
 
     #[test]
