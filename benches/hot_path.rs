@@ -54,9 +54,9 @@ fn config() -> Criterion {
     }
 }
 
-fn bench_parse(c: &mut Criterion) {
-    let mut g = c.benchmark_group("parse");
-    let cases = [
+/// The request bodies the parse and leg-writing benches run on.
+fn bodies() -> [(&'static str, ApiRoute, Bytes); 3] {
+    [
         (
             "chat_small",
             ApiRoute::ChatCompletions,
@@ -72,8 +72,25 @@ fn bench_parse(c: &mut Criterion) {
             ApiRoute::Generate,
             Bytes::from(batch()),
         ),
-    ];
-    for (name, route, body) in cases {
+    ]
+}
+
+/// The pdgate fields of a leg as the benches write them.
+fn fields<'a>(rooms: &'a [u64], rid: &'a str, stream: bool) -> LegFields<'a> {
+    LegFields {
+        host_json: "\"10.0.0.17\"",
+        port: 8998,
+        rooms,
+        rid,
+        routed_dp_rank: None,
+        disagg_prefill_dp_rank: Some(3),
+        stream,
+    }
+}
+
+fn bench_parse(c: &mut Criterion) {
+    let mut g = c.benchmark_group("parse");
+    for (name, route, body) in bodies() {
         g.throughput(Throughput::Bytes(body.len() as u64));
         g.bench_function(name, |b| {
             b.iter(|| parse(route, black_box(body.clone())).expect("valid body"))
@@ -84,24 +101,7 @@ fn bench_parse(c: &mut Criterion) {
 
 fn bench_write_leg(c: &mut Criterion) {
     let mut g = c.benchmark_group("write_leg");
-    let cases = [
-        (
-            "chat_small",
-            ApiRoute::ChatCompletions,
-            Bytes::from_static(CHAT.as_bytes()),
-        ),
-        (
-            "generate_4k",
-            ApiRoute::Generate,
-            Bytes::from(generate_4k()),
-        ),
-        (
-            "generate_batch8_n2",
-            ApiRoute::Generate,
-            Bytes::from(batch()),
-        ),
-    ];
-    for (name, route, body) in cases {
+    for (name, route, body) in bodies() {
         let req = parse(route, body).expect("valid body");
         let rooms: Vec<u64> = (0..req.instances() as u64)
             .map(|i| 4_611_686_018_427_387_904 + 8 * i)
@@ -111,15 +111,7 @@ fn bench_write_leg(c: &mut Criterion) {
             b.iter(|| {
                 req.write_leg(
                     &mut out,
-                    &LegFields {
-                        host_json: "\"10.0.0.17\"",
-                        port: 8998,
-                        rooms: black_box(&rooms),
-                        rid: "pdg-0123456789abcdef-00d",
-                        routed_dp_rank: None,
-                        disagg_prefill_dp_rank: Some(3),
-                        stream: true,
-                    },
+                    &fields(black_box(&rooms), "pdg-0123456789abcdef-00d", true),
                 );
                 black_box(out.len())
             })
@@ -127,15 +119,7 @@ fn bench_write_leg(c: &mut Criterion) {
         // Both legs written one by one into fresh buffers (what the request path did).
         g.bench_function(format!("{name}_two_fresh_legs"), |b| {
             b.iter(|| {
-                let leg = |rid, stream| LegFields {
-                    host_json: "\"10.0.0.17\"",
-                    port: 8998,
-                    rooms: black_box(&rooms),
-                    rid,
-                    routed_dp_rank: None,
-                    disagg_prefill_dp_rank: Some(3),
-                    stream,
-                };
+                let leg = |rid, stream| fields(black_box(&rooms), rid, stream);
                 let (mut p, mut d) = (Vec::new(), Vec::new());
                 req.write_leg(&mut p, &leg("pdg-0123456789abcdef-00p", false));
                 req.write_leg(&mut d, &leg("pdg-0123456789abcdef-00d", true));
@@ -145,15 +129,7 @@ fn bench_write_leg(c: &mut Criterion) {
         // Both legs of one attempt, as the request path writes them.
         g.bench_function(format!("{name}_both_legs"), |b| {
             b.iter(|| {
-                let leg = |rid, stream| LegFields {
-                    host_json: "\"10.0.0.17\"",
-                    port: 8998,
-                    rooms: black_box(&rooms),
-                    rid,
-                    routed_dp_rank: None,
-                    disagg_prefill_dp_rank: Some(3),
-                    stream,
-                };
+                let leg = |rid, stream| fields(black_box(&rooms), rid, stream);
                 let (p, d) = req.write_legs(
                     &leg("pdg-0123456789abcdef-00p", false),
                     &leg("pdg-0123456789abcdef-00d", true),

@@ -299,18 +299,18 @@ impl Dispatcher {
         tokio::pin!(dfut);
 
         // Decode's first-byte deadline runs from the prefill's completion: one timer, armed
-        // then (the request's own deadline bounds everything before that).
-        let first_byte = tokio::time::sleep(timeouts.decode_first_byte());
+        // (reset) when `prefill_done` is set and polled only from then on (the request's own
+        // deadline bounds everything before that).
+        let fb = timeouts.decode_first_byte();
+        let first_byte = tokio::time::sleep(fb);
         tokio::pin!(first_byte);
-        let mut first_byte_armed = false;
         let mut prefill_done: Option<PrefillDone> = None;
         let resp = loop {
             tokio::select! {
                 r = &mut pw, if prefill_done.is_none() => match r {
                     Ok(d) => {
                         prefill_done = Some(d);
-                        first_byte.as_mut().reset(tokio::time::Instant::now() + timeouts.decode_first_byte());
-                        first_byte_armed = true;
+                        first_byte.as_mut().reset(tokio::time::Instant::now() + fb);
                     }
                     Err(f) => return Err(failed(f)),
                 },
@@ -318,7 +318,7 @@ impl Dispatcher {
                     Ok(resp) => break resp,
                     Err(e) => return Err(failed(Failure::new(FailReason::DecodeConnect, format!("decode request failed: {}", crate::upstream::error_chain(&e))))),
                 },
-                _ = &mut first_byte, if first_byte_armed => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
+                _ = &mut first_byte, if prefill_done.is_some() => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
             }
         };
         let status = resp.status();
@@ -335,15 +335,12 @@ impl Dispatcher {
             while prefill_done.is_none() {
                 // Bounded by the prefill's own deadline and the request's.
                 match (&mut pw).await {
-                    Ok(d) => prefill_done = Some(d),
+                    Ok(d) => {
+                        prefill_done = Some(d);
+                        first_byte.as_mut().reset(tokio::time::Instant::now() + fb);
+                    }
                     Err(f) => return Err(failed(f)),
                 }
-            }
-            if !first_byte_armed {
-                first_byte
-                    .as_mut()
-                    .reset(tokio::time::Instant::now() + timeouts.decode_first_byte());
-                first_byte_armed = true;
             }
         }
         let logprobs = prefill_done
@@ -366,8 +363,7 @@ impl Dispatcher {
                 r = &mut pw, if prefill_done.is_none() => match r {
                     Ok(d) => {
                         prefill_done = Some(d);
-                        first_byte.as_mut().reset(tokio::time::Instant::now() + timeouts.decode_first_byte());
-                        first_byte_armed = true;
+                        first_byte.as_mut().reset(tokio::time::Instant::now() + fb);
                     }
                     Err(f) => return Err(failed(f)),
                 },
@@ -391,7 +387,7 @@ impl Dispatcher {
                         }
                     }
                 },
-                _ = &mut first_byte, if first_byte_armed => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
+                _ = &mut first_byte, if prefill_done.is_some() => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
             }
         }
         if ended {

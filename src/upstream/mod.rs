@@ -44,12 +44,20 @@ struct UrlParts {
 }
 
 impl BaseUrl {
-    fn new(base: String, host: String, port: u16) -> BaseUrl {
-        BaseUrl(Arc::new(UrlParts { base, host, port }))
+    /// `http://host:port`, the host as written (an IPv6 host gets its brackets here).
+    fn new(host: &str, port: u16) -> BaseUrl {
+        let base = if host.contains(':') {
+            format!("http://[{host}]:{port}")
+        } else {
+            format!("http://{host}:{port}")
+        };
+        BaseUrl(Arc::new(UrlParts {
+            base,
+            host: host.to_string(),
+            port,
+        }))
     }
-}
 
-impl BaseUrl {
     pub fn as_str(&self) -> &str {
         &self.0.base
     }
@@ -69,13 +77,7 @@ impl BaseUrl {
     }
     /// `http://host:port` with another port on the same host (the bootstrap server).
     pub fn with_port(&self, port: u16) -> BaseUrl {
-        let h = self.host();
-        let host = if h.contains(':') {
-            format!("[{h}]")
-        } else {
-            h.to_string()
-        };
-        BaseUrl::new(format!("http://{host}:{port}"), h.to_string(), port)
+        BaseUrl::new(self.host(), port)
     }
 }
 
@@ -102,17 +104,7 @@ pub fn parse_base_url(s: &str) -> Result<BaseUrl, String> {
     if host.is_empty() {
         return Err("missing host".to_string());
     }
-    let port = auth.port_u16().unwrap_or(80);
-    let host_part = if host.contains(':') {
-        format!("[{host}]")
-    } else {
-        host.to_string()
-    };
-    Ok(BaseUrl::new(
-        format!("http://{host_part}:{port}"),
-        host.to_string(),
-        port,
-    ))
+    Ok(BaseUrl::new(host, auth.port_u16().unwrap_or(80)))
 }
 
 /// Why a background call failed.
