@@ -27,7 +27,7 @@ fn leg(
 }
 
 /// A non-streamed leg with host `h`, port 1, room 5, rid `r` and no DP fields.
-fn simple_leg(req: &ParsedRequest) -> Vec<u8> {
+pub(super) fn simple_leg(req: &ParsedRequest) -> Vec<u8> {
     let mut out = Vec::new();
     req.write_leg(
         &mut out,

@@ -30,23 +30,34 @@ pub enum Scan {
     Abort { before: Bytes, message: String },
 }
 
-/// The end of the last complete event in `buf` (after its `\n\n` or `\r\n\r\n`).
-/// Both separators end with `\n`, so the last `\n` that closes one gives the answer; a
-/// chunk of whole events ends with one, found at once.
+/// An event ends at a blank line: `\n\n`, `\r\n\r\n` (or the two mixed, `\n\r\n`), so
+/// every ending ends with `\n`. Where the event ends when the line ending at the `\n` at `i`
+/// is followed by a blank line (`\n` or `\r\n`).
+fn blank_line_end(buf: &[u8], i: usize) -> Option<usize> {
+    match buf.get(i + 1..) {
+        Some([b'\n', ..]) => Some(i + 2),
+        Some([b'\r', b'\n', ..]) => Some(i + 3),
+        _ => None,
+    }
+}
+
+/// The end of the last complete event in `buf`: the last `\n` that ends a blank line
+/// (`\n\n` or `\n\r\n` just before it, inclusive). A chunk of whole events ends with one,
+/// found at once.
 fn event_end(buf: &[u8]) -> Option<usize> {
     memchr::memrchr_iter(b'\n', buf)
         .find(|&i| {
             let head = &buf[..=i];
-            head.ends_with(b"\n\n") || head.ends_with(b"\r\n\r\n")
+            head.ends_with(b"\n\n") || head.ends_with(b"\n\r\n")
         })
         .map(|i| i + 1)
 }
 
-/// The length of the first event in `buf` (through its `\n\n`), else all of `buf`.
+/// The length of the first event in `buf` (through its blank line), else all of `buf`.
 fn first_event_len(buf: &[u8]) -> usize {
     memchr::memchr_iter(b'\n', buf)
-        .find(|&i| buf.get(i + 1) == Some(&b'\n'))
-        .map_or(buf.len(), |i| i + 2)
+        .find_map(|i| blank_line_end(buf, i))
+        .unwrap_or(buf.len())
 }
 
 impl SseScanner {
@@ -135,7 +146,10 @@ impl SseScanner {
 }
 
 fn merge_event(out: &mut Vec<u8>, event: &[u8], lp: &PrefillLogprobs) {
-    let trimmed = event.strip_suffix(b"\n\n").unwrap_or(event);
+    let trimmed = [&b"\r\n\r\n"[..], b"\n\r\n", b"\n\n"]
+        .iter()
+        .find_map(|end| event.strip_suffix(*end))
+        .unwrap_or(event);
     if let Some(data) = trimmed
         .strip_prefix(b"data: ")
         .filter(|d| !d.contains(&b'\n') && *d != b"[DONE]")
@@ -165,6 +179,8 @@ mod tests {
             (b"\n", None),
             (b"", None),
             (b"\n\n", Some(2)),
+            (b"data: a\n\r\ndata: b", Some(10)),
+            (b"data: a\r\n", None),
         ];
         for (buf, want) in ends {
             assert_eq!(event_end(buf), *want, "{:?}", String::from_utf8_lossy(buf));
@@ -173,6 +189,9 @@ mod tests {
             (b"data: a\n\ndata: b\n\n", 9),
             (b"data: a\n", 8),
             (b"a\nb\n\n", 5),
+            (b"data: a\r\n\r\ndata: b\r\n\r\n", 11),
+            (b"data: a\n\r\ndata: b\n\n", 10),
+            (b"data: a\r\n", 9),
             (b"", 0),
         ];
         for (buf, want) in firsts {
@@ -222,6 +241,22 @@ mod tests {
         }
     }
 
+    /// Found by the abort property with CRLF events: the events ahead of an abort in the
+    /// same chunk were taken for part of it and lost.
+    #[test]
+    fn crlf_events_before_an_abort_are_kept() {
+        let mut s = SseScanner::new(None);
+        let chunk =
+            b"data: {\"text\":\"a\"}\r\n\r\ndata: {\"error\":{\"message\":\"kv lost\"}}\r\n\r\n";
+        match s.push(Bytes::from_static(chunk)) {
+            Scan::Abort { before, message } => {
+                assert_eq!(&before[..], b"data: {\"text\":\"a\"}\r\n\r\n");
+                assert_eq!(message, "kv lost");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn the_words_alone_are_not_an_abort() {
         // The pre-check finds `"abort"` / `"error"` in the text; the full check does not.
@@ -245,5 +280,228 @@ mod tests {
             "{out}"
         );
         assert!(out.ends_with("data: [DONE]\n\n"));
+    }
+
+    /// Property tests: whole, non-aborting events pass through unchanged however the
+    /// stream is cut into chunks, and an abort is found at its event under any cut.
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+        use proptest::sample::Index;
+        use serde_json::{json, Value};
+
+        /// Text with the words and bytes that matter to the scanner (quotes, the words
+        /// `abort` and `error`, newlines, `[DONE]`, which JSON escapes in a payload).
+        fn arb_text() -> impl Strategy<Value = String> {
+            prop_oneof![
+                3 => "[a-z ]{0,12}",
+                2 => prop::sample::select(vec![
+                    "abort", "\"abort\"", "error", "\"error\"", "data: x\n\n", "[DONE]",
+                    "\r\n\r\n", "\n", "\u{e9}\u{1f600}", "\\", "{\"error\":{}}",
+                ])
+                .prop_map(str::to_string),
+                1 => prop::collection::vec(any::<char>(), 0..8).prop_map(String::from_iter),
+            ]
+        }
+
+        fn arb_value() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                any::<i64>().prop_map(Value::from),
+                arb_text().prop_map(Value::from),
+            ];
+            leaf.prop_recursive(2, 12, 3, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..3).prop_map(Value::from),
+                    prop::collection::btree_map(arb_text(), inner, 0..3)
+                        .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        /// An event's JSON payload with neither an abort nor an error, often close to one:
+        /// SGLang and OpenAI chunks with other finish reasons, `"error": null`, and the
+        /// words in strings.
+        fn arb_payload() -> impl Strategy<Value = String> {
+            let sglang_reason = prop_oneof![
+                Just(Value::Null),
+                (0u32..9).prop_map(|n| json!({"type": "length", "length": n})),
+                arb_text().prop_map(|t| json!({"type": "stop", "matched": t})),
+                Just(json!({"type": "aborted"})),
+            ];
+            let openai_reason =
+                prop::sample::select(vec![Value::Null, json!("stop"), json!("length")]);
+            prop_oneof![
+                (
+                    arb_text(),
+                    prop::collection::vec(0u32..50_000, 0..3),
+                    sglang_reason,
+                    0u32..99
+                )
+                    .prop_map(|(t, ids, fr, n)| json!({
+                        "text": t,
+                        "output_ids": ids,
+                        "meta_info": {"id": "abc", "finish_reason": fr, "completion_tokens": n},
+                    })),
+                (arb_text(), openai_reason).prop_map(|(t, fr)| json!({
+                    "id": "c1",
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": {"content": t}, "finish_reason": fr}],
+                })),
+                (arb_text(), arb_value())
+                    .prop_map(|(t, v)| json!({"error": null, "text": t, "v": v})),
+                arb_value(),
+            ]
+            .prop_map(|v| v.to_string())
+            .prop_filter("an abort or error", |p| {
+                abort_in_json(p.as_bytes()).is_none()
+            })
+        }
+
+        /// A line ending: SGLang writes `\n`; the SSE grammar also allows `\r\n`.
+        fn arb_eol() -> impl Strategy<Value = &'static str> {
+            prop_oneof![3 => Just("\n"), 1 => Just("\r\n")]
+        }
+
+        /// One well-formed event.
+        fn arb_event() -> impl Strategy<Value = Vec<u8>> {
+            let event = prop_oneof![
+                6 => arb_payload().prop_map(|p| format!("data: {p}")),
+                1 => arb_payload().prop_map(|p| format!("data:{p}")),
+                1 => (arb_payload(), arb_eol()).prop_map(|(p, e)| format!("event: message{e}data: {p}")),
+                1 => Just(": keep-alive".to_string()),
+            ];
+            (event, arb_eol(), arb_eol()).prop_map(|(ev, a, b)| format!("{ev}{a}{b}").into_bytes())
+        }
+
+        /// Where a stream is cut: at arbitrary positions (empty chunks included), or into
+        /// chunks of one small size.
+        #[derive(Debug, Clone)]
+        enum Cuts {
+            At(Vec<Index>),
+            Every(usize),
+        }
+
+        fn arb_cuts() -> impl Strategy<Value = Cuts> {
+            prop_oneof![
+                3 => prop::collection::vec(any::<Index>(), 0..16).prop_map(Cuts::At),
+                1 => (1usize..8).prop_map(Cuts::Every),
+            ]
+        }
+
+        fn chunks(buf: &[u8], cuts: &Cuts) -> Vec<Bytes> {
+            let mut at: Vec<usize> = match cuts {
+                Cuts::At(ix) => ix.iter().map(|i| i.index(buf.len() + 1)).collect(),
+                Cuts::Every(n) => (1..buf.len().div_ceil(*n)).map(|i| i * n).collect(),
+            };
+            at.sort_unstable();
+            let mut prev = 0;
+            let mut out = Vec::new();
+            for a in at.into_iter().chain(std::iter::once(buf.len())) {
+                out.push(Bytes::copy_from_slice(&buf[prev..a]));
+                prev = a;
+            }
+            out
+        }
+
+        /// The stream, and the offset where each of its events ends.
+        fn join(events: &[Vec<u8>]) -> (Vec<u8>, Vec<usize>) {
+            let mut buf = Vec::new();
+            let mut ends = Vec::new();
+            for e in events {
+                buf.extend_from_slice(e);
+                ends.push(buf.len());
+            }
+            (buf, ends)
+        }
+
+        /// The forwarded length expected once `pushed` bytes went in: through the last
+        /// whole event.
+        fn whole(ends: &[usize], pushed: usize) -> usize {
+            ends.iter()
+                .copied()
+                .filter(|e| *e <= pushed)
+                .max()
+                .unwrap_or(0)
+        }
+
+        proptest! {
+            #[test]
+            fn whole_events_pass_through_unchanged(
+                mut events in prop::collection::vec(arb_event(), 0..10),
+                done: bool,
+                tail in prop::option::of(arb_payload().prop_map(|p| format!("data: {p}"))),
+                cuts in arb_cuts(),
+            ) {
+                if done {
+                    events.push(b"data: [DONE]\n\n".to_vec());
+                }
+                let (mut stream, ends) = join(&events);
+                stream.extend_from_slice(tail.as_deref().unwrap_or("").as_bytes());
+                let mut s = SseScanner::new(None);
+                let (mut out, mut pushed) = (Vec::new(), 0);
+                for c in chunks(&stream, &cuts) {
+                    pushed += c.len();
+                    match s.push(c) {
+                        Scan::Forward(b) => out.extend_from_slice(&b),
+                        Scan::Abort { message, .. } => {
+                            return Err(TestCaseError::fail(format!("abort: {message}")));
+                        }
+                    }
+                    // Only whole events go out, and each as soon as it is complete.
+                    prop_assert_eq!(out.len(), whole(&ends, pushed));
+                }
+                out.extend_from_slice(&s.finish());
+                prop_assert_eq!(out, stream);
+            }
+
+            #[test]
+            fn aborts_are_found_under_any_chunking(
+                mut events in prop::collection::vec(arb_event(), 0..8),
+                at: Index,
+                error_shape: bool,
+                message in arb_text(),
+                eol in arb_eol(),
+                done: bool,
+                cuts in arb_cuts(),
+            ) {
+                let abort = if error_shape {
+                    json!({"error": {"object": "error", "message": message, "type": "INTERNAL_SERVER_ERROR", "code": 500}})
+                } else {
+                    json!({"text": "a", "meta_info": {"finish_reason": {"type": "abort", "message": message, "status_code": 500}}})
+                };
+                let k = at.index(events.len() + 1);
+                events.insert(k, format!("data: {abort}{eol}{eol}").into_bytes());
+                if done {
+                    events.push(b"data: [DONE]\n\n".to_vec());
+                }
+                let (stream, ends) = join(&events);
+                let (abort_start, abort_end) = (if k == 0 { 0 } else { ends[k - 1] }, ends[k]);
+                let mut s = SseScanner::new(None);
+                let (mut out, mut pushed, mut found) = (Vec::new(), 0, false);
+                for c in chunks(&stream, &cuts) {
+                    let was = pushed;
+                    pushed += c.len();
+                    match s.push(c) {
+                        Scan::Forward(b) => {
+                            out.extend_from_slice(&b);
+                            prop_assert!(pushed < abort_end, "the abort event went through");
+                            prop_assert_eq!(out.len(), whole(&ends, pushed));
+                        }
+                        Scan::Abort { before, message: got } => {
+                            // Found with the chunk that completes the abort event.
+                            prop_assert!(was < abort_end && abort_end <= pushed);
+                            prop_assert_eq!(&got, &message);
+                            out.extend_from_slice(&before);
+                            prop_assert_eq!(&out[..], &stream[..abort_start]);
+                            found = true;
+                            break;
+                        }
+                    }
+                }
+                prop_assert!(found, "no abort");
+            }
+        }
     }
 }
