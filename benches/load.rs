@@ -3,8 +3,9 @@
 //! two legs itself, with the same bootstrap fields, to the same simulated engines.
 //!
 //! Measured per (route, concurrency, target): requests/s, p50/p99 latency, errors, the
-//! router's CPU per request (utime+stime from `/proc/<pid>/stat`), the simulator's CPU per
-//! request (for context), the router's RSS after the concurrency-256 run, and the time to
+//! router's CPU per request (the scheduler's exact count from `/proc/<pid>/task/*/schedstat`;
+//! its user/sys split sampled at the clock tick from `/proc/<pid>/stat`), the simulator's CPU
+//! per request (for context), the router's RSS after the concurrency-256 run, and the time to
 //! the first streamed chunk over a kept-alive connection.
 //!
 //! Run: `cargo build --release --bin pdgate && cargo bench --bench load`
@@ -12,9 +13,6 @@
 //! `PDGATE_BENCH_ROUTER_ARGS="--log-level warn"` to pass extra flags to `pdgate serve`).
 //! This is a measurement, not a test: nothing here asserts on a time.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +22,9 @@ use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
+
+mod support;
+use support::*;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -62,289 +63,6 @@ impl Settings {
             }
         }
     }
-}
-
-// ---------------------------------------------------------------------------------------
-// Child processes
-
-/// A child process killed (by its own pid) and reaped when dropped.
-struct Proc {
-    child: Child,
-    name: &'static str,
-}
-
-impl Proc {
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-        }
-        let _ = self.child.wait();
-        eprintln!("[load] stopped {} (pid {})", self.name, self.child.id());
-    }
-}
-
-fn manifest_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The release `pdgate` binary: `$PDGATE_BIN`, else `<target>/release/pdgate` next to this
-/// bench's `deps/` directory (built once with `cargo build --release --bin pdgate` when
-/// missing).
-fn pdgate_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("PDGATE_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("current exe");
-    let release = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| manifest_dir().join("target/release"));
-    let bin = release.join("pdgate");
-    if !bin.exists() {
-        eprintln!(
-            "[load] {} is missing; running `cargo build --release --bin pdgate` ...",
-            bin.display()
-        );
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-        let status = Command::new(cargo)
-            .args(["build", "--release", "--bin", "pdgate"])
-            .current_dir(manifest_dir())
-            .status();
-        match status {
-            Ok(s) if s.success() && bin.exists() => {}
-            other => {
-                eprintln!(
-                    "[load] could not build the router binary ({other:?}).\n\
-                     Build it first:  cargo build --release --bin pdgate\n\
-                     or point PDGATE_BIN at a pdgate binary."
-                );
-                std::process::exit(2);
-            }
-        }
-    } else if let Some(age) = newest_source_after(&bin) {
-        eprintln!(
-            "[load] warning: {} is older than src/ ({age:?} newer); rebuild with `cargo build --release --bin pdgate` to bench the current code",
-            bin.display()
-        );
-    }
-    bin
-}
-
-/// How much newer than `bin` the newest file under `src/` is, if it is newer.
-fn newest_source_after(bin: &Path) -> Option<Duration> {
-    let built = std::fs::metadata(bin).and_then(|m| m.modified()).ok()?;
-    let mut newest = built;
-    let mut stack = vec![manifest_dir().join("src")];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).ok()?.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
-                newest = newest.max(t);
-            }
-        }
-    }
-    newest.duration_since(built).ok().filter(|d| !d.is_zero())
-}
-
-fn log_file(name: &str) -> Stdio {
-    let path = std::env::temp_dir().join(format!("pdgate-bench-{name}-{}.log", std::process::id()));
-    match std::fs::File::create(&path) {
-        Ok(f) => Stdio::from(f),
-        Err(_) => Stdio::null(),
-    }
-}
-
-struct SimInfo {
-    prefill_url: String,
-    bootstrap_port: u16,
-    decode_url: String,
-}
-
-/// `pdgate sim --prefill 1 --decode 1` with tiny latencies; parses its `READY` lines.
-fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
-    let mut child = Command::new(bin)
-        .args([
-            "sim",
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--host",
-            "127.0.0.1",
-        ])
-        .args(["--prefill-ms", "0", "--ttft-ms", "0", "--itl-ms", "0"])
-        .args(["--tokens", &tokens.to_string()])
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(log_file("sim"))
-        .spawn()
-        .expect("spawn pdgate sim");
-    let stdout = child.stdout.take().expect("sim stdout");
-    let proc = Proc {
-        child,
-        name: "pdgate sim",
-    };
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                // Keep draining so that the child never blocks on a full pipe.
-                continue;
-            }
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let (mut prefill, mut decode) = (None, None);
-    while prefill.is_none() || decode.is_none() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = rx
-            .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("pdgate sim printed no READY lines within 20 s"));
-        let mut it = line.split_whitespace();
-        if it.next() != Some("READY") {
-            continue;
-        }
-        let role = it.next().unwrap_or("");
-        let url = it.next().unwrap_or("").to_string();
-        match role {
-            "prefill" => {
-                let port = it
-                    .find_map(|w| w.strip_prefix("bootstrap_port="))
-                    .and_then(|p| p.parse::<u16>().ok())
-                    .expect("bootstrap_port in READY line");
-                prefill = Some((url, port));
-            }
-            "decode" => decode = Some(url),
-            _ => {}
-        }
-    }
-    let (prefill_url, bootstrap_port) = prefill.unwrap();
-    (
-        proc,
-        SimInfo {
-            prefill_url,
-            bootstrap_port,
-            decode_url: decode.unwrap(),
-        },
-    )
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0");
-    l.local_addr().expect("addr").port()
-}
-
-fn start_router(bin: &Path, sim: &SimInfo) -> (Proc, String) {
-    let port = free_port();
-    let child = Command::new(bin)
-        .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .args([
-            "--prefill",
-            &sim.prefill_url,
-            &sim.bootstrap_port.to_string(),
-        ])
-        .args(["--decode", &sim.decode_url])
-        .args(
-            std::env::var("PDGATE_BENCH_ROUTER_ARGS")
-                .unwrap_or_default()
-                .split_whitespace(),
-        )
-        .stdin(Stdio::null())
-        .stdout(log_file("router-out"))
-        .stderr(log_file("router"))
-        .spawn()
-        .expect("spawn pdgate serve");
-    (
-        Proc {
-            child,
-            name: "pdgate serve",
-        },
-        format!("http://127.0.0.1:{port}"),
-    )
-}
-
-// ---------------------------------------------------------------------------------------
-// /proc readings
-
-fn clk_tck() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse::<f64>().ok())
-        .filter(|v| *v > 0.0)
-        .unwrap_or(100.0)
-}
-
-/// (utime, stime) of a process (all threads), in clock ticks.
-fn cpu_ticks(pid: u32) -> (u64, u64) {
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return (0, 0);
-    };
-    // The command name may contain spaces: fields are counted after the last ')'.
-    let Some(rest) = s.rfind(')').map(|i| &s[i + 1..]) else {
-        return (0, 0);
-    };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // rest[0] is field 3 (state); utime is field 14, stime field 15.
-    let get = |field: usize| {
-        f.get(field - 3)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    (get(14), get(15))
-}
-
-/// System-wide `TcpExt: ListenOverflows` (accept queue full → SYN dropped → the client
-/// retransmits its SYN after 1 s).
-fn listen_overflows() -> u64 {
-    let Ok(s) = std::fs::read_to_string("/proc/net/netstat") else {
-        return 0;
-    };
-    let mut lines = s.lines();
-    while let Some(names) = lines.next() {
-        let Some(values) = lines.next() else { break };
-        if !names.starts_with("TcpExt:") {
-            continue;
-        }
-        let i = names
-            .split_whitespace()
-            .position(|n| n == "ListenOverflows");
-        if let Some(v) = i
-            .and_then(|i| values.split_whitespace().nth(i))
-            .and_then(|v| v.parse().ok())
-        {
-            return v;
-        }
-    }
-    0
-}
-
-/// (VmRSS, VmHWM) in KiB.
-fn rss_kib(pid: u32) -> (u64, u64) {
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return (0, 0);
-    };
-    let get = |key: &str| {
-        s.lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    (get("VmRSS:"), get("VmHWM:"))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -532,8 +250,11 @@ struct PointResult {
     elapsed: Duration,
     lat_us: Vec<u32>,
     first_chunk_us: Vec<u32>,
+    /// (utime, stime) ticks: the split, sampled at the clock tick.
     router_ticks: (u64, u64),
-    sim_ticks: u64,
+    /// Exact time on a CPU (schedstat), in ns: the totals.
+    router_ns: u64,
+    sim_ns: u64,
     listen_overflows: u64,
     /// Router VmRSS (KiB) right after the point.
     router_rss: u64,
@@ -566,7 +287,7 @@ async fn run_point(
 ) -> PointResult {
     let issued = Arc::new(AtomicU64::new(0));
     let r0 = cpu_ticks(pids.0);
-    let s0 = cpu_ticks(pids.1);
+    let (rn0, sn0) = (cpu_ns(pids.0), cpu_ns(pids.1));
     let lo0 = listen_overflows();
     let start = Instant::now();
     let stop_at = start + dur;
@@ -619,7 +340,8 @@ async fn run_point(
         lat_us: Vec::new(),
         first_chunk_us: Vec::new(),
         router_ticks: (0, 0),
-        sim_ticks: 0,
+        router_ns: 0,
+        sim_ns: 0,
         listen_overflows: 0,
         router_rss: 0,
     };
@@ -635,9 +357,10 @@ async fn run_point(
     }
     res.elapsed = start.elapsed();
     let r1 = cpu_ticks(pids.0);
-    let s1 = cpu_ticks(pids.1);
+    let (rn1, sn1) = (cpu_ns(pids.0), cpu_ns(pids.1));
     res.router_ticks = (r1.0.saturating_sub(r0.0), r1.1.saturating_sub(r0.1));
-    res.sim_ticks = (s1.0 + s1.1).saturating_sub(s0.0 + s0.1);
+    res.router_ns = rn1.saturating_sub(rn0);
+    res.sim_ns = sn1.saturating_sub(sn0);
     res.listen_overflows = listen_overflows().saturating_sub(lo0);
     res.router_rss = rss_kib(pids.0).0;
     res.lat_us.sort_unstable();
@@ -768,6 +491,13 @@ fn ms_per_req(ticks: u64, ok: u64, tck: f64) -> f64 {
     ticks as f64 * 1000.0 / tck / ok as f64
 }
 
+fn ns_per_req_ms(ns: u64, ok: u64) -> f64 {
+    if ok == 0 {
+        return f64::NAN;
+    }
+    ns as f64 / 1e6 / ok as f64
+}
+
 fn verdict(ok: bool) -> &'static str {
     if ok {
         "met"
@@ -803,7 +533,7 @@ fn print_report(
             println!();
         }
     }
-    println!("| route | conc | target | req/s | p50 ms | p99 ms | added p50 ms | errors | router CPU ms/req (user / sys) | sim CPU ms/req | listen overflows | router RSS after, MiB |");
+    println!("| route | conc | target | req/s | p50 ms | p99 ms | added p50 ms | errors | router CPU ms/req (user / sys, tick-sampled) | sim CPU ms/req | listen overflows | router RSS after, MiB |");
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         let added = match r.target {
@@ -815,7 +545,7 @@ fn print_report(
         let router_cpu = match r.target {
             Target::Pdgate => format!(
                 "{:.4} ({:.4} / {:.4})",
-                ms_per_req(r.res.router_ticks.0 + r.res.router_ticks.1, r.res.ok, tck),
+                ns_per_req_ms(r.res.router_ns, r.res.ok),
                 ms_per_req(r.res.router_ticks.0, r.res.ok, tck),
                 ms_per_req(r.res.router_ticks.1, r.res.ok, tck)
             ),
@@ -832,7 +562,7 @@ fn print_report(
             added,
             r.res.errors,
             router_cpu,
-            ms_per_req(r.res.sim_ticks, r.res.ok, tck),
+            ns_per_req_ms(r.res.sim_ns, r.res.ok),
             r.res.listen_overflows,
             r.res.router_rss as f64 / 1024.0,
         );
@@ -859,12 +589,7 @@ fn print_report(
         let vals: Vec<(usize, f64)> = rows
             .iter()
             .filter(|r| r.route == route && r.target == Target::Pdgate)
-            .map(|r| {
-                (
-                    r.conc,
-                    ms_per_req(r.res.router_ticks.0 + r.res.router_ticks.1, r.res.ok, tck),
-                )
-            })
+            .map(|r| (r.conc, ns_per_req_ms(r.res.router_ns, r.res.ok)))
             .collect();
         let worst = vals.iter().map(|v| v.1).fold(f64::NAN, f64::max);
         let list: Vec<String> = vals.iter().map(|(c, v)| format!("c={c}: {v:.4}")).collect();
