@@ -56,6 +56,12 @@ pub struct ServerConfig {
     pub port: u16,
     /// Largest accepted request body; larger gets 413.
     pub max_body_bytes: usize,
+    /// How long a client may take to send a request's head, from its first byte (and how
+    /// long a kept-alive connection may sit idle before it); then the connection is closed.
+    pub header_read_timeout_secs: u64,
+    /// How long a client may take to send a request's body once its head is in; then 408
+    /// `request_body_timeout` (nothing was sent to an engine).
+    pub body_read_timeout_secs: u64,
     /// How long SIGTERM waits for in-flight requests before exiting.
     pub drain_secs: u64,
     /// Accept backlog of the listening socket.
@@ -66,12 +72,23 @@ pub struct ServerConfig {
     pub worker_threads: usize,
 }
 
+impl ServerConfig {
+    pub fn header_read_timeout(&self) -> Duration {
+        Duration::from_secs(self.header_read_timeout_secs)
+    }
+    pub fn body_read_timeout(&self) -> Duration {
+        Duration::from_secs(self.body_read_timeout_secs)
+    }
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             host: IpAddr::from([127, 0, 0, 1]),
             port: 8000,
             max_body_bytes: 32 * 1024 * 1024,
+            header_read_timeout_secs: 30,
+            body_read_timeout_secs: 30,
             drain_secs: 30,
             listen_backlog: 4096,
             worker_threads: 1,
@@ -465,6 +482,14 @@ impl Config {
                 self.admission.queue_timeout_ms >= 1,
             ),
             ("server.max_body_bytes", self.server.max_body_bytes > 0),
+            (
+                "server.header_read_timeout_secs",
+                self.server.header_read_timeout_secs > 0,
+            ),
+            (
+                "server.body_read_timeout_secs",
+                self.server.body_read_timeout_secs > 0,
+            ),
             ("timeouts.connect_ms", self.timeouts.connect_ms > 0),
             ("timeouts.prefill_secs", self.timeouts.prefill_secs > 0),
             (

@@ -15,6 +15,7 @@ use crate::body::{full_body, RespBody};
 pub enum FailReason {
     InvalidRequest,
     PayloadTooLarge,
+    RequestBodyTimeout,
     UnsupportedMediaType,
     NotFound,
     MethodNotAllowed,
@@ -46,9 +47,10 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 30] = [
+    pub const ALL: [FailReason; 31] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
+        FailReason::RequestBodyTimeout,
         FailReason::UnsupportedMediaType,
         FailReason::NotFound,
         FailReason::MethodNotAllowed,
@@ -85,6 +87,7 @@ impl FailReason {
         match self {
             InvalidRequest => "invalid_request",
             PayloadTooLarge => "payload_too_large",
+            RequestBodyTimeout => "request_body_timeout",
             UnsupportedMediaType => "unsupported_media_type",
             NotFound => "not_found",
             MethodNotAllowed => "method_not_allowed",
@@ -123,6 +126,7 @@ impl FailReason {
         match self {
             InvalidRequest => StatusCode::BAD_REQUEST,
             PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            RequestBodyTimeout => StatusCode::REQUEST_TIMEOUT,
             UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             NotFound => StatusCode::NOT_FOUND,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,

@@ -449,3 +449,122 @@ async fn input_logprobs_from_the_prefill_are_merged() {
         );
     }
 }
+
+/// Reads what the router sends on `s` until it closes the connection (bounded: 10 s, a
+/// guard against a hang, not a timing assertion).
+async fn read_until_closed(s: &mut tokio::net::TcpStream, what: &str) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    });
+    if read.await.is_err() {
+        panic!("{what}: the router never closed the connection");
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_cut_off_and_no_leg_is_sent() {
+    use tokio::io::AsyncWriteExt;
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            c.server.header_read_timeout_secs = 1;
+            c.server.body_read_timeout_secs = 1;
+        },
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let addr = env.router.url().trim_start_matches("http://").to_string();
+    let head = "POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n";
+
+    // A body that stops halfway: 408 `request_body_timeout` with the error JSON.
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let partial = format!("{head}content-length: 40\r\nx-request-id: slow-body\r\n\r\n{{\"text\":");
+    s.write_all(partial.as_bytes()).await.unwrap();
+    let answer = read_until_closed(&mut s, "a body that stops").await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("x-request-id: slow-body"), "{answer}");
+    let json = &answer[answer.find("\r\n\r\n").expect("a head") + 4..];
+    let v: serde_json::Value =
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {answer}"));
+    assert_eq!(v["error"]["type"], "request_body_timeout", "{v}");
+    assert_eq!(v["error"]["code"], 408, "{v}");
+
+    // A head that stops halfway, and a connection that never sends anything: closed
+    // without an answer (hyper's header read timeout).
+    for sent in [head, ""] {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(sent.as_bytes()).await.unwrap();
+        let answer = read_until_closed(&mut s, &format!("{sent:?}")).await;
+        assert!(
+            answer.is_empty(),
+            "{sent:?}: {}",
+            String::from_utf8_lossy(&answer)
+        );
+    }
+
+    // The same request sent whole, even in pieces, is served.
+    let body = r#"{"text":"hello","sampling_params":{"max_new_tokens":2}}"#;
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let req = format!(
+        "{head}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let (a, b) = req.as_bytes().split_at(req.len() - 10);
+    s.write_all(a).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    s.write_all(b).await.unwrap();
+    let answer = read_until_closed(&mut s, "a whole request").await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    let s = env.settled_stats().await;
+    assert_eq!(
+        s.requests_total, 2,
+        "only the whole request reached the engines: {s:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_does_not_wait_for_connections_that_never_sent_a_byte() {
+    // Clients' pools open connections they may never use. Draining must not wait for them
+    // (here the drain and header deadlines are an hour: only a bug would reach them).
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            c.server.header_read_timeout_secs = 3600;
+            c.server.drain_secs = 3600;
+        },
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let addr = env.router.url().trim_start_matches("http://").to_string();
+    let mut idle = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (status, _, _) = env
+        .post(
+            "/generate",
+            r#"{"text":"hi","sampling_params":{"max_new_tokens":2}}"#,
+        )
+        .await;
+    assert_eq!(status, 200);
+    let drained = tokio::time::timeout(Duration::from_secs(10), env.router.server.shutdown());
+    assert!(
+        drained.await.is_ok(),
+        "shutdown waited for an unused connection"
+    );
+    // The unused connection was closed by the router.
+    assert!(read_until_closed(&mut idle, "the unused connection")
+        .await
+        .is_empty());
+}

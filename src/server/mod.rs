@@ -78,7 +78,12 @@ async fn accept_loop(
 ) {
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).keep_alive(true);
+    let first_byte_within = app.header_read_timeout();
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(first_byte_within)
+        .keep_alive(true);
     loop {
         tokio::select! {
             r = listener.accept() => {
@@ -97,10 +102,24 @@ async fn accept_loop(
                     let app = app.clone();
                     async move { Ok::<_, std::convert::Infallible>(app.handle(req).await) }
                 });
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-                let conn = graceful.watch(conn.into_owned());
+                let builder = builder.clone();
+                let watcher = graceful.watcher();
+                let mut stop = stop.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = conn.await {
+                    // hyper's header timer starts once the auto builder has seen the first
+                    // bytes (to tell HTTP/1 from h2c): a connection that sends nothing at
+                    // all is closed here, after the same time, or when shutdown begins (a
+                    // client's pool may hold connections it never used).
+                    let mut first = [0u8; 1];
+                    let peek = tokio::time::timeout(first_byte_within, stream.peek(&mut first));
+                    tokio::select! {
+                        r = peek => if !matches!(r, Ok(Ok(1))) {
+                            return; // silent past the deadline, closed, or broken
+                        },
+                        _ = stop.changed() => return,
+                    }
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                    if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(error = %e, "connection ended with an error");
                     }
                 });

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -112,6 +113,14 @@ async fn read_body(
     Ok(first.unwrap_or_else(|| Bytes::from(rest)))
 }
 
+/// An answer after which the connection is closed: the rest of the request body was not
+/// read (too large, or too slow), so the connection cannot carry another request.
+fn closing(mut r: Response<RespBody>) -> Response<RespBody> {
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
 fn valid_request_id(v: &HeaderValue) -> bool {
     let b = v.as_bytes();
     !b.is_empty() && b.len() <= 128 && b.iter().all(|c| c.is_ascii_graphic())
@@ -139,6 +148,11 @@ impl App {
             dispatcher,
             draining: AtomicBool::new(false),
         }
+    }
+
+    /// How long hyper gives a client for a request head (`server.header_read_timeout_secs`).
+    pub fn header_read_timeout(&self) -> std::time::Duration {
+        self.dispatcher.cfg.server.header_read_timeout()
     }
 
     pub async fn handle(&self, req: Request<Incoming>) -> Response<RespBody> {
@@ -233,11 +247,11 @@ impl App {
         }
         let limit = self.dispatcher.cfg.server.max_body_bytes;
         let too_large = || {
-            Failure::new(
+            let f = Failure::new(
                 FailReason::PayloadTooLarge,
                 format!("request body is larger than {limit} bytes"),
-            )
-            .into_response(Some(&rid_header))
+            );
+            closing(f.into_response(Some(&rid_header)))
         };
         let declared = parts
             .headers
@@ -247,7 +261,30 @@ impl App {
         if declared.is_some_and(|n| n > limit as u64) {
             return too_large();
         }
-        let bytes = match read_body(body, limit, declared).await {
+        // A body that came with its head (the usual case) is read at once, with no timer;
+        // only a body still on its way is given `body_read_timeout`.
+        let read = read_body(body, limit, declared);
+        tokio::pin!(read);
+        let read = match (&mut read).now_or_never() {
+            Some(r) => r,
+            None => {
+                let within = self.dispatcher.cfg.server.body_read_timeout();
+                match tokio::time::timeout(within, read).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        let f = Failure::new(
+                            FailReason::RequestBodyTimeout,
+                            format!(
+                                "the request body did not arrive within {}s",
+                                within.as_secs()
+                            ),
+                        );
+                        return closing(f.into_response(Some(&rid_header)));
+                    }
+                }
+            }
+        };
+        let bytes = match read {
             Ok(b) => b,
             Err(None) => return too_large(),
             Err(Some(e)) => {
