@@ -22,3 +22,6 @@ pub mod server;
 pub mod sim;
 pub mod types;
 pub mod upstream;
+
+#[cfg(test)]
+mod test_cuts;

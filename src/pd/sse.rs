@@ -286,6 +286,7 @@ mod tests {
     /// stream is cut into chunks, and an abort is found at its event under any cut.
     mod props {
         use super::*;
+        use crate::test_cuts::{arb_cuts, pieces, Cuts};
         use proptest::prelude::*;
         use proptest::sample::Index;
         use serde_json::{json, Value};
@@ -375,34 +376,11 @@ mod tests {
             (event, arb_eol(), arb_eol()).prop_map(|(ev, a, b)| format!("{ev}{a}{b}").into_bytes())
         }
 
-        /// Where a stream is cut: at arbitrary positions (empty chunks included), or into
-        /// chunks of one small size.
-        #[derive(Debug, Clone)]
-        enum Cuts {
-            At(Vec<Index>),
-            Every(usize),
-        }
-
-        fn arb_cuts() -> impl Strategy<Value = Cuts> {
-            prop_oneof![
-                3 => prop::collection::vec(any::<Index>(), 0..16).prop_map(Cuts::At),
-                1 => (1usize..8).prop_map(Cuts::Every),
-            ]
-        }
-
         fn chunks(buf: &[u8], cuts: &Cuts) -> Vec<Bytes> {
-            let mut at: Vec<usize> = match cuts {
-                Cuts::At(ix) => ix.iter().map(|i| i.index(buf.len() + 1)).collect(),
-                Cuts::Every(n) => (1..buf.len().div_ceil(*n)).map(|i| i * n).collect(),
-            };
-            at.sort_unstable();
-            let mut prev = 0;
-            let mut out = Vec::new();
-            for a in at.into_iter().chain(std::iter::once(buf.len())) {
-                out.push(Bytes::copy_from_slice(&buf[prev..a]));
-                prev = a;
-            }
-            out
+            pieces(buf, cuts)
+                .into_iter()
+                .map(Bytes::copy_from_slice)
+                .collect()
         }
 
         /// The stream, and the offset where each of its events ends.

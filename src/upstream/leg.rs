@@ -403,12 +403,16 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
     let mut chunked = false;
     let mut te = false;
     let mut length: Option<u64> = None;
-    let mut close = !http11;
+    let (mut said_close, mut said_keep_alive) = (false, false);
     for h in resp.headers.iter() {
         let name = h.name.as_bytes();
         if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            // The lines combine into one list (RFC 9110 §5.3); empty elements do not count,
+            // so a line without any leaves the last coding as it was.
             te = true;
-            chunked = last_token_is(h.value, b"chunked");
+            if let Some(last) = last_token(h.value) {
+                chunked = last.eq_ignore_ascii_case(b"chunked");
+            }
         } else if name.eq_ignore_ascii_case(b"content-length") {
             // Digits only (`u64::from_str` would take a sign).
             let v = h.value.trim_ascii();
@@ -421,10 +425,11 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
             }
             length = Some(n);
         } else if name.eq_ignore_ascii_case(b"connection") {
+            // Any `close` closes (RFC 9112 §9.3); HTTP/1.0 stays open only on keep-alive.
             if has_token(h.value, b"close") {
-                close = true;
-            } else if !http11 && has_token(h.value, b"keep-alive") {
-                close = false;
+                said_close = true;
+            } else if has_token(h.value, b"keep-alive") {
+                said_keep_alive = true;
             }
         }
         if keep_headers && !is_hop_by_hop(name) {
@@ -455,6 +460,7 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
         buf.advance(len);
         HeaderMap::new()
     };
+    let mut close = said_close || (!http11 && !said_keep_alive);
     let framing = if code == 204 || code == 304 || code == 101 {
         Framing::Done
     } else if te {
@@ -513,7 +519,7 @@ fn is_hop_by_hop(name: &[u8]) -> bool {
     HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
 }
 
-fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {
+fn tokens(v: &[u8]) -> impl DoubleEndedIterator<Item = &[u8]> {
     v.split(|&b| b == b',').map(|t| t.trim_ascii())
 }
 
@@ -521,11 +527,8 @@ fn has_token(v: &[u8], tok: &[u8]) -> bool {
     tokens(v).any(|t| t.eq_ignore_ascii_case(tok))
 }
 
-fn last_token_is(v: &[u8], tok: &[u8]) -> bool {
-    tokens(v)
-        .filter(|t| !t.is_empty())
-        .last()
-        .is_some_and(|t| t.eq_ignore_ascii_case(tok))
+fn last_token(v: &[u8]) -> Option<&[u8]> {
+    tokens(v).rfind(|t| !t.is_empty())
 }
 
 /// Reads more bytes into `buf` (growing it when full); 0 means EOF.
@@ -664,3 +667,7 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+#[path = "leg_props.rs"]
+mod props;

@@ -335,3 +335,7 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "leg_body_props.rs"]
+mod props;
