@@ -568,3 +568,61 @@ async fn shutdown_does_not_wait_for_connections_that_never_sent_a_byte() {
         .await
         .is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_clients_are_served() {
+    use http_body_util::Full;
+    use hyper_util::client::legacy::{connect::HttpConnector, Client};
+    use hyper_util::rt::TokioExecutor;
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |c| c.server.max_body_bytes = 4096,
+    )
+    .await;
+    env.wait_routable(2, 1).await;
+    // HTTP/2 with prior knowledge (no upgrade), as gRPC-style clients and proxies speak it.
+    let h2: Client<HttpConnector, Full<bytes::Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let post = |path: &str, body: String| {
+        hyper::Request::post(env.url(path))
+            .header("content-type", "application/json")
+            .body(Full::new(bytes::Bytes::from(body)))
+            .unwrap()
+    };
+    let cases = [
+        ("/generate", r#"{"text":"hi","sampling_params":{"max_new_tokens":3}}"#.to_string(), 200, None),
+        ("/v1/chat/completions", r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true}"#.to_string(), 200, None),
+        ("/generate", "not json".to_string(), 400, Some("invalid_request")),
+        ("/generate", format!(r#"{{"text":"{}"}}"#, "x".repeat(5000)), 413, Some("payload_too_large")),
+    ];
+    for (path, body, status, kind) in cases {
+        let resp = h2.request(post(path, body)).await.expect("an h2 answer");
+        assert_eq!(resp.version(), http::Version::HTTP_2);
+        assert_eq!(resp.status().as_u16(), status, "{path}");
+        assert!(resp.headers().contains_key("x-request-id"));
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        match kind {
+            Some(kind) => {
+                let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                assert_eq!(v["error"]["type"], kind, "{v}");
+            }
+            None if path == "/generate" => {
+                let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                assert!(v["text"].is_string(), "{v}");
+            }
+            None => {
+                let (events, done) = sse_events(&bytes);
+                assert!(
+                    done && !events.is_empty(),
+                    "{}",
+                    String::from_utf8_lossy(&bytes)
+                );
+            }
+        }
+    }
+    // Two legs per good request, none for the bad ones.
+    let s = env.settled_stats().await;
+    assert_eq!(s.requests_total, 4, "{s:?}");
+}
