@@ -626,3 +626,71 @@ async fn h2c_clients_are_served() {
     let s = env.settled_stats().await;
     assert_eq!(s.requests_total, 4, "{s:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_allow_listed_headers_reach_the_engines() {
+    let client_headers = [
+        ("content-type", "application/json"),
+        ("x-request-id", "trace-me-1"),
+        (
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ),
+        ("tracestate", "vendor=opaque"),
+        ("authorization", "Bearer client-secret"),
+        ("cookie", "session=abc"),
+        ("x-forwarded-for", "10.0.0.9"),
+        ("x-custom", "1"),
+        ("x-data-parallel-rank", "7"),
+    ];
+    // (forward_authorization, api_key, the authorization the engines must see)
+    let setups = [
+        (false, None, None),
+        (true, None, Some("Bearer client-secret")),
+        (true, Some("engine-key"), Some("Bearer engine-key")),
+    ];
+    for (forward, key, want_auth) in setups {
+        let env = start(
+            vec![EngineConfig::prefill(1)],
+            vec![EngineConfig::decode(1)],
+            |c| {
+                c.upstream.forward_authorization = forward;
+                c.upstream.api_key = key.map(str::to_string);
+            },
+        )
+        .await;
+        env.wait_routable(1, 1).await;
+        let body = r#"{"text":"hi","sampling_params":{"max_new_tokens":2}}"#;
+        let resp = env.send("POST", "/generate", &client_headers, body).await;
+        assert_eq!(resp.status(), 200);
+        let _ = resp.into_body().collect().await;
+        for e in env.cluster.prefills.iter().chain(&env.cluster.decodes) {
+            let seen = e.last_generate_headers();
+            let get = |name: &str| {
+                seen.iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.as_str())
+            };
+            assert_eq!(get("x-request-id"), Some("trace-me-1"), "{seen:?}");
+            assert_eq!(get("traceparent"), Some(client_headers[2].1), "{seen:?}");
+            assert_eq!(get("tracestate"), Some("vendor=opaque"), "{seen:?}");
+            assert_eq!(get("authorization"), want_auth, "{seen:?}");
+            // Nothing else of the client's: no cookie, no spoofed DP rank, no custom header.
+            for (k, _) in &seen {
+                assert!(
+                    [
+                        "host",
+                        "content-type",
+                        "content-length",
+                        "x-request-id",
+                        "traceparent",
+                        "tracestate",
+                        "authorization"
+                    ]
+                    .contains(&k.as_str()),
+                    "{k} reached an engine: {seen:?}"
+                );
+            }
+        }
+    }
+}

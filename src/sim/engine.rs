@@ -57,6 +57,9 @@ pub(crate) struct Engine {
     pub rr: AtomicU64,
     pub prefill: Option<PrefillSide>,
     pub decode: DecodeState,
+    /// The headers of the last generate request (names in lower case), for tests of what
+    /// a router forwards.
+    pub last_headers: std::sync::Mutex<Vec<(String, String)>>,
 }
 
 impl Engine {
@@ -214,6 +217,16 @@ impl SimEngine {
         self.engine.stats.snapshot()
     }
 
+    /// The headers of the last generate request this engine received (lower-case names,
+    /// in order), empty before the first.
+    pub fn last_generate_headers(&self) -> Vec<(String, String)> {
+        self.engine
+            .last_headers
+            .lock()
+            .map(|h| h.clone())
+            .unwrap_or_default()
+    }
+
     /// Current faults.
     pub fn faults(&self) -> Faults {
         self.engine.faults()
@@ -296,6 +309,7 @@ pub(crate) async fn spawn_in(
         rr: AtomicU64::new(0),
         prefill,
         decode: DecodeState::default(),
+        last_headers: std::sync::Mutex::new(Vec::new()),
     });
     let gate = |down_if: fn(&Faults) -> bool| Gate {
         faults: engine.faults_tx.subscribe(),

@@ -59,6 +59,18 @@ pub(crate) async fn handle_generate(
     api: Api,
     req: Request<Incoming>,
 ) -> Result<Resp, Cut> {
+    if let Ok(mut last) = engine.last_headers.lock() {
+        *last = req
+            .headers()
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.as_str().to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+            .collect();
+    }
     let dp_header = req
         .headers()
         .get("x-data-parallel-rank")
