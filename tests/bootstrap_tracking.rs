@@ -1,6 +1,7 @@
 //! The embedded bootstrap poll beyond the happy path: the request-path preflight when the
 //! view is stale, the older wire generations (spec §2.8), and learning a prefill's
-//! bootstrap port from its `/server_info` when `--prefill URL` gives none.
+//! bootstrap port from its `/server_info` when `--prefill URL` gives none (or the older
+//! `/get_server_info`), and prefill/decode pairs whose KV layouts disagree.
 
 mod common;
 
@@ -179,4 +180,99 @@ async fn older_bootstrap_generations_are_understood() {
         );
         task.abort();
     }
+}
+
+/// A prefill and a decode that disagree on page size or KV dtype are found (and warned
+/// about, and counted in `pdgate_layout_mismatches`) once both sides have reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layout_mismatches_between_prefill_and_decode_are_found() {
+    let mut odd = EngineConfig::decode(1);
+    odd.page_size = 16;
+    odd.kv_cache_dtype = "fp8_e4m3".to_string();
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1), odd],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 2).await;
+    let odd_url = env.cluster.decodes[1].url();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let found = loop {
+        let found = pdgate::health::layout_mismatches(&env.router.pool);
+        if found.len() >= 2 || tokio::time::Instant::now() > deadline {
+            break found;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut got: Vec<_> = found
+        .iter()
+        .map(|m| (m.what, m.prefill_value.as_str(), m.decode_value.as_str()))
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("kv_cache_dtype", "auto", "fp8_e4m3"),
+            ("page_size", "1", "16")
+        ],
+        "{found:?}"
+    );
+    assert!(
+        found
+            .iter()
+            .all(|m| m.decode.trim_end_matches('/') == odd_url.trim_end_matches('/')),
+        "only the odd decode disagrees: {found:?}"
+    );
+}
+
+/// An engine that answers only `/get_server_info` (`knows_it`), or nothing at all.
+async fn info_server(knows_it: bool) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| async move {
+                    let (status, body) = match req.uri().path() {
+                        "/get_server_info" if knows_it => (
+                            200,
+                            r#"{"disaggregation_mode":"prefill","disaggregation_bootstrap_port":8999,"dp_size":2,"page_size":64,"kv_cache_dtype":"auto","version":"0.4.6"}"#,
+                        ),
+                        _ => (404, r#"{"detail":"Not Found"}"#),
+                    };
+                    let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+                    *r.status_mut() = StatusCode::from_u16(status).unwrap();
+                    Ok::<_, Infallible>(r)
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    (url, task)
+}
+
+/// Engines older than `/server_info` answer `/get_server_info`; both are tried in turn.
+#[tokio::test]
+async fn server_info_falls_back_to_get_server_info() {
+    let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+    let t = Duration::from_secs(2);
+    let (url, task) = info_server(true).await;
+    let info = client::server_info(&up, &parse_base_url(&url).unwrap(), t)
+        .await
+        .unwrap();
+    assert_eq!(info.disaggregation_bootstrap_port, Some(8999));
+    assert_eq!(info.dp_size, Some(2));
+    assert_eq!(info.page_size, Some(64));
+    assert_eq!(info.version.as_deref(), Some("0.4.6"));
+    task.abort();
+    // Neither route: an error naming the last answer.
+    let (url, task) = info_server(false).await;
+    let err = client::server_info(&up, &parse_base_url(&url).unwrap(), t)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("404"), "{err}");
+    task.abort();
 }
