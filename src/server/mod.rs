@@ -1,8 +1,10 @@
 //! The front door: a hyper 1 server (HTTP/1.1 and h2c) on a listener that it keeps for its
 //! whole life, with TCP_NODELAY on every accepted socket, and graceful drain on shutdown.
 //!
-//! Invariant: once shutdown starts, `/readiness` answers 503, no new connection is accepted,
-//! and in-flight requests get up to the drain deadline to finish.
+//! Invariants: once shutdown starts, `/readiness` answers 503, no new connection is
+//! accepted, and in-flight requests get up to the drain deadline to finish (connections that
+//! never sent a byte are closed at once). A client gets `server.header_read_timeout_secs` for
+//! its first byte and for each request head, and `server.body_read_timeout_secs` for a body.
 
 pub mod admission;
 mod routes;
