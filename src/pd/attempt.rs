@@ -379,7 +379,13 @@ impl Dispatcher {
                                     dcancel.disarm();
                                     return Err(failed(legs::decode_abort_failure(&message)));
                                 }
+                                Scan::Broken { message } => return Err(failed(Failure::new(FailReason::DecodeBroken, message))),
                             },
+                            None if first.len() + data.len() > legs::ANSWER_LIMIT => {
+                                // Only a non-streamed answer with logprobs is read whole.
+                                let message = format!("decode's answer is larger than {} MiB", legs::ANSWER_LIMIT >> 20);
+                                return Err(failed(Failure::new(FailReason::DecodeBroken, message)));
+                            }
                             None => first.extend_from_slice(&data),
                         }
                         if !first.is_empty() && (sse.is_some() || logprobs.is_none()) {

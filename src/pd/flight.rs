@@ -363,6 +363,10 @@ impl Body for PdBody {
                                 let f = super::legs::decode_abort_failure(&message);
                                 return this.fail(f, before);
                             }
+                            Scan::Broken { message } => {
+                                let f = Failure::new(FailReason::DecodeBroken, message);
+                                return this.fail(f, Bytes::new());
+                            }
                         },
                     };
                     let at_end = this.decode.as_ref().is_some_and(Body::is_end_stream);

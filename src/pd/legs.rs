@@ -21,8 +21,12 @@ use crate::error::{FailReason, Failure};
 use crate::types::Role;
 use crate::upstream::{error_chain, BaseUrl, HostConns, LegBody, LegRequest, Upstream};
 
-/// Largest prefill answer read (it carries input logprobs when asked for).
-const PREFILL_BODY_LIMIT: usize = 64 * 1024 * 1024;
+/// Largest prefill answer read (it carries input logprobs when asked for), and the most of a
+/// decode answer held at once: a whole non-streamed answer whose logprobs are merged, or one
+/// unfinished SSE event. Beyond it the leg counts as broken (an engine that never ends an
+/// event must not grow the router's memory without bound).
+pub const ANSWER_LIMIT: usize = 64 * 1024 * 1024;
+const PREFILL_BODY_LIMIT: usize = ANSWER_LIMIT;
 /// Largest error body read from a failed decode.
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 

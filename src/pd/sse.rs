@@ -1,8 +1,8 @@
 //! Event-granular inspection of a decode's SSE stream.
 //!
-//! Bytes are forwarded as soon as they complete an event (`\n\n`); only the unfinished
-//! tail of the last event is held back, so that an abort can be replaced by one clean
-//! error event instead of following half an event. Each event's `data:` JSON is checked for
+//! Bytes are forwarded as soon as they complete an event (a blank line); only the unfinished
+//! tail of the last event is held back (at most `ANSWER_LIMIT` bytes), so that an abort can
+//! be replaced by one clean error event instead of following half an event. Each event's `data:` JSON is checked for
 //! an SGLang abort (`finish_reason.type == "abort"`) or an `{"error": ...}` chunk, and,
 //! with `return_logprob`, the prefill's input logprobs are merged into it.
 
@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
-use super::legs::{abort_in_json, may_hold_abort};
+use super::legs::{abort_in_json, may_hold_abort, ANSWER_LIMIT};
 use super::logprobs::PrefillLogprobs;
 
 /// One scanner per decode stream.
@@ -28,6 +28,8 @@ pub enum Scan {
     /// An event carried an abort or error; its message. Nothing of that event is forwarded,
     /// but the events before it are.
     Abort { before: Bytes, message: String },
+    /// The unfinished event outgrew `ANSWER_LIMIT`: the stream is broken.
+    Broken { message: String },
 }
 
 /// An event ends at a blank line: `\n\n`, `\r\n\r\n` (or the two mixed, `\n\r\n`), so
@@ -45,7 +47,14 @@ fn blank_line_end(buf: &[u8], i: usize) -> Option<usize> {
 /// (`\n\n` or `\n\r\n` just before it, inclusive). A chunk of whole events ends with one,
 /// found at once.
 fn event_end(buf: &[u8]) -> Option<usize> {
-    memchr::memrchr_iter(b'\n', buf)
+    event_end_after(buf, 0)
+}
+
+/// `event_end`, for a buffer whose first `from` bytes hold no complete event: only a `\n`
+/// at `from` or later can end one (each push then scans only the new bytes).
+fn event_end_after(buf: &[u8], from: usize) -> Option<usize> {
+    memchr::memrchr_iter(b'\n', &buf[from..])
+        .map(|i| i + from)
         .find(|&i| {
             let head = &buf[..=i];
             head.ends_with(b"\n\n") || head.ends_with(b"\n\r\n")
@@ -79,17 +88,33 @@ impl SseScanner {
                 }
                 None => {
                     self.carry.extend_from_slice(&chunk);
-                    return Scan::Forward(Bytes::new());
+                    return self.waiting();
                 }
             }
         } else {
+            // The carry holds no complete event (its last one was split off).
+            let old = self.carry.len();
             self.carry.extend_from_slice(&chunk);
-            match event_end(&self.carry) {
+            match event_end_after(&self.carry, old) {
                 Some(end) => self.carry.split_to(end).freeze(),
-                None => return Scan::Forward(Bytes::new()),
+                None => return self.waiting(),
             }
         };
         self.scan_events(complete)
+    }
+
+    /// No event completed: nothing to forward, unless the unfinished one outgrew its bound.
+    fn waiting(&self) -> Scan {
+        if self.carry.len() > ANSWER_LIMIT {
+            return Scan::Broken {
+                message: format!(
+                    "decode sent {} bytes of one SSE event without ending it (limit {} MiB)",
+                    self.carry.len(),
+                    ANSWER_LIMIT >> 20
+                ),
+            };
+        }
+        Scan::Forward(Bytes::new())
     }
 
     /// The unfinished tail at the end of the stream, forwarded as is.
@@ -207,8 +232,40 @@ mod tests {
     fn fwd(s: &Scan) -> &[u8] {
         match s {
             Scan::Forward(b) => b,
-            Scan::Abort { .. } => panic!("unexpected abort"),
+            other => panic!("unexpected {other:?}"),
         }
+    }
+
+    /// An event that never ends is held only up to the limit; then the stream is broken.
+    /// Each push scans only its own bytes for the event's end.
+    #[test]
+    fn an_event_without_end_is_bounded() {
+        let mut s = SseScanner::new(None);
+        let r = s.push(Bytes::from_static(
+            b"data: {\"text\":\"a\"}\n\ndata: {\"text\":\"",
+        ));
+        assert_eq!(fwd(&r), b"data: {\"text\":\"a\"}\n\n");
+        let piece = Bytes::from(vec![b'x'; 1 << 20]);
+        let mut pushed = 0;
+        let broken = loop {
+            match s.push(piece.clone()) {
+                Scan::Forward(b) => assert!(b.is_empty()),
+                Scan::Broken { message } => break message,
+                other => panic!("{other:?}"),
+            }
+            pushed += piece.len();
+            assert!(pushed <= ANSWER_LIMIT + piece.len(), "never broken");
+        };
+        assert!(broken.contains("without ending it"), "{broken}");
+        // Below the limit, a long event split in many reads still completes exactly.
+        let mut s = SseScanner::new(None);
+        let mut out = Vec::new();
+        for _ in 0..64 {
+            out.extend_from_slice(fwd(&s.push(Bytes::from_static(b"data: 0123456789abcdef\n"))));
+        }
+        out.extend_from_slice(fwd(&s.push(Bytes::from_static(b"\r"))));
+        out.extend_from_slice(fwd(&s.push(Bytes::from_static(b"\n"))));
+        assert_eq!(out.len(), 64 * 23 + 2);
     }
 
     #[test]
@@ -423,8 +480,8 @@ mod tests {
                     pushed += c.len();
                     match s.push(c) {
                         Scan::Forward(b) => out.extend_from_slice(&b),
-                        Scan::Abort { message, .. } => {
-                            return Err(TestCaseError::fail(format!("abort: {message}")));
+                        other => {
+                            return Err(TestCaseError::fail(format!("{other:?}")));
                         }
                     }
                     // Only whole events go out, and each as soon as it is complete.
@@ -475,6 +532,9 @@ mod tests {
                             prop_assert_eq!(&out[..], &stream[..abort_start]);
                             found = true;
                             break;
+                        }
+                        Scan::Broken { message } => {
+                            return Err(TestCaseError::fail(message));
                         }
                     }
                 }
