@@ -160,7 +160,10 @@ fn bench_sse(c: &mut Criterion) {
     let mut g = c.benchmark_group("sse_push");
     g.throughput(Throughput::Bytes(SSE_CHUNK.len() as u64));
     g.bench_function("whole_event", |b| {
-        let mut s = SseScanner::new(None);
+        let mut s = SseScanner::new(
+            None,
+            pdgate::config::UpstreamConfig::default().max_answer_bytes,
+        );
         let chunk = Bytes::from_static(SSE_CHUNK);
         b.iter(|| match s.push(black_box(chunk.clone())) {
             Scan::Forward(b) => black_box(b.len()),
@@ -172,7 +175,12 @@ fn bench_sse(c: &mut Criterion) {
         let (a, rest) = SSE_CHUNK.split_at(SSE_CHUNK.len() / 2);
         let (a, rest) = (Bytes::from_static(a), Bytes::from_static(rest));
         b.iter_batched(
-            || SseScanner::new(None),
+            || {
+                SseScanner::new(
+                    None,
+                    pdgate::config::UpstreamConfig::default().max_answer_bytes,
+                )
+            },
             |mut s| {
                 let _ = s.push(a.clone());
                 match s.push(rest.clone()) {

@@ -394,6 +394,11 @@ pub struct UpstreamConfig {
     /// Idle pooled connections kept per engine.
     pub pool_max_idle_per_host: usize,
     pub pool_idle_timeout_secs: u64,
+    /// The most of an engine's answer pdgate holds at once: a prefill's whole answer (it
+    /// carries input logprobs when asked for), a decode answer whose logprobs are merged,
+    /// or one unfinished SSE event. Beyond it the leg counts as broken, so that an engine
+    /// cannot grow the router's memory without bound.
+    pub max_answer_bytes: usize,
 }
 
 impl Default for UpstreamConfig {
@@ -403,6 +408,7 @@ impl Default for UpstreamConfig {
             api_key: None,
             pool_max_idle_per_host: 256,
             pool_idle_timeout_secs: 90,
+            max_answer_bytes: 64 * 1024 * 1024,
         }
     }
 }
@@ -482,6 +488,10 @@ impl Config {
                 self.admission.queue_timeout_ms >= 1,
             ),
             ("server.max_body_bytes", self.server.max_body_bytes > 0),
+            (
+                "upstream.max_answer_bytes",
+                self.upstream.max_answer_bytes > 0,
+            ),
             (
                 "server.header_read_timeout_secs",
                 self.server.header_read_timeout_secs > 0,

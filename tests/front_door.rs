@@ -694,3 +694,46 @@ async fn only_the_allow_listed_headers_reach_the_engines() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_held_whole_are_bounded_by_max_answer_bytes() {
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| c.upstream.max_answer_bytes = 2048,
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    // A non-streamed answer whose logprobs are merged is read whole: 200 tokens with their
+    // logprobs are over 2 KiB, so the decode leg counts as broken (and is aborted).
+    let (st, _, bytes) = env
+        .post(
+            "/generate",
+            r#"{"text":"hi","sampling_params":{"max_new_tokens":200},"return_logprob":true}"#,
+        )
+        .await;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(st, 502, "{v}");
+    assert_eq!(v["error"]["type"], "decode_broken", "{v}");
+    let s = env.settled_stats().await;
+    assert_eq!(s.held_now, 0, "{s:?}");
+    // The same answer without logprobs to merge is streamed through, not held: it passes,
+    // and so does a long stream of events each under the bound.
+    let (st, _, bytes) = env
+        .post(
+            "/generate",
+            r#"{"text":"hi","sampling_params":{"max_new_tokens":200}}"#,
+        )
+        .await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+    let (st, _, bytes) = env
+        .post(
+            "/v1/chat/completions",
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":200,"stream":true}"#,
+        )
+        .await;
+    assert_eq!(st, 200);
+    let (events, done) = sse_events(&bytes);
+    assert!(done && events.len() > 100, "{}", events.len());
+    assert!(events.iter().all(|e| e.get("error").is_none()));
+}

@@ -285,6 +285,7 @@ impl Dispatcher {
             pv.conns.clone(),
             preq,
             timeouts.prefill(),
+            self.cfg.upstream.max_answer_bytes,
         ));
         let mut pw = PrefillWatch::new(
             leg,
@@ -353,7 +354,8 @@ impl Dispatcher {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|ct| ct.starts_with("text/event-stream"));
-        let mut sse = (req.stream && is_sse).then(|| SseScanner::new(logprobs.clone()));
+        let limit = self.cfg.upstream.max_answer_bytes;
+        let mut sse = (req.stream && is_sse).then(|| SseScanner::new(logprobs.clone(), limit));
 
         // Wait for decode's first bytes (the first whole event when streaming).
         let mut first: Vec<u8> = Vec::new();
@@ -381,9 +383,9 @@ impl Dispatcher {
                                 }
                                 Scan::Broken { message } => return Err(failed(Failure::new(FailReason::DecodeBroken, message))),
                             },
-                            None if first.len() + data.len() > legs::ANSWER_LIMIT => {
-                                // Only a non-streamed answer with logprobs is read whole.
-                                let message = format!("decode's answer is larger than {} MiB", legs::ANSWER_LIMIT >> 20);
+                            // Only a non-streamed answer with logprobs is read whole.
+                            None if logprobs.is_some() && first.len() + data.len() > limit => {
+                                let message = format!("decode's answer is larger than {limit} bytes (upstream.max_answer_bytes)");
                                 return Err(failed(Failure::new(FailReason::DecodeBroken, message)));
                             }
                             None => first.extend_from_slice(&data),

@@ -21,12 +21,6 @@ use crate::error::{FailReason, Failure};
 use crate::types::Role;
 use crate::upstream::{error_chain, BaseUrl, HostConns, LegBody, LegRequest, Upstream};
 
-/// Largest prefill answer read (it carries input logprobs when asked for), and the most of a
-/// decode answer held at once: a whole non-streamed answer whose logprobs are merged, or one
-/// unfinished SSE event. Beyond it the leg counts as broken (an engine that never ends an
-/// event must not grow the router's memory without bound).
-pub const ANSWER_LIMIT: usize = 64 * 1024 * 1024;
-const PREFILL_BODY_LIMIT: usize = ANSWER_LIMIT;
 /// Largest error body read from a failed decode.
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 
@@ -66,12 +60,14 @@ pub struct PrefillDone {
     pub body: Bytes,
 }
 
-/// Sends the prefill leg and reads its whole answer, within `deadline`.
+/// Sends the prefill leg and reads its whole answer (at most `limit` bytes), within
+/// `deadline`.
 pub async fn run_prefill(
     up: Upstream,
     host: Arc<HostConns>,
     req: LegRequest,
     deadline: Duration,
+    limit: usize,
 ) -> Result<PrefillDone, Failure> {
     let fut = async {
         let resp = up.send_leg(&host, &req).await.map_err(|e| {
@@ -81,7 +77,7 @@ pub async fn run_prefill(
             )
         })?;
         let status = resp.status();
-        let body = Limited::new(resp.into_body(), PREFILL_BODY_LIMIT)
+        let body = Limited::new(resp.into_body(), limit)
             .collect()
             .await
             .map_err(|e| {

@@ -1,7 +1,7 @@
 //! Event-granular inspection of a decode's SSE stream.
 //!
 //! Bytes are forwarded as soon as they complete an event (a blank line); only the unfinished
-//! tail of the last event is held back (at most `ANSWER_LIMIT` bytes), so that an abort can
+//! tail of the last event is held back (at most `upstream.max_answer_bytes`), so that an abort can
 //! be replaced by one clean error event instead of following half an event. Each event's `data:` JSON is checked for
 //! an SGLang abort (`finish_reason.type == "abort"`) or an `{"error": ...}` chunk, and,
 //! with `return_logprob`, the prefill's input logprobs are merged into it.
@@ -10,14 +10,16 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
-use super::legs::{abort_in_json, may_hold_abort, ANSWER_LIMIT};
+use super::legs::{abort_in_json, may_hold_abort};
 use super::logprobs::PrefillLogprobs;
 
 /// One scanner per decode stream.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SseScanner {
     carry: BytesMut,
     logprobs: Option<Arc<PrefillLogprobs>>,
+    /// The most of one unfinished event held (`upstream.max_answer_bytes`).
+    limit: usize,
 }
 
 /// What a chunk held.
@@ -28,7 +30,7 @@ pub enum Scan {
     /// An event carried an abort or error; its message. Nothing of that event is forwarded,
     /// but the events before it are.
     Abort { before: Bytes, message: String },
-    /// The unfinished event outgrew `ANSWER_LIMIT`: the stream is broken.
+    /// The unfinished event outgrew the scanner's limit: the stream is broken.
     Broken { message: String },
 }
 
@@ -70,10 +72,11 @@ fn first_event_len(buf: &[u8]) -> usize {
 }
 
 impl SseScanner {
-    pub fn new(logprobs: Option<Arc<PrefillLogprobs>>) -> SseScanner {
+    pub fn new(logprobs: Option<Arc<PrefillLogprobs>>, limit: usize) -> SseScanner {
         SseScanner {
             carry: BytesMut::new(),
             logprobs: logprobs.filter(|l| !l.is_empty()),
+            limit,
         }
     }
 
@@ -105,12 +108,12 @@ impl SseScanner {
 
     /// No event completed: nothing to forward, unless the unfinished one outgrew its bound.
     fn waiting(&self) -> Scan {
-        if self.carry.len() > ANSWER_LIMIT {
+        if self.carry.len() > self.limit {
             return Scan::Broken {
                 message: format!(
-                    "decode sent {} bytes of one SSE event without ending it (limit {} MiB)",
+                    "decode sent {} bytes of one SSE event without ending it (limit {} bytes)",
                     self.carry.len(),
-                    ANSWER_LIMIT >> 20
+                    self.limit
                 ),
             };
         }
@@ -193,6 +196,13 @@ fn merge_event(out: &mut Vec<u8>, event: &[u8], lp: &PrefillLogprobs) {
 mod tests {
     use super::*;
 
+    /// The default limit (`upstream.max_answer_bytes`).
+    const LIMIT: usize = 64 * 1024 * 1024;
+
+    fn scanner() -> SseScanner {
+        SseScanner::new(None, LIMIT)
+    }
+
     #[test]
     fn event_boundaries() {
         let ends: &[(&[u8], Option<usize>)] = &[
@@ -240,7 +250,7 @@ mod tests {
     /// Each push scans only its own bytes for the event's end.
     #[test]
     fn an_event_without_end_is_bounded() {
-        let mut s = SseScanner::new(None);
+        let mut s = scanner();
         let r = s.push(Bytes::from_static(
             b"data: {\"text\":\"a\"}\n\ndata: {\"text\":\"",
         ));
@@ -254,11 +264,11 @@ mod tests {
                 other => panic!("{other:?}"),
             }
             pushed += piece.len();
-            assert!(pushed <= ANSWER_LIMIT + piece.len(), "never broken");
+            assert!(pushed <= LIMIT + piece.len(), "never broken");
         };
         assert!(broken.contains("without ending it"), "{broken}");
         // Below the limit, a long event split in many reads still completes exactly.
-        let mut s = SseScanner::new(None);
+        let mut s = scanner();
         let mut out = Vec::new();
         for _ in 0..64 {
             out.extend_from_slice(fwd(&s.push(Bytes::from_static(b"data: 0123456789abcdef\n"))));
@@ -270,7 +280,7 @@ mod tests {
 
     #[test]
     fn whole_events_pass_through_and_tails_wait() {
-        let mut s = SseScanner::new(None);
+        let mut s = scanner();
         let r = s.push(Bytes::from_static(b"data: {\"text\":\"a\"}\n\ndata: {\"te"));
         assert_eq!(fwd(&r), b"data: {\"text\":\"a\"}\n\n");
         let r = s.push(Bytes::from_static(b"xt\":\"ab\"}\n\n"));
@@ -287,7 +297,7 @@ mod tests {
             b"data: {\"text\":\"a\"}\n\ndata: {\"error\":{\"object\":\"error\",\"message\":\"kv lost\",\"type\":\"INTERNAL_SERVER_ERROR\",\"code\":500}}\n\ndata: [DONE]\n\n",
         ];
         for c in cases {
-            let mut s = SseScanner::new(None);
+            let mut s = scanner();
             match s.push(Bytes::from_static(c)) {
                 Scan::Abort { before, message } => {
                     assert_eq!(&before[..], b"data: {\"text\":\"a\"}\n\n");
@@ -302,7 +312,7 @@ mod tests {
     /// same chunk were taken for part of it and lost.
     #[test]
     fn crlf_events_before_an_abort_are_kept() {
-        let mut s = SseScanner::new(None);
+        let mut s = scanner();
         let chunk =
             b"data: {\"text\":\"a\"}\r\n\r\ndata: {\"error\":{\"message\":\"kv lost\"}}\r\n\r\n";
         match s.push(Bytes::from_static(chunk)) {
@@ -318,7 +328,7 @@ mod tests {
     fn the_words_alone_are_not_an_abort() {
         // The pre-check finds `"abort"` / `"error"` in the text; the full check does not.
         let run: &[u8] = b"data: {\"text\":\"\\\"abort\\\" \\\"error\\\"\",\"k\":\"abort\"}\n\ndata: {\"error\":null}\n\n";
-        let mut s = SseScanner::new(None);
+        let mut s = scanner();
         assert_eq!(fwd(&s.push(Bytes::from_static(run))), run);
     }
 
@@ -327,7 +337,7 @@ mod tests {
         let lp = Arc::new(PrefillLogprobs::from_prefill_body(
             br#"{"meta_info":{"input_token_logprobs":[[null,1,null]]}}"#,
         ));
-        let mut s = SseScanner::new(Some(lp));
+        let mut s = SseScanner::new(Some(lp), LIMIT);
         let r = s.push(Bytes::from_static(
             b"data: {\"meta_info\":{\"input_token_logprobs\":[]}}\n\ndata: [DONE]\n\n",
         ));
@@ -474,7 +484,7 @@ mod tests {
                 }
                 let (mut stream, ends) = join(&events);
                 stream.extend_from_slice(tail.as_deref().unwrap_or("").as_bytes());
-                let mut s = SseScanner::new(None);
+                let mut s = scanner();
                 let (mut out, mut pushed) = (Vec::new(), 0);
                 for c in chunks(&stream, &cuts) {
                     pushed += c.len();
@@ -513,7 +523,7 @@ mod tests {
                 }
                 let (stream, ends) = join(&events);
                 let (abort_start, abort_end) = (if k == 0 { 0 } else { ends[k - 1] }, ends[k]);
-                let mut s = SseScanner::new(None);
+                let mut s = scanner();
                 let (mut out, mut pushed, mut found) = (Vec::new(), 0, false);
                 for c in chunks(&stream, &cuts) {
                     let was = pushed;
