@@ -197,10 +197,12 @@ mod tests {
     use super::*;
 
     /// The default limit (`upstream.max_answer_bytes`).
-    const LIMIT: usize = 64 * 1024 * 1024;
+    fn limit() -> usize {
+        crate::config::UpstreamConfig::default().max_answer_bytes
+    }
 
     fn scanner() -> SseScanner {
-        SseScanner::new(None, LIMIT)
+        SseScanner::new(None, limit())
     }
 
     #[test]
@@ -264,7 +266,7 @@ mod tests {
                 other => panic!("{other:?}"),
             }
             pushed += piece.len();
-            assert!(pushed <= LIMIT + piece.len(), "never broken");
+            assert!(pushed <= limit() + piece.len(), "never broken");
         };
         assert!(broken.contains("without ending it"), "{broken}");
         // Below the limit, a long event split in many reads still completes exactly.
@@ -337,7 +339,7 @@ mod tests {
         let lp = Arc::new(PrefillLogprobs::from_prefill_body(
             br#"{"meta_info":{"input_token_logprobs":[[null,1,null]]}}"#,
         ));
-        let mut s = SseScanner::new(Some(lp), LIMIT);
+        let mut s = SseScanner::new(Some(lp), limit());
         let r = s.push(Bytes::from_static(
             b"data: {\"meta_info\":{\"input_token_logprobs\":[]}}\n\ndata: [DONE]\n\n",
         ));
