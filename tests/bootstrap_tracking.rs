@@ -80,59 +80,17 @@ async fn bootstrap_port_is_learned_from_server_info() {
     assert_eq!(env.settled_stats().await.contract_violations, 0);
 }
 
-/// A bootstrap server of an older generation (v1/v2), answering as those did: its own
-/// query parameters, old sentinel JSON, and a KeyError (500) for an unknown rank.
-async fn old_server(gen: Generation) -> (String, tokio::task::JoinHandle<()>) {
+/// A plain HTTP server on 127.0.0.1 answering every request with `answer(path, query)`.
+async fn fake_server(
+    answer: fn(&str, &str) -> (u16, String),
+) -> (String, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let task = tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = listener.accept().await else {
-                return;
-            };
+        while let Ok((s, _)) = listener.accept().await {
             tokio::spawn(async move {
                 let svc = service_fn(move |req: Request<Incoming>| async move {
-                    let q = req.uri().query().unwrap_or("").to_string();
-                    let p = |k: &str| {
-                        q.split('&')
-                            .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
-                            .map(str::to_string)
-                    };
-                    let (status, body) = match gen {
-                        _ if req.uri().path() == "/health" => (200, "OK".to_string()),
-                        Generation::V2
-                            if p("engine_rank").is_none()
-                                || p("target_dp_group").is_none()
-                                || p("target_pp_rank").is_none() =>
-                        {
-                            (400, "Missing inputs for bootstrap server.".to_string())
-                        }
-                        Generation::V1
-                            if p("engine_rank").is_none() || p("target_dp_group").is_none() =>
-                        {
-                            (400, "Missing inputs for bootstrap server.".to_string())
-                        }
-                        Generation::V2 if p("engine_rank").as_deref() == Some("-1") => (
-                            200,
-                            r#"{"prefill_attn_tp_size":1,"prefill_dp_size":2,"prefill_pp_size":1}"#
-                                .to_string(),
-                        ),
-                        Generation::V1 if p("engine_rank").as_deref() == Some("-1") => (
-                            200,
-                            r#"{"prefill_tp_size":1,"prefill_dp_size":2}"#.to_string(),
-                        ),
-                        _ => match p("target_dp_group").as_deref() {
-                            Some("0") | Some("1") => (
-                                200,
-                                r#"{"rank_ip":"127.0.0.1","rank_port":17000}"#.to_string(),
-                            ),
-                            _ => (
-                                500,
-                                "500 Internal Server Error\n\nServer got itself in trouble"
-                                    .to_string(),
-                            ),
-                        },
-                    };
+                    let (status, body) = answer(req.uri().path(), req.uri().query().unwrap_or(""));
                     let mut r = Response::new(Full::new(Bytes::from(body)));
                     *r.status_mut() = StatusCode::from_u16(status).unwrap();
                     Ok::<_, Infallible>(r)
@@ -144,6 +102,56 @@ async fn old_server(gen: Generation) -> (String, tokio::task::JoinHandle<()>) {
         }
     });
     (url, task)
+}
+
+/// A bootstrap server of an older generation (v1/v2), answering as those did: its own
+/// query parameters, old sentinel JSON, and a KeyError (500) for an unknown rank.
+async fn old_server(gen: Generation) -> (String, tokio::task::JoinHandle<()>) {
+    let answer: fn(&str, &str) -> (u16, String) = match gen {
+        Generation::V1 => |path, q| old_answer(Generation::V1, path, q),
+        Generation::V2 => |path, q| old_answer(Generation::V2, path, q),
+        Generation::V3 => panic!("V3 is what the simulator and SGLang's own server speak"),
+    };
+    fake_server(answer).await
+}
+
+fn old_answer(gen: Generation, path: &str, q: &str) -> (u16, String) {
+    let p = |k: &str| {
+        q.split('&')
+            .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+            .map(str::to_string)
+    };
+    match gen {
+        _ if path == "/health" => (200, "OK".to_string()),
+        Generation::V2
+            if p("engine_rank").is_none()
+                || p("target_dp_group").is_none()
+                || p("target_pp_rank").is_none() =>
+        {
+            (400, "Missing inputs for bootstrap server.".to_string())
+        }
+        Generation::V1 if p("engine_rank").is_none() || p("target_dp_group").is_none() => {
+            (400, "Missing inputs for bootstrap server.".to_string())
+        }
+        Generation::V2 if p("engine_rank").as_deref() == Some("-1") => (
+            200,
+            r#"{"prefill_attn_tp_size":1,"prefill_dp_size":2,"prefill_pp_size":1}"#.to_string(),
+        ),
+        Generation::V1 if p("engine_rank").as_deref() == Some("-1") => (
+            200,
+            r#"{"prefill_tp_size":1,"prefill_dp_size":2}"#.to_string(),
+        ),
+        _ => match p("target_dp_group").as_deref() {
+            Some("0") | Some("1") => (
+                200,
+                r#"{"rank_ip":"127.0.0.1","rank_port":17000}"#.to_string(),
+            ),
+            _ => (
+                500,
+                "500 Internal Server Error\n\nServer got itself in trouble".to_string(),
+            ),
+        },
+    }
 }
 
 #[tokio::test]
@@ -228,30 +236,17 @@ async fn layout_mismatches_between_prefill_and_decode_are_found() {
 
 /// An engine that answers only `/get_server_info` (`knows_it`), or nothing at all.
 async fn info_server(knows_it: bool) -> (String, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let task = tokio::spawn(async move {
-        while let Ok((s, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: Request<Incoming>| async move {
-                    let (status, body) = match req.uri().path() {
-                        "/get_server_info" if knows_it => (
-                            200,
-                            r#"{"disaggregation_mode":"prefill","disaggregation_bootstrap_port":8999,"dp_size":2,"page_size":64,"kv_cache_dtype":"auto","version":"0.4.6"}"#,
-                        ),
-                        _ => (404, r#"{"detail":"Not Found"}"#),
-                    };
-                    let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
-                    *r.status_mut() = StatusCode::from_u16(status).unwrap();
-                    Ok::<_, Infallible>(r)
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(s), svc)
-                    .await;
-            });
-        }
-    });
-    (url, task)
+    const INFO: &str = r#"{"disaggregation_mode":"prefill","disaggregation_bootstrap_port":8999,"dp_size":2,"page_size":64,"kv_cache_dtype":"auto","version":"0.4.6"}"#;
+    const NOT_FOUND: &str = r#"{"detail":"Not Found"}"#;
+    if knows_it {
+        fake_server(|path, _| match path {
+            "/get_server_info" => (200, INFO.to_string()),
+            _ => (404, NOT_FOUND.to_string()),
+        })
+        .await
+    } else {
+        fake_server(|_, _| (404, NOT_FOUND.to_string())).await
+    }
 }
 
 /// Engines older than `/server_info` answer `/get_server_info`; both are tried in turn.

@@ -483,7 +483,7 @@ async fn slow_clients_are_cut_off_and_no_leg_is_sent() {
     )
     .await;
     env.wait_routable(1, 1).await;
-    let addr = env.router.url().trim_start_matches("http://").to_string();
+    let addr = env.addr();
     let head = "POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n";
 
     // A body that stops halfway: 408 `request_body_timeout` with the error JSON.
@@ -549,7 +549,7 @@ async fn shutdown_does_not_wait_for_connections_that_never_sent_a_byte() {
     )
     .await;
     env.wait_routable(1, 1).await;
-    let addr = env.router.url().trim_start_matches("http://").to_string();
+    let addr = env.addr();
     let mut idle = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let (status, _, _) = env
         .post(

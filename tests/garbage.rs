@@ -66,7 +66,7 @@ fn arbitrary_bytes_never_reach_an_engine_and_the_router_keeps_serving() {
         env.wait_routable(1, 1).await;
         env
     });
-    let addr = env.router.url().trim_start_matches("http://").to_string();
+    let addr = env.addr();
     let cfg = ProptestConfig {
         cases: 96,
         failure_persistence: None,

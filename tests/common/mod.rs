@@ -93,6 +93,11 @@ impl Env {
         format!("{}{}", self.router.url(), path)
     }
 
+    /// The router's `host:port`, for raw sockets.
+    pub fn addr(&self) -> String {
+        self.router.server.local_addr().to_string()
+    }
+
     /// Waits until `p` prefill ranks and `d` decode ranks are routable (bounded: 10 s).
     pub async fn wait_routable(&self, p: usize, d: usize) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
