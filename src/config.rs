@@ -264,8 +264,13 @@ pub struct HealthConfig {
     pub timeout_secs: f64,
     /// Consecutive failed checks that take a worker out.
     pub failure_threshold: u32,
-    /// Consecutive good checks that bring it back.
+    /// Consecutive good checks that bring it back after it was taken out (a worker that
+    /// was never healthy is admitted at its first good check).
     pub success_threshold: u32,
+    /// How often a worker that is not healthy is probed (at most `interval_secs`): a
+    /// restarted engine is back within about `success_threshold` × this, however long
+    /// the healthy interval is (Envoy's `unhealthy_interval`).
+    pub unhealthy_interval_ms: u64,
 }
 
 impl Default for HealthConfig {
@@ -275,6 +280,7 @@ impl Default for HealthConfig {
             timeout_secs: 1.0,
             failure_threshold: 2,
             success_threshold: 1,
+            unhealthy_interval_ms: 1000,
         }
     }
 }
@@ -285,6 +291,9 @@ impl HealthConfig {
     }
     pub fn timeout(&self) -> Duration {
         Duration::from_secs_f64(self.timeout_secs)
+    }
+    pub fn unhealthy_interval(&self) -> Duration {
+        Duration::from_millis(self.unhealthy_interval_ms)
     }
 }
 

@@ -1,14 +1,23 @@
 //! Active health checks of engines (`GET /health`) with failure/success thresholds, and
-//! the reading of each decode's `/server_info` (its DP size, page size, KV dtype).
+//! the reading of each engine's `/server_info` (its DP size, page size, KV dtype).
 //!
-//! Invariant: a worker becomes unhealthy after `failure_threshold` failed checks in a row
-//! and healthy again after `success_threshold` good ones; it starts unhealthy until its
-//! first good check. Health probes on PD engines use a fake bootstrap (spec R10), so for
-//! prefills this is combined with the bootstrap tracker's readiness in the pool.
+//! Invariants:
+//! - A worker that has never been healthy (at start, or when added) becomes routable at its
+//!   first good check: the success threshold applies only to re-admission after the worker
+//!   was taken out. Operators copy SGLang's router flags (60 s interval, success threshold
+//!   2); with them a fleet would otherwise wait a minute after start for its first request.
+//! - A healthy worker becomes unhealthy after `failure_threshold` failed checks in a row,
+//!   and an unhealthy one healthy again after `success_threshold` good ones.
+//! - A worker that is not healthy is probed every `min(interval, unhealthy_interval)`, so a
+//!   restarted engine is back within a few seconds whatever the healthy interval is
+//!   (Envoy's `unhealthy_interval`).
+//! - Health probes on PD engines use a fake bootstrap (spec R10), so for prefills this is
+//!   combined with the bootstrap tracker's readiness in the pool.
 
 pub mod load;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::bootstrap::client;
 use crate::config::{BootstrapConfig, HealthConfig};
@@ -16,7 +25,67 @@ use crate::pool::Pool;
 use crate::types::{Role, WorkerId};
 use crate::upstream::{BaseUrl, Upstream};
 
-/// Starts the health checker of one worker (and, for a decode, its server-info reader).
+/// The health verdict of one worker, fed one check at a time (pure; the task below
+/// drives it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HealthRun {
+    ok_run: u32,
+    fail_run: u32,
+    /// The worker passed a check at least once (its first admission is done).
+    ever_healthy: bool,
+}
+
+/// What one check decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Nothing changes.
+    Keep,
+    /// The worker becomes healthy.
+    Up,
+    /// The worker becomes unhealthy (or, never healthy yet, is known to be down).
+    Down,
+}
+
+impl HealthRun {
+    /// Feeds one check's result; `healthy` is the worker's current state.
+    pub fn observe(&mut self, good: bool, healthy: bool, cfg: &HealthConfig) -> Verdict {
+        if good {
+            self.ok_run = self.ok_run.saturating_add(1);
+            self.fail_run = 0;
+        } else {
+            self.fail_run = self.fail_run.saturating_add(1);
+            self.ok_run = 0;
+        }
+        if healthy {
+            return if self.fail_run >= cfg.failure_threshold {
+                Verdict::Down
+            } else {
+                Verdict::Keep
+            };
+        }
+        if good && (!self.ever_healthy || self.ok_run >= cfg.success_threshold) {
+            self.ever_healthy = true;
+            return Verdict::Up;
+        }
+        if !good && self.fail_run == cfg.failure_threshold {
+            // Reported once per outage (the worker is already out of rotation).
+            return Verdict::Down;
+        }
+        Verdict::Keep
+    }
+}
+
+/// The wait before the next check: the configured interval while healthy, at most the
+/// unhealthy interval otherwise.
+pub fn next_check_in(cfg: &HealthConfig, healthy: bool) -> Duration {
+    if healthy {
+        cfg.interval()
+    } else {
+        cfg.interval().min(cfg.unhealthy_interval())
+    }
+}
+
+/// Starts the health checker of one worker (and its server-info reader).
 pub fn spawn(
     pool: Arc<Pool>,
     up: Upstream,
@@ -27,13 +96,10 @@ pub fn spawn(
     url: BaseUrl,
 ) {
     tokio::spawn(async move {
-        let (mut ok_run, mut fail_run) = (0u32, 0u32);
+        let mut run = HealthRun::default();
         let mut have_info = false;
         let conns = pool.with_worker(role, id, |w| w.conns.clone());
-        let mut tick = tokio::time::interval(cfg.interval());
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tick.tick().await;
             let good = matches!(up.get(&url, "/health", cfg.timeout()).await, Ok((s, _)) if s.is_success());
             if good && !have_info {
                 if let Ok(info) = client::server_info(&up, &url, bcfg.http_timeout()).await {
@@ -51,20 +117,12 @@ pub fn spawn(
             if let Some(conns) = &conns {
                 conns.sweep(up.legs.idle_timeout);
             }
-            if good {
-                ok_run += 1;
-                fail_run = 0;
-            } else {
-                fail_run += 1;
-                ok_run = 0;
-            }
-            let flip = pool
-                .with_worker(role, id, |w| {
-                    (!w.healthy && ok_run >= cfg.success_threshold)
-                        || ((w.healthy || !w.health_checked) && fail_run >= cfg.failure_threshold)
-                })
-                .unwrap_or(false);
-            if flip {
+            let Some(healthy) = pool.with_worker(role, id, |w| w.healthy) else {
+                return; // the worker left the pool
+            };
+            let verdict = run.observe(good, healthy, &cfg);
+            if verdict != Verdict::Keep {
+                let good = verdict == Verdict::Up;
                 pool.update_worker(role, id, |w| {
                     w.healthy = good;
                     w.health_checked = true;
@@ -73,6 +131,12 @@ pub fn spawn(
                         .set(if good { 1.0 } else { 0.0 });
                 });
             }
+            let healthy = match verdict {
+                Verdict::Up => true,
+                Verdict::Down => false,
+                Verdict::Keep => healthy,
+            };
+            tokio::time::sleep(next_check_in(&cfg, healthy)).await;
         }
     });
 }
@@ -135,5 +199,72 @@ pub fn warn_mismatches(pool: &Pool) {
     metrics::gauge!("pdgate_layout_mismatches").set(found.len() as f64);
     for m in &found {
         tracing::warn!(prefill = %m.prefill, decode = %m.decode, prefill_value = %m.prefill_value, decode_value = %m.decode_value, "{} differs between prefill and decode", m.what);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SGLang router's defaults, which operators copy when they swap routers.
+    fn sglang_flags() -> HealthConfig {
+        HealthConfig {
+            interval_secs: 60.0,
+            timeout_secs: 5.0,
+            failure_threshold: 3,
+            success_threshold: 2,
+            ..HealthConfig::default()
+        }
+    }
+
+    /// Feeds a sequence of check results from a starting state; returns the health after
+    /// each check.
+    fn run(cfg: &HealthConfig, checks: &str) -> String {
+        let mut r = HealthRun::default();
+        let mut healthy = false;
+        checks
+            .chars()
+            .map(|c| {
+                match r.observe(c == '+', healthy, cfg) {
+                    Verdict::Up => healthy = true,
+                    Verdict::Down => healthy = false,
+                    Verdict::Keep => {}
+                }
+                if healthy {
+                    'H'
+                } else {
+                    '.'
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn thresholds_table() {
+        let sg = sglang_flags();
+        let def = HealthConfig::default();
+        let cases: &[(&HealthConfig, &str, &str)] = &[
+            // The first good check admits at once, whatever the success threshold.
+            (&sg, "+", "H"),
+            (&sg, "--+", "..H"),
+            // Out after 3 failures in a row; back after 2 good checks in a row.
+            (&sg, "+--+---++", "HHHHHH..H"),
+            (&sg, "+---+-++", "HHH....H"),
+            (&def, "+--+", "HH.H"),
+            (&def, "+-+-+", "HHHHH"),
+        ];
+        for (cfg, checks, want) in cases {
+            assert_eq!(&run(cfg, checks), want, "{checks}");
+        }
+    }
+
+    #[test]
+    fn unhealthy_workers_are_probed_sooner() {
+        let sg = sglang_flags();
+        assert_eq!(next_check_in(&sg, true), Duration::from_secs(60));
+        assert_eq!(next_check_in(&sg, false), Duration::from_secs(1));
+        // Never slower than the healthy interval.
+        let def = HealthConfig::default();
+        assert_eq!(next_check_in(&def, false), Duration::from_millis(500));
     }
 }
