@@ -250,6 +250,7 @@ fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: b
                     prefix_hash: Some(c.key),
                 };
                 let Some(target) = select(r.policy.as_ref(), &r.snap, Role::Decode, &ctx, &mut rng)
+                    .map(|p| p.target)
                 else {
                     continue;
                 };
@@ -379,7 +380,9 @@ fn pick_cost() {
                     exclude: &[],
                     prefix_hash: Some(k.wrapping_mul(0x9e37_79b9)),
                 };
-                if let Some(t) = select(r.policy.as_ref(), &r.snap, Role::Decode, &ctx, &mut rng) {
+                if let Some(t) = select(r.policy.as_ref(), &r.snap, Role::Decode, &ctx, &mut rng)
+                    .map(|p| p.target)
+                {
                     sink = sink.wrapping_add(u64::from(t.worker.0));
                 }
             }

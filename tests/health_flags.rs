@@ -5,7 +5,6 @@
 
 mod common;
 
-
 use common::{client, fast_config, fast_engine, Env};
 use pdgate::config::Config;
 use pdgate::pd::RngSource;

@@ -155,11 +155,23 @@ impl Dispatcher {
                 policy::select(self.decode_policy.as_ref(), &snap, Role::Decode, &dctx, rng),
             )
         });
-        let Some(pt) = pt else {
+        // A pick of a half-open worker holds its trial until this attempt returns, however
+        // it ends; the dispatcher's verdict (success, or the blamed leg's failure) follows
+        // with no await in between. An attempt that ends without a verdict on that worker
+        // frees the trial for the next request.
+        let Some(policy::Pick {
+            target: pt,
+            trial: _trial_p,
+        }) = pt
+        else {
             let (reason, msg) = no_prefill_detail(&snap);
             return Err(fail(Failure::new(reason, msg), None));
         };
-        let Some(dt) = dt else {
+        let Some(policy::Pick {
+            target: dt,
+            trial: _trial_d,
+        }) = dt
+        else {
             let msg = if snap.decodes.is_empty() {
                 "no decode workers are configured"
             } else {

@@ -6,7 +6,9 @@
 //!
 //! Invariant: [`select`] only ever returns a (worker, rank) listed routable in the snapshot,
 //! never a worker in `ctx.exclude` (workers that already failed this request), and never a
-//! worker whose circuit is half-open with its one trial already taken.
+//! worker whose circuit is half-open with its one trial already taken. A pick of a
+//! half-open worker carries its [`TrialGuard`]: whoever holds the pick holds the trial,
+//! and the trial is free again when the pick is dropped.
 
 mod cache_aware;
 mod power_of_two;
@@ -16,7 +18,7 @@ mod round_robin;
 use rand::{Rng, RngCore};
 
 use crate::config::{PolicyConfig, PolicyKind};
-use crate::pool::{BreakerState, Routable, Snapshot, WorkerView};
+use crate::pool::{BreakerState, Routable, Snapshot, TrialGuard, WorkerView};
 use crate::types::{DpRank, Role, Target, WorkerId};
 
 pub use cache_aware::CacheAware;
@@ -90,6 +92,14 @@ fn candidate<'a>(snap: &'a Snapshot, role: Role, r: &'a Routable) -> Option<Cand
     })
 }
 
+/// A picked target, holding the half-open trial of its worker when it is one.
+#[derive(Debug)]
+pub struct Pick {
+    pub target: Target,
+    /// Held until the request's verdict on this worker (or its end without one).
+    pub trial: Option<TrialGuard>,
+}
+
 /// Picks a (worker, rank) of `role`: the policy picks the worker, then the worker's
 /// routable rank with the fewest requests in flight (ties broken at random).
 pub fn select(
@@ -98,9 +108,9 @@ pub fn select(
     role: Role,
     ctx: &PickCtx<'_>,
     rng: &mut dyn RngCore,
-) -> Option<Target> {
+) -> Option<Pick> {
     // On the stack for fleets of up to 16 workers per role (no allocation per request).
-    let cands: smallvec::SmallVec<[Candidate<'_>; 16]> = snap
+    let mut cands: smallvec::SmallVec<[Candidate<'_>; 16]> = snap
         .routable(role)
         .iter()
         .filter(|r| !ctx.exclude.contains(&r.worker))
@@ -109,19 +119,26 @@ pub fn select(
             !(c.worker.breaker.state() == BreakerState::HalfOpen && c.worker.breaker.trial_taken())
         })
         .collect();
-    if cands.is_empty() {
-        return None;
+    while !cands.is_empty() {
+        let i = policy.pick(&cands, ctx, rng).min(cands.len() - 1);
+        let c = &cands[i];
+        let mut trial = None;
+        if c.worker.breaker.state() == BreakerState::HalfOpen {
+            // This request is the half-open worker's one trial, unless another request
+            // took it since the candidates were listed: then pick among the others.
+            trial = c.worker.breaker.take_trial();
+            if trial.is_none() {
+                cands.remove(i);
+                continue;
+            }
+        }
+        let target = Target {
+            worker: c.worker.id,
+            rank: least_loaded_rank(c, rng),
+        };
+        return Some(Pick { target, trial });
     }
-    let i = policy.pick(&cands, ctx, rng).min(cands.len() - 1);
-    let c = &cands[i];
-    if c.worker.breaker.state() == BreakerState::HalfOpen {
-        // This request is the half-open worker's one trial.
-        c.worker.breaker.take_trial();
-    }
-    Some(Target {
-        worker: c.worker.id,
-        rank: least_loaded_rank(c, rng),
-    })
+    None
 }
 
 /// The routable rank with the fewest requests in flight (then engine load), random among ties.
@@ -179,7 +196,7 @@ mod tests {
                 let p = build(kind);
                 prop_assert_eq!(p.wants_prefix(), kind == PolicyKind::CacheAware);
                 for _ in 0..8 {
-                    let got = select(p.as_ref(), &snap, Role::Decode, &ctx, &mut rng);
+                    let got = select(p.as_ref(), &snap, Role::Decode, &ctx, &mut rng).map(|p| p.target);
                     let possible = healthy.iter().enumerate().any(|(i, h)| *h && i as u32 != excl);
                     match got {
                         Some(t) => {
@@ -201,14 +218,20 @@ mod tests {
         let p = RoundRobin::default();
         let mut rng = rand::rngs::StdRng::seed_from_u64(0);
         let ctx = PickCtx::default();
-        let a = select(&p, &snap, Role::Decode, &ctx, &mut rng).unwrap();
-        let b = select(&p, &snap, Role::Decode, &ctx, &mut rng).unwrap();
+        let a = select(&p, &snap, Role::Decode, &ctx, &mut rng)
+            .unwrap()
+            .target;
+        let b = select(&p, &snap, Role::Decode, &ctx, &mut rng)
+            .unwrap()
+            .target;
         assert_ne!(a.worker, b.worker);
         // Within a worker the least-loaded rank wins.
         let w = snap.worker(Role::Decode, WorkerId(0)).unwrap();
         let _g = LoadGuard::new(w, 0);
         for _ in 0..4 {
-            let t = select(&p, &snap, Role::Decode, &ctx, &mut rng).unwrap();
+            let t = select(&p, &snap, Role::Decode, &ctx, &mut rng)
+                .unwrap()
+                .target;
             if t.worker == WorkerId(0) {
                 assert_eq!(t.rank, 1);
             }

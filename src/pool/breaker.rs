@@ -5,6 +5,12 @@
 //! time, which doubles with every re-open up to `max_open_ms` → HalfOpen: back in rotation
 //! for exactly one trial request → success closes it, failure re-opens it.
 //!
+//! A trial is held by a [`TrialGuard`]: a trial that ends without a verdict on this
+//! worker's leg (a 4xx, a failure blamed on the other leg, no partner available, a
+//! request timeout, a client that went away, ...) releases the trial when its guard drops,
+//! so the next request can be the trial. Trials carry the epoch of the half-open period
+//! that issued them, so a late guard never frees a later period's trial.
+//!
 //! Invariants:
 //! - Attribution is per leg: only failures blamed on this worker's own leg count (a prefill
 //!   error never trips a decode's breaker); client-caused 4xx and client disconnects never
@@ -14,7 +20,7 @@
 //! - The counters are atomics shared across snapshots; only transitions rebuild the
 //!   snapshot, through the pool's single writer.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,7 +67,10 @@ impl BreakerState {
 pub struct Breaker {
     consecutive: AtomicU32,
     state: AtomicU8,
-    trial_taken: AtomicBool,
+    /// The half-open period whose trial is out (0: none).
+    trial: AtomicU64,
+    /// Counts half-open periods (the current one's number; 0 before the first).
+    epoch: AtomicU64,
     reopens: AtomicU32,
 }
 
@@ -72,14 +81,47 @@ impl Breaker {
 
     /// Whether a half-open breaker's one trial is already out.
     pub fn trial_taken(&self) -> bool {
-        self.trial_taken.load(Ordering::Acquire)
+        self.trial.load(Ordering::Acquire) != 0
     }
 
-    /// Claims the half-open trial; false when someone else has it.
-    pub fn take_trial(&self) -> bool {
-        self.trial_taken
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
+    /// Claims the half-open trial; `None` when someone else has it. The trial is released
+    /// when the guard drops (after the verdict, or without one).
+    pub fn take_trial(self: &Arc<Self>) -> Option<TrialGuard> {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        if epoch == 0 {
+            return None;
+        }
+        self.trial
+            .compare_exchange(0, epoch, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| TrialGuard {
+                breaker: Arc::clone(self),
+                epoch,
+            })
+    }
+
+    /// Starts a half-open period: a new epoch with its trial free.
+    fn begin_half_open(&self) {
+        let epoch = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+        self.trial.store(0, Ordering::Release);
+        debug_assert!(epoch != 0);
+    }
+}
+
+/// A half-open breaker's one trial, held by the request that is the trial. Dropping it
+/// frees the trial of its own half-open period (a no-op once the breaker moved on).
+#[derive(Debug)]
+pub struct TrialGuard {
+    breaker: Arc<Breaker>,
+    epoch: u64,
+}
+
+impl Drop for TrialGuard {
+    fn drop(&mut self) {
+        let _ =
+            self.breaker
+                .trial
+                .compare_exchange(self.epoch, 0, Ordering::AcqRel, Ordering::Acquire);
     }
 }
 
@@ -173,7 +215,7 @@ impl Pool {
             rt.spawn(async move {
                 tokio::time::sleep(dur).await;
                 if b.state() == BreakerState::Open {
-                    b.trial_taken.store(false, Ordering::Release);
+                    b.begin_half_open();
                     pool.set_breaker(role, id, &b, BreakerState::HalfOpen);
                 }
             });
@@ -263,6 +305,28 @@ mod tests {
             pool.breaker(Role::Decode, w).unwrap().state(),
             BreakerState::Closed
         );
+    }
+
+    #[test]
+    fn trials_are_released_by_their_own_guard_only() {
+        let b = Arc::new(Breaker::default());
+        assert!(
+            b.take_trial().is_none(),
+            "no trial before a half-open period"
+        );
+        b.begin_half_open();
+        let first = b.take_trial().expect("the trial");
+        assert!(b.take_trial().is_none(), "one trial at a time");
+        drop(first);
+        assert!(!b.trial_taken(), "released without a verdict");
+        let late = b.take_trial().expect("taken again");
+        // The breaker moves on (re-opened, half-open again) while `late` is still held.
+        b.begin_half_open();
+        let current = b.take_trial().expect("the new period's trial");
+        drop(late);
+        assert!(b.trial_taken(), "a late guard never frees a later trial");
+        drop(current);
+        assert!(!b.trial_taken());
     }
 
     #[tokio::test(start_paused = true)]

@@ -20,7 +20,7 @@ use arc_swap::ArcSwap;
 
 pub mod breaker;
 
-pub use breaker::{Breaker, BreakerState};
+pub use breaker::{Breaker, BreakerState, TrialGuard};
 use tokio::sync::watch;
 
 use crate::bootstrap::Layout;
