@@ -53,11 +53,12 @@ impl Ready {
         self,
         record: RequestRecord,
         request_id: &HeaderValue,
+        slot: Option<super::AdmissionSlot>,
     ) -> Response<RespBody> {
         let mut head = self.head;
         head.headers
             .insert(crate::server::REQUEST_ID, request_id.clone());
-        Response::from_parts(head, PdBody::new(self.body, record).boxed_unsync())
+        Response::from_parts(head, PdBody::new(self.body, record, slot).boxed_unsync())
     }
 }
 

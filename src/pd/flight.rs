@@ -5,7 +5,9 @@
 //! Invariants:
 //! - Whatever ends the response (its last byte, a failure, the client going away), both
 //!   legs are finished or cancelled, and every load counter is released, when the body is
-//!   dropped.
+//!   dropped — except a prefill leg still answering after decode's answer was complete:
+//!   it runs on (bounded by its deadline) and holds its rank's load counter and the
+//!   request's admission slot until it ends.
 //! - After the first byte reached the client a failure is never retried: a streamed
 //!   response ends with one JSON error event and `data: [DONE]`; a non-streamed one is cut.
 //! - The decode body is never buffered: each frame is forwarded when it arrives (an SSE
@@ -86,12 +88,17 @@ impl PrefillWatch {
     }
 
     /// Lets the prefill leg run to its own end (bounded by its deadline) without this
-    /// request: no abort, no cancel.
-    pub fn detach(mut self) {
+    /// request: no abort, no cancel. The leg keeps counting as in flight on its rank, and
+    /// keeps the request's admission slot, until it ends.
+    pub fn detach(mut self, slot: Option<super::AdmissionSlot>) {
         self.cancel.disarm();
         if let Some(leg) = self.leg.take() {
+            let guard = self.guard.take();
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(leg);
+                rt.spawn(async move {
+                    let _held = (guard, slot);
+                    let _ = leg.await;
+                });
             }
         }
     }
@@ -212,6 +219,9 @@ pub struct PdBody {
     last_data: tokio::time::Instant,
     record: RequestRecord,
     passive: Passive,
+    /// The request's admission slot: released with this body, or handed to a prefill leg
+    /// still running when decode's answer is complete.
+    slot: Option<super::AdmissionSlot>,
     done: bool,
 }
 
@@ -235,7 +245,11 @@ pub struct PdBodyParts {
 }
 
 impl PdBody {
-    pub fn new(p: PdBodyParts, record: RequestRecord) -> PdBody {
+    pub fn new(
+        p: PdBodyParts,
+        record: RequestRecord,
+        slot: Option<super::AdmissionSlot>,
+    ) -> PdBody {
         PdBody {
             pending: (!p.first.is_empty()).then_some(p.first),
             decode: Some(p.decode),
@@ -248,6 +262,7 @@ impl PdBody {
             last_data: tokio::time::Instant::now(),
             record,
             passive: p.passive,
+            slot,
             done: false,
         }
     }
@@ -260,7 +275,7 @@ impl PdBody {
         self.decode = None;
         self.decode_cancel.disarm();
         if let Some(pw) = self.prefill.take() {
-            pw.detach();
+            pw.detach(self.slot.take());
         }
         self.record.finish("ok");
         self.sse

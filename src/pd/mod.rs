@@ -92,6 +92,10 @@ impl RetryBudget {
     }
 }
 
+/// The admission slot a request holds (see `server::admission`) until its response body
+/// ends, or until a prefill leg it left running ends.
+pub type AdmissionSlot = tokio::sync::OwnedSemaphorePermit;
+
 /// Per-request context from the front door.
 pub struct ReqCtx {
     /// Fixed-length internal id (16 hex digits): the base of every leg's rid.
@@ -100,6 +104,9 @@ pub struct ReqCtx {
     pub request_id: HeaderValue,
     /// Headers forwarded on both legs, serialized once (`name: value\r\n` lines).
     pub forward: Vec<u8>,
+    /// Held by the response body (or a prefill leg left running after it); an error
+    /// answered before the first byte releases it when the dispatch returns.
+    pub slot: Option<AdmissionSlot>,
 }
 
 /// Everything the request path needs.
@@ -128,7 +135,7 @@ impl Dispatcher {
 
     /// Runs a parsed request to its response: retries before the first byte, errors mapped
     /// once by [`Failure::into_response`].
-    pub async fn dispatch(&self, req: ParsedRequest, ctx: ReqCtx) -> Response<RespBody> {
+    pub async fn dispatch(&self, req: ParsedRequest, mut ctx: ReqCtx) -> Response<RespBody> {
         let mut record = RequestRecord {
             route: req.route,
             request_id: ctx.id,
@@ -164,7 +171,7 @@ impl Dispatcher {
                         .report_success(Role::Prefill, ready.pair.prefill.worker);
                     self.pool
                         .report_success(Role::Decode, ready.pair.decode.worker);
-                    return ready.into_response(record, &ctx.request_id);
+                    return ready.into_response(record, &ctx.request_id, ctx.slot.take());
                 }
                 Err(af) => {
                     let f = &af.failure;

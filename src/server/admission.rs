@@ -3,19 +3,15 @@
 //! times out answers 503, both with `Retry-After`.
 //!
 //! Invariant: a slot is held until the response body ends (or is dropped), so a long
-//! stream counts for its whole life. The fast path is one atomic (`try_acquire`).
+//! stream counts for its whole life, and past it by a prefill leg still answering (see
+//! `pd::flight`). The fast path is one atomic (`try_acquire`).
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use hyper::body::{Body, Frame, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::body::{BoxError, RespBody};
 use crate::config::AdmissionConfig;
 use crate::error::{FailReason, Failure};
 
@@ -77,34 +73,5 @@ impl Admission {
                 ))
             }
         }
-    }
-}
-
-/// A response body that holds its admission slot until it ends.
-pub struct Admitted {
-    inner: RespBody,
-    _slot: Option<OwnedSemaphorePermit>,
-}
-
-impl Admitted {
-    pub fn wrap(inner: RespBody, slot: Option<OwnedSemaphorePermit>) -> Admitted {
-        Admitted { inner, _slot: slot }
-    }
-}
-
-impl Body for Admitted {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }

@@ -12,7 +12,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use super::admission::{Admission, Admitted};
+use super::admission::Admission;
 use super::REQUEST_ID;
 use crate::body::{full_body, RespBody};
 use crate::error::{FailReason, Failure};
@@ -197,11 +197,9 @@ impl App {
                         return f.into_response(Some(&rid_header));
                     }
                 };
-                let resp = self.pd(route, req, id, rid_header).await;
-                match slot {
-                    None => resp,
-                    Some(slot) => resp.map(|b| Admitted::wrap(b, Some(slot)).boxed_unsync()),
-                }
+                // The slot goes with the request: its response body (or a prefill leg still
+                // running after it) releases it.
+                self.pd(route, req, id, rid_header, slot).await
             }
             Endpoint::Health => json_response(StatusCode::OK, r#"{"status":"ok"}"#, &rid_header),
             Endpoint::Readiness => self.readiness(&rid_header),
@@ -224,6 +222,7 @@ impl App {
         req: Request<Incoming>,
         id: RequestId,
         rid_header: HeaderValue,
+        slot: Option<crate::pd::AdmissionSlot>,
     ) -> Response<RespBody> {
         let (parts, body) = req.into_parts();
         if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
@@ -307,6 +306,7 @@ impl App {
             id,
             request_id: rid_header,
             forward,
+            slot,
         };
         self.dispatcher.dispatch(parsed, ctx).await
     }

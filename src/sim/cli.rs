@@ -123,6 +123,9 @@ pub struct SimArgs {
     /// Fault: extra decode time to first token (ms).
     #[arg(long, default_value_t = 0)]
     pub decode_extra_ttft_ms: u64,
+    /// Fault: the prefill answers this long (ms) after its KV hand-off.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_answer_delay_ms: u64,
 }
 
 fn secs(s: f64) -> Duration {
@@ -144,6 +147,7 @@ impl SimArgs {
             decode_die_mid_stream_after: self.decode_die_mid_stream_after,
             decode_extra_itl_ms: self.decode_extra_itl_ms,
             decode_extra_ttft_ms: self.decode_extra_ttft_ms,
+            prefill_answer_delay_ms: self.prefill_answer_delay_ms,
         }
     }
 

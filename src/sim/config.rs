@@ -50,6 +50,9 @@ pub struct Faults {
     pub decode_extra_itl_ms: u64,
     /// Extra time to first token on decode.
     pub decode_extra_ttft_ms: u64,
+    /// Prefill: extra time between the KV hand-off and the prefill's own answer (its
+    /// decode can finish first).
+    pub prefill_answer_delay_ms: u64,
 }
 
 impl Faults {

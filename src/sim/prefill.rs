@@ -163,6 +163,9 @@ pub(crate) async fn prepare(
     leg.transfer(left)
         .await
         .map_err(|reason| bootstrap_failure(inst, room, &reason))?;
+    if faults.prefill_answer_delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(faults.prefill_answer_delay_ms)).await;
+    }
     Ok(Plan {
         tokens: 1,
         ttft: Duration::ZERO,
