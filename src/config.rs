@@ -470,111 +470,204 @@ impl Config {
         })
     }
 
-    /// Checks values that types alone cannot; names the offending key.
+    /// Checks values that types alone cannot: every number against the range it may take
+    /// (so that nothing downstream can panic or overflow on it: a deadline added to the
+    /// clock, a semaphore's permits, a health interval turned into a `Duration`), then
+    /// settings that only make sense together. The error names the key, the value and
+    /// the allowed range.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
         for (i, p) in self.prefill.iter().enumerate() {
             if let Err(e) = crate::upstream::parse_base_url(&p.url) {
-                return bad(format!("prefill[{i}].url {:?}: {e}", p.url));
+                return Err(invalid(format!("prefill[{i}].url {:?}: {e}", p.url)));
             }
             if p.bootstrap_port == Some(0) {
-                return bad(format!("prefill[{i}].bootstrap_port must be 1..=65535"));
+                return Err(out_of_range(
+                    &format!("prefill[{i}].bootstrap_port"),
+                    0,
+                    "1..=65535",
+                ));
             }
         }
         for (i, d) in self.decode.iter().enumerate() {
             if let Err(e) = crate::upstream::parse_base_url(&d.url) {
-                return bad(format!("decode[{i}].url {:?}: {e}", d.url));
+                return Err(invalid(format!("decode[{i}].url {:?}: {e}", d.url)));
             }
         }
-        let checks: &[(&str, bool)] = &[
-            (
-                "breaker.max_ejection_ratio",
-                (0.0..=1.0).contains(&self.breaker.max_ejection_ratio),
-            ),
-            ("breaker.open_ms", self.breaker.open_ms >= 1),
-            (
-                "admission.queue_timeout_ms",
-                self.admission.queue_timeout_ms >= 1,
-            ),
-            ("server.max_body_bytes", self.server.max_body_bytes > 0),
-            (
-                "upstream.max_answer_bytes",
-                self.upstream.max_answer_bytes > 0,
-            ),
-            (
-                "server.header_read_timeout_secs",
-                self.server.header_read_timeout_secs > 0,
-            ),
-            (
-                "server.body_read_timeout_secs",
-                self.server.body_read_timeout_secs > 0,
-            ),
-            ("timeouts.connect_ms", self.timeouts.connect_ms > 0),
-            ("timeouts.prefill_secs", self.timeouts.prefill_secs > 0),
-            (
-                "timeouts.decode_first_byte_secs",
-                self.timeouts.decode_first_byte_secs > 0,
-            ),
-            (
-                "timeouts.stream_idle_secs",
-                self.timeouts.stream_idle_secs > 0,
-            ),
-            ("timeouts.request_secs", self.timeouts.request_secs > 0),
-            (
-                "retry.budget_ratio",
-                (0.0..=10.0).contains(&self.retry.budget_ratio),
-            ),
-            (
-                "health.interval_secs",
-                self.health.interval_secs.is_finite() && self.health.interval_secs >= 0.01,
-            ),
-            (
-                "health.timeout_secs",
-                self.health.timeout_secs.is_finite() && self.health.timeout_secs >= 0.01,
-            ),
-            (
-                "health.failure_threshold",
-                self.health.failure_threshold >= 1,
-            ),
-            (
-                "health.success_threshold",
-                self.health.success_threshold >= 1,
-            ),
-            (
-                "bootstrap.heartbeat_max_failures",
-                self.bootstrap.heartbeat_max_failures >= 1,
-            ),
-            (
-                "bootstrap.heartbeat_interval_ms",
-                self.bootstrap.heartbeat_interval_ms >= 10
-                    && self.bootstrap.refresh_interval_ms >= 10
-                    && self.bootstrap.preflight_timeout_ms >= 1
-                    && self.bootstrap.http_timeout_ms >= 1,
-            ),
-            (
-                "policy.cache_aware_balance_factor",
-                self.policy.cache_aware_balance_factor.is_finite()
-                    && (1.0..=1000.0).contains(&self.policy.cache_aware_balance_factor),
-            ),
-            (
-                "policy.cache_aware_vnodes",
-                (1..=1024).contains(&self.policy.cache_aware_vnodes),
-            ),
-            (
+        let (s, t, h, b, a, bs, u, r, p) = (
+            &self.server,
+            &self.timeouts,
+            &self.health,
+            &self.breaker,
+            &self.admission,
+            &self.bootstrap,
+            &self.upstream,
+            &self.retry,
+            &self.policy,
+        );
+        range("server.max_body_bytes", s.max_body_bytes, 1, MAX_BYTES)?;
+        range(
+            "server.header_read_timeout_secs",
+            s.header_read_timeout_secs,
+            1,
+            DAY,
+        )?;
+        range(
+            "server.body_read_timeout_secs",
+            s.body_read_timeout_secs,
+            1,
+            DAY,
+        )?;
+        range("server.drain_secs", s.drain_secs, 0, DAY)?;
+        range("server.listen_backlog", s.listen_backlog, 1, 65_535)?;
+        range("server.worker_threads", s.worker_threads, 0, 1024)?;
+        range("timeouts.connect_ms", t.connect_ms, 1, 600_000)?;
+        range("timeouts.prefill_secs", t.prefill_secs, 1, DAY)?;
+        range(
+            "timeouts.decode_first_byte_secs",
+            t.decode_first_byte_secs,
+            1,
+            DAY,
+        )?;
+        range("timeouts.stream_idle_secs", t.stream_idle_secs, 1, DAY)?;
+        range("timeouts.request_secs", t.request_secs, 1, 7 * DAY)?;
+        range("retry.max_retries", r.max_retries, 0, 16)?;
+        range_f("retry.budget_ratio", r.budget_ratio, 0.0, 10.0)?;
+        range(
+            "retry.budget_min_reserve",
+            r.budget_min_reserve,
+            0,
+            1_000_000,
+        )?;
+        range_f("health.interval_secs", h.interval_secs, 0.01, DAY as f64)?;
+        range_f("health.timeout_secs", h.timeout_secs, 0.01, 3600.0)?;
+        range("health.failure_threshold", h.failure_threshold, 1, 1000)?;
+        range("health.success_threshold", h.success_threshold, 1, 1000)?;
+        range(
+            "health.unhealthy_interval_ms",
+            h.unhealthy_interval_ms,
+            10,
+            3_600_000,
+        )?;
+        range("breaker.failure_threshold", b.failure_threshold, 0, 1000)?;
+        range("breaker.open_ms", b.open_ms, 1, DAY * 1000)?;
+        range("breaker.max_open_ms", b.max_open_ms, b.open_ms, DAY * 1000)?;
+        range_f("breaker.max_ejection_ratio", b.max_ejection_ratio, 0.0, 1.0)?;
+        let permits = tokio::sync::Semaphore::MAX_PERMITS;
+        range("admission.max_in_flight", a.max_in_flight, 0, permits)?;
+        range("admission.max_queue", a.max_queue, 0, permits)?;
+        range(
+            "admission.queue_timeout_ms",
+            a.queue_timeout_ms,
+            1,
+            3_600_000,
+        )?;
+        range(
+            "bootstrap.heartbeat_interval_ms",
+            bs.heartbeat_interval_ms,
+            10,
+            600_000,
+        )?;
+        range(
+            "bootstrap.heartbeat_max_failures",
+            bs.heartbeat_max_failures,
+            1,
+            1000,
+        )?;
+        range(
+            "bootstrap.refresh_interval_ms",
+            bs.refresh_interval_ms,
+            10,
+            600_000,
+        )?;
+        range("bootstrap.freshness_ms", bs.freshness_ms, 1, 3_600_000)?;
+        range(
+            "bootstrap.preflight_timeout_ms",
+            bs.preflight_timeout_ms,
+            1,
+            60_000,
+        )?;
+        range("bootstrap.http_timeout_ms", bs.http_timeout_ms, 1, 600_000)?;
+        range(
+            "upstream.pool_max_idle_per_host",
+            u.pool_max_idle_per_host,
+            0,
+            65_536,
+        )?;
+        range(
+            "upstream.pool_idle_timeout_secs",
+            u.pool_idle_timeout_secs,
+            0,
+            DAY,
+        )?;
+        range(
+            "upstream.max_answer_bytes",
+            u.max_answer_bytes,
+            1,
+            MAX_BYTES,
+        )?;
+        range_f(
+            "policy.cache_aware_balance_factor",
+            p.cache_aware_balance_factor,
+            1.0,
+            1000.0,
+        )?;
+        range("policy.cache_aware_vnodes", p.cache_aware_vnodes, 1, 1024)?;
+        if p.load_poll_interval_ms != 0 {
+            range(
                 "policy.load_poll_interval_ms",
-                self.policy.load_poll_interval_ms == 0 || self.policy.load_poll_interval_ms >= 10,
-            ),
-        ];
-        for (key, ok) in checks.iter().copied() {
-            if !ok {
-                return bad(format!("{key} is out of range"));
-            }
+                p.load_poll_interval_ms,
+                10,
+                3_600_000,
+            )?;
+        }
+        // Settings that only make sense together.
+        if t.decode_first_byte_secs >= t.request_secs {
+            return Err(invalid(format!(
+                "timeouts.decode_first_byte_secs = {} must be below timeouts.request_secs = {}: \
+                 the request timeout covers everything before the first byte, so the \
+                 first-byte deadline could never fire",
+                t.decode_first_byte_secs, t.request_secs
+            )));
         }
         if self.log.level.trim().is_empty() {
-            return bad("log.level must not be empty".to_string());
+            return Err(invalid("log.level must not be empty".to_string()));
         }
         Ok(())
     }
+}
+
+/// A day in seconds: the longest any single deadline or interval may be.
+const DAY: u64 = 86_400;
+/// The largest body or answer size pdgate holds (4 GiB).
+const MAX_BYTES: usize = 4 << 30;
+
+fn invalid(message: String) -> ConfigError {
+    ConfigError::Invalid(message)
+}
+
+fn out_of_range(key: &str, value: impl std::fmt::Display, allowed: &str) -> ConfigError {
+    invalid(format!(
+        "{key} = {value} is out of range (allowed: {allowed})"
+    ))
+}
+
+/// Checks `lo <= v <= hi`.
+fn range<T>(key: &str, v: T, lo: T, hi: T) -> Result<(), ConfigError>
+where
+    T: PartialOrd + std::fmt::Display + Copy,
+{
+    if v < lo || v > hi {
+        return Err(out_of_range(key, v, &format!("{lo}..={hi}")));
+    }
+    Ok(())
+}
+
+/// Checks that `v` is finite and `lo <= v <= hi`.
+fn range_f(key: &str, v: f64, lo: f64, hi: f64) -> Result<(), ConfigError> {
+    if !v.is_finite() || v < lo || v > hi {
+        return Err(out_of_range(key, v, &format!("{lo}..={hi}")));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -641,6 +734,70 @@ mod tests {
         });
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("decode[0].url"), "{err}");
+    }
+
+    #[test]
+    fn values_that_would_panic_are_refused_with_key_value_and_range() {
+        type Tweak = fn(&mut Config);
+        let cases: &[(Tweak, &str)] = &[
+            (
+                |c| c.admission.max_in_flight = usize::MAX,
+                "admission.max_in_flight = 18446744073709551615 is out of range (allowed: 0..=",
+            ),
+            (
+                |c| c.health.interval_secs = 1e300,
+                "health.interval_secs = 1000000000000000",
+            ),
+            (
+                |c| c.health.timeout_secs = f64::INFINITY,
+                "health.timeout_secs = inf is out of range",
+            ),
+            (
+                |c| c.health.interval_secs = -1.0,
+                "health.interval_secs = -1 is out of range (allowed: 0.01..=86400)",
+            ),
+            (
+                |c| c.timeouts.request_secs = u64::MAX,
+                "timeouts.request_secs = 18446744073709551615 is out of range (allowed: 1..=604800)",
+            ),
+            (
+                |c| c.timeouts.stream_idle_secs = u64::MAX,
+                "timeouts.stream_idle_secs = 18446744073709551615",
+            ),
+            (
+                |c| c.server.drain_secs = u64::MAX,
+                "server.drain_secs = 18446744073709551615",
+            ),
+            (
+                |c| c.breaker.max_open_ms = 10,
+                "breaker.max_open_ms = 10 is out of range (allowed: 1000..=86400000)",
+            ),
+            (
+                |c| c.health.unhealthy_interval_ms = 0,
+                "health.unhealthy_interval_ms = 0 is out of range (allowed: 10..=3600000)",
+            ),
+            (
+                |c| c.retry.budget_min_reserve = u32::MAX,
+                "retry.budget_min_reserve = 4294967295",
+            ),
+            (
+                |c| c.timeouts.decode_first_byte_secs = 600,
+                "timeouts.decode_first_byte_secs = 600 must be below timeouts.request_secs = 600",
+            ),
+        ];
+        for (tweak, want) in cases {
+            let mut cfg = Config::default();
+            tweak(&mut cfg);
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains(want), "{err} does not contain {want}");
+        }
+        // Within range on both ends is fine.
+        let mut cfg = Config::default();
+        cfg.admission.max_in_flight = tokio::sync::Semaphore::MAX_PERMITS;
+        cfg.health.interval_secs = 86_400.0;
+        cfg.timeouts.request_secs = 7 * 86_400;
+        cfg.validate().unwrap();
+        assert_eq!(cfg.health.interval(), Duration::from_secs(86_400));
     }
 
     #[test]

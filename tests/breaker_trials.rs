@@ -51,7 +51,10 @@ fn tweak(outcome: Outcome) -> impl FnOnce(&mut Config) {
         // A pool of one may be ejected here (the cap would keep it in otherwise).
         c.breaker.max_ejection_ratio = 1.0;
         match outcome {
-            Outcome::RequestTimeout => c.timeouts.request_secs = 1,
+            Outcome::RequestTimeout => {
+                c.timeouts.decode_first_byte_secs = 1;
+                c.timeouts.request_secs = 2;
+            }
             Outcome::BootstrapNotReady => {
                 // Every request re-checks its rank on the request path (preflight); the
                 // refresher's next round comes long after the trial request.

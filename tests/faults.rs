@@ -516,27 +516,31 @@ async fn decode_never_starts_hits_the_first_byte_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_timeout_bounds_a_request_whose_legs_have_their_own_longer_deadlines() {
-    // The decode would start after 5 s, within its first-byte deadline (10 s): only the
-    // request timeout (1 s) ends it, with a 504 before any byte, and both legs released.
-    let d = with_faults(
-        EngineConfig::decode(1),
+    // The prefill hangs within its own deadline (10 s): only the request timeout (2 s)
+    // ends it, with a 504 before any byte, and both legs released. (A decode first-byte
+    // deadline at or above the request timeout could never fire and is refused by the
+    // config, so the request timeout is met here through a long prefill.)
+    let p = with_faults(
+        EngineConfig::prefill(1),
         Faults {
-            decode_extra_ttft_ms: 5000,
+            prefill_hang: true,
             ..Faults::default()
         },
     );
-    let env = start(vec![EngineConfig::prefill(1)], vec![d], |c| {
-        c.timeouts.decode_first_byte_secs = 10;
-        c.timeouts.request_secs = 1;
+    let env = start(vec![p], vec![EngineConfig::decode(1)], |c| {
+        c.timeouts.prefill_secs = 10;
+        c.timeouts.decode_first_byte_secs = 1;
+        c.timeouts.request_secs = 2;
     })
     .await;
     env.wait_routable(1, 1).await;
-    // (Had the timeout not fired, the decode would have answered 200 after 5 s.)
+    // (Had the timeout not fired, the prefill would have held the request for 10 s.)
     for stream in [false, true] {
         expect_error(&env, stream, 504, &["request_timeout"]).await;
     }
     let s = env.settled_stats().await;
     assert_eq!(s.held_now, 0);
+    assert_eq!(cancelled(&env.cluster.prefills[0].stats()), 2);
     assert_eq!(cancelled(&env.cluster.decodes[0].stats()), 2);
 }
 

@@ -57,6 +57,11 @@ pub enum RankRoute {
     Missing(String),
 }
 
+/// The largest DP size pdgate accepts from an engine: DP sizes size per-rank vectors on
+/// every snapshot rebuild, so an engine cannot make the router allocate without bound.
+/// Real deployments run DP 1–64.
+pub const MAX_DP_SIZE: u32 = 1024;
+
 /// A bootstrap call that did not produce an answer to act on.
 #[derive(Debug, thiserror::Error)]
 pub enum BootstrapError {
@@ -64,6 +69,16 @@ pub enum BootstrapError {
     Unreachable(#[from] CallError),
     #[error("unexpected answer {status}: {body}")]
     BadAnswer { status: u16, body: String },
+    #[error("the engine reports dp_size {dp_size}, above the limit of {MAX_DP_SIZE}: refused")]
+    DpSizeTooLarge { dp_size: u32 },
+}
+
+/// `dp_size` within [`MAX_DP_SIZE`] (0 counts as 1).
+pub fn checked_dp(dp_size: u32) -> Result<u32, BootstrapError> {
+    if dp_size > MAX_DP_SIZE {
+        return Err(BootstrapError::DpSizeTooLarge { dp_size });
+    }
+    Ok(dp_size.max(1))
 }
 
 fn snippet(b: &[u8]) -> String {
@@ -139,7 +154,7 @@ pub async fn sentinel(
                     })?;
                 return Ok(Sentinel::Ready(Layout {
                     generation: Generation::V3,
-                    dp_size: info.dp_size.max(1),
+                    dp_size: checked_dp(info.dp_size)?,
                     attn_tp_size: info.attn_tp_size.max(1),
                     attn_cp_size: info.attn_cp_size.max(1),
                     pp_size: info.pp_size.max(1),
@@ -164,7 +179,7 @@ pub async fn sentinel(
                     };
                 return Ok(Sentinel::Ready(Layout {
                     generation,
-                    dp_size: info.prefill_dp_size.max(1),
+                    dp_size: checked_dp(info.prefill_dp_size)?,
                     attn_tp_size: info
                         .prefill_attn_tp_size
                         .or(info.prefill_tp_size)

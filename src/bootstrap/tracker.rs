@@ -90,10 +90,12 @@ pub fn apply_rank(
             reason: RankFailure::Unreachable,
             since: now,
         },
-        Err(BootstrapError::BadAnswer { .. }) => RankReadiness::Failed {
-            reason: RankFailure::BadAnswer,
-            since: now,
-        },
+        Err(BootstrapError::BadAnswer { .. } | BootstrapError::DpSizeTooLarge { .. }) => {
+            RankReadiness::Failed {
+                reason: RankFailure::BadAnswer,
+                since: now,
+            }
+        }
     };
     set_rank(w, rank, st, now);
 }
@@ -236,10 +238,18 @@ pub async fn refresh_once(
         Err(e) => {
             let reason = match e {
                 BootstrapError::Unreachable(_) => RankFailure::Unreachable,
-                BootstrapError::BadAnswer { .. } => RankFailure::BadAnswer,
+                BootstrapError::BadAnswer { .. } | BootstrapError::DpSizeTooLarge { .. } => {
+                    RankFailure::BadAnswer
+                }
             };
             pool.update_worker(Role::Prefill, id, |w| {
-                tracing::debug!(prefill = %w.url, error = %e, "sentinel failed");
+                if matches!(e, BootstrapError::DpSizeTooLarge { .. }) {
+                    if w.ranks.iter().all(|r| r.label() != "failed") {
+                        tracing::error!(prefill = %w.url, error = %e, "prefill refused");
+                    }
+                } else {
+                    tracing::debug!(prefill = %w.url, error = %e, "sentinel failed");
+                }
                 fail_all(w, reason, now);
             });
         }

@@ -104,9 +104,15 @@ pub fn spawn(
             if good && !have_info {
                 if let Ok(info) = client::server_info(&up, &url, bcfg.http_timeout()).await {
                     have_info = true;
+                    let dp = info.dp_size.filter(|d| *d >= 1).map(client::checked_dp);
                     pool.update_worker(role, id, |w| {
-                        if role == Role::Decode {
-                            w.dp_size = info.dp_size.filter(|d| *d >= 1);
+                        match dp {
+                            Some(Err(e)) => {
+                                tracing::error!(role = %role, worker = %w.url, error = %e, "worker refused");
+                                w.refused = Some(e.to_string());
+                            }
+                            Some(Ok(dp)) if role == Role::Decode => w.dp_size = Some(dp),
+                            _ => {}
                         }
                         w.info = Some(info);
                     });

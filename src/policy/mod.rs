@@ -82,8 +82,10 @@ pub const ALL_KINDS: [PolicyKind; 4] = [
 
 fn candidate<'a>(snap: &'a Snapshot, role: Role, r: &'a Routable) -> Option<Candidate<'a>> {
     let worker = snap.worker(role, r.worker)?;
-    let in_flight = r.ranks.iter().map(|k| worker.in_flight(*k)).sum();
-    let engine_load = r.ranks.iter().map(|k| worker.engine_load(*k)).sum();
+    // Saturating: engine-reported loads are whatever an engine says.
+    let sum = |f: &dyn Fn(DpRank) -> u64| r.ranks.iter().fold(0u64, |t, k| t.saturating_add(f(*k)));
+    let in_flight = sum(&|k| worker.in_flight(k));
+    let engine_load = sum(&|k| worker.engine_load(k));
     Some(Candidate {
         worker,
         ranks: &r.ranks,
@@ -208,6 +210,29 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn engine_load_sums_saturate() {
+        let pool = pool(&[true, true]);
+        let snap = pool.load_full();
+        for w in &snap.decodes {
+            for c in w.engine_load.iter() {
+                c.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let r = &snap.decode_routable[0];
+        let c = candidate(&snap, Role::Decode, r).unwrap();
+        assert_eq!(c.engine_load, u64::MAX);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        for kind in ALL_KINDS {
+            let p = build(kind);
+            let ctx = PickCtx {
+                exclude: &[],
+                prefix_hash: Some(7),
+            };
+            assert!(select(p.as_ref(), &snap, Role::Decode, &ctx, &mut rng).is_some());
         }
     }
 

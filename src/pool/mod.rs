@@ -105,6 +105,9 @@ pub struct WorkerState {
     pub breaker: Arc<Breaker>,
     /// Kept-alive connections for this worker's legs.
     pub conns: Arc<HostConns>,
+    /// Why the worker can never take a leg (e.g. a DP size above the limit); never
+    /// routable while set.
+    pub refused: Option<String>,
 }
 
 /// Loss counters of one prefill, in one channel so that a request in flight waits on a
@@ -139,6 +142,7 @@ pub struct WorkerView {
     pub lost: watch::Receiver<LostEpochs>,
     pub breaker: Arc<Breaker>,
     pub conns: Arc<HostConns>,
+    pub refused: Option<String>,
 }
 
 impl WorkerView {
@@ -292,6 +296,7 @@ impl Pool {
                 lost_tx,
                 info: None,
                 breaker: Arc::new(Breaker::default()),
+                refused: None,
             });
         });
         id
@@ -363,8 +368,9 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             lost: w.lost_tx.subscribe(),
             breaker: w.breaker.clone(),
             conns: w.conns.clone(),
+            refused: w.refused.clone(),
         };
-        let breaker_open = w.breaker.state() == BreakerState::Open;
+        let breaker_open = w.breaker.state() == BreakerState::Open || w.refused.is_some();
         match w.role {
             Role::Prefill => {
                 if w.healthy && !breaker_open && w.layout.is_some() {

@@ -349,6 +349,7 @@ impl App {
                     "dp_size": w.effective_dp(),
                     "bootstrap": w.bootstrap.as_ref().map(|b| b.url.as_str()),
                     "ranks": w.ranks.iter().map(|r| r.label()).collect::<Vec<_>>(),
+                    "refused": w.refused,
                 })
             })
             .collect();
