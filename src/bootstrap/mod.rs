@@ -3,6 +3,7 @@
 //! plus the request-path preflight.
 
 pub mod client;
+pub mod preflight;
 pub mod tracker;
 
 pub use client::{Generation, Layout};

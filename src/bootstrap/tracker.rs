@@ -1,9 +1,10 @@
 //! One tracker per prefill: the decode engine's bootstrap poll, run by the router ahead of
 //! the decode engine (spec §3.2 steps 3–5, §3.4, §7.2).
 //!
-//! Two tasks per prefill share the pool as their only output:
+//! Two tasks per prefill share the pool as their only output (the request-path check of one
+//! rank is `super::preflight`):
 //! - the *refresher* learns the layout from the sentinel and every rank's route, every
-//!   `refresh_interval` (and at once when woken);
+//!   `refresh_interval` (and at once when woken), up to `RANK_POLLS` rank routes at once;
 //! - the *heartbeat* polls the bootstrap server's `/health` every `heartbeat_interval`;
 //!   `heartbeat_max_failures` misses in a row mark the prefill lost: every rank goes
 //!   `Failed{Unreachable}`, the layout is dropped (as decode drops its cache) and the
@@ -15,6 +16,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use futures_util::StreamExt;
 use tokio::sync::Notify;
 
 use super::client::{self, BootstrapError, RankRoute, Sentinel};
@@ -22,6 +24,9 @@ use crate::config::BootstrapConfig;
 use crate::pool::{BootstrapInfo, Pool, RankFailure, RankReadiness, WorkerState};
 use crate::types::{Role, WorkerId};
 use crate::upstream::{BaseUrl, Upstream};
+
+/// Rank routes the refresher asks for at once.
+const RANK_POLLS: usize = 16;
 
 /// SGLang's default `--disaggregation-bootstrap-port`.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
@@ -195,12 +200,13 @@ pub async fn refresh_once(
     let now = Instant::now();
     match sentinel {
         Ok(Sentinel::Ready(layout)) => {
-            let mut results = Vec::with_capacity(layout.dp_size as usize);
-            for r in 0..layout.dp_size {
-                results.push(
-                    client::rank_route(up, url, layout.generation, r, cfg.http_timeout()).await,
-                );
-            }
+            // Every rank's route, RANK_POLLS at a time (in rank order), so that a slow or
+            // dead bootstrap server costs one timeout per batch, not one per rank.
+            let results: Vec<_> = futures_util::stream::iter(0..layout.dp_size)
+                .map(|r| client::rank_route(up, url, layout.generation, r, cfg.http_timeout()))
+                .buffered(RANK_POLLS)
+                .collect()
+                .await;
             let now = Instant::now();
             let mut first = false;
             pool.update_worker(Role::Prefill, id, |w| {

@@ -2,8 +2,6 @@
 //! until decode's first bytes are in hand (the last point where a failure can still be
 //! retried, because the client has seen nothing).
 
-use std::time::Instant;
-
 use bytes::Bytes;
 use http::{header, HeaderValue, Response};
 use http_body_util::BodyExt;
@@ -15,11 +13,11 @@ use super::request::{LegFields, ParsedRequest};
 use super::sse::{Scan, SseScanner};
 use super::{room, Dispatcher, ReqCtx};
 use crate::body::RespBody;
-use crate::bootstrap::{client, tracker};
+use crate::bootstrap::preflight;
 use crate::config::ContractMode;
 use crate::error::{FailReason, Failure};
 use crate::policy::{self, PickCtx};
-use crate::pool::{LoadGuard, RankFailure, RankReadiness, Snapshot};
+use crate::pool::{LoadGuard, PreflightOutcome, RankFailure, RankReadiness, Snapshot};
 use crate::types::{Pair, Role, WorkerId};
 use crate::upstream::LegRequest;
 
@@ -205,52 +203,37 @@ impl Dispatcher {
             fail(f, b)
         };
 
-        // Preflight: a view older than the freshness bound is re-checked now, briefly.
+        // Preflight: a view older than the freshness bound is re-checked now, briefly
+        // (one check per rank at a time; see `bootstrap::preflight`).
         let bcfg = &self.cfg.bootstrap;
         let checked = pv.ranks_checked_at.get(pt.rank as usize).copied();
         if checked.is_none_or(|t| t.elapsed() > bcfg.freshness()) {
-            let res = client::rank_route(
-                &self.up,
-                &boot.url,
-                layout.generation,
-                pt.rank,
-                bcfg.preflight_timeout(),
-            )
-            .await;
-            let now = Instant::now();
-            self.pool.update_worker(Role::Prefill, pt.worker, |w| {
-                tracker::apply_rank(w, pt.rank as usize, &res, now)
-            });
-            metrics::counter!("pdgate_preflight_checks_total", "ok" => if matches!(res, Ok(client::RankRoute::Ready { .. })) { "true" } else { "false" }).increment(1);
-            match res {
-                Ok(client::RankRoute::Ready { .. }) => {}
-                Ok(client::RankRoute::NotReady) => {
-                    return Err(fail(
-                        Failure::new(
-                            FailReason::BootstrapNotReady,
-                            format!("prefill {} rank {} is not registered yet", pv.url, pt.rank),
-                        ),
-                        blame_p,
-                    ))
-                }
-                Ok(client::RankRoute::Missing(m)) => {
-                    return Err(fail(
-                        Failure::new(
-                            FailReason::BootstrapRankMissing,
-                            format!("prefill {} rank {}: {m}", pv.url, pt.rank),
-                        ),
-                        blame_p,
-                    ))
-                }
-                Err(e) => {
-                    return Err(fail(
-                        Failure::new(
-                            FailReason::BootstrapUnreachable,
-                            format!("prefill {} bootstrap: {e}", pv.url),
-                        ),
-                        blame_p,
-                    ))
-                }
+            let target = preflight::Target {
+                worker: pt.worker,
+                rank: pt.rank,
+                bootstrap: boot,
+                generation: layout.generation,
+                probes: &pv.probes,
+            };
+            let outcome =
+                preflight::check(&self.pool, &self.up, target, bcfg.preflight_timeout()).await;
+            let (reason, msg) = match outcome {
+                PreflightOutcome::Ready => (None, String::new()),
+                PreflightOutcome::NotReady => (
+                    Some(FailReason::BootstrapNotReady),
+                    format!("prefill {} rank {} is not registered yet", pv.url, pt.rank),
+                ),
+                PreflightOutcome::Missing(m) => (
+                    Some(FailReason::BootstrapRankMissing),
+                    format!("prefill {} rank {}: {m}", pv.url, pt.rank),
+                ),
+                PreflightOutcome::Unreachable(e) => (
+                    Some(FailReason::BootstrapUnreachable),
+                    format!("prefill {} bootstrap: {e}", pv.url),
+                ),
+            };
+            if let Some(reason) = reason {
+                return Err(fail(Failure::new(reason, msg), blame_p));
             }
         }
 

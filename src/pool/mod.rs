@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 
 pub mod breaker;
 
@@ -68,6 +68,67 @@ impl RankFailure {
     }
 }
 
+/// What a request-path rank check (preflight) found; shared by every request that waited
+/// on the same check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PreflightOutcome {
+    Ready,
+    /// The bootstrap server is not ready yet (503).
+    NotReady,
+    /// The rank is not registered.
+    Missing(String),
+    /// The bootstrap server did not answer usefully.
+    Unreachable(String),
+}
+
+/// One preflight in flight: its result, once known.
+pub type Probe = watch::Receiver<Option<PreflightOutcome>>;
+
+/// Per DP rank, the preflight in flight (if any): at most one check per rank runs at a
+/// time, and requests that find one wait on it (single flight). Lock-free: a slot is
+/// claimed with a compare-and-swap. Shared by every snapshot the worker appears in.
+#[derive(Debug, Default)]
+pub struct RankProbes(Box<[ArcSwapOption<Probe>]>);
+
+impl RankProbes {
+    fn new(dp: u32) -> RankProbes {
+        RankProbes((0..dp.max(1)).map(|_| ArcSwapOption::empty()).collect())
+    }
+
+    /// The check in flight on `rank`, or `Err(claim)` when there is none and this caller
+    /// now owns the slot (it must run the check and [`RankProbes::finish`] it).
+    pub fn join_or_claim(
+        &self,
+        rank: DpRank,
+    ) -> Option<Result<Probe, watch::Sender<Option<PreflightOutcome>>>> {
+        let slot = self.0.get(rank as usize)?;
+        loop {
+            if let Some(p) = slot.load_full() {
+                return Some(Ok((*p).clone()));
+            }
+            let (tx, rx) = watch::channel(None);
+            let prev = slot.compare_and_swap(&None::<Arc<Probe>>, Some(Arc::new(rx)));
+            if prev.is_none() {
+                return Some(Err(tx));
+            }
+            // Someone else claimed it between the load and the swap: join theirs.
+        }
+    }
+
+    /// Publishes the claimed check's outcome and frees the slot.
+    pub fn finish(
+        &self,
+        rank: DpRank,
+        tx: watch::Sender<Option<PreflightOutcome>>,
+        outcome: PreflightOutcome,
+    ) {
+        tx.send_replace(Some(outcome));
+        if let Some(slot) = self.0.get(rank as usize) {
+            slot.store(None);
+        }
+    }
+}
+
 /// A prefill's bootstrap server as decode engines reach it.
 #[derive(Clone, Debug)]
 pub struct BootstrapInfo {
@@ -108,6 +169,8 @@ pub struct WorkerState {
     /// Why the worker can never take a leg (e.g. a DP size above the limit); never
     /// routable while set.
     pub refused: Option<String>,
+    /// Request-path rank checks in flight (prefill only).
+    pub probes: Arc<RankProbes>,
 }
 
 /// Loss counters of one prefill, in one channel so that a request in flight waits on a
@@ -143,6 +206,7 @@ pub struct WorkerView {
     pub breaker: Arc<Breaker>,
     pub conns: Arc<HostConns>,
     pub refused: Option<String>,
+    pub probes: Arc<RankProbes>,
 }
 
 impl WorkerView {
@@ -297,6 +361,7 @@ impl Pool {
                 info: None,
                 breaker: Arc::new(Breaker::default()),
                 refused: None,
+                probes: Arc::new(RankProbes::new(1)),
             });
         });
         id
@@ -317,6 +382,7 @@ impl Pool {
                 if w.loads.len() != dp as usize {
                     w.loads = new_loads(dp);
                     w.engine_load = new_loads(dp);
+                    w.probes = Arc::new(RankProbes::new(dp));
                 }
             }
         });
@@ -369,6 +435,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             breaker: w.breaker.clone(),
             conns: w.conns.clone(),
             refused: w.refused.clone(),
+            probes: w.probes.clone(),
         };
         let breaker_open = w.breaker.state() == BreakerState::Open || w.refused.is_some();
         match w.role {
