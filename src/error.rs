@@ -22,6 +22,7 @@ pub enum FailReason {
     Unauthorized,
     Overloaded,
     QueueTimeout,
+    TooManyConnections,
     NoPrefillAvailable,
     NoDecodeAvailable,
     BootstrapUnreachable,
@@ -47,7 +48,7 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 31] = [
+    pub const ALL: [FailReason; 32] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
         FailReason::RequestBodyTimeout,
@@ -57,6 +58,7 @@ impl FailReason {
         FailReason::Unauthorized,
         FailReason::Overloaded,
         FailReason::QueueTimeout,
+        FailReason::TooManyConnections,
         FailReason::NoPrefillAvailable,
         FailReason::NoDecodeAvailable,
         FailReason::BootstrapUnreachable,
@@ -94,6 +96,7 @@ impl FailReason {
             Unauthorized => "unauthorized",
             Overloaded => "overloaded",
             QueueTimeout => "queue_timeout",
+            TooManyConnections => "too_many_connections",
             NoPrefillAvailable => "no_prefill_available",
             NoDecodeAvailable => "no_decode_available",
             BootstrapUnreachable => "bootstrap_unreachable",
@@ -132,8 +135,10 @@ impl FailReason {
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Unauthorized => StatusCode::UNAUTHORIZED,
             Overloaded => StatusCode::TOO_MANY_REQUESTS,
-            QueueTimeout | NoPrefillAvailable | NoDecodeAvailable | BootstrapUnreachable
-            | BootstrapNotReady | BootstrapRankMissing => StatusCode::SERVICE_UNAVAILABLE,
+            QueueTimeout | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable
+            | BootstrapUnreachable | BootstrapNotReady | BootstrapRankMissing => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             PrefillRejected | DecodeRejected => match upstream {
                 Some(s) if s.is_client_error() => s,
                 _ => StatusCode::BAD_REQUEST,
@@ -236,6 +241,27 @@ impl Failure {
         out.extend_from_slice(&json);
         out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
         Bytes::from(out)
+    }
+
+    /// The failure as a whole HTTP/1.1 response that closes its connection, for answers
+    /// written straight to a socket (before any HTTP machinery runs on it).
+    pub fn raw_http1(&self) -> Vec<u8> {
+        let json = self.json();
+        let status = self.status();
+        let mut out = Vec::with_capacity(json.len() + 160);
+        out.extend_from_slice(b"HTTP/1.1 ");
+        out.extend_from_slice(status.as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+        out.extend_from_slice(b"\r\ncontent-type: application/json\r\nconnection: close\r\n");
+        if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
+            out.extend_from_slice(b"retry-after: 1\r\n");
+        }
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(json.len().to_string().as_bytes());
+        out.extend_from_slice(b"\r\n\r\n");
+        out.extend_from_slice(&json);
+        out
     }
 
     /// The complete HTTP response for a failure before headers.

@@ -5,8 +5,11 @@
 //! accepted, and in-flight requests get up to the drain deadline to finish (connections that
 //! never sent a byte are closed at once). A client gets `server.header_read_timeout_secs` for
 //! its first byte and for each request head, and `server.body_read_timeout_secs` for a body.
+//! At most `server.max_connections` connections are served at once, and an HTTP/2
+//! connection without a stream is closed after `server.idle_timeout_secs` ([`conn`]).
 
 pub mod admission;
+mod conn;
 mod routes;
 
 use std::net::SocketAddr;
@@ -18,7 +21,6 @@ use http::HeaderName;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -78,7 +80,6 @@ async fn accept_loop(
     mut stop: watch::Receiver<bool>,
     drain: Duration,
 ) {
-    let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     let first_byte_within = app.header_read_timeout();
     builder
@@ -86,6 +87,10 @@ async fn accept_loop(
         .timer(TokioTimer::new())
         .header_read_timeout(first_byte_within)
         .keep_alive(true);
+    builder.http2().timer(TokioTimer::new());
+    let registry = Arc::new(conn::Registry::default());
+    let max = app.dispatcher.cfg.server.max_connections;
+    let idle = app.dispatcher.cfg.server.idle_timeout();
     loop {
         tokio::select! {
             r = listener.accept() => {
@@ -99,31 +104,16 @@ async fn accept_loop(
                     }
                 };
                 let _ = stream.set_nodelay(true);
+                let Some(slot) = registry.enter(max) else {
+                    tokio::spawn(conn::refuse(stream, max));
+                    continue;
+                };
                 let app = app.clone();
-                let svc = service_fn(move |req| {
-                    let app = app.clone();
-                    async move { Ok::<_, std::convert::Infallible>(app.handle(req).await) }
-                });
                 let builder = builder.clone();
-                let watcher = graceful.watcher();
-                let mut stop = stop.clone();
+                let stop = stop.clone();
                 tokio::spawn(async move {
-                    // hyper's header timer starts once the auto builder has seen the first
-                    // bytes (to tell HTTP/1 from h2c): a connection that sends nothing at
-                    // all is closed here, after the same time, or when shutdown begins (a
-                    // client's pool may hold connections it never used).
-                    let mut first = [0u8; 1];
-                    let peek = tokio::time::timeout(first_byte_within, stream.peek(&mut first));
-                    tokio::select! {
-                        r = peek => if !matches!(r, Ok(Ok(1))) {
-                            return; // silent past the deadline, closed, or broken
-                        },
-                        _ = stop.changed() => return,
-                    }
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-                    if let Err(e) = watcher.watch(conn.into_owned()).await {
-                        tracing::debug!(error = %e, "connection ended with an error");
-                    }
+                    let _slot = slot;
+                    serve(stream, app, builder, stop, first_byte_within, idle).await;
                 });
             }
             _ = stop.changed() => break,
@@ -132,12 +122,80 @@ async fn accept_loop(
     drop(listener);
     tracing::info!(
         drain_secs = drain.as_secs_f64(),
+        connections = registry.open(),
         "shutting down: draining in-flight requests"
     );
-    if tokio::time::timeout(drain, graceful.shutdown())
+    if tokio::time::timeout(drain, registry.wait_empty())
         .await
         .is_err()
     {
         tracing::warn!("drain deadline passed with requests still in flight");
+    }
+}
+
+/// Serves one connection until it ends, its HTTP/2 idle timer fires, or drain begins.
+async fn serve(
+    stream: tokio::net::TcpStream,
+    app: Arc<App>,
+    builder: auto::Builder<TokioExecutor>,
+    mut stop: watch::Receiver<bool>,
+    first_byte_within: Duration,
+    idle: Duration,
+) {
+    // hyper's header timer starts once the auto builder has seen the first bytes (to tell
+    // HTTP/1 from h2c): a connection that sends nothing at all is closed here, after the
+    // same time, or when shutdown begins (a client's pool may hold connections it never
+    // used).
+    let sniffed = tokio::select! {
+        s = conn::sniff(&stream, first_byte_within) => s,
+        _ = stop.changed() => return,
+    };
+    let activity = match sniffed {
+        conn::Sniffed::Nothing => return,
+        conn::Sniffed::Http1 => None,
+        conn::Sniffed::H2 => Some(conn::Activity::new()),
+    };
+    let tracked = activity.clone();
+    let svc = service_fn(move |req| {
+        let app = app.clone();
+        // Only HTTP/2 streams are tracked (for the idle timer).
+        let stream = tracked.as_ref().map(|a| a.begin());
+        async move {
+            let resp = app.handle(req).await;
+            Ok::<_, std::convert::Infallible>(match stream {
+                None => resp,
+                Some(g) => {
+                    resp.map(|b| http_body_util::BodyExt::boxed_unsync(conn::Tracked::wrap(b, g)))
+                }
+            })
+        }
+    });
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+    tokio::pin!(conn);
+    let mut closing = false;
+    loop {
+        let idle_timer = async {
+            match &activity {
+                Some(a) if !closing => a.idle_for(idle).await,
+                _ => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            _ = stop.changed(), if !closing => {
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            _ = idle_timer => {
+                tracing::debug!(idle_secs = idle.as_secs_f64(), "idle HTTP/2 connection closed");
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
     }
 }

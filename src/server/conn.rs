@@ -1,0 +1,279 @@
+//! One client connection: its protocol sniffed from the first bytes, its place under
+//! `server.max_connections`, an idle timer for HTTP/2, and its graceful end on drain.
+//!
+//! Invariants:
+//! - At most `max_connections` connections are served at once; one beyond the limit gets a
+//!   whole `503 too_many_connections` HTTP/1.1 answer (`Retry-After`, `Connection: close`)
+//!   written straight to its socket, and is closed, so a balancer in front retries
+//!   elsewhere at once. Nothing of its request is read or dispatched.
+//! - A connection that sends nothing within `header_read_timeout` is closed (hyper's
+//!   header timer only starts once the protocol is known).
+//! - An HTTP/2 connection (prior knowledge, h2c) with no open stream for `idle_timeout` is
+//!   shut down gracefully (GOAWAY): HTTP/1 connections are bounded between requests by the
+//!   header timer, HTTP/2 has no such timer. Only HTTP/2 pays for the activity tracking.
+//! - On drain every connection is shut down gracefully: in-flight requests finish, then the
+//!   connection closes; [`Registry::wait_empty`] returns when none is left.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+use crate::body::{BoxError, RespBody};
+use crate::error::{FailReason, Failure};
+
+/// The HTTP/2 connection preface's first bytes (RFC 9113 §3.4); no HTTP/1 method is `PRI`.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0";
+
+/// The open connections: a count under the limit, and a wake-up when it reaches 0.
+#[derive(Debug, Default)]
+pub struct Registry {
+    open: AtomicUsize,
+    emptied: Notify,
+}
+
+/// One open connection's place in the [`Registry`]; freed when dropped.
+#[derive(Debug)]
+pub struct Slot(Arc<Registry>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let left = self.0.open.fetch_sub(1, Ordering::AcqRel) - 1;
+        metrics::gauge!("pdgate_open_connections").set(left as f64);
+        if left == 0 {
+            self.0.emptied.notify_waiters();
+        }
+    }
+}
+
+impl Registry {
+    /// A place for a new connection, or `None` at the limit (0 = no limit).
+    pub fn enter(self: &Arc<Self>, max: usize) -> Option<Slot> {
+        let now = self
+            .open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (max == 0 || n < max).then_some(n + 1)
+            })
+            .ok()?
+            + 1;
+        metrics::gauge!("pdgate_open_connections").set(now as f64);
+        Some(Slot(self.clone()))
+    }
+
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Returns once no connection is open.
+    pub async fn wait_empty(&self) {
+        loop {
+            let emptied = self.emptied.notified();
+            if self.open() == 0 {
+                return;
+            }
+            emptied.await;
+        }
+    }
+}
+
+/// Answers a connection beyond the limit and closes it (bounded: one second to write).
+pub async fn refuse(mut stream: TcpStream, max: usize) {
+    metrics::counter!("pdgate_connections_rejected_total").increment(1);
+    let answer = Failure::new(
+        FailReason::TooManyConnections,
+        format!("the router serves at most {max} connections at once (server.max_connections)"),
+    )
+    .raw_http1();
+    let write = async {
+        stream.write_all(&answer).await?;
+        stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+}
+
+/// What the first bytes say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sniffed {
+    Http1,
+    H2,
+    /// Closed, broken, or silent past the deadline.
+    Nothing,
+}
+
+/// Waits (up to `within`) for the first bytes and tells HTTP/2 prior knowledge from HTTP/1
+/// by the preface, without consuming anything.
+pub async fn sniff(stream: &TcpStream, within: Duration) -> Sniffed {
+    let deadline = tokio::time::Instant::now() + within;
+    let mut buf = [0u8; H2_PREFACE.len()];
+    loop {
+        let n = match tokio::time::timeout_at(deadline, stream.peek(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => n,
+            _ => return Sniffed::Nothing,
+        };
+        if !H2_PREFACE.starts_with(&buf[..n]) {
+            return Sniffed::Http1;
+        }
+        if n == H2_PREFACE.len() {
+            return Sniffed::H2;
+        }
+        // A prefix of the preface so far: wait for more (peek returns at once while the
+        // socket holds data, so wait for readability first).
+        if tokio::time::timeout_at(deadline, stream.readable())
+            .await
+            .is_err()
+        {
+            return Sniffed::Nothing;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Streams in flight on an HTTP/2 connection and when the last one ended.
+#[derive(Debug)]
+pub struct Activity {
+    active: AtomicUsize,
+    /// Milliseconds since `start` when the connection last went idle.
+    idle_since_ms: AtomicU64,
+    start: tokio::time::Instant,
+}
+
+impl Activity {
+    pub fn new() -> Arc<Activity> {
+        Arc::new(Activity {
+            active: AtomicUsize::new(0),
+            idle_since_ms: AtomicU64::new(0),
+            start: tokio::time::Instant::now(),
+        })
+    }
+
+    /// A stream began; it ends when the guard drops.
+    pub fn begin(self: &Arc<Self>) -> StreamGuard {
+        self.active.fetch_add(1, Ordering::AcqRel);
+        StreamGuard(self.clone())
+    }
+
+    /// When the connection has been idle for `idle`: `None` while a stream is open.
+    fn idle_deadline(&self, idle: Duration) -> Option<tokio::time::Instant> {
+        if self.active.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        let since = Duration::from_millis(self.idle_since_ms.load(Ordering::Acquire));
+        Some(self.start + since + idle)
+    }
+
+    /// Resolves once the connection has had no stream for `idle`.
+    pub async fn idle_for(&self, idle: Duration) {
+        loop {
+            match self.idle_deadline(idle) {
+                Some(at) if at <= tokio::time::Instant::now() => return,
+                Some(at) => tokio::time::sleep_until(at).await,
+                // Busy: look again after one idle period.
+                None => tokio::time::sleep(idle).await,
+            }
+        }
+    }
+}
+
+/// One HTTP/2 stream in flight; dropped with its response body.
+#[derive(Debug)]
+pub struct StreamGuard(Arc<Activity>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        let a = &self.0;
+        let ms = a.start.elapsed().as_millis() as u64;
+        a.idle_since_ms.store(ms, Ordering::Release);
+        a.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that holds its stream's [`StreamGuard`] until it ends.
+pub struct Tracked {
+    inner: RespBody,
+    _stream: StreamGuard,
+}
+
+impl Tracked {
+    pub fn wrap(inner: RespBody, stream: StreamGuard) -> Tracked {
+        Tracked {
+            inner,
+            _stream: stream,
+        }
+    }
+}
+
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limit_holds_and_slots_free_on_drop() {
+        let r = Arc::new(Registry::default());
+        let a = r.enter(2).expect("first");
+        let b = r.enter(2).expect("second");
+        assert!(r.enter(2).is_none(), "at the limit");
+        drop(a);
+        let c = r.enter(2).expect("freed");
+        assert_eq!(r.open(), 2);
+        drop((b, c));
+        assert_eq!(r.open(), 0);
+        // 0: no limit.
+        let many: Vec<_> = (0..100).map(|_| r.enter(0).expect("no limit")).collect();
+        assert_eq!(r.open(), 100);
+        drop(many);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_timer_waits_for_the_last_stream() {
+        let a = Activity::new();
+        let idle = Duration::from_secs(10);
+        let g = a.begin();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert!(a.idle_deadline(idle).is_none(), "busy is never idle");
+        drop(g);
+        let t0 = tokio::time::Instant::now();
+        a.idle_for(idle).await;
+        assert_eq!(t0.elapsed(), idle, "idle counts from the last stream's end");
+    }
+
+    #[test]
+    fn refusal_is_a_whole_http1_answer() {
+        let f = Failure::new(FailReason::TooManyConnections, "full");
+        let raw = String::from_utf8(f.raw_http1()).expect("ascii");
+        assert!(
+            raw.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+            "{raw}"
+        );
+        assert!(
+            raw.contains("\r\nconnection: close\r\n") && raw.contains("\r\nretry-after: 1\r\n")
+        );
+        let (head, body) = raw.split_once("\r\n\r\n").expect("head");
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        let v: serde_json::Value = serde_json::from_str(body).expect("json");
+        assert_eq!(v["error"]["type"], "too_many_connections");
+    }
+}
