@@ -123,6 +123,10 @@ pub struct SimArgs {
     /// Fault: extra decode time to first token (ms).
     #[arg(long, default_value_t = 0)]
     pub decode_extra_ttft_ms: u64,
+    /// Fault: decode holds every request before its bootstrap lookup until the fault is
+    /// cleared (`POST /sim/faults {"decode_hold": false}`).
+    #[arg(long)]
+    pub decode_hold: bool,
 }
 
 fn secs(s: f64) -> Duration {
@@ -144,6 +148,7 @@ impl SimArgs {
             decode_die_mid_stream_after: self.decode_die_mid_stream_after,
             decode_extra_itl_ms: self.decode_extra_itl_ms,
             decode_extra_ttft_ms: self.decode_extra_ttft_ms,
+            decode_hold: self.decode_hold,
         }
     }
 

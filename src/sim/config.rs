@@ -50,6 +50,10 @@ pub struct Faults {
     pub decode_extra_itl_ms: u64,
     /// Extra time to first token on decode.
     pub decode_extra_ttft_ms: u64,
+    /// Decode holds every request that arrives while this is set before its bootstrap
+    /// lookup (a stalled scheduler: held, not failed); clearing it lets them all go on.
+    /// Tests use it to keep requests in flight exactly until they release them.
+    pub decode_hold: bool,
 }
 
 impl Faults {
