@@ -442,7 +442,7 @@ async fn success_cancels_nothing() {
         }
         assert_eq!(
             e.recent_abort_rids(),
-            [rid.clone()],
+            std::slice::from_ref(rid),
             "a successful request sent an abort"
         );
         assert_eq!(e.stats().abort_requests_received, 1, "{:?}", e.stats());
