@@ -55,6 +55,28 @@ fn assert_leg_cancelled(s: &StatsSnapshot, what: &str) {
     );
 }
 
+/// A decode whose own heartbeat would take 10 s to notice a lost prefill, so that in a test
+/// only the router ends its wait (`fast_engine`'s 200 ms races the router's detection).
+fn patient_decode() -> EngineConfig {
+    let mut d = fast_engine(EngineConfig::decode(1));
+    d.heartbeat_interval = Duration::from_secs(10);
+    d
+}
+
+/// The counters of what happened between `before` and `now` (per-rank counts and gauges
+/// are taken from `now`).
+fn since(now: &StatsSnapshot, before: &StatsSnapshot) -> StatsSnapshot {
+    StatsSnapshot {
+        requests_total: now.requests_total - before.requests_total,
+        ok: now.ok - before.ok,
+        failed: now.failed - before.failed,
+        aborted: now.aborted - before.aborted,
+        client_disconnects: now.client_disconnects - before.client_disconnects,
+        abort_requests_received: now.abort_requests_received - before.abort_requests_received,
+        ..now.clone()
+    }
+}
+
 async fn expect_error(env: &Env, stream: bool, status: u16, kinds: &[&str]) {
     let (st, _, bytes) = env.post("/generate", body(stream)).await;
     let (got_status, kind) = error_of(st.as_u16(), &bytes);
@@ -280,15 +302,23 @@ async fn prefill_hangs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_dies_mid_request() {
     for stream in [false, true] {
-        let p = with_faults(
-            EngineConfig::prefill(1),
-            Faults {
-                prefill_die_mid_request: true,
-                ..Faults::default()
-            },
-        );
-        let env = start(vec![p], vec![EngineConfig::decode(1)], |_| {}).await;
+        let env = start_as_is(
+            vec![fast_engine(EngineConfig::prefill(1))],
+            vec![patient_decode()],
+            |_| {},
+        )
+        .await;
         env.wait_routable(1, 1).await;
+        // One request first, so that the decode knows the prefill's layout and route: the
+        // next one goes straight to the KV wait, and cannot fail on a bootstrap lookup of a
+        // dead prefill before the router cancels it.
+        expect_ok(&env, stream, 1).await;
+        let before = env.settled_stats().await;
+        let d_before = env.cluster.decodes[0].stats();
+        env.cluster.prefills[0].set_faults(Faults {
+            prefill_die_mid_request: true,
+            ..Faults::default()
+        });
         expect_error(
             &env,
             stream,
@@ -297,8 +327,10 @@ async fn prefill_dies_mid_request() {
         )
         .await;
         let s = env.settled_stats().await;
-        assert_leg_cancelled(&env.cluster.decodes[0].stats(), "decode");
+        let d = since(&env.cluster.decodes[0].stats(), &d_before);
+        assert_leg_cancelled(&d, "decode");
         assert_eq!(s.held_now, 0);
+        assert_eq!(s.ok, before.ok, "{s:?}");
     }
 }
 
@@ -567,7 +599,7 @@ async fn heartbeat_loss_fails_in_flight_requests() {
             },
         );
         let env = std::sync::Arc::new(
-            start(vec![p], vec![EngineConfig::decode(1)], |c| {
+            start_as_is(vec![fast_engine(p)], vec![patient_decode()], |c| {
                 c.timeouts.prefill_secs = 300
             })
             .await,
@@ -575,8 +607,12 @@ async fn heartbeat_loss_fails_in_flight_requests() {
         env.wait_routable(1, 1).await;
         let e = env.clone();
         let req = tokio::spawn(async move { e.post("/generate", body(stream)).await });
+        // Both legs arrived and the decode is done with the bootstrap server (it waits for
+        // the KV at the prefill's rank endpoint): only the heartbeat loss can end it now.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while env.stats().held_now < 2 {
+        while env.cluster.prefills[0].stats().held_now < 1
+            || env.cluster.prefills[0].stats().kv_waiting_decodes < 1
+        {
             assert!(tokio::time::Instant::now() < deadline, "legs never arrived");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
