@@ -41,7 +41,34 @@ async fn stale_views_are_checked_on_the_request_path() {
         register_none: true,
         ..Faults::default()
     });
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    // The simulator drops the ranks from its bootstrap table in the background: wait until
+    // its server answers that way (as the preflight will ask it), and until the router's
+    // view of them is older than the freshness bound (so that the preflight runs).
+    let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+    let base = parse_base_url(&env.cluster.prefills[0].bootstrap_url().unwrap()).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for r in 0..2 {
+        loop {
+            let route = client::rank_route(&up, &base, Generation::V3, r, Duration::from_secs(2))
+                .await
+                .unwrap();
+            if !matches!(route, RankRoute::Ready { .. }) {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "rank {r} still registered: {route:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    env.wait_pool("prefill 0's view older than the freshness bound", |s| {
+        let w = s.worker(Role::Prefill, WorkerId(0)).unwrap();
+        w.ranks_checked_at
+            .iter()
+            .all(|t| t.elapsed() > Duration::from_millis(1))
+    })
+    .await;
     for _ in 0..8 {
         let (st, _, b) = env.post("/generate", r#"{"text":"a"}"#).await;
         assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
@@ -205,14 +232,19 @@ async fn layout_mismatches_between_prefill_and_decode_are_found() {
     .await;
     env.wait_routable(1, 2).await;
     let odd_url = env.cluster.decodes[1].url();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let found = loop {
-        let found = pdgate::health::layout_mismatches(&env.router.pool);
-        if found.len() >= 2 || tokio::time::Instant::now() > deadline {
-            break found;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    // Both sides have reported once the prefill's layout and every decode's server info are
+    // known; only then are the mismatches final.
+    env.wait_pool("the prefill's layout and both decodes' server info", |s| {
+        s.prefills[0].layout.is_some()
+            && s.decodes.iter().all(|d| {
+                env.router
+                    .pool
+                    .with_worker(Role::Decode, d.id, |w| w.info.is_some())
+                    .unwrap_or(false)
+            })
+    })
+    .await;
+    let found = pdgate::health::layout_mismatches(&env.router.pool);
     let mut got: Vec<_> = found
         .iter()
         .map(|m| (m.what, m.prefill_value.as_str(), m.decode_value.as_str()))

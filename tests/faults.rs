@@ -1,26 +1,19 @@
 //! Fail fast: every fault mode the simulator injects, streaming and not. For each: what the
 //! client gets (status and an OpenAI-style error naming the reason, or an SSE error event
 //! then `[DONE]` once streaming began), that the other leg was cancelled (simulator
-//! counters), and that no engine is left holding a request.
+//! counters), and that no engine is left holding a request. (With a healthy engine to
+//! retry on, see `tests/retries.rs`.)
 
 mod common;
 
 use std::time::Duration;
 
-use common::{sse_events, start, Env};
+use common::{
+    attempts_seen, expect_ok, fast_engine, gen_body as body, sse_events, start, start_as_is,
+    with_faults, Env, GEN, GEN_STREAM,
+};
 use http_body_util::BodyExt;
 use pdgate::sim::{EngineConfig, Faults, StatsSnapshot};
-
-const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":4}}"#;
-const GEN_STREAM: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":4},"stream":true}"#;
-
-fn body(stream: bool) -> &'static str {
-    if stream {
-        GEN_STREAM
-    } else {
-        GEN
-    }
-}
 
 /// The error of a failed answer: from the JSON body before headers, or the stream's last
 /// event after streaming began. Returns (status, error type).
@@ -62,6 +55,28 @@ fn assert_leg_cancelled(s: &StatsSnapshot, what: &str) {
     );
 }
 
+/// A decode whose own heartbeat would take 10 s to notice a lost prefill, so that in a test
+/// only the router ends its wait (`fast_engine`'s 200 ms races the router's detection).
+fn patient_decode() -> EngineConfig {
+    let mut d = fast_engine(EngineConfig::decode(1));
+    d.heartbeat_interval = Duration::from_secs(10);
+    d
+}
+
+/// The counters of what happened between `before` and `now` (per-rank counts and gauges
+/// are taken from `now`).
+fn since(now: &StatsSnapshot, before: &StatsSnapshot) -> StatsSnapshot {
+    StatsSnapshot {
+        requests_total: now.requests_total - before.requests_total,
+        ok: now.ok - before.ok,
+        failed: now.failed - before.failed,
+        aborted: now.aborted - before.aborted,
+        client_disconnects: now.client_disconnects - before.client_disconnects,
+        abort_requests_received: now.abort_requests_received - before.abort_requests_received,
+        ..now.clone()
+    }
+}
+
 async fn expect_error(env: &Env, stream: bool, status: u16, kinds: &[&str]) {
     let (st, _, bytes) = env.post("/generate", body(stream)).await;
     let (got_status, kind) = error_of(st.as_u16(), &bytes);
@@ -76,31 +91,6 @@ async fn expect_error(env: &Env, stream: bool, status: u16, kinds: &[&str]) {
         "stream={stream}: got {kind}, want one of {kinds:?}: {}",
         String::from_utf8_lossy(&bytes)
     );
-}
-
-async fn expect_ok(env: &Env, stream: bool, times: usize) {
-    for _ in 0..times {
-        let (st, _, bytes) = env.post("/generate", body(stream)).await;
-        assert_eq!(
-            st,
-            200,
-            "stream={stream}: {}",
-            String::from_utf8_lossy(&bytes)
-        );
-        if stream {
-            let (events, done) = sse_events(&bytes);
-            assert!(
-                done && events.iter().all(|e| e.get("error").is_none()),
-                "{}",
-                String::from_utf8_lossy(&bytes)
-            );
-        }
-    }
-}
-
-fn with_faults(mut e: EngineConfig, f: Faults) -> EngineConfig {
-    e.faults = f;
-    e
 }
 
 // ---- faults visible before dispatch: never dispatched, 503 at once or another prefill ----
@@ -131,23 +121,6 @@ async fn prefill_down() {
             "decode must never receive the request"
         );
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_down_with_another_prefill_healthy_gives_no_errors() {
-    let env = start(
-        vec![EngineConfig::prefill(2), EngineConfig::prefill(2)],
-        vec![EngineConfig::decode(1)],
-        |_| {},
-    )
-    .await;
-    env.wait_routable(4, 1).await;
-    // Requests sent right after the kill race the detection: retries must cover them.
-    env.cluster.prefills[0].set_down(true);
-    expect_ok(&env, false, 10).await;
-    expect_ok(&env, true, 10).await;
-    let s = env.settled_stats().await;
-    assert_eq!(s.contract_violations, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -249,28 +222,6 @@ async fn prefill_500() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_500_with_another_prefill_is_retried() {
-    let bad = with_faults(
-        EngineConfig::prefill(1),
-        Faults {
-            prefill_status: Some(500),
-            ..Faults::default()
-        },
-    );
-    let env = start(
-        vec![bad, EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        |_| {},
-    )
-    .await;
-    env.wait_routable(2, 1).await;
-    expect_ok(&env, false, 6).await;
-    expect_ok(&env, true, 6).await;
-    let s = env.settled_stats().await;
-    assert_eq!(s.contract_violations, 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_400_passes_through_and_is_not_retried() {
     for stream in [false, true] {
         let p = with_faults(
@@ -351,15 +302,23 @@ async fn prefill_hangs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_dies_mid_request() {
     for stream in [false, true] {
-        let p = with_faults(
-            EngineConfig::prefill(1),
-            Faults {
-                prefill_die_mid_request: true,
-                ..Faults::default()
-            },
-        );
-        let env = start(vec![p], vec![EngineConfig::decode(1)], |_| {}).await;
+        let env = start_as_is(
+            vec![fast_engine(EngineConfig::prefill(1))],
+            vec![patient_decode()],
+            |_| {},
+        )
+        .await;
         env.wait_routable(1, 1).await;
+        // One request first, so that the decode knows the prefill's layout and route: the
+        // next one goes straight to the KV wait, and cannot fail on a bootstrap lookup of a
+        // dead prefill before the router cancels it.
+        expect_ok(&env, stream, 1).await;
+        let before = env.settled_stats().await;
+        let d_before = env.cluster.decodes[0].stats();
+        env.cluster.prefills[0].set_faults(Faults {
+            prefill_die_mid_request: true,
+            ..Faults::default()
+        });
         expect_error(
             &env,
             stream,
@@ -368,29 +327,11 @@ async fn prefill_dies_mid_request() {
         )
         .await;
         let s = env.settled_stats().await;
-        assert_leg_cancelled(&env.cluster.decodes[0].stats(), "decode");
+        let d = since(&env.cluster.decodes[0].stats(), &d_before);
+        assert_leg_cancelled(&d, "decode");
         assert_eq!(s.held_now, 0);
+        assert_eq!(s.ok, before.ok, "{s:?}");
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_dies_mid_request_with_another_prefill_is_retried() {
-    let p = with_faults(
-        EngineConfig::prefill(1),
-        Faults {
-            prefill_die_mid_request: true,
-            ..Faults::default()
-        },
-    );
-    let env = start(
-        vec![p, EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        |_| {},
-    )
-    .await;
-    env.wait_routable(2, 1).await;
-    expect_ok(&env, false, 4).await;
-    expect_ok(&env, true, 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -410,26 +351,6 @@ async fn decode_500() {
         assert_leg_cancelled(&env.cluster.prefills[0].stats(), "prefill");
         assert_eq!(s.held_now, 0);
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn decode_500_with_another_decode_is_retried() {
-    let d = with_faults(
-        EngineConfig::decode(1),
-        Faults {
-            decode_status: Some(500),
-            ..Faults::default()
-        },
-    );
-    let env = start(
-        vec![EngineConfig::prefill(1)],
-        vec![d, EngineConfig::decode(1)],
-        |_| {},
-    )
-    .await;
-    env.wait_routable(1, 2).await;
-    expect_ok(&env, false, 4).await;
-    expect_ok(&env, true, 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -566,30 +487,46 @@ async fn legacy_bootstrap_bug_is_never_dispatched_into() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn legacy_bootstrap_bug_raced_is_answered_within_heartbeat_detection() {
-    let mut legacy = EngineConfig::decode(1);
+    let mut legacy = fast_engine(EngineConfig::decode(1));
     legacy.legacy_bootstrap_bug = true;
-    let env = start(vec![EngineConfig::prefill(2)], vec![legacy], |_| {}).await;
+    // Its bootstrap lookups keep failing for longer than the test runs, as an old engine
+    // would wait: only the router can end the request.
+    legacy.sentinel_attempts = 1000;
+    // Only the heartbeat watches the bootstrap server (no refresh, no preflight), and it
+    // needs two misses a second apart: the request goes out long before the router knows.
+    let env = start_as_is(
+        vec![fast_engine(EngineConfig::prefill(2))],
+        vec![legacy],
+        |c| {
+            c.bootstrap.refresh_interval_ms = 600_000;
+            c.bootstrap.freshness_ms = 600_000;
+            c.bootstrap.heartbeat_interval_ms = 1000;
+        },
+    )
+    .await;
     env.wait_routable(2, 1).await;
     // The bootstrap server dies right as the request goes out: the router's view is still
-    // Ready, the legacy decode would wait forever; the heartbeat loss ends the request.
+    // Ready, the decode cannot bootstrap; the heartbeat loss ends the request.
     env.cluster.prefills[0].set_faults(Faults {
         bootstrap_down: true,
         ..Faults::default()
     });
     let (st, _, bytes) = env.post("/generate", GEN).await;
     let (status, kind) = error_of(st.as_u16(), &bytes);
-    assert!(
-        (status == 502 && kind == "prefill_lost")
-            || (status == 503 && kind == "bootstrap_unreachable"),
-        "{status} {kind}: {}",
+    assert_eq!(
+        (status, kind.as_str()),
+        (502, "prefill_lost"),
+        "{}",
         String::from_utf8_lossy(&bytes)
     );
-    assert!(
-        env.cluster.prefills[0].stats().requests_total > 0,
-        "no request met the stale view"
-    );
+    // That very request met the stale view: both of its legs reached the engines.
+    let (p, d) = (&env.cluster.prefills[0], &env.cluster.decodes[0]);
+    let sent = attempts_seen(p, 'p', 0);
+    assert_eq!(sent.len(), 1, "{:?}", p.recent_rids());
+    assert_eq!(attempts_seen(d, 'd', 0), sent, "{:?}", d.recent_rids());
     let s = env.settled_stats().await;
     assert_eq!(s.held_now, 0, "{s:?}");
+    assert_leg_cancelled(&d.stats(), "decode");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -653,104 +590,6 @@ async fn client_disconnect_cancels_both_legs() {
     assert!(cancelled(&env.cluster.decodes[0].stats()) >= 1, "{s:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_hangs_with_another_prefill_is_retried() {
-    let p = with_faults(
-        EngineConfig::prefill(1),
-        Faults {
-            prefill_hang: true,
-            ..Faults::default()
-        },
-    );
-    let env = start(
-        vec![p, EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        |c| {
-            c.timeouts.prefill_secs = 1;
-            c.breaker.open_ms = 60_000;
-        },
-    )
-    .await;
-    env.wait_routable(2, 1).await;
-    // Requests that land on the hung prefill wait out its deadline, then go to the healthy
-    // one; once its breaker opened, nothing more is sent to it.
-    for stream in [false, true, false, true] {
-        expect_ok(&env, stream, 1).await;
-    }
-    let s = env.settled_stats().await;
-    assert_eq!(s.held_now, 0);
-    assert_eq!(s.contract_violations, 0);
-}
-
-/// The router's view was stale when it dispatched (the rank had just stopped being
-/// registered), and the decode is an old engine that waits out its whole waiting timeout
-/// when a rank lookup fails. The tracker's next look ends the in-flight requests on that
-/// rank at once, and they are retried on the healthy prefill: every client gets its answer
-/// (without this they would sit until the request timeout and get a 504).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn legacy_bootstrap_bug_with_a_stale_view_is_cut_short() {
-    let mut legacy = EngineConfig::decode(1);
-    legacy.legacy_bootstrap_bug = true;
-    legacy.waiting_timeout = Duration::from_secs(300);
-    let env = start(
-        vec![EngineConfig::prefill(4), EngineConfig::prefill(4)],
-        vec![legacy],
-        |c| {
-            c.timeouts.prefill_secs = 300;
-            c.timeouts.request_secs = 20;
-            c.bootstrap.refresh_interval_ms = 200;
-            c.bootstrap.freshness_ms = 60_000;
-        },
-    )
-    .await;
-    env.wait_routable(8, 1).await;
-    // Warm the decode's cache of prefill 0 by hand (its layout and rank 0's route), as
-    // earlier traffic would have: later lookups of ranks 1-3 then go to the bootstrap server.
-    let p = &env.cluster.prefills[0];
-    let port = p.bootstrap_port().unwrap();
-    let leg = |rid: &str| {
-        format!(
-            r#"{{"text":"w","sampling_params":{{"max_new_tokens":1}},"bootstrap_host":"127.0.0.1","bootstrap_port":{port},"bootstrap_room":4,"rid":"{rid}"}}"#
-        )
-    };
-    let (pl, dl) = tokio::join!(
-        env.client.request(
-            http::Request::post(format!("{}/generate", p.url()))
-                .header("content-type", "application/json")
-                .body(http_body_util::Full::new(bytes::Bytes::from(leg("warm-p"))))
-                .unwrap()
-        ),
-        env.client.request(
-            http::Request::post(format!("{}/generate", env.cluster.decodes[0].url()))
-                .header("content-type", "application/json")
-                .body(http_body_util::Full::new(bytes::Bytes::from(leg("warm-d"))))
-                .unwrap()
-        ),
-    );
-    assert_eq!(pl.unwrap().status(), 200);
-    assert_eq!(dl.unwrap().status(), 200);
-    env.cluster.prefills[0].set_faults(Faults {
-        register_none: true,
-        ..Faults::default()
-    });
-    // Sent before the tracker's next look: some land on prefill 0's ranks 1-3.
-    let futs = (0..12).map(|i| env.post("/generate", if i % 2 == 0 { GEN } else { GEN_STREAM }));
-    for (st, _, bytes) in futures_util::future::join_all(futs).await {
-        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
-        assert!(
-            !bytes.windows(9).any(|w| w == b"\"error\":{"),
-            "{}",
-            String::from_utf8_lossy(&bytes)
-        );
-    }
-    assert!(
-        env.cluster.prefills[0].stats().requests_total > 1,
-        "no request met the stale view"
-    );
-    let s = env.settled_stats().await;
-    assert_eq!(s.held_now, 0, "{s:?}");
-}
-
 /// Heartbeat loss fails the requests in flight on that prefill at once (here the prefill
 /// hangs, so nothing else would end them before the prefill deadline).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -764,7 +603,7 @@ async fn heartbeat_loss_fails_in_flight_requests() {
             },
         );
         let env = std::sync::Arc::new(
-            start(vec![p], vec![EngineConfig::decode(1)], |c| {
+            start_as_is(vec![fast_engine(p)], vec![patient_decode()], |c| {
                 c.timeouts.prefill_secs = 300
             })
             .await,
@@ -772,8 +611,12 @@ async fn heartbeat_loss_fails_in_flight_requests() {
         env.wait_routable(1, 1).await;
         let e = env.clone();
         let req = tokio::spawn(async move { e.post("/generate", body(stream)).await });
+        // Both legs arrived and the decode is done with the bootstrap server (it waits for
+        // the KV at the prefill's rank endpoint): only the heartbeat loss can end it now.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while env.stats().held_now < 2 {
+        while env.cluster.prefills[0].stats().held_now < 1
+            || env.cluster.prefills[0].stats().kv_waiting_decodes < 1
+        {
             assert!(tokio::time::Instant::now() < deadline, "legs never arrived");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

@@ -3,11 +3,12 @@
 
 mod common;
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{sse_events, start};
 use http_body_util::BodyExt;
-use pdgate::sim::EngineConfig;
+use pdgate::sim::{EngineConfig, Faults};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_and_no_leg_is_sent() {
@@ -383,16 +384,69 @@ async fn success_cancels_nothing() {
             assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
         }
     }
-    // Give any stray abort (sent asynchronously) time to arrive before looking.
-    tokio::time::sleep(Duration::from_millis(200)).await;
     let s = env.settled_stats().await;
-    assert_eq!(
-        s.abort_requests_received, 0,
-        "a successful request sent an abort: {s:?}"
-    );
     assert_eq!(s.aborted, 0, "{s:?}");
     assert_eq!(s.client_disconnects, 0, "{s:?}");
     assert_eq!(s.failed, 0, "{s:?}");
+    // The router has let go of every leg (its in-flight counts are back to 0; a leg's abort
+    // handle goes before its count): an abort, had one been due, is on its way.
+    env.wait_pool("the router let go of every leg", |s| {
+        s.prefills
+            .iter()
+            .chain(&s.decodes)
+            .all(|w| w.loads.iter().all(|c| c.load(Ordering::Relaxed) == 0))
+    })
+    .await;
+    // A marker sent after them that must be aborted on both engines: a request held by the
+    // prefill whose client goes away. Once its aborts arrived, any earlier one (sent before
+    // it) has arrived too, so each engine must have seen the marker's abort and no other.
+    env.cluster.prefills[0].set_faults(Faults {
+        prefill_hang: true,
+        ..Faults::default()
+    });
+    let marker = {
+        let (url, client) = (env.url("/generate"), env.client.clone());
+        tokio::spawn(async move {
+            let req = http::Request::post(url)
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                    br#"{"text":"marker"}"#,
+                )))
+                .unwrap();
+            client.request(req).await
+        })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while env.stats().held_now < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the marker's legs never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let engines = [&env.cluster.prefills[0], &env.cluster.decodes[0]];
+    let marker_rids: Vec<String> = engines
+        .iter()
+        .map(|e| e.recent_rids().last().cloned().unwrap())
+        .collect();
+    marker.abort();
+    for (e, rid) in engines.iter().zip(&marker_rids) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !e.recent_abort_rids().contains(rid) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the marker's abort of {rid} never arrived: {:?}",
+                e.recent_abort_rids()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            e.recent_abort_rids(),
+            std::slice::from_ref(rid),
+            "a successful request sent an abort"
+        );
+        assert_eq!(e.stats().abort_requests_received, 1, "{:?}", e.stats());
+    }
 }
 
 /// With `return_logprob`, the prefill's input logprobs are merged into decode's answer,

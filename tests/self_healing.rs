@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -63,10 +64,33 @@ fn clean(e: &Errors) -> bool {
     e.before_first_byte == 0 && e.mid_stream.is_empty()
 }
 
-/// Runs load while `during` happens; returns what the clients saw.
+/// Runs load while `during` happens; returns what the clients saw. `during` starts once the
+/// load flows (the engines saw a few of its requests) and while it still runs, so that what
+/// it breaks is broken under load.
 async fn load_while(env: &Arc<Env>, during: impl std::future::Future<Output = ()>) -> Errors {
-    let l = load(env, 4, 40);
-    let (errors, ()) = tokio::join!(l, during);
+    let done = AtomicBool::new(false);
+    let before = env.stats().requests_total;
+    let l = async {
+        let errors = load(env, 4, 40).await;
+        done.store(true, Ordering::SeqCst);
+        errors
+    };
+    let d = async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while env.stats().requests_total < before + 8 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the load never reached the engines"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(
+            !done.load(Ordering::SeqCst),
+            "the load ended before the fault: nothing was tested under load"
+        );
+        during.await
+    };
+    let (errors, ()) = tokio::join!(l, d);
     errors
 }
 
@@ -91,7 +115,6 @@ async fn prefill_killed_and_restarted_under_load() {
     env.wait_routable(4, 1).await;
     let e = env.clone();
     let errors = load_while(&env, async move {
-        tokio::time::sleep(Duration::from_millis(30)).await;
         e.cluster.prefills[0].set_down(true);
         e.wait_pool("prefill 0 out", |s| {
             s.prefill_routable.iter().all(|r| r.worker != WorkerId(0))
@@ -127,7 +150,6 @@ async fn dp_rank_unregistered_and_back_under_load() {
     env.wait_routable(4, 1).await;
     let e = env.clone();
     let errors = load_while(&env, async move {
-        tokio::time::sleep(Duration::from_millis(30)).await;
         e.cluster.prefills[0].set_faults(Faults {
             unregistered_ranks: vec![1],
             ..Faults::default()
@@ -175,7 +197,6 @@ async fn decode_killed_and_restarted_under_load() {
     env.wait_routable(2, 4).await;
     let e = env.clone();
     let errors = load_while(&env, async move {
-        tokio::time::sleep(Duration::from_millis(30)).await;
         e.cluster.decodes[0].set_down(true);
         e.wait_pool("decode 0 out", |s| {
             s.decode_routable.iter().all(|r| r.worker != WorkerId(0))
@@ -264,13 +285,25 @@ async fn breaker_half_open_trial_readmits_a_recovered_worker() {
         start(
             vec![EngineConfig::prefill(1)],
             vec![bad, EngineConfig::decode(1)],
-            |c| c.breaker.open_ms = 200,
+            |c| {
+                c.breaker.open_ms = 200;
+                // However often failed trials re-open it, the wait for half-open below
+                // stays short.
+                c.breaker.max_open_ms = 400;
+            },
         )
         .await,
     );
     env.wait_routable(1, 2).await;
     assert!(clean(&load(&env, 2, 10).await));
-    assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Open);
+    // It opened: by now its timer may have made it half-open (and a failed trial may have
+    // re-opened it), but only a success can close it again, which the failing decode never
+    // gives.
+    let opened = breaker(&env, Role::Decode, 0);
+    assert!(
+        matches!(opened, BreakerState::Open | BreakerState::HalfOpen),
+        "the failing decode's breaker never opened: {opened:?}"
+    );
     assert_eq!(
         breaker(&env, Role::Prefill, 0),
         BreakerState::Closed,
@@ -310,52 +343,101 @@ async fn client_errors_never_count() {
     assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Closed);
 }
 
+/// Waits (bounded: 10 s) until the decode engines hold `n` requests between them.
+async fn wait_decode_holds(env: &Env, n: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let held: u64 = env.cluster.decodes.iter().map(|d| d.stats().held_now).sum();
+        if held == n {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the decodes hold {held} requests, not {n}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn set_hold(env: &Env, hold: bool) {
+    for d in &env.cluster.decodes {
+        d.set_faults(Faults {
+            decode_hold: hold,
+            ..Faults::default()
+        });
+    }
+}
+
+fn assert_shed(st: http::StatusCode, headers: &http::HeaderMap, bytes: &[u8], kind: &str) {
+    assert_eq!(
+        (
+            st.as_u16(),
+            headers.get("retry-after").and_then(|v| v.to_str().ok())
+        ),
+        (if kind == "overloaded" { 429 } else { 503 }, Some("1")),
+        "{}",
+        String::from_utf8_lossy(bytes)
+    );
+    let v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+    assert_eq!(v["error"]["type"], kind);
+}
+
+/// The admitted requests are held by the decode (`decode_hold`) until the test lets them
+/// go, so which requests are in flight, queued or shed never depends on timing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_is_shed_with_retry_after() {
-    let slow = EngineConfig {
+    let held = EngineConfig {
         faults: Faults {
-            decode_extra_ttft_ms: 400,
+            decode_hold: true,
             ..Faults::default()
         },
         ..EngineConfig::decode(1)
     };
+    let post = |env: &Arc<Env>| {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", GEN).await })
+    };
     // Queue full → 429.
     let env = Arc::new(
-        start(vec![EngineConfig::prefill(1)], vec![slow.clone()], |c| {
+        start(vec![EngineConfig::prefill(1)], vec![held.clone()], |c| {
             c.admission.max_in_flight = 2;
             c.admission.max_queue = 1;
-            c.admission.queue_timeout_ms = 5_000;
+            c.admission.queue_timeout_ms = 30_000;
         })
         .await,
     );
     env.wait_routable(1, 1).await;
-    let mut tasks = Vec::new();
-    for _ in 0..6 {
+    let served: Vec<_> = (0..2).map(|_| post(&env)).collect();
+    wait_decode_holds(&env, 2).await;
+    // Both slots are taken until the hold is lifted: of four more, one waits in the queue
+    // and three are shed at once.
+    let mut more = tokio::task::JoinSet::new();
+    for _ in 0..4 {
         let env = env.clone();
-        tasks.push(tokio::spawn(
-            async move { env.post("/generate", GEN).await },
-        ));
+        more.spawn(async move { env.post("/generate", GEN).await });
     }
-    let mut codes = Vec::new();
-    for t in tasks {
-        let (st, headers, bytes) = t.await.unwrap();
-        if st == 429 {
-            assert_eq!(headers["retry-after"], "1");
-            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
-            assert_eq!(v["error"]["type"], "overloaded");
-        }
-        codes.push(st.as_u16());
+    for _ in 0..3 {
+        let shed = tokio::time::timeout(Duration::from_secs(10), more.join_next())
+            .await
+            .expect("three requests shed in time")
+            .expect("a task")
+            .unwrap();
+        assert_shed(shed.0, &shed.1, &shed.2, "overloaded");
     }
-    codes.sort();
-    assert_eq!(
-        codes,
-        vec![200, 200, 200, 429, 429, 429],
-        "2 served, 1 queued then served, 3 shed"
+    assert!(
+        more.try_join_next().is_none(),
+        "the queued request must still wait for a slot"
     );
+    set_hold(&env, false);
+    let queued = more.join_next().await.expect("a task").unwrap();
+    assert_eq!(queued.0, 200, "{}", String::from_utf8_lossy(&queued.2));
+    for t in served {
+        assert_eq!(t.await.unwrap().0, 200);
+    }
 
     // Queue wait too long → 503.
     let env = Arc::new(
-        start(vec![EngineConfig::prefill(1)], vec![slow], |c| {
+        start(vec![EngineConfig::prefill(1)], vec![held], |c| {
             c.admission.max_in_flight = 1;
             c.admission.max_queue = 10;
             c.admission.queue_timeout_ms = 50;
@@ -363,15 +445,11 @@ async fn overload_is_shed_with_retry_after() {
         .await,
     );
     env.wait_routable(1, 1).await;
-    let first = {
-        let env = env.clone();
-        tokio::spawn(async move { env.post("/generate", GEN).await })
-    };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let first = post(&env);
+    // The only slot is held until the hold is lifted.
+    wait_decode_holds(&env, 1).await;
     let (st, headers, bytes) = env.post("/generate", GEN).await;
-    assert_eq!(st, 503, "{}", String::from_utf8_lossy(&bytes));
-    assert_eq!(headers["retry-after"], "1");
-    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
-    assert_eq!(v["error"]["type"], "queue_timeout");
+    assert_shed(st, &headers, &bytes, "queue_timeout");
+    set_hold(&env, false);
     assert_eq!(first.await.unwrap().0, 200);
 }

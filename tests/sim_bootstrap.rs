@@ -596,10 +596,29 @@ async fn g_rooms() {
         },
     ];
     run_rows(&e, &rows).await;
-    // Entries live between 1x and 2x the cleanup interval (200 ms here).
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (m, p, b) = q(r#"{"bootstrap_rooms": [12345, 42]}"#);
-    run_rows(&e, &[(m, p, b, 200, JSON, "{}".into())]).await;
+    // Entries live between 1x and 2x the cleanup interval (200 ms here): the sweeper drops
+    // them (bounded wait: 10 s, fifty intervals).
+    let base = e.bootstrap_url().expect("bootstrap url");
+    let query = r#"{"bootstrap_rooms": [12345, 42]}"#;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let a = request("POST", &format!("{base}/query_dp_ranks"), Some(query)).await;
+        assert_eq!(
+            (a.status, a.content_type.as_str()),
+            (200, JSON),
+            "{}",
+            a.body
+        );
+        if a.body == "{}" {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "room entries never expired: {}",
+            a.body
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test]

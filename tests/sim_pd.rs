@@ -56,6 +56,7 @@ async fn settled(c: &SimCluster) -> StatsSnapshot {
 fn assert_clean(s: &StatsSnapshot, instances: u64) {
     assert_eq!(s.contract_violations, 0, "{s:?}");
     assert_eq!(s.held_now, 0, "{s:?}");
+    assert_eq!(s.kv_waiting_decodes, 0, "{s:?}");
     assert_eq!(s.failed + s.aborted + s.client_disconnects, 0, "{s:?}");
     assert_eq!(s.kv_transfers, instances, "{s:?}");
     assert_eq!(s.requests_total, 2 * instances, "{s:?}");
@@ -270,6 +271,12 @@ async fn rank_mismatch_is_counted_and_both_legs_time_out() {
     assert_eq!(s.contract_violations, 1, "{s:?}");
     assert_eq!(s.kv_transfers, 0);
     assert_eq!(s.failed, 2);
+    let gone = eventually(|| c.total_stats().kv_waiting_decodes == 0).await;
+    assert!(
+        gone,
+        "a decode still waits at the rank endpoint: {:?}",
+        c.total_stats()
+    );
 }
 
 #[tokio::test]
@@ -287,8 +294,17 @@ async fn decode_first_then_prefill_and_room_reuse() {
         let b = b.clone();
         async move { post(&d_url, &b).await }
     });
-    // Let the decode reach the rank endpoint before the prefill arrives.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The decode reaches the prefill's rank endpoint (and waits there) before the prefill
+    // leg is sent.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while c.prefills[0].stats().kv_waiting_decodes == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the decode never reached the rank endpoint: {:?}",
+            c.prefills[0].stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let p = post(&p_url, &b).await;
     assert_eq!(p.status, 200);
     assert_eq!(decode.await.expect("join").status, 200);

@@ -126,6 +126,10 @@ pub struct SimArgs {
     /// Fault: the prefill answers this long (ms) after its KV hand-off.
     #[arg(long, default_value_t = 0)]
     pub prefill_answer_delay_ms: u64,
+    /// Fault: decode holds every request before its bootstrap lookup until the fault is
+    /// cleared (`POST /sim/faults {"decode_hold": false}`).
+    #[arg(long)]
+    pub decode_hold: bool,
 }
 
 fn secs(s: f64) -> Duration {
@@ -148,6 +152,7 @@ impl SimArgs {
             decode_extra_itl_ms: self.decode_extra_itl_ms,
             decode_extra_ttft_ms: self.decode_extra_ttft_ms,
             prefill_answer_delay_ms: self.prefill_answer_delay_ms,
+            decode_hold: self.decode_hold,
         }
     }
 

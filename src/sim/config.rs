@@ -53,6 +53,10 @@ pub struct Faults {
     /// Prefill: extra time between the KV hand-off and the prefill's own answer (its
     /// decode can finish first).
     pub prefill_answer_delay_ms: u64,
+    /// Decode holds every request that arrives while this is set before its bootstrap
+    /// lookup (a stalled scheduler: held, not failed); clearing it lets them all go on.
+    /// Tests use it to keep requests in flight exactly until they release them.
+    pub decode_hold: bool,
 }
 
 impl Faults {

@@ -11,7 +11,8 @@
 //! until `waiting_timeout`); long-poll the rank endpoint until the KV arrives
 //! (`waiting_timeout`). From the cached info on, a heartbeat probes the
 //! bootstrap `/health` every `heartbeat_interval`; `heartbeat_max_failures` in
-//! a row fail the request and drop the address from the caches.
+//! a row fail the request and drop the address from the caches. The
+//! `decode_hold` fault parks a request before the first step until cleared.
 //!
 //! Invariants: failure texts are SGLang's; nothing here retries what SGLang
 //! does not retry, except reconnecting a cut rank connection while the
@@ -117,6 +118,10 @@ pub(crate) async fn prepare(
     tracker.set_rank(own.unwrap_or_else(|| engine.next_rr()));
     tracker.waiting();
     tracker.add_tokens(u64::from(inst.prompt_tokens));
+    if faults.decode_hold {
+        let mut rx = engine.faults_tx.subscribe();
+        http::wait_faults(&mut rx, |f| !f.decode_hold).await;
+    }
 
     let host = inst.host.clone().unwrap_or_else(|| "None".to_string());
     let addr = match inst.port {

@@ -15,7 +15,7 @@
 //! - Dropping a [`SimEngine`] shuts everything down (listeners closed,
 //!   connections cut, background tasks ended).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -60,6 +60,37 @@ pub(crate) struct Engine {
     /// The headers of the last generate request (names in lower case), for tests of what
     /// a router forwards.
     pub last_headers: std::sync::Mutex<Vec<(String, String)>>,
+    /// The rids of the request instances that started ([`SimEngine::recent_rids`]).
+    pub started_rids: RidLog,
+    /// The rids named by `POST /abort_request` ([`SimEngine::recent_abort_rids`]).
+    pub abort_rids: RidLog,
+}
+
+/// How many rids a [`RidLog`] keeps (bounded: benches run long).
+pub const RECENT_RIDS: usize = 1024;
+
+/// The last [`RECENT_RIDS`] rids of one kind of event, oldest first. Tests follow one
+/// client request across engines with them: a router gives each attempt of a leg its own
+/// rid.
+#[derive(Default)]
+pub(crate) struct RidLog(Mutex<VecDeque<String>>);
+
+impl RidLog {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<String>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn push(&self, rid: &str) {
+        let mut g = self.lock();
+        if g.len() == RECENT_RIDS {
+            g.pop_front();
+        }
+        g.push_back(rid.to_string());
+    }
+
+    fn list(&self) -> Vec<String> {
+        self.lock().iter().cloned().collect()
+    }
 }
 
 impl Engine {
@@ -227,6 +258,18 @@ impl SimEngine {
             .unwrap_or_default()
     }
 
+    /// The rids of the last [`RECENT_RIDS`] request instances this engine started, in
+    /// arrival order, whatever their outcome.
+    pub fn recent_rids(&self) -> Vec<String> {
+        self.engine.started_rids.list()
+    }
+
+    /// The rids named by the last [`RECENT_RIDS`] `POST /abort_request` calls, in arrival
+    /// order, matched or not (`abort_requests_received` counts them all).
+    pub fn recent_abort_rids(&self) -> Vec<String> {
+        self.engine.abort_rids.list()
+    }
+
     /// Current faults.
     pub fn faults(&self) -> Faults {
         self.engine.faults()
@@ -310,6 +353,8 @@ pub(crate) async fn spawn_in(
         prefill,
         decode: DecodeState::default(),
         last_headers: std::sync::Mutex::new(Vec::new()),
+        started_rids: RidLog::default(),
+        abort_rids: RidLog::default(),
     });
     let gate = |down_if: fn(&Faults) -> bool| Gate {
         faults: engine.faults_tx.subscribe(),
@@ -468,6 +513,7 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Resp, Cut
             let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
             let rid = v.get("rid").and_then(Value::as_str).unwrap_or("");
             let all = v.get("abort_all").and_then(Value::as_bool).unwrap_or(false);
+            engine.abort_rids.push(rid);
             let n = engine.inflight.abort(rid, all);
             tracing::debug!(rid, all, aborted = n, "sim: abort_request");
             http::empty(200)

@@ -42,5 +42,5 @@ mod stats;
 
 pub use cluster::SimCluster;
 pub use config::{EngineConfig, Faults, Role, MAX_OUTPUT_TOKENS};
-pub use engine::{spawn, SimEngine};
+pub use engine::{spawn, SimEngine, RECENT_RIDS};
 pub use stats::StatsSnapshot;

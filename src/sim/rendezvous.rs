@@ -169,6 +169,9 @@ impl Rendezvous {
                 }
             }
         }
+        self.stats
+            .kv_waiting_decodes
+            .fetch_add(1, Ordering::Relaxed);
         let _guard = DecodeGuard {
             rv: Arc::clone(self),
             room,
@@ -275,7 +278,8 @@ impl Drop for PrefillHandle {
     }
 }
 
-/// Removes a decode leg that leaves early and fails its prefill (ABORT).
+/// Removes a decode leg that leaves early and fails its prefill (ABORT); counts the
+/// decode out of `kv_waiting_decodes` however its wait ended.
 struct DecodeGuard {
     rv: Arc<Rendezvous>,
     room: u64,
@@ -285,6 +289,10 @@ struct DecodeGuard {
 
 impl Drop for DecodeGuard {
     fn drop(&mut self) {
+        self.rv
+            .stats
+            .kv_waiting_decodes
+            .fetch_sub(1, Ordering::Relaxed);
         let mut g = self.rv.lock();
         if let Some(slot) = g.get_mut(&self.room) {
             let Some(rank) = slot

@@ -197,6 +197,7 @@ async fn run_instance(
     tx: Option<&ChunkTx>,
 ) -> InstanceResult {
     let tracker = Tracker::new(engine.stats.begin());
+    engine.started_rids.push(&inst.rid);
     let (abort_rx, _registration) = engine.inflight.register(&inst.rid);
     let progress = AtomicU32::new(0);
     let work = async {

@@ -10,7 +10,7 @@
 //! - Every instance is counted in `requests_total` when it starts and ends in
 //!   exactly one of `ok`, `failed`, `aborted`, `client_disconnects`; so at
 //!   any quiet moment `requests_total == ok + failed + aborted +
-//!   client_disconnects` and `held_now == 0`. [`InstanceGuard`] enforces this:
+//!   client_disconnects`, `held_now == 0` and `kv_waiting_decodes == 0`. [`InstanceGuard`] enforces this:
 //!   an instance dropped without an outcome counts as a client disconnect, or as
 //!   failed if the engine was down (its connection was cut by the simulator).
 //! - `contract_violations` is the sum of the three `violation_*` counters.
@@ -42,6 +42,10 @@ pub struct StatsSnapshot {
     /// `POST /abort_request` calls received, matched or not (a router that aborts legs
     /// which already finished shows here).
     pub abort_requests_received: u64,
+    /// Prefill: decodes long-polling this engine's rank endpoints for their KV now (gauge);
+    /// lets a test see that a decode reached the rendezvous before its prefill leg.
+    #[serde(default)]
+    pub kv_waiting_decodes: u64,
 }
 
 impl StatsSnapshot {
@@ -70,6 +74,7 @@ impl StatsSnapshot {
         self.violation_room_reused += other.violation_room_reused;
         self.violation_bootstrap_mismatch += other.violation_bootstrap_mismatch;
         self.abort_requests_received += other.abort_requests_received;
+        self.kv_waiting_decodes += other.kv_waiting_decodes;
     }
 }
 
@@ -111,6 +116,8 @@ pub(crate) struct Stats {
     room_reused: AtomicU64,
     bootstrap_mismatch: AtomicU64,
     pub(crate) abort_requests_received: AtomicU64,
+    /// Decodes waiting at this prefill's rank endpoints (see [`StatsSnapshot`]).
+    pub(crate) kv_waiting_decodes: AtomicU64,
     /// Mirror of `Faults::down`, read by guards dropped on a cut connection.
     pub(crate) engine_down: AtomicBool,
 }
@@ -140,6 +147,7 @@ impl Stats {
             room_reused: AtomicU64::new(0),
             bootstrap_mismatch: AtomicU64::new(0),
             abort_requests_received: AtomicU64::new(0),
+            kv_waiting_decodes: AtomicU64::new(0),
             engine_down: AtomicBool::new(false),
         })
     }
@@ -166,6 +174,7 @@ impl Stats {
             violation_room_reused: room_reused,
             abort_requests_received: self.abort_requests_received.load(Ordering::Relaxed),
             violation_bootstrap_mismatch: bootstrap_mismatch,
+            kv_waiting_decodes: self.kv_waiting_decodes.load(Ordering::Relaxed),
         }
     }
 

@@ -14,7 +14,7 @@ use hyper_util::rt::TokioExecutor;
 use pdgate::config::Config;
 use pdgate::pd::RngSource;
 use pdgate::router::Router;
-use pdgate::sim::{EngineConfig, SimCluster, StatsSnapshot};
+use pdgate::sim::{EngineConfig, Faults, SimCluster, SimEngine, StatsSnapshot};
 
 pub struct Env {
     pub cluster: SimCluster,
@@ -61,7 +61,7 @@ pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build(c)
 }
 
-/// Engines plus a router in front of them; waits (bounded) until both pools are routable.
+/// Engines (with [`fast_engine`] settings) plus a router in front of them.
 pub async fn start(
     prefill: Vec<EngineConfig>,
     decode: Vec<EngineConfig>,
@@ -69,6 +69,16 @@ pub async fn start(
 ) -> Env {
     let prefill: Vec<_> = prefill.into_iter().map(fast_engine).collect();
     let decode: Vec<_> = decode.into_iter().map(fast_engine).collect();
+    start_as_is(prefill, decode, tweak).await
+}
+
+/// Like [`start`], with the engine configurations exactly as given (for a test that needs
+/// one of the settings [`fast_engine`] overrides).
+pub async fn start_as_is(
+    prefill: Vec<EngineConfig>,
+    decode: Vec<EngineConfig>,
+    tweak: impl FnOnce(&mut Config),
+) -> Env {
     let cluster = SimCluster::spawn(&prefill, &decode)
         .await
         .expect("sim cluster");
@@ -210,4 +220,85 @@ pub fn sse_events(body: &[u8]) -> (Vec<serde_json::Value>, bool) {
         );
     }
     (out, done)
+}
+
+pub const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":4}}"#;
+pub const GEN_STREAM: &str =
+    r#"{"text":"hello","sampling_params":{"max_new_tokens":4},"stream":true}"#;
+
+/// [`GEN_STREAM`] or [`GEN`].
+pub fn gen_body(stream: bool) -> &'static str {
+    if stream {
+        GEN_STREAM
+    } else {
+        GEN
+    }
+}
+
+pub fn with_faults(mut e: EngineConfig, f: Faults) -> EngineConfig {
+    e.faults = f;
+    e
+}
+
+/// Sends `times` requests one after the other; each must succeed (a stream without an
+/// error event).
+pub async fn expect_ok(env: &Env, stream: bool, times: usize) {
+    for _ in 0..times {
+        let (st, _, bytes) = env.post("/generate", gen_body(stream)).await;
+        assert_eq!(
+            st,
+            200,
+            "stream={stream}: {}",
+            String::from_utf8_lossy(&bytes)
+        );
+        if stream {
+            let (events, done) = sse_events(&bytes);
+            assert!(
+                done && events.iter().all(|e| e.get("error").is_none()),
+                "{}",
+                String::from_utf8_lossy(&bytes)
+            );
+        }
+    }
+}
+
+/// A leg's rid, `pdg-<request id>-<attempt, 2 digits><p|d>`, as (request id, attempt, side).
+pub fn split_leg_rid(rid: &str) -> Option<(&str, u32, char)> {
+    let (id, tail) = rid.strip_prefix("pdg-")?.rsplit_once('-')?;
+    let side = tail.chars().last()?;
+    let attempt = tail.get(..tail.len() - 1)?.parse().ok()?;
+    Some((id, attempt, side))
+}
+
+/// The request ids whose `side` leg `e` saw at attempt `attempt` (0 = the first).
+pub fn attempts_seen(e: &SimEngine, side: char, attempt: u32) -> Vec<String> {
+    e.recent_rids()
+        .iter()
+        .filter_map(|r| split_leg_rid(r))
+        .filter(|(_, a, s)| *a == attempt && *s == side)
+        .map(|(id, _, _)| id.to_string())
+        .collect()
+}
+
+/// Checks, from what the engines saw, that the router retried: `failing` got the first
+/// attempt (`-00`) of at least one request's `side` leg, and every such request got its
+/// second attempt (`-01`) on `other`. Returns how many requests were retried.
+pub fn assert_retried(failing: &SimEngine, other: &SimEngine, side: char) -> usize {
+    let first = attempts_seen(failing, side, 0);
+    let retried = attempts_seen(other, side, 1);
+    assert!(
+        !first.is_empty(),
+        "no first attempt reached the failing engine: nothing was retried; it saw {:?}",
+        failing.recent_rids()
+    );
+    for id in &first {
+        assert!(
+            retried.contains(id),
+            "request {id} failed on the failing engine and was not retried on the other; \
+             failing saw {:?}, other saw {:?}",
+            failing.recent_rids(),
+            other.recent_rids()
+        );
+    }
+    first.len()
 }
