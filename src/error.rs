@@ -6,6 +6,8 @@
 //! valid JSON, then `data: [DONE]`).
 
 use bytes::Bytes;
+
+use crate::types::Role;
 use http::{header, HeaderValue, Response, StatusCode};
 
 use crate::body::{full_body, RespBody};
@@ -155,43 +157,93 @@ impl FailReason {
         }
     }
 
-    /// Whether the failure is the fault of the worker serving the leg it names (and so
-    /// counts for that worker's circuit breaker): every leg failure except an engine's
-    /// client error (4xx) and a bootstrap that is still registering.
-    pub fn is_worker_fault(self) -> bool {
+    /// How this failure couples the two legs of a request: the one table of the coupling
+    /// rules (see [`Coupling`]). `leg`, `is_worker_fault` and `retryable` read it.
+    pub const fn coupling(self) -> Coupling {
+        use crate::types::Role::{Decode as D, Prefill as P};
         use FailReason::*;
-        self.leg().is_some()
-            && !matches!(self, PrefillRejected | DecodeRejected | BootstrapNotReady)
+        const fn c(
+            blames: Option<Role>,
+            breaker: bool,
+            retry: bool,
+            reported_by: Option<Role>,
+        ) -> Coupling {
+            Coupling {
+                blames,
+                breaker,
+                retry,
+                reported_by,
+            }
+        }
+        #[rustfmt::skip]
+        let row = match self {
+            //                       blames   breaker retry  reported by
+            BootstrapUnreachable   => c(Some(P), true,  true,  None),
+            BootstrapRankMissing   => c(Some(P), true,  true,  None),
+            // Still registering: another rank or prefill may be ready; nobody's fault.
+            BootstrapNotReady      => c(Some(P), false, true,  None),
+            PrefillConnect         => c(Some(P), true,  true,  None),
+            PrefillStatus          => c(Some(P), true,  true,  Some(P)),
+            // The engine's 4xx: the client's request is at fault; passed through.
+            PrefillRejected        => c(Some(P), false, false, Some(P)),
+            PrefillAborted         => c(Some(P), true,  true,  Some(P)),
+            // The client has seen nothing, and a hung prefill must not cost every request
+            // sent to it before its breaker opens.
+            PrefillTimeout         => c(Some(P), true,  true,  None),
+            PrefillLost            => c(Some(P), true,  true,  None),
+            // Decode says the KV never came: the prefill's fault, in decode's answer.
+            KvTransferFailed       => c(Some(P), true,  true,  Some(D)),
+            DecodeConnect          => c(Some(D), true,  true,  None),
+            DecodeStatus           => c(Some(D), true,  true,  Some(D)),
+            DecodeRejected         => c(Some(D), false, false, Some(D)),
+            DecodeAborted          => c(Some(D), true,  true,  Some(D)),
+            DecodeFirstByteTimeout => c(Some(D), true,  true,  None),
+            // Only after bytes reached the client: never retried.
+            DecodeIdleTimeout      => c(Some(D), true,  false, None),
+            DecodeBroken           => c(Some(D), true,  true,  None),
+            // Not a leg's doing: the request itself, the router, or the client.
+            InvalidRequest | PayloadTooLarge | RequestBodyTimeout | UnsupportedMediaType
+            | NotFound | MethodNotAllowed | Unauthorized | Overloaded | QueueTimeout
+            | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable | RequestTimeout
+            | ClientDisconnected | Internal => c(None, false, false, None),
+        };
+        row
+    }
+
+    /// Whether the failure is the fault of the worker serving the leg it names (and so
+    /// counts for that worker's circuit breaker).
+    pub fn is_worker_fault(self) -> bool {
+        self.coupling().breaker
     }
 
     /// Whether a fresh pair may succeed where this attempt failed (only before the client
-    /// saw a byte): worker faults and a registering bootstrap. A prefill that timed out is
-    /// retried too: the client has seen nothing, and a hung prefill (or one whose decode
-    /// never came for its KV) must not cost every request sent to it before its breaker
-    /// opens. A stream idle timeout only happens after bytes were sent, so it never is.
+    /// saw a byte).
     pub fn retryable(self) -> bool {
-        use FailReason::*;
-        (self.is_worker_fault() || self == BootstrapNotReady) && self != DecodeIdleTimeout
+        self.coupling().retry
     }
 
     /// Which leg a reason blames, for logs and breaker attribution.
-    pub fn leg(self) -> Option<crate::types::Role> {
-        use crate::types::Role;
-        use FailReason::*;
-        match self {
-            BootstrapUnreachable | BootstrapNotReady | BootstrapRankMissing | PrefillConnect
-            | PrefillStatus | PrefillRejected | PrefillAborted | PrefillTimeout | PrefillLost
-            | KvTransferFailed => Some(Role::Prefill),
-            DecodeConnect
-            | DecodeStatus
-            | DecodeRejected
-            | DecodeAborted
-            | DecodeFirstByteTimeout
-            | DecodeIdleTimeout
-            | DecodeBroken => Some(Role::Decode),
-            _ => None,
-        }
+    pub fn leg(self) -> Option<Role> {
+        self.coupling().blames
     }
+}
+
+/// The coupling rules of one [`FailReason`]. Whatever the reason, once a request failed
+/// the client is answered at once and every leg still running is cancelled (its
+/// connection closed and `POST /abort_request` sent) — except a leg whose engine reported
+/// the failure itself (`reported_by`), which has already ended. Retries happen only
+/// before the client saw a byte, within `retry.max_retries` and the retry budget, and only
+/// where another worker can take the blamed leg.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Coupling {
+    /// The leg (and so the worker) the failure is blamed on, excluded from the retry.
+    pub blames: Option<Role>,
+    /// Counts for the blamed worker's circuit breaker.
+    pub breaker: bool,
+    /// A fresh pair may succeed (before the first byte).
+    pub retry: bool,
+    /// The engine whose own answer carried the failure: its leg needs no abort.
+    pub reported_by: Option<Role>,
 }
 
 /// A failure with its human-readable detail.

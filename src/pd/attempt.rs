@@ -1,25 +1,40 @@
-//! One attempt: pick a pair, check the prefill rank's bootstrap, send both legs, and wait
-//! until decode's first bytes are in hand (the last point where a failure can still be
-//! retried, because the client has seen nothing).
+//! One attempt, stage by stage (see ARCHITECTURE.md, "A request's life"):
+//!
+//! 1. [`Dispatcher::choose_pair`]: a prefill (worker, rank) and a decode (worker, rank) from
+//!    one pool snapshot, holding the half-open trials of the workers picked;
+//! 2. [`Dispatcher::preflight`]: a stale view of the prefill rank is re-checked;
+//! 3. [`Dispatcher::send_legs`]: rooms under the contract, both legs written and sent
+//!    together;
+//! 4. [`super::first_byte::wait_first_bytes`]: wait until decode's first bytes are in
+//!    hand — the last point where a failure can still be retried, because the client has
+//!    seen nothing;
+//! 5. relay: [`super::flight::PdBody`] streams decode to the client while it keeps watching
+//!    the prefill.
+//!
+//! Each stage fails with an [`AttemptFailure`] naming the reason and the worker it blames;
+//! what a reason cancels and whether it is retried is the table in
+//! [`crate::error::FailReason::coupling`].
 
-use bytes::Bytes;
-use http::{header, HeaderValue, Response};
+use std::future::Future;
+
+use http::{HeaderValue, Response};
 use http_body_util::BodyExt;
 
-use super::flight::{Passive, PdBody, PdBodyParts, PrefillWatch, RequestRecord};
-use super::legs::{self, LegCancel, PrefillDone};
-use super::logprobs::PrefillLogprobs;
+use super::flight::{PdBody, PdBodyParts, PrefillFuture, PrefillWatch, RequestRecord};
+use super::legs::{self, LegCancel};
 use super::request::{LegFields, ParsedRequest};
-use super::sse::{Scan, SseScanner};
 use super::{room, Dispatcher, ReqCtx};
 use crate::body::RespBody;
-use crate::bootstrap::preflight;
+use crate::bootstrap::{preflight, Layout};
 use crate::config::ContractMode;
 use crate::error::{FailReason, Failure};
 use crate::policy::{self, PickCtx};
-use crate::pool::{LoadGuard, PreflightOutcome, RankFailure, RankReadiness, Snapshot};
+use crate::pool::{
+    BootstrapInfo, LoadGuard, PreflightOutcome, RankFailure, RankReadiness, Snapshot, TrialGuard,
+    WorkerView,
+};
 use crate::types::{Pair, Role, WorkerId};
-use crate::upstream::LegRequest;
+use crate::upstream::{LegBody, LegError, LegRequest};
 
 /// A failed attempt and the worker it blames (excluded from the next attempt).
 pub struct AttemptFailure {
@@ -27,23 +42,30 @@ pub struct AttemptFailure {
     pub blame: Option<(Role, WorkerId)>,
 }
 
-fn fail(f: Failure, blame: Option<(Role, WorkerId)>) -> AttemptFailure {
-    AttemptFailure { failure: f, blame }
-}
+impl AttemptFailure {
+    /// A failure blamed on the worker serving the leg its reason names (if any).
+    pub fn on(pair: &Pair, failure: Failure) -> AttemptFailure {
+        let blame = failure.reason.leg().map(|role| match role {
+            Role::Prefill => (Role::Prefill, pair.prefill.worker),
+            Role::Decode => (Role::Decode, pair.decode.worker),
+        });
+        AttemptFailure { failure, blame }
+    }
 
-/// The worker a failure blames: the one serving the leg its reason names.
-fn blame(f: &Failure, pair: &Pair) -> Option<(Role, WorkerId)> {
-    match f.reason.leg()? {
-        Role::Prefill => Some((Role::Prefill, pair.prefill.worker)),
-        Role::Decode => Some((Role::Decode, pair.decode.worker)),
+    /// A failure that blames no worker (nothing was picked, or nobody is at fault).
+    pub fn unblamed(failure: Failure) -> AttemptFailure {
+        AttemptFailure {
+            failure,
+            blame: None,
+        }
     }
 }
 
 /// An attempt whose decode produced its first bytes.
 pub struct Ready {
     pub pair: Pair,
-    head: http::response::Parts,
-    body: PdBodyParts,
+    pub(super) head: http::response::Parts,
+    pub(super) body: PdBodyParts,
 }
 
 impl Ready {
@@ -57,6 +79,232 @@ impl Ready {
         head.headers
             .insert(crate::server::REQUEST_ID, request_id.clone());
         Response::from_parts(head, PdBody::new(self.body, record, slot).boxed_unsync())
+    }
+}
+
+/// Stage 1's result: the pair and what the next stages read of its workers.
+pub(super) struct ChosenPair<'s> {
+    pub pair: Pair,
+    pub prefill: &'s WorkerView,
+    pub decode: &'s WorkerView,
+    pub bootstrap: &'s BootstrapInfo,
+    pub layout: &'s Layout,
+    /// The half-open trials of the workers picked, held until the attempt returns, however
+    /// it ends; the dispatcher's verdict (success, or the blamed leg's failure) follows with
+    /// no await in between. An attempt that ends without a verdict on a worker frees its
+    /// trial for the next request.
+    pub _trials: (Option<TrialGuard>, Option<TrialGuard>),
+}
+
+/// Stage 3's result: both legs on their way.
+pub(super) struct LegsInFlight<D> {
+    pub pair: Pair,
+    /// The prefill leg, its lost signal, its abort-on-drop and its load counter.
+    pub prefill: PrefillWatch,
+    /// The decode leg's answer head, when it comes.
+    pub decode: D,
+    pub decode_cancel: LegCancel,
+    pub decode_load: LoadGuard,
+}
+
+/// What the decode leg's send resolves to.
+pub(super) type DecodeHead = Result<http::Response<LegBody>, LegError>;
+
+impl Dispatcher {
+    pub(super) async fn attempt(
+        &self,
+        req: &ParsedRequest,
+        ctx: &ReqCtx,
+        attempt_no: u32,
+        exclude_p: &[WorkerId],
+        exclude_d: &[WorkerId],
+    ) -> Result<Ready, AttemptFailure> {
+        let snap = self.pool.load_full();
+        let chosen = self.choose_pair(&snap, req, exclude_p, exclude_d)?;
+        self.preflight(&chosen).await?;
+        let legs = self.send_legs(req, ctx, attempt_no, &chosen);
+        super::first_byte::wait_first_bytes(self, req, legs).await
+    }
+
+    /// Stage 1: the policies pick a prefill and a decode target in one snapshot.
+    fn choose_pair<'s>(
+        &self,
+        snap: &'s Snapshot,
+        req: &ParsedRequest,
+        exclude_p: &[WorkerId],
+        exclude_d: &[WorkerId],
+    ) -> Result<ChosenPair<'s>, AttemptFailure> {
+        let prefix_hash = if self.prefill_policy.wants_prefix() || self.decode_policy.wants_prefix()
+        {
+            req.prefix_hash()
+        } else {
+            None
+        };
+        let (prefill_pick, decode_pick) = self.rng.with(|rng| {
+            let pctx = PickCtx {
+                exclude: exclude_p,
+                prefix_hash,
+            };
+            let dctx = PickCtx {
+                exclude: exclude_d,
+                prefix_hash,
+            };
+            let policy = self.prefill_policy.as_ref();
+            let p = policy::select(policy, snap, Role::Prefill, &pctx, rng);
+            let policy = self.decode_policy.as_ref();
+            let d = policy::select(policy, snap, Role::Decode, &dctx, rng);
+            (p, d)
+        });
+        let Some(prefill_pick) = prefill_pick else {
+            let (reason, msg) = no_prefill_detail(snap);
+            return Err(AttemptFailure::unblamed(Failure::new(reason, msg)));
+        };
+        let Some(decode_pick) = decode_pick else {
+            let msg = if snap.decodes.is_empty() {
+                "no decode workers are configured"
+            } else {
+                "no healthy decode worker"
+            };
+            return Err(AttemptFailure::unblamed(Failure::new(
+                FailReason::NoDecodeAvailable,
+                msg,
+            )));
+        };
+        let pair = Pair {
+            prefill: prefill_pick.target,
+            decode: decode_pick.target,
+        };
+        let (Some(prefill), Some(decode)) = (
+            snap.worker(Role::Prefill, pair.prefill.worker),
+            snap.worker(Role::Decode, pair.decode.worker),
+        ) else {
+            let f = Failure::new(FailReason::Internal, "picked worker missing from snapshot");
+            return Err(AttemptFailure::unblamed(f));
+        };
+        let (Some(bootstrap), Some(layout)) = (prefill.bootstrap.as_ref(), prefill.layout.as_ref())
+        else {
+            let f = Failure::new(FailReason::BootstrapNotReady, "prefill layout unknown");
+            return Err(AttemptFailure::on(&pair, f));
+        };
+        Ok(ChosenPair {
+            pair,
+            prefill,
+            decode,
+            bootstrap,
+            layout,
+            _trials: (prefill_pick.trial, decode_pick.trial),
+        })
+    }
+
+    /// Stage 2: a prefill rank whose view is older than the freshness bound is re-checked
+    /// now, briefly (one check per rank at a time; see `bootstrap::preflight`).
+    async fn preflight(&self, c: &ChosenPair<'_>) -> Result<(), AttemptFailure> {
+        let bcfg = &self.cfg.bootstrap;
+        let rank = c.pair.prefill.rank;
+        let checked = c.prefill.ranks_checked_at.get(rank as usize).copied();
+        if checked.is_some_and(|t| t.elapsed() <= bcfg.freshness()) {
+            return Ok(());
+        }
+        let target = preflight::Target {
+            worker: c.pair.prefill.worker,
+            rank,
+            bootstrap: c.bootstrap,
+            generation: c.layout.generation,
+            probes: &c.prefill.probes,
+        };
+        let outcome =
+            preflight::check(&self.pool, &self.up, target, bcfg.preflight_timeout()).await;
+        let url = &c.prefill.url;
+        let failure = match outcome {
+            PreflightOutcome::Ready => return Ok(()),
+            PreflightOutcome::NotReady => Failure::new(
+                FailReason::BootstrapNotReady,
+                format!("prefill {url} rank {rank} is not registered yet"),
+            ),
+            PreflightOutcome::Missing(m) => Failure::new(
+                FailReason::BootstrapRankMissing,
+                format!("prefill {url} rank {rank}: {m}"),
+            ),
+            PreflightOutcome::Unreachable(e) => Failure::new(
+                FailReason::BootstrapUnreachable,
+                format!("prefill {url} bootstrap: {e}"),
+            ),
+        };
+        Err(AttemptFailure::on(&c.pair, failure))
+    }
+
+    /// Stage 3: rooms and ranks under the contract, both legs written and sent together.
+    /// The prefill leg is polled by whoever holds the returned [`PrefillWatch`]; the decode
+    /// leg by whoever polls `decode`.
+    fn send_legs(
+        &self,
+        req: &ParsedRequest,
+        ctx: &ReqCtx,
+        attempt_no: u32,
+        c: &ChosenPair<'_>,
+    ) -> LegsInFlight<impl Future<Output = DecodeHead> + Send + 'static> {
+        let (pt, dt) = (c.pair.prefill, c.pair.decode);
+        let mut rooms = Vec::new();
+        self.rng
+            .with(|rng| room::assign(rng, c.layout.dp_size, pt.rank, req.instances(), &mut rooms));
+        let pinned = self.cfg.contract.mode == ContractMode::Pinned;
+        let hint = pinned.then_some(pt.rank);
+        let decode_rank = (c.decode.effective_dp() > 1).then_some(dt.rank);
+        let rid_p = ctx.id.leg_rid(attempt_no, 'p');
+        let rid_d = ctx.id.leg_rid(attempt_no, 'd');
+        let boot = c.bootstrap;
+        let (prefill_body, decode_body) = req.write_legs(
+            &LegFields {
+                host_json: &boot.host_json,
+                port: boot.port,
+                rooms: &rooms,
+                rid: &rid_p,
+                routed_dp_rank: hint,
+                disagg_prefill_dp_rank: hint,
+                stream: false,
+            },
+            &LegFields {
+                host_json: &boot.host_json,
+                port: boot.port,
+                rooms: &rooms,
+                rid: &rid_d,
+                routed_dp_rank: decode_rank,
+                disagg_prefill_dp_rank: hint,
+                stream: req.stream,
+            },
+        );
+        let path = req.route.path();
+        let mut prefill_req =
+            LegRequest::post_json(&c.prefill.conns, path, prefill_body, &ctx.forward);
+        // The prefill's answer headers are never read (decode's go to the client).
+        prefill_req.keep_headers = false;
+        let decode_req = LegRequest::post_json(&c.decode.conns, path, decode_body, &ctx.forward);
+        tracing::debug!(request_id = %ctx.id, prefill = %c.prefill.url, prefill_rank = pt.rank,
+            decode = %c.decode.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
+
+        let timeouts = &self.cfg.timeouts;
+        let prefill_leg: PrefillFuture = Box::pin(legs::run_prefill(
+            self.up.clone(),
+            c.prefill.conns.clone(),
+            prefill_req,
+            timeouts.prefill(),
+            self.cfg.upstream.max_answer_bytes,
+        ));
+        let prefill = PrefillWatch::new(
+            prefill_leg,
+            c.prefill.lost.clone(),
+            pt.rank,
+            LegCancel::new(&self.up, &c.prefill.url, rid_p),
+            LoadGuard::new(c.prefill, pt.rank),
+        );
+        let (up, conns) = (self.up.clone(), c.decode.conns.clone());
+        LegsInFlight {
+            pair: c.pair,
+            prefill,
+            decode: async move { up.send_leg(&conns, &decode_req).await },
+            decode_cancel: LegCancel::new(&self.up, &c.decode.url, rid_d),
+            decode_load: LoadGuard::new(c.decode, dt.rank),
+        }
     }
 }
 
@@ -116,339 +364,4 @@ fn no_prefill_detail(snap: &Snapshot) -> (FailReason, String) {
         reason,
         format!("no prefill rank can bootstrap now ({})", parts.join("; ")),
     )
-}
-
-impl Dispatcher {
-    pub(super) async fn attempt(
-        &self,
-        req: &ParsedRequest,
-        ctx: &ReqCtx,
-        attempt_no: u32,
-        exclude_p: &[WorkerId],
-        exclude_d: &[WorkerId],
-    ) -> Result<Ready, AttemptFailure> {
-        let snap = self.pool.load_full();
-        let prefix_hash = if self.prefill_policy.wants_prefix() || self.decode_policy.wants_prefix()
-        {
-            req.prefix_hash()
-        } else {
-            None
-        };
-        let (pt, dt) = self.rng.with(|rng| {
-            let pctx = PickCtx {
-                exclude: exclude_p,
-                prefix_hash,
-            };
-            let dctx = PickCtx {
-                exclude: exclude_d,
-                prefix_hash,
-            };
-            (
-                policy::select(
-                    self.prefill_policy.as_ref(),
-                    &snap,
-                    Role::Prefill,
-                    &pctx,
-                    rng,
-                ),
-                policy::select(self.decode_policy.as_ref(), &snap, Role::Decode, &dctx, rng),
-            )
-        });
-        // A pick of a half-open worker holds its trial until this attempt returns, however
-        // it ends; the dispatcher's verdict (success, or the blamed leg's failure) follows
-        // with no await in between. An attempt that ends without a verdict on that worker
-        // frees the trial for the next request.
-        let Some(policy::Pick {
-            target: pt,
-            trial: _trial_p,
-        }) = pt
-        else {
-            let (reason, msg) = no_prefill_detail(&snap);
-            return Err(fail(Failure::new(reason, msg), None));
-        };
-        let Some(policy::Pick {
-            target: dt,
-            trial: _trial_d,
-        }) = dt
-        else {
-            let msg = if snap.decodes.is_empty() {
-                "no decode workers are configured"
-            } else {
-                "no healthy decode worker"
-            };
-            return Err(fail(Failure::new(FailReason::NoDecodeAvailable, msg), None));
-        };
-        let (Some(pv), Some(dv)) = (
-            snap.worker(Role::Prefill, pt.worker),
-            snap.worker(Role::Decode, dt.worker),
-        ) else {
-            return Err(fail(
-                Failure::new(FailReason::Internal, "picked worker missing from snapshot"),
-                None,
-            ));
-        };
-        let (Some(boot), Some(layout)) = (pv.bootstrap.as_ref(), pv.layout.as_ref()) else {
-            return Err(fail(
-                Failure::new(FailReason::BootstrapNotReady, "prefill layout unknown"),
-                Some((Role::Prefill, pt.worker)),
-            ));
-        };
-        let blame_p = Some((Role::Prefill, pt.worker));
-        let pair = Pair {
-            prefill: pt,
-            decode: dt,
-        };
-        let failed = |f: Failure| {
-            let b = blame(&f, &pair);
-            fail(f, b)
-        };
-
-        // Preflight: a view older than the freshness bound is re-checked now, briefly
-        // (one check per rank at a time; see `bootstrap::preflight`).
-        let bcfg = &self.cfg.bootstrap;
-        let checked = pv.ranks_checked_at.get(pt.rank as usize).copied();
-        if checked.is_none_or(|t| t.elapsed() > bcfg.freshness()) {
-            let target = preflight::Target {
-                worker: pt.worker,
-                rank: pt.rank,
-                bootstrap: boot,
-                generation: layout.generation,
-                probes: &pv.probes,
-            };
-            let outcome =
-                preflight::check(&self.pool, &self.up, target, bcfg.preflight_timeout()).await;
-            let (reason, msg) = match outcome {
-                PreflightOutcome::Ready => (None, String::new()),
-                PreflightOutcome::NotReady => (
-                    Some(FailReason::BootstrapNotReady),
-                    format!("prefill {} rank {} is not registered yet", pv.url, pt.rank),
-                ),
-                PreflightOutcome::Missing(m) => (
-                    Some(FailReason::BootstrapRankMissing),
-                    format!("prefill {} rank {}: {m}", pv.url, pt.rank),
-                ),
-                PreflightOutcome::Unreachable(e) => (
-                    Some(FailReason::BootstrapUnreachable),
-                    format!("prefill {} bootstrap: {e}", pv.url),
-                ),
-            };
-            if let Some(reason) = reason {
-                return Err(fail(Failure::new(reason, msg), blame_p));
-            }
-        }
-
-        // Rooms and ranks under the contract.
-        let dp_p = layout.dp_size;
-        let mut rooms = Vec::new();
-        self.rng
-            .with(|rng| room::assign(rng, dp_p, pt.rank, req.instances(), &mut rooms));
-        let pinned = self.cfg.contract.mode == ContractMode::Pinned;
-        let hint = pinned.then_some(pt.rank);
-        let decode_rank = (dv.effective_dp() > 1).then_some(dt.rank);
-        let rid_p = ctx.id.leg_rid(attempt_no, 'p');
-        let rid_d = ctx.id.leg_rid(attempt_no, 'd');
-        let (pbody, dbody) = req.write_legs(
-            &LegFields {
-                host_json: &boot.host_json,
-                port: boot.port,
-                rooms: &rooms,
-                rid: &rid_p,
-                routed_dp_rank: hint,
-                disagg_prefill_dp_rank: hint,
-                stream: false,
-            },
-            &LegFields {
-                host_json: &boot.host_json,
-                port: boot.port,
-                rooms: &rooms,
-                rid: &rid_d,
-                routed_dp_rank: decode_rank,
-                disagg_prefill_dp_rank: hint,
-                stream: req.stream,
-            },
-        );
-        let path = req.route.path();
-        let mut preq = LegRequest::post_json(&pv.conns, path, pbody, &ctx.forward);
-        // The prefill's answer headers are never read (decode's go to the client).
-        preq.keep_headers = false;
-        let dreq = LegRequest::post_json(&dv.conns, path, dbody, &ctx.forward);
-        tracing::debug!(request_id = %ctx.id, prefill = %pv.url, prefill_rank = pt.rank, decode = %dv.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
-
-        // Both legs go out together.
-        let timeouts = &self.cfg.timeouts;
-        let leg: super::flight::PrefillFuture = Box::pin(legs::run_prefill(
-            self.up.clone(),
-            pv.conns.clone(),
-            preq,
-            timeouts.prefill(),
-            self.cfg.upstream.max_answer_bytes,
-        ));
-        let mut pw = PrefillWatch::new(
-            leg,
-            pv.lost.clone(),
-            pt.rank,
-            LegCancel::new(&self.up, &pv.url, rid_p),
-            LoadGuard::new(pv, pt.rank),
-        );
-        let mut dcancel = LegCancel::new(&self.up, &dv.url, rid_d);
-        let dguard = LoadGuard::new(dv, dt.rank);
-        let dfut = self.up.send_leg(&dv.conns, &dreq);
-        tokio::pin!(dfut);
-
-        // Decode's first-byte deadline runs from the prefill's completion: one timer, armed
-        // (reset) when `prefill_done` is set and polled only from then on (the request's own
-        // deadline bounds everything before that).
-        let fb = timeouts.decode_first_byte();
-        let first_byte = tokio::time::sleep(fb);
-        tokio::pin!(first_byte);
-        let mut prefill_done: Option<PrefillDone> = None;
-        let resp = loop {
-            tokio::select! {
-                r = &mut pw, if prefill_done.is_none() => match r {
-                    Ok(d) => {
-                        prefill_done = Some(d);
-                        first_byte.as_mut().reset(tokio::time::Instant::now() + fb);
-                    }
-                    Err(f) => return Err(failed(f)),
-                },
-                r = &mut dfut => match r {
-                    Ok(resp) => break resp,
-                    Err(e) => return Err(failed(Failure::new(FailReason::DecodeConnect, format!("decode request failed: {}", crate::upstream::error_chain(&e))))),
-                },
-                _ = &mut first_byte, if prefill_done.is_some() => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
-            }
-        };
-        let status = resp.status();
-        if !status.is_success() {
-            dcancel.disarm();
-            let (_, body) = resp.into_parts();
-            let f = legs::decode_status_failure(status, body).await;
-            return Err(failed(f));
-        }
-        let (mut head, mut dbody_in) = resp.into_parts();
-
-        // With return_logprob the prefill's answer is needed before decode's first bytes.
-        if req.return_logprob {
-            while prefill_done.is_none() {
-                // Bounded by the prefill's own deadline and the request's.
-                match (&mut pw).await {
-                    Ok(d) => {
-                        prefill_done = Some(d);
-                        first_byte.as_mut().reset(tokio::time::Instant::now() + fb);
-                    }
-                    Err(f) => return Err(failed(f)),
-                }
-            }
-        }
-        let logprobs = prefill_done
-            .as_ref()
-            .filter(|_| req.return_logprob)
-            .map(|d| std::sync::Arc::new(PrefillLogprobs::from_prefill_body(&d.body)));
-
-        let is_sse = head
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|ct| ct.starts_with("text/event-stream"));
-        let limit = self.cfg.upstream.max_answer_bytes;
-        let mut sse = (req.stream && is_sse).then(|| SseScanner::new(logprobs.clone(), limit));
-
-        // Wait for decode's first bytes (the first whole event when streaming).
-        let mut first: Vec<u8> = Vec::new();
-        let mut ended = false;
-        loop {
-            tokio::select! {
-                r = &mut pw, if prefill_done.is_none() => match r {
-                    Ok(d) => {
-                        prefill_done = Some(d);
-                        first_byte.as_mut().reset(tokio::time::Instant::now() + fb);
-                    }
-                    Err(f) => return Err(failed(f)),
-                },
-                fr = dbody_in.frame() => match fr {
-                    None => { ended = true; break; }
-                    Some(Err(e)) => return Err(failed(Failure::new(FailReason::DecodeBroken, format!("decode answer broke off: {}", crate::upstream::error_chain(&e))))),
-                    Some(Ok(frame)) => {
-                        let Ok(data) = frame.into_data() else { continue };
-                        match sse.as_mut() {
-                            Some(s) => match s.push(data) {
-                                Scan::Forward(b) => first.extend_from_slice(&b),
-                                Scan::Abort { message, .. } => {
-                                    dcancel.disarm();
-                                    return Err(failed(legs::decode_abort_failure(&message)));
-                                }
-                                Scan::Broken { message } => return Err(failed(Failure::new(FailReason::DecodeBroken, message))),
-                            },
-                            // Only a non-streamed answer with logprobs is read whole.
-                            None if logprobs.is_some() && first.len() + data.len() > limit => {
-                                let message = format!("decode's answer is larger than {limit} bytes (upstream.max_answer_bytes)");
-                                return Err(failed(Failure::new(FailReason::DecodeBroken, message)));
-                            }
-                            None => first.extend_from_slice(&data),
-                        }
-                        if !first.is_empty() && (sse.is_some() || logprobs.is_none()) {
-                            break;
-                        }
-                    }
-                },
-                _ = &mut first_byte, if prefill_done.is_some() => return Err(failed(first_byte_timeout(timeouts.decode_first_byte_secs))),
-            }
-        }
-        if ended {
-            dcancel.disarm();
-            if let Some(s) = sse.as_mut() {
-                first.extend_from_slice(&s.finish());
-            }
-        }
-        // A non-streamed answer with logprobs was read whole: merge and send it.
-        if let (Some(lp), None) = (logprobs.as_ref(), sse.as_ref()) {
-            if ended {
-                if let Some(merged) = lp.merge_answer(&first) {
-                    first = merged;
-                }
-            }
-        }
-        clean_head(&mut head, sse.is_some() || logprobs.is_some());
-        let prefill = if prefill_done.is_some() {
-            None
-        } else {
-            Some(pw)
-        };
-        Ok(Ready {
-            pair,
-            head,
-            body: PdBodyParts {
-                first: Bytes::from(first),
-                decode: dbody_in,
-                decode_cancel: dcancel,
-                decode_guard: dguard,
-                sse,
-                prefill,
-                idle_for: timeouts.stream_idle(),
-                passive: Passive {
-                    pool: self.pool.clone(),
-                    cfg: self.cfg.breaker.clone(),
-                    prefill: pt.worker,
-                    decode: dt.worker,
-                },
-            },
-        })
-    }
-}
-
-fn first_byte_timeout(secs: u64) -> Failure {
-    Failure::new(
-        FailReason::DecodeFirstByteTimeout,
-        format!(
-            "decode sent nothing within {secs}s after the prefill finished (its KV never arrived?)"
-        ),
-    )
-}
-
-/// Drops decode's length when pdgate rewrites the body (hop-by-hop headers were never
-/// kept, see `upstream::leg`).
-fn clean_head(head: &mut http::response::Parts, rewritten: bool) {
-    if rewritten {
-        head.headers.remove(header::CONTENT_LENGTH);
-    }
 }

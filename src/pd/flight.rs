@@ -302,10 +302,7 @@ impl PdBody {
         self.done = true;
         self.decode = None;
         self.prefill = None;
-        if f.reason.leg() == Some(crate::types::Role::Decode)
-            && f.reason != FailReason::DecodeIdleTimeout
-            && f.reason != FailReason::DecodeBroken
-        {
+        if f.reason.coupling().reported_by == Some(crate::types::Role::Decode) {
             // The decode answered the failure itself: nothing to abort.
             self.decode_cancel.disarm();
         }

@@ -14,6 +14,7 @@
 //! 5. The request path takes no lock: it reads one pool snapshot per attempt.
 
 mod attempt;
+mod first_byte;
 pub mod flight;
 pub mod legs;
 pub mod logprobs;

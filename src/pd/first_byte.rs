@@ -1,0 +1,243 @@
+//! Stage 4 of an attempt: wait until decode's first bytes are in hand, while watching the
+//! prefill, then decide: a failure here is still retried (the client has seen nothing);
+//! success hands both legs to the response body (stage 5).
+//!
+//! Invariants:
+//! - Decode's first-byte deadline runs from the prefill's completion: one timer, re-armed
+//!   when the prefill completes and polled only from then on (the request's own deadline
+//!   bounds everything before that).
+//! - When streaming, the first bytes are decode's first *whole* SSE event, so an abort in
+//!   the first chunk is retried, not streamed.
+//! - A non-streamed answer whose logprobs are merged is read whole (bounded by
+//!   `upstream.max_answer_bytes`); any other answer is handed on after its first bytes.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header;
+use http_body_util::BodyExt;
+use tokio::time::Sleep;
+
+use super::attempt::{AttemptFailure, DecodeHead, LegsInFlight, Ready};
+use super::flight::{Passive, PdBodyParts, PrefillWatch};
+use super::legs::{self, PrefillDone};
+use super::logprobs::PrefillLogprobs;
+use super::request::ParsedRequest;
+use super::sse::{Scan, SseScanner};
+use super::Dispatcher;
+use crate::error::{FailReason, Failure};
+use crate::types::Role;
+use crate::upstream::{error_chain, LegBody};
+
+/// The prefill's progress and decode's first-byte timer, shared by the two waits below.
+struct PrefillProgress {
+    done: Option<PrefillDone>,
+    first_byte: Pin<Box<Sleep>>,
+    first_byte_within: std::time::Duration,
+    first_byte_secs: u64,
+}
+
+impl PrefillProgress {
+    /// The prefill answered: decode's first byte is due within its deadline from now.
+    fn completed(&mut self, d: PrefillDone) {
+        self.done = Some(d);
+        let due = tokio::time::Instant::now() + self.first_byte_within;
+        self.first_byte.as_mut().reset(due);
+    }
+
+    fn first_byte_timeout(&self) -> Failure {
+        Failure::new(
+            FailReason::DecodeFirstByteTimeout,
+            format!(
+                "decode sent nothing within {}s after the prefill finished (its KV never arrived?)",
+                self.first_byte_secs
+            ),
+        )
+    }
+}
+
+/// Waits for decode's answer head, then its first bytes; returns the attempt's response
+/// parts, or the failure (blamed on its leg) that ends the attempt.
+pub(super) async fn wait_first_bytes<D>(
+    d: &Dispatcher,
+    req: &ParsedRequest,
+    legs: LegsInFlight<D>,
+) -> Result<Ready, AttemptFailure>
+where
+    D: Future<Output = DecodeHead>,
+{
+    let LegsInFlight {
+        pair,
+        mut prefill,
+        decode,
+        mut decode_cancel,
+        decode_load,
+    } = legs;
+    let failed = |f: Failure| AttemptFailure::on(&pair, f);
+    let timeouts = &d.cfg.timeouts;
+    let mut progress = PrefillProgress {
+        done: None,
+        first_byte: Box::pin(tokio::time::sleep(timeouts.decode_first_byte())),
+        first_byte_within: timeouts.decode_first_byte(),
+        first_byte_secs: timeouts.decode_first_byte_secs,
+    };
+
+    // Decode's answer head, while the prefill runs.
+    tokio::pin!(decode);
+    let head = loop {
+        tokio::select! {
+            r = &mut prefill, if progress.done.is_none() => match r {
+                Ok(done) => progress.completed(done),
+                Err(f) => return Err(failed(f)),
+            },
+            r = &mut decode => match r {
+                Ok(resp) => break resp,
+                Err(e) => return Err(failed(Failure::new(
+                    FailReason::DecodeConnect,
+                    format!("decode request failed: {}", error_chain(&e)),
+                ))),
+            },
+            _ = progress.first_byte.as_mut(), if progress.done.is_some() => {
+                return Err(failed(progress.first_byte_timeout()));
+            }
+        }
+    };
+    let status = head.status();
+    if !status.is_success() {
+        decode_cancel.disarm();
+        let (_, body) = head.into_parts();
+        return Err(failed(legs::decode_status_failure(status, body).await));
+    }
+    let (mut head, mut decode_body) = head.into_parts();
+
+    // With return_logprob the prefill's answer is needed before decode's first bytes.
+    if req.return_logprob && progress.done.is_none() {
+        // Bounded by the prefill's own deadline and the request's.
+        match (&mut prefill).await {
+            Ok(done) => progress.completed(done),
+            Err(f) => return Err(failed(f)),
+        }
+    }
+    let logprobs = progress
+        .done
+        .as_ref()
+        .filter(|_| req.return_logprob)
+        .map(|done| Arc::new(PrefillLogprobs::from_prefill_body(&done.body)));
+    let is_sse = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("text/event-stream"));
+    let limit = d.cfg.upstream.max_answer_bytes;
+    let mut sse = (req.stream && is_sse).then(|| SseScanner::new(logprobs.clone(), limit));
+
+    let first = first_bytes(
+        &mut prefill,
+        &mut progress,
+        &mut decode_body,
+        sse.as_mut(),
+        logprobs.is_some(),
+        limit,
+    )
+    .await;
+    let (mut first, ended) = match first {
+        Ok(v) => v,
+        Err(f) => {
+            if f.reason.coupling().reported_by == Some(Role::Decode) {
+                decode_cancel.disarm();
+            }
+            return Err(failed(f));
+        }
+    };
+    if ended {
+        decode_cancel.disarm();
+        if let Some(s) = sse.as_mut() {
+            first.extend_from_slice(&s.finish());
+        }
+    }
+    // A non-streamed answer with logprobs was read whole: merge and send it.
+    if let (Some(lp), None, true) = (logprobs.as_ref(), sse.as_ref(), ended) {
+        if let Some(merged) = lp.merge_answer(&first) {
+            first = merged;
+        }
+    }
+    if sse.is_some() || logprobs.is_some() {
+        // pdgate rewrites the body: decode's length no longer holds.
+        head.headers.remove(header::CONTENT_LENGTH);
+    }
+    let prefill = if progress.done.is_some() {
+        None
+    } else {
+        Some(prefill)
+    };
+    Ok(Ready {
+        pair,
+        head,
+        body: PdBodyParts {
+            first: Bytes::from(first),
+            decode: decode_body,
+            decode_cancel,
+            decode_guard: decode_load,
+            sse,
+            prefill,
+            idle_for: timeouts.stream_idle(),
+            passive: Passive {
+                pool: d.pool.clone(),
+                cfg: d.cfg.breaker.clone(),
+                prefill: pair.prefill.worker,
+                decode: pair.decode.worker,
+            },
+        },
+    })
+}
+
+/// Reads decode's body until its first bytes (its first whole event when streaming; all of
+/// it when `read_whole`), while watching the prefill and the first-byte deadline.
+async fn first_bytes(
+    prefill: &mut PrefillWatch,
+    progress: &mut PrefillProgress,
+    decode_body: &mut LegBody,
+    mut sse: Option<&mut SseScanner>,
+    read_whole: bool,
+    limit: usize,
+) -> Result<(Vec<u8>, bool), Failure> {
+    let mut first: Vec<u8> = Vec::new();
+    loop {
+        tokio::select! {
+            r = &mut *prefill, if progress.done.is_none() => match r {
+                Ok(done) => progress.completed(done),
+                Err(f) => return Err(f),
+            },
+            frame = decode_body.frame() => match frame {
+                None => return Ok((first, true)),
+                Some(Err(e)) => return Err(broken(format!("decode answer broke off: {}", error_chain(&e)))),
+                Some(Ok(frame)) => {
+                    let Ok(data) = frame.into_data() else { continue };
+                    match sse.as_deref_mut() {
+                        Some(s) => match s.push(data) {
+                            Scan::Forward(b) => first.extend_from_slice(&b),
+                            Scan::Abort { message, .. } => return Err(legs::decode_abort_failure(&message)),
+                            Scan::Broken { message } => return Err(broken(message)),
+                        },
+                        None if read_whole && first.len() + data.len() > limit => {
+                            return Err(broken(format!("decode's answer is larger than {limit} bytes (upstream.max_answer_bytes)")));
+                        }
+                        None => first.extend_from_slice(&data),
+                    }
+                    if !first.is_empty() && (sse.is_some() || !read_whole) {
+                        return Ok((first, false));
+                    }
+                }
+            },
+            _ = progress.first_byte.as_mut(), if progress.done.is_some() => {
+                return Err(progress.first_byte_timeout());
+            }
+        }
+    }
+}
+
+fn broken(message: String) -> Failure {
+    Failure::new(FailReason::DecodeBroken, message)
+}
