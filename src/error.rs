@@ -333,7 +333,7 @@ impl Failure {
             h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         if let Some(id) = request_id {
-            h.insert(crate::server::REQUEST_ID, id.clone());
+            h.insert(crate::types::REQUEST_ID, id.clone());
         }
         resp
     }

@@ -1,10 +1,14 @@
-//! Names shared by every module: roles, worker ids, DP ranks, rooms, targets and pairs.
+//! Names shared by every module: roles, worker ids, DP ranks, rooms, targets and pairs, and
+//! the request id header. A leaf: it imports nothing of the crate.
 //!
 //! A [`Room`] is the SGLang `bootstrap_room`: a non-negative integer that fits in an i64
 //! (63 bits). A [`Target`] is one (worker, DP rank) a leg is sent to; a [`Pair`] is the
 //! prefill and decode target of one request attempt.
 
 use std::fmt;
+
+/// The request id header, echoed on every response and forwarded to engines.
+pub const REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
 /// Which side of PD disaggregation a worker serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]

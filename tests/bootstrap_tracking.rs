@@ -244,7 +244,7 @@ async fn layout_mismatches_between_prefill_and_decode_are_found() {
             })
     })
     .await;
-    let found = pdgate::health::layout_mismatches(&env.router.pool);
+    let found = env.router.pool.layout_mismatches();
     let mut got: Vec<_> = found
         .iter()
         .map(|m| (m.what, m.prefill_value.as_str(), m.decode_value.as_str()))

@@ -12,29 +12,8 @@ use std::time::Duration;
 use http::StatusCode;
 use serde::Deserialize;
 
+pub use crate::engine::{Generation, Layout, ServerInfo, MAX_DP_SIZE};
 use crate::upstream::{BaseUrl, CallError, Upstream};
-
-/// Which `GET /route` dialect a bootstrap server speaks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Generation {
-    V1,
-    V2,
-    V3,
-}
-
-/// A prefill deployment's parallel layout, from the sentinel query.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Layout {
-    pub generation: Generation,
-    pub dp_size: u32,
-    pub attn_tp_size: u32,
-    pub attn_cp_size: u32,
-    pub pp_size: u32,
-    /// True when the prefill places a room on `room % dp_size` (R4).
-    pub follow_bootstrap_room: bool,
-    pub page_size: Option<u64>,
-    pub kv_cache_dtype: Option<String>,
-}
 
 /// What the sentinel said.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,11 +35,6 @@ pub enum RankRoute {
     /// 404 (v3) or 500 KeyError (v1/v2): the rank is not registered.
     Missing(String),
 }
-
-/// The largest DP size pdgate accepts from an engine: DP sizes size per-rank vectors on
-/// every snapshot rebuild, so an engine cannot make the router allocate without bound.
-/// Real deployments run DP 1–64.
-pub const MAX_DP_SIZE: u32 = 1024;
 
 /// A bootstrap call that did not produce an answer to act on.
 #[derive(Debug, thiserror::Error)]
@@ -264,23 +238,6 @@ pub async fn health(up: &Upstream, url: &BaseUrl, timeout: Duration) -> Result<(
             body: snippet(&body),
         })
     }
-}
-
-/// The engine facts pdgate uses from `/server_info` (or the older `/get_server_info`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
-pub struct ServerInfo {
-    #[serde(default)]
-    pub disaggregation_mode: Option<String>,
-    #[serde(default)]
-    pub disaggregation_bootstrap_port: Option<u16>,
-    #[serde(default)]
-    pub dp_size: Option<u32>,
-    #[serde(default)]
-    pub page_size: Option<u64>,
-    #[serde(default)]
-    pub kv_cache_dtype: Option<String>,
-    #[serde(default)]
-    pub version: Option<String>,
 }
 
 pub async fn server_info(

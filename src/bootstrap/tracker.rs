@@ -226,7 +226,7 @@ pub async fn refresh_once(
                 }
             });
             if first {
-                crate::health::warn_mismatches(pool);
+                pool.warn_mismatches();
             }
         }
         Ok(Sentinel::NotReady(text)) => {

@@ -116,7 +116,7 @@ pub fn spawn(
                         }
                         w.info = Some(info);
                     });
-                    warn_mismatches(&pool);
+                    pool.warn_mismatches();
                 }
             }
             // Idle leg connections past their timeout are closed here, off the request path.
@@ -145,67 +145,6 @@ pub fn spawn(
             tokio::time::sleep(next_check_in(&cfg, healthy)).await;
         }
     });
-}
-
-/// A prefill and a decode that disagree on a KV layout fact (page size or KV dtype): a
-/// decode would crash its scheduler on such a pair (spec §7.1).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LayoutMismatch {
-    pub prefill: String,
-    pub decode: String,
-    /// `page_size` or `kv_cache_dtype`.
-    pub what: &'static str,
-    pub prefill_value: String,
-    pub decode_value: String,
-}
-
-/// Every (prefill, decode) pair whose known layouts disagree. A fact one side has not
-/// reported yet is not compared.
-pub fn layout_mismatches(pool: &Pool) -> Vec<LayoutMismatch> {
-    let snap = pool.load_full();
-    let mut out = Vec::new();
-    for p in &snap.prefills {
-        let Some(layout) = &p.layout else { continue };
-        for d in &snap.decodes {
-            let Some(info) = pool
-                .with_worker(Role::Decode, d.id, |w| w.info.clone())
-                .flatten()
-            else {
-                continue;
-            };
-            let mut differ = |what, a: Option<String>, b: Option<String>| {
-                if let (Some(a), Some(b)) = (a, b) {
-                    if a != b {
-                        out.push(LayoutMismatch {
-                            prefill: p.url.to_string(),
-                            decode: d.url.to_string(),
-                            what,
-                            prefill_value: a,
-                            decode_value: b,
-                        });
-                    }
-                }
-            };
-            let page = |v: Option<u64>| v.map(|v| v.to_string());
-            differ("page_size", page(layout.page_size), page(info.page_size));
-            differ(
-                "kv_cache_dtype",
-                layout.kv_cache_dtype.clone(),
-                info.kv_cache_dtype.clone(),
-            );
-        }
-    }
-    out
-}
-
-/// Logs every layout mismatch and sets the `pdgate_layout_mismatches` gauge (called as
-/// layouts and engine facts are learned).
-pub fn warn_mismatches(pool: &Pool) {
-    let found = layout_mismatches(pool);
-    metrics::gauge!("pdgate_layout_mismatches").set(found.len() as f64);
-    for m in &found {
-        tracing::warn!(prefill = %m.prefill, decode = %m.decode, prefill_value = %m.prefill_value, decode_value = %m.decode_value, "{} differs between prefill and decode", m.what);
-    }
 }
 
 #[cfg(test)]

@@ -77,7 +77,7 @@ impl Ready {
     ) -> Response<RespBody> {
         let mut head = self.head;
         head.headers
-            .insert(crate::server::REQUEST_ID, request_id.clone());
+            .insert(crate::types::REQUEST_ID, request_id.clone());
         Response::from_parts(head, PdBody::new(self.body, record, slot).boxed_unsync())
     }
 }

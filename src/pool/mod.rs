@@ -19,11 +19,12 @@ use std::time::Instant;
 use arc_swap::{ArcSwap, ArcSwapOption};
 
 pub mod breaker;
+pub mod mismatch;
 
 pub use breaker::{Breaker, BreakerState, TrialGuard};
 use tokio::sync::watch;
 
-use crate::bootstrap::Layout;
+use crate::engine::{Layout, ServerInfo};
 use crate::types::{DpRank, Role, WorkerId};
 use crate::upstream::{BaseUrl, HostConns};
 
@@ -161,7 +162,7 @@ pub struct WorkerState {
     /// whose prefill has not answered yet watch this.
     pub lost_tx: watch::Sender<LostEpochs>,
     /// The engine's `/server_info` facts, once read.
-    pub info: Option<crate::bootstrap::client::ServerInfo>,
+    pub info: Option<ServerInfo>,
     /// Passive health of this worker's leg.
     pub breaker: Arc<Breaker>,
     /// Kept-alive connections for this worker's legs.

@@ -17,7 +17,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderName;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -28,8 +27,7 @@ use crate::pd::Dispatcher;
 
 pub use routes::{prometheus, App};
 
-/// The request id header, echoed on every response and forwarded to engines.
-pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub use crate::types::REQUEST_ID;
 
 /// A running front door.
 pub struct Server {

@@ -13,11 +13,11 @@ use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use super::admission::Admission;
-use super::REQUEST_ID;
 use crate::body::{full_body, RespBody};
 use crate::error::{FailReason, Failure};
 use crate::pd::request::{self, ApiRoute};
 use crate::pd::{Dispatcher, ReqCtx};
+use crate::types::REQUEST_ID;
 use crate::types::{RequestId, Role};
 
 static PROMETHEUS: OnceLock<Option<PrometheusHandle>> = OnceLock::new();

@@ -1,0 +1,50 @@
+//! What pdgate knows of an engine, as plain data: a prefill deployment's parallel layout
+//! (from its bootstrap server's sentinel), the engine facts of `/server_info`, and the
+//! bounds on them. A leaf: it imports nothing of the crate, so the pool, the bootstrap
+//! tracker and the health checker can all hold these without importing each other.
+
+use serde::Deserialize;
+
+/// Which `GET /route` dialect a bootstrap server speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Generation {
+    V1,
+    V2,
+    V3,
+}
+
+/// A prefill deployment's parallel layout, from the sentinel query.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub generation: Generation,
+    pub dp_size: u32,
+    pub attn_tp_size: u32,
+    pub attn_cp_size: u32,
+    pub pp_size: u32,
+    /// True when the prefill places a room on `room % dp_size` (R4).
+    pub follow_bootstrap_room: bool,
+    pub page_size: Option<u64>,
+    pub kv_cache_dtype: Option<String>,
+}
+
+/// The largest DP size pdgate accepts from an engine: DP sizes size per-rank vectors on
+/// every snapshot rebuild, so an engine cannot make the router allocate without bound.
+/// Real deployments run DP 1–64.
+pub const MAX_DP_SIZE: u32 = 1024;
+
+/// The engine facts pdgate uses from `/server_info` (or the older `/get_server_info`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct ServerInfo {
+    #[serde(default)]
+    pub disaggregation_mode: Option<String>,
+    #[serde(default)]
+    pub disaggregation_bootstrap_port: Option<u16>,
+    #[serde(default)]
+    pub dp_size: Option<u32>,
+    #[serde(default)]
+    pub page_size: Option<u64>,
+    #[serde(default)]
+    pub kv_cache_dtype: Option<String>,
+    #[serde(default)]
+    pub version: Option<String>,
+}
