@@ -22,24 +22,25 @@ async fn malformed_and_cut_answers_are_errors() {
     many.extend_from_slice(b"content-length: 0\r\n\r\n");
     let long_line = [CHUNKED, &b"1;"[..], &[b'e'; 5000][..]].concat();
     let ch = |rest: &[u8]| [CHUNKED, rest].concat();
+    use ProtocolError as P;
     #[rustfmt::skip]
     let cases: Vec<(&str, Vec<u8>, bool, At, Check)> = vec![
-        ("bad version", b"HTP/1.1 200 OK\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("bad status code", b"HTTP/1.1 2x0 OK\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("status below 100", b"HTTP/1.1 099 Low\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("not http at all", b"SSH-2.0-OpenSSH\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("bad content-length", b"HTTP/1.1 200 OK\r\ncontent-length: abc\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("negative content-length", b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("conflicting content-lengths", b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello".to_vec(), false, At::Send, protocol),
-        ("control byte in a header value", b"HTTP/1.1 200 OK\r\nx-a: a\x01b\r\ncontent-length: 0\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("more than 64 headers", many, false, At::Send, protocol),
-        ("head larger than 64 KiB", big_head, false, At::Send, protocol),
+        ("bad version", b"HTP/1.1 200 OK\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::Version)))),
+        ("bad status code", b"HTTP/1.1 2x0 OK\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::Status)))),
+        ("status below 100", b"HTTP/1.1 099 Low\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Status(99)))),
+        ("not http at all", b"SSH-2.0-OpenSSH\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(_)))),
+        ("bad content-length", b"HTTP/1.1 200 OK\r\ncontent-length: abc\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::ContentLength(v)) if v == "abc")),
+        ("negative content-length", b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::ContentLength(_)))),
+        ("conflicting content-lengths", b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::ConflictingContentLength(5, 6)))),
+        ("control byte in a header value", b"HTTP/1.1 200 OK\r\nx-a: a\x01b\r\ncontent-length: 0\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::HeaderValue)))),
+        ("more than 64 headers", many, false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::TooManyHeaders)))),
+        ("head larger than 64 KiB", big_head, false, At::Send, |e| matches!(e, LegError::Protocol(P::HeadTooLarge(65536)))),
         ("EOF before any answer", vec![], true, At::Send, |e| matches!(e, LegError::ClosedBeforeAnswer)),
         ("EOF in the head", b"HTTP/1.1 200 OK\r\ncontent-".to_vec(), true, At::Send, closed_early),
-        ("bad chunk size", ch(b"zz\r\n"), false, At::Body, protocol),
-        ("chunk size too long", ch(b"1234567890abcdef0\r\n"), false, At::Body, protocol),
-        ("chunk line too long", long_line, false, At::Body, protocol),
-        ("missing CRLF after chunk data", ch(b"5\r\nhelloXX0\r\n\r\n"), false, At::Body, protocol),
+        ("bad chunk size", ch(b"zz\r\n"), false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkSize(v)) if v == "zz")),
+        ("chunk size too long", ch(b"1234567890abcdef0\r\n"), false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkSize(_)))),
+        ("chunk line too long", long_line, false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkLineTooLong(4096)))),
+        ("missing CRLF after chunk data", ch(b"5\r\nhelloXX0\r\n\r\n"), false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkDataEnd))),
         ("EOF in a length body", b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello".to_vec(), true, At::Body, closed_early),
         ("EOF in a chunk", ch(b"5\r\nhel"), true, At::Body, closed_early),
         ("EOF before the terminal chunk", ch(b"2\r\nok\r\n"), true, At::Body, closed_early),
@@ -61,6 +62,12 @@ async fn malformed_and_cut_answers_are_errors() {
                 (_, r) => panic!("{name}: wanted an error at {at:?}, got {r:?}"),
             };
             assert!(want(&e), "{name}: {e:?}");
+            if let LegError::Protocol(p) = &e {
+                // The cause is kept as the error's source, and named once in its chain.
+                let source = std::error::Error::source(&e).map(|s| s.to_string());
+                assert_eq!(source, Some(p.to_string()), "{name}");
+                assert_eq!(error_chain(&e), e.to_string(), "{name}");
+            }
             assert!(c.request().await.is_none(), "{name}: connection left open");
             assert_eq!(m.host.idle_count(), 0, "{name}");
         })
@@ -78,6 +85,41 @@ async fn connect_refused_is_a_connect_error() {
         let e = call(&upstream(|_| {}), &host).await.expect_err("refused");
         assert!(matches!(e, LegError::Connect { .. }), "{e:?}");
         assert_eq!(host.idle_count(), 0);
+    })
+    .await;
+}
+
+/// A background call to a port nobody listens on fails as `Transport`, which keeps
+/// hyper's error as its source (down to the `io::Error`), and says why in its message.
+#[tokio::test]
+async fn background_call_errors_keep_their_cause() {
+    bounded(async {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let base = parse_base_url(&format!("http://{addr}")).unwrap();
+        let e = upstream(|_| {})
+            .get(&base, "/health", Duration::from_secs(2))
+            .await
+            .expect_err("refused");
+        assert!(matches!(e, CallError::Transport(_)), "{e:?}");
+        let mut cause = std::error::Error::source(&e);
+        let mut io_kind = None;
+        while let Some(c) = cause {
+            if let Some(io) = c.downcast_ref::<std::io::Error>() {
+                io_kind = Some(io.kind());
+            }
+            cause = c.source();
+        }
+        assert_eq!(
+            io_kind,
+            Some(std::io::ErrorKind::ConnectionRefused),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        assert!(msg.starts_with("connect/transport error: "), "{msg}");
+        assert_eq!(msg.matches("refused").count(), 1, "{msg}");
+        assert_eq!(error_chain(&e), msg);
     })
     .await;
 }

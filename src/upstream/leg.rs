@@ -41,6 +41,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 
+use super::error::{LegError, ProtocolError};
 use super::leg_body::{Framing, LegBody};
 
 /// Largest response head accepted from an engine.
@@ -49,27 +50,6 @@ const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 64;
 /// Read buffer size a leg starts with (grows for large answers).
 pub(crate) const READ_CHUNK: usize = 4096;
-
-/// Why a leg failed at the transport or protocol level.
-#[derive(Debug, thiserror::Error)]
-pub enum LegError {
-    #[error("connect to {addr} failed: {source}")]
-    Connect { addr: String, source: io::Error },
-    #[error("connect to {0} timed out after {1:?}")]
-    ConnectTimeout(String, Duration),
-    #[error("cannot resolve {0}: {1}")]
-    Resolve(String, String),
-    #[error("sending the request failed: {0}")]
-    Write(io::Error),
-    #[error("reading the answer failed: {0}")]
-    Read(io::Error),
-    #[error("the engine closed the connection before answering")]
-    ClosedBeforeAnswer,
-    #[error("the engine closed the connection before the answer was complete")]
-    ClosedEarly,
-    #[error("malformed answer from the engine: {0}")]
-    Protocol(String),
-}
 
 impl LegError {
     /// Whether a request on a reused connection may be sent again on a new one: the
@@ -192,14 +172,17 @@ impl HostConns {
             Some(a) => vec![a],
             None => tokio::net::lookup_host((self.host.as_str(), self.port))
                 .await
-                .map_err(|e| LegError::Resolve(self.authority.clone(), e.to_string()))?
+                .map_err(|source| LegError::Resolve {
+                    host: self.authority.clone(),
+                    source,
+                })?
                 .collect(),
         };
         if addrs.is_empty() {
-            return Err(LegError::Resolve(
-                self.authority.clone(),
-                "no address".to_string(),
-            ));
+            return Err(LegError::Resolve {
+                host: self.authority.clone(),
+                source: io::Error::new(io::ErrorKind::NotFound, "no address"),
+            });
         }
         let connect = async {
             let mut last = io::Error::other("no address");
@@ -341,9 +324,7 @@ async fn exchange(
             Head::Informational => continue,
             Head::Partial => {
                 if buf.len() > MAX_HEAD {
-                    return Err(LegError::Protocol(format!(
-                        "response head larger than {MAX_HEAD} bytes"
-                    )));
+                    return Err(ProtocolError::HeadTooLarge(MAX_HEAD).into());
                 }
                 let n = read_more(&mut stream, &mut buf)
                     .await
@@ -385,17 +366,14 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
         .parse_response_with_uninit_headers(&mut resp, buf, &mut hs)
     {
         Ok(httparse::Status::Complete(n)) if n > MAX_HEAD => {
-            return Err(LegError::Protocol(format!(
-                "response head larger than {MAX_HEAD} bytes"
-            )))
+            return Err(ProtocolError::HeadTooLarge(MAX_HEAD).into())
         }
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(Head::Partial),
-        Err(e) => return Err(LegError::Protocol(format!("bad response head: {e}"))),
+        Err(e) => return Err(ProtocolError::Head(e).into()),
     };
     let code = resp.code.unwrap_or(0);
-    let status = StatusCode::from_u16(code)
-        .map_err(|_| LegError::Protocol(format!("bad status code {code}")))?;
+    let status = StatusCode::from_u16(code).map_err(|_| ProtocolError::Status(code))?;
     let http11 = resp.version == Some(1);
     // Where each header's name and value sit in the head (no allocation per header).
     let mut spans: smallvec::SmallVec<[(u32, u32, u32, u32); 16]> = smallvec::SmallVec::new();
@@ -419,9 +397,9 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
             let n = (!v.is_empty() && v.iter().all(u8::is_ascii_digit))
                 .then(|| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
                 .flatten()
-                .ok_or_else(|| LegError::Protocol("bad content-length".to_string()))?;
-            if length.is_some_and(|l| l != n) {
-                return Err(LegError::Protocol("conflicting content-length".to_string()));
+                .ok_or_else(|| ProtocolError::ContentLength(ProtocolError::snippet(v)))?;
+            if let Some(l) = length.filter(|&l| l != n) {
+                return Err(ProtocolError::ConflictingContentLength(l, n).into());
             }
             length = Some(n);
         } else if name.eq_ignore_ascii_case(b"connection") {
@@ -449,10 +427,9 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
         let mut headers = HeaderMap::with_capacity(spans.len() + 1);
         for &(n0, n1, v0, v1) in &spans {
             let (n0, n1, v0, v1) = (n0 as usize, n1 as usize, v0 as usize, v1 as usize);
-            let name = HeaderName::from_bytes(&raw[n0..n1])
-                .map_err(|_| LegError::Protocol("bad header name".to_string()))?;
+            let name = HeaderName::from_bytes(&raw[n0..n1]).map_err(ProtocolError::HeaderName)?;
             let v = HeaderValue::from_maybe_shared(raw.slice(v0..v1))
-                .map_err(|_| LegError::Protocol("bad header value".to_string()))?;
+                .map_err(ProtocolError::HeaderValue)?;
             headers.append(name, v);
         }
         headers

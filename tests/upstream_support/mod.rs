@@ -14,7 +14,8 @@ pub use http_body_util::BodyExt;
 pub use hyper::body::Body;
 pub use pdgate::config::{TimeoutConfig, UpstreamConfig};
 pub use pdgate::upstream::{
-    header_lines, parse_base_url, HostConns, LegBody, LegError, LegRequest, Upstream,
+    error_chain, header_lines, parse_base_url, CallError, HostConns, LegBody, LegError, LegRequest,
+    ProtocolError, Upstream,
 };
 pub use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub use tokio::net::{TcpListener, TcpStream};
