@@ -35,7 +35,7 @@ async fn malformed_and_cut_answers_are_errors() {
         ("control byte in a header value", b"HTTP/1.1 200 OK\r\nx-a: a\x01b\r\ncontent-length: 0\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::HeaderValue)))),
         ("more than 64 headers", many, false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::TooManyHeaders)))),
         ("head larger than 64 KiB", big_head, false, At::Send, |e| matches!(e, LegError::Protocol(P::HeadTooLarge(65536)))),
-        ("EOF before any answer", vec![], true, At::Send, |e| matches!(e, LegError::ClosedBeforeAnswer)),
+        ("EOF before any answer", vec![], true, At::Send, |e| matches!(e, LegError::ClosedAfterWrite { reused: false, source: None })),
         ("EOF in the head", b"HTTP/1.1 200 OK\r\ncontent-".to_vec(), true, At::Send, closed_early),
         ("bad chunk size", ch(b"zz\r\n"), false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkSize(v)) if v == "zz")),
         ("chunk size too long", ch(b"1234567890abcdef0\r\n"), false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkSize(_)))),

@@ -2,7 +2,9 @@
 //! malformed in an answer as a [`ProtocolError`]), background calls ([`CallError`]) and
 //! engine URLs ([`UrlError`]).
 //!
-//! Why typed: callers decide on the variant, and logs keep the whole cause. Every error keeps its cause as its `source()`.
+//! Why typed: the dispatcher decides on the variant (a leg the engine may have read is
+//! never sent again as it was, see [`LegError::engine_may_have_read`]), and logs keep the
+//! whole cause. Every error keeps its cause as its `source()`.
 //!
 //! Convention: a message names its cause too (`"cannot resolve h:1: no address"`), so that
 //! an error printed with `{}` alone is complete; [`error_chain`] prints a chain without
@@ -34,12 +36,47 @@ pub enum LegError {
     Write(#[source] io::Error),
     #[error("reading the answer failed: {0}")]
     Read(#[source] io::Error),
-    #[error("the engine closed the connection before answering")]
-    ClosedBeforeAnswer,
+    /// The engine closed the connection (EOF, or a reset given as `source`) after the whole
+    /// request was written and before any byte of an answer. It may have read the request
+    /// and started on it, so the request is not sent again here: the same rid and bootstrap
+    /// room would run twice. A caller that retries sends a new request (fresh rooms).
+    ///
+    /// `reused`: the connection had served an earlier leg (an engine closing a kept-alive
+    /// connection just as it is reused looks like this).
+    #[error(
+        "the engine closed the connection without answering after the request was sent ({}){}",
+        if *reused { "kept-alive connection" } else { "new connection" },
+        reset_suffix(source)
+    )]
+    ClosedAfterWrite {
+        reused: bool,
+        #[source]
+        source: Option<io::Error>,
+    },
     #[error("the engine closed the connection before the answer was complete")]
     ClosedEarly,
     #[error("malformed answer from the engine: {0}")]
     Protocol(#[from] ProtocolError),
+}
+
+fn reset_suffix(source: &Option<io::Error>) -> String {
+    source.as_ref().map_or(String::new(), |e| format!(": {e}"))
+}
+
+impl LegError {
+    /// Whether the engine may have read the whole request (and may be working on it):
+    /// everything that went wrong once the request was written in full. Such a request must
+    /// not be sent again with the same bytes (rid, bootstrap room); connect failures and a
+    /// write that failed part-way are safe to send again.
+    pub fn engine_may_have_read(&self) -> bool {
+        !matches!(
+            self,
+            LegError::Connect { .. }
+                | LegError::ConnectTimeout(..)
+                | LegError::Resolve { .. }
+                | LegError::Write(_)
+        )
+    }
 }
 
 /// What was malformed in an engine's answer.
@@ -132,12 +169,57 @@ mod tests {
                 "connect to h:1 failed: reset by peer",
             ),
             (
+                Box::new(LegError::ClosedAfterWrite {
+                    reused: true,
+                    source: Some(io()),
+                }),
+                "the engine closed the connection without answering after the request was \
+                 sent (kept-alive connection): reset by peer",
+            ),
+            (
+                Box::new(LegError::ClosedAfterWrite {
+                    reused: false,
+                    source: None,
+                }),
+                "the engine closed the connection without answering after the request was \
+                 sent (new connection)",
+            ),
+            (
                 Box::new(LegError::from(ProtocolError::ChunkDataEnd)),
                 "malformed answer from the engine: chunk data not followed by CRLF",
             ),
         ];
         for (e, want) in cases {
             assert_eq!(error_chain(&*e), want);
+        }
+    }
+
+    #[test]
+    fn only_what_happened_after_the_write_may_have_been_read() {
+        let io = || io::Error::from(io::ErrorKind::BrokenPipe);
+        let cases = [
+            (LegError::Write(io()), false),
+            (
+                LegError::Resolve {
+                    host: "h".into(),
+                    source: io(),
+                },
+                false,
+            ),
+            (LegError::ConnectTimeout("h".into(), Duration::ZERO), false),
+            (
+                LegError::ClosedAfterWrite {
+                    reused: true,
+                    source: None,
+                },
+                true,
+            ),
+            (LegError::Read(io()), true),
+            (LegError::ClosedEarly, true),
+            (LegError::Protocol(ProtocolError::Status(42)), true),
+        ];
+        for (e, want) in cases {
+            assert_eq!(e.engine_may_have_read(), want, "{e:?}");
         }
     }
 }

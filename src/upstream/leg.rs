@@ -15,16 +15,23 @@
 //!   the end, exactly (no extra bytes), with HTTP/1.1 keep-alive. Anything else closes it.
 //! - Dropping the send future or the [`LegBody`] closes the connection at once, which is
 //!   how an engine learns the leg was cancelled.
-//! - A request sent on a reused connection that the engine had closed (EOF or reset before
-//!   any byte of an answer) is sent once more on a new connection; nothing else is retried
-//!   here.
+//! - A request that an engine may have read is never sent again with the same bytes (the
+//!   same rid and bootstrap room would run twice). It is sent once more, on a new
+//!   connection, only when the engine cannot have read all of it: a kept-alive connection
+//!   seen closed before the write is not used, and one whose write failed part-way (with
+//!   no answer to read) is replaced. Once the request was written whole, an EOF or reset
+//!   before any byte of an answer is [`LegError::ClosedAfterWrite`]; the dispatcher retries,
+//!   if at all, with a fresh pair and fresh rooms. So that this stays rare, idle connections
+//!   are kept at most `upstream.pool_idle_timeout_secs` (4 s), below the engines' keep-alive
+//!   (uvicorn's `timeout_keep_alive=5` in SGLang and vLLM).
 //! - Nothing in here panics on what an engine sends: malformed heads, bad chunk sizes and
 //!   early EOFs are errors.
 //!
 //! Known limits: an idle connection is judged alive from tokio's readiness (no syscall), so
-//! an engine that sends something unasked (a 408, say) just before the connection is
-//! reused can have it read as the answer; chunk data followed by a bad CRLF in the same
-//! read is dropped with the error.
+//! a close the runtime has not yet seen is found only by the leg written into it (then
+//! `ClosedAfterWrite { reused: true }`), and an engine that sends something unasked (a 408,
+//! say) just before the connection is reused can have it read as the answer; chunk data
+//! followed by a bad CRLF in the same read is dropped with the error.
 //!
 //! The idle list is a `Mutex<Vec<_>>` held for one push or pop (never across an await);
 //! it belongs to the worker (see `pool::WorkerView::conns`), so no map is looked up per
@@ -50,24 +57,6 @@ const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 64;
 /// Read buffer size a leg starts with (grows for large answers).
 pub(crate) const READ_CHUNK: usize = 4096;
-
-impl LegError {
-    /// Whether a request on a reused connection may be sent again on a new one: the
-    /// engine closed the connection before it could have answered (a stale keep-alive).
-    fn is_stale(&self) -> bool {
-        match self {
-            LegError::ClosedBeforeAnswer => true,
-            LegError::Write(e) | LegError::Read(e) => matches!(
-                e.kind(),
-                io::ErrorKind::BrokenPipe
-                    | io::ErrorKind::ConnectionReset
-                    | io::ErrorKind::ConnectionAborted
-                    | io::ErrorKind::UnexpectedEof
-            ),
-            _ => false,
-        }
-    }
-}
 
 /// Pool settings (from `[upstream]` and `[timeouts]`).
 #[derive(Clone, Copy, Debug)]
@@ -284,61 +273,98 @@ pub fn header_lines<'a>(
 
 /// Sends `req` to `host` and reads the answer's head; the body streams from the returned
 /// [`LegBody`].
+///
+/// A request is sent a second time (on a new connection) only when the engine cannot have
+/// read all of it: writing it on a kept-alive connection failed part-way and no answer was
+/// there. Everything else is the caller's to decide (see [`LegError::engine_may_have_read`]).
 pub async fn send(
     host: &Arc<HostConns>,
     s: &LegSettings,
     req: &LegRequest,
 ) -> Result<Response<LegBody>, LegError> {
     if let Some(stream) = host.checkout(s) {
-        match exchange(stream, host, s, req).await {
-            Err(e) if e.is_stale() => {
+        match exchange(stream, host, s, req, true).await {
+            // The engine had closed the idle connection: it has not read this request.
+            Err(LegError::Write(_)) => {
                 metrics::counter!("pdgate_upstream_stale_retries_total").increment(1);
             }
             other => return other,
         }
     }
     let stream = host.connect(s).await?;
-    exchange(stream, host, s, req).await
+    exchange(stream, host, s, req, false).await
 }
 
+/// Writes the request on `stream` (a kept-alive one when `reused`) and reads the answer's
+/// head.
 async fn exchange(
     mut stream: TcpStream,
     host: &Arc<HostConns>,
     s: &LegSettings,
     req: &LegRequest,
+    reused: bool,
 ) -> Result<Response<LegBody>, LegError> {
     write_two(&mut stream, &req.head, &req.body)
         .await
         .map_err(LegError::Write)?;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    let parts = read_head(&mut stream, &mut buf, req.keep_headers, reused).await?;
+    Ok(build(parts, buf, stream, host, s))
+}
+
+/// Reads until the final answer's head is whole (1xx heads are skipped); what follows it
+/// stays in `buf`. An EOF or reset before any byte of an answer is
+/// [`LegError::ClosedAfterWrite`].
+async fn read_head(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    keep_headers: bool,
+    reused: bool,
+) -> Result<Parts, LegError> {
+    let mut answered = false;
     loop {
         // Nothing to parse before the first read.
         let head = if buf.is_empty() {
             Head::Partial
         } else {
-            parse_head(&mut buf, req.keep_headers)?
+            parse_head(buf, keep_headers)?
         };
         match head {
-            Head::Done(parts) => return Ok(build(parts, buf, stream, host, s)),
+            Head::Done(parts) => return Ok(parts),
             // 1xx: the real answer follows (maybe already in `buf`).
             Head::Informational => continue,
             Head::Partial => {
                 if buf.len() > MAX_HEAD {
                     return Err(ProtocolError::HeadTooLarge(MAX_HEAD).into());
                 }
-                let n = read_more(&mut stream, &mut buf)
-                    .await
-                    .map_err(LegError::Read)?;
-                if n == 0 {
-                    return Err(if buf.is_empty() {
-                        LegError::ClosedBeforeAnswer
-                    } else {
-                        LegError::ClosedEarly
-                    });
+                match read_more(stream, buf).await {
+                    Ok(0) if !answered => {
+                        return Err(LegError::ClosedAfterWrite {
+                            reused,
+                            source: None,
+                        })
+                    }
+                    Ok(0) => return Err(LegError::ClosedEarly),
+                    Ok(_) => answered = true,
+                    Err(e) if !answered && is_reset(&e) => {
+                        return Err(LegError::ClosedAfterWrite {
+                            reused,
+                            source: Some(e),
+                        })
+                    }
+                    Err(e) => return Err(LegError::Read(e)),
                 }
             }
         }
     }
+}
+
+/// Whether a read error is the engine closing the connection (a reset).
+fn is_reset(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted
+    )
 }
 
 /// A parsed response head (without hop-by-hop headers).
