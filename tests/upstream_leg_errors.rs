@@ -352,3 +352,98 @@ async fn max_idle_per_host_bounds_the_pool() {
         .await;
     }
 }
+
+// ---------------------------------------------------------------- answer framing
+
+/// An engine that answers before it has read the whole request (a 413 or 400 on the head
+/// alone) and closes: its answer is the leg's result, not the write's reset, on a new
+/// connection as on a kept-alive one, and the connection is not pooled (the request was
+/// never written whole). The body (32 MiB) is more than the socket buffers hold, so the
+/// client's write is still going when the engine closes.
+#[tokio::test]
+async fn an_early_answer_is_reported_not_the_failed_write() {
+    let big = Arc::new(vec![b' '; 32 << 20]);
+    #[rustfmt::skip]
+    let cases: &[(u16, &[u8], &str)] = &[
+        (413, b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-length: 20\r\nconnection: close\r\n\r\n{\"error\":\"too big\"}\n", "{\"error\":\"too big\"}\n"),
+        (400, b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nbad\r\n\r\n0\r\n\r\n", "bad\r\n"),
+    ];
+    for &(status, answer, want) in cases {
+        for reused in [false, true] {
+            bounded(async {
+                let srv = serve(move |mut c| async move {
+                    if reused && c.i == 0 {
+                        c.request().await.expect("first request");
+                        c.send(OK2).await;
+                    }
+                    if c.head_only().await {
+                        c.send(answer).await;
+                        c.close(false);
+                    }
+                })
+                .await;
+                let up = upstream(|_| {});
+                if reused {
+                    assert_eq!(call(&up, &srv.host).await.unwrap().1, b"ok");
+                }
+                let resp = up
+                    .send_leg(&srv.host, &leg(&srv.host, &big))
+                    .await
+                    .unwrap_or_else(|e| panic!("{status} reused={reused}: {e}"));
+                assert_eq!(resp.status().as_u16(), status, "reused={reused}");
+                assert_eq!(body_bytes(resp).await, want.as_bytes(), "{status}");
+                assert_eq!(
+                    srv.accepted(),
+                    1,
+                    "{status} reused={reused}: no second connection"
+                );
+                assert_eq!(srv.host.idle_count(), 0, "{status} reused={reused}");
+            })
+            .await;
+        }
+    }
+}
+
+/// When the request cannot be written and nothing was answered, the leg fails as a write
+/// error (the engine cannot have read it) without waiting for an answer.
+#[tokio::test]
+async fn a_failed_write_without_an_answer_is_a_write_error() {
+    bounded(async {
+        let srv = serve(|mut c| async move {
+            if c.head_only().await {
+                c.close(true);
+            }
+        })
+        .await;
+        let big = vec![b' '; 32 << 20];
+        let e = upstream(|_| {})
+            .send_leg(&srv.host, &leg(&srv.host, &big))
+            .await
+            .expect_err("reset mid-body");
+        assert!(matches!(e, LegError::Write(_)), "{e:?}");
+        assert!(!e.engine_may_have_read(), "{e:?}");
+    })
+    .await;
+}
+
+/// An answer with both Transfer-Encoding and Content-Length is framed by the former, and
+/// the length is not kept for the client (RFC 9112 §6.3).
+#[tokio::test]
+async fn a_length_beside_transfer_encoding_is_dropped() {
+    #[rustfmt::skip]
+    let answers: &[&[u8]] = &[
+        b"HTTP/1.1 200 OK\r\ncontent-length: 999\r\ntransfer-encoding: chunked\r\nx-a: 1\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\nx-a: 1\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    ];
+    for answer in answers {
+        bounded(async {
+            let m = Manual::new().await;
+            let resp = m.exchange(leg(&m.host, b"{}"), answer, false).await.2;
+            let resp = resp.expect("answer");
+            assert_eq!(resp.headers().get(CONTENT_LENGTH), None);
+            assert_eq!(resp.headers()["x-a"], "1");
+            assert_eq!(body_bytes(resp).await, b"ok");
+        })
+        .await;
+    }
+}

@@ -24,14 +24,20 @@
 //!   if at all, with a fresh pair and fresh rooms. So that this stays rare, idle connections
 //!   are kept at most `upstream.pool_idle_timeout_secs` (4 s), below the engines' keep-alive
 //!   (uvicorn's `timeout_keep_alive=5` in SGLang and vLLM).
+//! - An engine's answer is reported even when it came before the engine read the whole
+//!   request (a 413 or 400, then a close): a failed write first reads what is there.
+//! - Framing follows RFC 9112 §6.3: Transfer-Encoding wins over Content-Length, and such a
+//!   length is not kept in the headers handed on.
 //! - Nothing in here panics on what an engine sends: malformed heads, bad chunk sizes and
 //!   early EOFs are errors.
 //!
 //! Known limits: an idle connection is judged alive from tokio's readiness (no syscall), so
 //! a close the runtime has not yet seen is found only by the leg written into it (then
 //! `ClosedAfterWrite { reused: true }`), and an engine that sends something unasked (a 408,
-//! say) just before the connection is reused can have it read as the answer; chunk data
-//! followed by a bad CRLF in the same read is dropped with the error.
+//! say) just before the connection is reused can have it read as the answer; an engine
+//! that answers early but neither reads the rest of the request nor closes leaves the write
+//! waiting until the leg's deadline; chunk data followed by a bad CRLF in the same read is
+//! dropped with the error.
 //!
 //! The idle list is a `Mutex<Vec<_>>` held for one push or pop (never across an await);
 //! it belongs to the worker (see `pool::WorkerView::conns`), so no map is looked up per
@@ -55,6 +61,8 @@ use super::leg_body::{Framing, LegBody};
 const MAX_HEAD: usize = 64 * 1024;
 /// Most headers accepted in a response head.
 const MAX_HEADERS: usize = 64;
+/// How long an answer is awaited after writing the request failed (see `early_answer`).
+const EARLY_ANSWER_WAIT: Duration = Duration::from_millis(200);
 /// Read buffer size a leg starts with (grows for large answers).
 pub(crate) const READ_CHUNK: usize = 4096;
 
@@ -304,12 +312,32 @@ async fn exchange(
     req: &LegRequest,
     reused: bool,
 ) -> Result<Response<LegBody>, LegError> {
-    write_two(&mut stream, &req.head, &req.body)
-        .await
-        .map_err(LegError::Write)?;
+    if let Err(e) = write_two(&mut stream, &req.head, &req.body).await {
+        return match early_answer(&mut stream, req.keep_headers).await {
+            Some((parts, buf)) => Ok(build(parts, buf, stream, host, s)),
+            None => Err(LegError::Write(e)),
+        };
+    }
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     let parts = read_head(&mut stream, &mut buf, req.keep_headers, reused).await?;
     Ok(build(parts, buf, stream, host, s))
+}
+
+/// The answer of an engine that answered before it had read the whole request (a 413 or a
+/// 400 on the head alone) and closed, read after writing the request failed: that answer
+/// says more than the write's reset. What the engine sent before its close is already here
+/// (TCP delivers it before the reset), so this waits at most [`EARLY_ANSWER_WAIT`]; no
+/// answer, or a broken one, leaves the write's error as the leg's. The connection is never
+/// reused: the request was not written whole.
+async fn early_answer(stream: &mut TcpStream, keep_headers: bool) -> Option<(Parts, BytesMut)> {
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    let read = read_head(stream, &mut buf, keep_headers, false);
+    let mut parts = tokio::time::timeout(EARLY_ANSWER_WAIT, read)
+        .await
+        .ok()?
+        .ok()?;
+    parts.keep_alive = false;
+    Some((parts, buf))
 }
 
 /// Reads until the final answer's head is whole (1xx heads are skipped); what follows it
@@ -383,7 +411,8 @@ enum Head {
 
 /// Parses one response head at the front of `buf`; on success the head's bytes are taken
 /// off `buf` (what remains is body). Headers are kept only when asked for (decode's are
-/// re-sent to the client; the prefill's are not needed).
+/// re-sent to the client; the prefill's are not needed), without the hop-by-hop ones and
+/// without a Content-Length that came with a Transfer-Encoding.
 fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> {
     // Header slots left uninitialized (a 64-slot array is 2 KiB to fill otherwise).
     let mut hs = [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
@@ -454,6 +483,11 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
         for &(n0, n1, v0, v1) in &spans {
             let (n0, n1, v0, v1) = (n0 as usize, n1 as usize, v0 as usize, v1 as usize);
             let name = HeaderName::from_bytes(&raw[n0..n1]).map_err(ProtocolError::HeaderName)?;
+            // Transfer-Encoding frames the body; a length beside it is not passed on
+            // (RFC 9112 §6.3).
+            if te && name == http::header::CONTENT_LENGTH {
+                continue;
+            }
             let v = HeaderValue::from_maybe_shared(raw.slice(v0..v1))
                 .map_err(ProtocolError::HeaderValue)?;
             headers.append(name, v);
