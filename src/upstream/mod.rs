@@ -156,6 +156,16 @@ impl Upstream {
         }))
     }
 
+    /// The same clients with other leg settings (a short idle timeout in a test, say).
+    pub fn with_leg_settings(&self, legs: LegSettings) -> Upstream {
+        Upstream(Arc::new(UpstreamInner {
+            client: self.client.clone(),
+            auth: self.auth.clone(),
+            forward_authorization: self.forward_authorization,
+            legs,
+        }))
+    }
+
     /// Sends a leg to `host` and returns the answer's head; its body streams from the
     /// socket as it is polled.
     pub async fn send_leg(
