@@ -6,6 +6,10 @@
 //!   one pooled hyper client (HTTP/1.1, TCP_NODELAY, connect timeout, keep-alive), via
 //!   [`Upstream::get`] / [`Upstream::call`], each with its own timeout.
 //!
+//! - Errors are typed and keep their cause ([`LegError`], [`ProtocolError`], [`CallError`],
+//!   [`UrlError`]); a leg's error says whether the engine may have read the request
+//!   ([`LegError::engine_may_have_read`]).
+//!
 //! [`Upstream`] is a cheap handle (one `Arc`): legs keep a clone to send their abort.
 
 mod error;
