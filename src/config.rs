@@ -414,6 +414,12 @@ pub struct UpstreamConfig {
     pub api_key: Option<String>,
     /// Idle pooled connections kept per engine.
     pub pool_max_idle_per_host: usize,
+    /// How long an idle engine connection is kept for reuse (legs and background calls).
+    /// Kept below the engines' own keep-alive: SGLang and vLLM serve with uvicorn and
+    /// `timeout_keep_alive=5`, so a connection idle for 5 s is being closed by the engine,
+    /// and a leg written into it just then fails (it cannot be sent again: the engine may
+    /// have read it). 4 s leaves a second between the engine's timer, which starts when it
+    /// has written its answer, and pdgate's, which starts when it has read it.
     pub pool_idle_timeout_secs: u64,
     /// The most of an engine's answer pdgate holds at once: a prefill's whole answer (it
     /// carries input logprobs when asked for), a decode answer whose logprobs are merged,
@@ -428,7 +434,7 @@ impl Default for UpstreamConfig {
             forward_authorization: false,
             api_key: None,
             pool_max_idle_per_host: 256,
-            pool_idle_timeout_secs: 90,
+            pool_idle_timeout_secs: 4,
             max_answer_bytes: 64 * 1024 * 1024,
         }
     }
@@ -735,6 +741,19 @@ mod tests {
         cfg.validate().unwrap();
         assert_eq!(cfg.prefill.len(), 2);
         assert_eq!(cfg.decode.len(), 2);
+    }
+
+    /// SGLang and vLLM serve with uvicorn's `timeout_keep_alive=5`: pdgate must give up an
+    /// idle engine connection before the engine closes it, by default and in the example.
+    #[test]
+    fn idle_engine_connections_expire_before_the_engines_keep_alive() {
+        const UVICORN_KEEP_ALIVE_SECS: u64 = 5;
+        let default = UpstreamConfig::default().pool_idle_timeout_secs;
+        assert!(default < UVICORN_KEEP_ALIVE_SECS, "{default}");
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/pdgate.example.toml");
+        let example = Config::load(&path).unwrap().upstream.pool_idle_timeout_secs;
+        assert_eq!(example, default);
     }
 
     #[test]

@@ -22,24 +22,25 @@ async fn malformed_and_cut_answers_are_errors() {
     many.extend_from_slice(b"content-length: 0\r\n\r\n");
     let long_line = [CHUNKED, &b"1;"[..], &[b'e'; 5000][..]].concat();
     let ch = |rest: &[u8]| [CHUNKED, rest].concat();
+    use ProtocolError as P;
     #[rustfmt::skip]
     let cases: Vec<(&str, Vec<u8>, bool, At, Check)> = vec![
-        ("bad version", b"HTP/1.1 200 OK\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("bad status code", b"HTTP/1.1 2x0 OK\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("status below 100", b"HTTP/1.1 099 Low\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("not http at all", b"SSH-2.0-OpenSSH\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("bad content-length", b"HTTP/1.1 200 OK\r\ncontent-length: abc\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("negative content-length", b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("conflicting content-lengths", b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello".to_vec(), false, At::Send, protocol),
-        ("control byte in a header value", b"HTTP/1.1 200 OK\r\nx-a: a\x01b\r\ncontent-length: 0\r\n\r\n".to_vec(), false, At::Send, protocol),
-        ("more than 64 headers", many, false, At::Send, protocol),
-        ("head larger than 64 KiB", big_head, false, At::Send, protocol),
-        ("EOF before any answer", vec![], true, At::Send, |e| matches!(e, LegError::ClosedBeforeAnswer)),
+        ("bad version", b"HTP/1.1 200 OK\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::Version)))),
+        ("bad status code", b"HTTP/1.1 2x0 OK\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::Status)))),
+        ("status below 100", b"HTTP/1.1 099 Low\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Status(99)))),
+        ("not http at all", b"SSH-2.0-OpenSSH\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(_)))),
+        ("bad content-length", b"HTTP/1.1 200 OK\r\ncontent-length: abc\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::ContentLength(v)) if v == "abc")),
+        ("negative content-length", b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::ContentLength(_)))),
+        ("conflicting content-lengths", b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::ConflictingContentLength(5, 6)))),
+        ("control byte in a header value", b"HTTP/1.1 200 OK\r\nx-a: a\x01b\r\ncontent-length: 0\r\n\r\n".to_vec(), false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::HeaderValue)))),
+        ("more than 64 headers", many, false, At::Send, |e| matches!(e, LegError::Protocol(P::Head(httparse::Error::TooManyHeaders)))),
+        ("head larger than 64 KiB", big_head, false, At::Send, |e| matches!(e, LegError::Protocol(P::HeadTooLarge(65536)))),
+        ("EOF before any answer", vec![], true, At::Send, |e| matches!(e, LegError::ClosedAfterWrite { reused: false, source: None })),
         ("EOF in the head", b"HTTP/1.1 200 OK\r\ncontent-".to_vec(), true, At::Send, closed_early),
-        ("bad chunk size", ch(b"zz\r\n"), false, At::Body, protocol),
-        ("chunk size too long", ch(b"1234567890abcdef0\r\n"), false, At::Body, protocol),
-        ("chunk line too long", long_line, false, At::Body, protocol),
-        ("missing CRLF after chunk data", ch(b"5\r\nhelloXX0\r\n\r\n"), false, At::Body, protocol),
+        ("bad chunk size", ch(b"zz\r\n"), false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkSize(v)) if v == "zz")),
+        ("chunk size too long", ch(b"1234567890abcdef0\r\n"), false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkSize(_)))),
+        ("chunk line too long", long_line, false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkLineTooLong(4096)))),
+        ("missing CRLF after chunk data", ch(b"5\r\nhelloXX0\r\n\r\n"), false, At::Body, |e| matches!(e, LegError::Protocol(P::ChunkDataEnd))),
         ("EOF in a length body", b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello".to_vec(), true, At::Body, closed_early),
         ("EOF in a chunk", ch(b"5\r\nhel"), true, At::Body, closed_early),
         ("EOF before the terminal chunk", ch(b"2\r\nok\r\n"), true, At::Body, closed_early),
@@ -61,6 +62,12 @@ async fn malformed_and_cut_answers_are_errors() {
                 (_, r) => panic!("{name}: wanted an error at {at:?}, got {r:?}"),
             };
             assert!(want(&e), "{name}: {e:?}");
+            if let LegError::Protocol(p) = &e {
+                // The cause is kept as the error's source, and named once in its chain.
+                let source = std::error::Error::source(&e).map(|s| s.to_string());
+                assert_eq!(source, Some(p.to_string()), "{name}");
+                assert_eq!(error_chain(&e), e.to_string(), "{name}");
+            }
             assert!(c.request().await.is_none(), "{name}: connection left open");
             assert_eq!(m.host.idle_count(), 0, "{name}");
         })
@@ -78,6 +85,41 @@ async fn connect_refused_is_a_connect_error() {
         let e = call(&upstream(|_| {}), &host).await.expect_err("refused");
         assert!(matches!(e, LegError::Connect { .. }), "{e:?}");
         assert_eq!(host.idle_count(), 0);
+    })
+    .await;
+}
+
+/// A background call to a port nobody listens on fails as `Transport`, which keeps
+/// hyper's error as its source (down to the `io::Error`), and says why in its message.
+#[tokio::test]
+async fn background_call_errors_keep_their_cause() {
+    bounded(async {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let base = parse_base_url(&format!("http://{addr}")).unwrap();
+        let e = upstream(|_| {})
+            .get(&base, "/health", Duration::from_secs(2))
+            .await
+            .expect_err("refused");
+        assert!(matches!(e, CallError::Transport(_)), "{e:?}");
+        let mut cause = std::error::Error::source(&e);
+        let mut io_kind = None;
+        while let Some(c) = cause {
+            if let Some(io) = c.downcast_ref::<std::io::Error>() {
+                io_kind = Some(io.kind());
+            }
+            cause = c.source();
+        }
+        assert_eq!(
+            io_kind,
+            Some(std::io::ErrorKind::ConnectionRefused),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        assert!(msg.starts_with("connect/transport error: "), "{msg}");
+        assert_eq!(msg.matches("refused").count(), 1, "{msg}");
+        assert_eq!(error_chain(&e), msg);
     })
     .await;
 }
@@ -306,6 +348,101 @@ async fn max_idle_per_host_bounds_the_pool() {
             call(&up, &srv.host).await.unwrap();
             let want = if idle > 0 { 2 } else { 3 };
             assert_eq!(srv.accepted(), want, "max_idle={max_idle}");
+        })
+        .await;
+    }
+}
+
+// ---------------------------------------------------------------- answer framing
+
+/// An engine that answers before it has read the whole request (a 413 or 400 on the head
+/// alone) and closes: its answer is the leg's result, not the write's reset, on a new
+/// connection as on a kept-alive one, and the connection is not pooled (the request was
+/// never written whole). The body (32 MiB) is more than the socket buffers hold, so the
+/// client's write is still going when the engine closes.
+#[tokio::test]
+async fn an_early_answer_is_reported_not_the_failed_write() {
+    let big = Arc::new(vec![b' '; 32 << 20]);
+    #[rustfmt::skip]
+    let cases: &[(u16, &[u8], &str)] = &[
+        (413, b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-length: 20\r\nconnection: close\r\n\r\n{\"error\":\"too big\"}\n", "{\"error\":\"too big\"}\n"),
+        (400, b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n5\r\nbad\r\n\r\n0\r\n\r\n", "bad\r\n"),
+    ];
+    for &(status, answer, want) in cases {
+        for reused in [false, true] {
+            bounded(async {
+                let srv = serve(move |mut c| async move {
+                    if reused && c.i == 0 {
+                        c.request().await.expect("first request");
+                        c.send(OK2).await;
+                    }
+                    if c.head_only().await {
+                        c.send(answer).await;
+                        c.close(false);
+                    }
+                })
+                .await;
+                let up = upstream(|_| {});
+                if reused {
+                    assert_eq!(call(&up, &srv.host).await.unwrap().1, b"ok");
+                }
+                let resp = up
+                    .send_leg(&srv.host, &leg(&srv.host, &big))
+                    .await
+                    .unwrap_or_else(|e| panic!("{status} reused={reused}: {e}"));
+                assert_eq!(resp.status().as_u16(), status, "reused={reused}");
+                assert_eq!(body_bytes(resp).await, want.as_bytes(), "{status}");
+                assert_eq!(
+                    srv.accepted(),
+                    1,
+                    "{status} reused={reused}: no second connection"
+                );
+                assert_eq!(srv.host.idle_count(), 0, "{status} reused={reused}");
+            })
+            .await;
+        }
+    }
+}
+
+/// When the request cannot be written and nothing was answered, the leg fails as a write
+/// error (the engine cannot have read it) without waiting for an answer.
+#[tokio::test]
+async fn a_failed_write_without_an_answer_is_a_write_error() {
+    bounded(async {
+        let srv = serve(|mut c| async move {
+            if c.head_only().await {
+                c.close(true);
+            }
+        })
+        .await;
+        let big = vec![b' '; 32 << 20];
+        let e = upstream(|_| {})
+            .send_leg(&srv.host, &leg(&srv.host, &big))
+            .await
+            .expect_err("reset mid-body");
+        assert!(matches!(e, LegError::Write(_)), "{e:?}");
+        assert!(!e.engine_may_have_read(), "{e:?}");
+    })
+    .await;
+}
+
+/// An answer with both Transfer-Encoding and Content-Length is framed by the former, and
+/// the length is not kept for the client (RFC 9112 §6.3).
+#[tokio::test]
+async fn a_length_beside_transfer_encoding_is_dropped() {
+    #[rustfmt::skip]
+    let answers: &[&[u8]] = &[
+        b"HTTP/1.1 200 OK\r\ncontent-length: 999\r\ntransfer-encoding: chunked\r\nx-a: 1\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\nx-a: 1\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    ];
+    for answer in answers {
+        bounded(async {
+            let m = Manual::new().await;
+            let resp = m.exchange(leg(&m.host, b"{}"), answer, false).await.2;
+            let resp = resp.expect("answer");
+            assert_eq!(resp.headers().get(CONTENT_LENGTH), None);
+            assert_eq!(resp.headers()["x-a"], "1");
+            assert_eq!(body_bytes(resp).await, b"ok");
         })
         .await;
     }

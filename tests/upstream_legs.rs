@@ -1,5 +1,5 @@
 //! The lean leg client (`pdgate::upstream`) against hand-written HTTP/1.1 servers on real
-//! sockets (127.0.0.1, port 0): framing, connection reuse, stale keep-alive retries,
+//! sockets (127.0.0.1, port 0): framing, connection reuse, when a request may be sent again,
 //! errors, cancellation and the idle pool. Every test is bounded by [`bounded`].
 //!
 //! Two kinds of server: [`serve`] runs a handler per accepted connection and counts them
@@ -192,49 +192,79 @@ async fn sequential_legs_share_one_connection() {
     }
 }
 
-// ---------------------------------------------------------------- stale keep-alive
+// ---------------------------------------------------------------- resending a request
 
-/// Connection 0 answers one leg with keep-alive, then for the second leg either closes
-/// while idle (`None`) or reads it and writes `answer` then closes (FIN, or RST when
-/// `reset`). A close before any answer byte is retried once on a new connection
-/// (connection 1, which answers unless `conn1_closes`); nothing else is retried.
+/// What connection 0 does after answering the first leg with keep-alive.
+#[derive(Clone, Copy, Debug)]
+enum Conn0 {
+    /// Closes while idle (RST when `reset`); the test waits until the client's reactor has
+    /// seen the close when `seen`.
+    IdleClose { reset: bool, seen: bool },
+    /// Reads the second request whole, writes `answer`, then closes (RST when `reset`).
+    ReadThen(&'static [u8], bool),
+    /// Reads the second request's head only, then resets the connection: the client's write
+    /// of its large body fails part-way.
+    ResetMidBody,
+}
+
+/// A request is sent once more (on a new connection) only when the engine cannot have read
+/// all of it: its connection was seen closed before the write, or the write failed part-way.
+/// Once it was written whole, an EOF or reset before the answer is `ClosedAfterWrite`, never
+/// a resend (the same rid and bootstrap room would run twice).
 #[tokio::test]
-async fn stale_keep_alive_is_retried_once() {
+async fn a_request_the_engine_may_have_read_is_never_resent() {
     type Check = fn(&LegError) -> bool;
-    // (name, second leg on conn 0, wait for the idle close, conn1_closes, error, request conns)
-    type Case = (
-        &'static str,
-        Option<(&'static [u8], bool)>,
-        bool,
-        bool,
-        Option<Check>,
-        &'static [usize],
-    );
+    fn after_write(e: &LegError) -> bool {
+        matches!(e, LegError::ClosedAfterWrite { reused: true, .. }) && e.engine_may_have_read()
+    }
+    fn reset_after_write(e: &LegError) -> bool {
+        matches!(e, LegError::ClosedAfterWrite { reused: true, source: Some(io) }
+            if io.kind() == std::io::ErrorKind::ConnectionReset)
+    }
+    fn retry_closed(e: &LegError) -> bool {
+        matches!(
+            e,
+            LegError::ClosedAfterWrite {
+                reused: false,
+                source: None
+            }
+        )
+    }
     let ok: Option<Check> = None;
+    let idle = |reset, seen| Conn0::IdleClose { reset, seen };
+    // (name, what conn 0 does, conn 1 closes after reading, error, conn of each request read)
+    type Case = (&'static str, Conn0, bool, Option<Check>, &'static [usize]);
     #[rustfmt::skip]
     let cases: &[Case] = &[
-        ("idle close seen before the leg", None, true, false, ok, &[0, 1]),
-        ("idle close maybe unseen", None, false, false, ok, &[0, 1]),
-        ("closed after reading (FIN)", Some((b"", false)), false, false, ok, &[0, 0, 1]),
-        ("closed after reading (RST)", Some((b"", true)), false, false, ok, &[0, 0, 1]),
-        ("the retry fails too", Some((b"", false)), false, true, Some(|e| matches!(e, LegError::ClosedBeforeAnswer)), &[0, 0, 1]),
-        ("garbage answer", Some((b"HTX/1.1 200 OK\r\n\r\n", false)), false, false, Some(protocol), &[0, 0]),
-        ("partial head then close", Some((b"HTTP/1.1 200 O", false)), false, false, Some(closed_early), &[0, 0]),
+        ("idle close seen before the leg", idle(false, true), false, ok, &[0, 1]),
+        ("idle reset seen before the leg", idle(true, true), false, ok, &[0, 1]),
+        ("closed after reading (FIN)", Conn0::ReadThen(b"", false), false, Some(after_write), &[0, 0]),
+        ("closed after reading (RST)", Conn0::ReadThen(b"", true), false, Some(reset_after_write), &[0, 0]),
+        ("garbage answer", Conn0::ReadThen(b"HTX/1.1 200 OK\r\n\r\n", false), false, Some(protocol), &[0, 0]),
+        ("partial head then close", Conn0::ReadThen(b"HTTP/1.1 200 O", false), false, Some(closed_early), &[0, 0]),
+        ("write failed part-way", Conn0::ResetMidBody, false, ok, &[0, 1]),
+        ("write failed part-way, then the new connection closes after reading", Conn0::ResetMidBody, true, Some(retry_closed), &[0, 1]),
     ];
-    for &(name, second, wait, conn1_closes, err, conns) in cases {
+    let big: Arc<Vec<u8>> = Arc::new(vec![b' '; 32 << 20]);
+    for &(name, then, conn1_closes, err, conns) in cases {
         bounded(async {
             let mut srv = serve(move |mut c| async move {
                 match c.i {
                     0 => {
                         c.request().await.expect("first request");
                         c.send(OK2).await;
-                        if let Some((answer, reset)) = second {
-                            if c.request().await.is_some() {
-                                c.send(answer).await;
-                                c.close(reset);
+                        match then {
+                            Conn0::IdleClose { reset, .. } => c.close(reset),
+                            Conn0::ReadThen(answer, reset) => {
+                                if c.request().await.is_some() {
+                                    c.send(answer).await;
+                                    c.close(reset);
+                                }
                             }
-                        } else {
-                            c.close(false);
+                            Conn0::ResetMidBody => {
+                                c.head_only().await;
+                                c.close(true);
+                            }
                         }
                     }
                     1 if conn1_closes => {
@@ -247,17 +277,62 @@ async fn stale_keep_alive_is_retried_once() {
             let up = upstream(|_| {});
             assert_eq!(call(&up, &srv.host).await.unwrap().1, b"ok", "{name}");
             assert_eq!(srv.host.idle_count(), 1, "{name}");
-            if wait {
+            if let Conn0::IdleClose { seen: true, .. } = then {
                 assert_eq!(srv.closed().await, 0);
+                reactor_turn().await;
             }
-            match (call(&up, &srv.host).await, err) {
-                (Ok((_, body)), None) => assert_eq!(body, b"ok", "{name}"),
+            let body = match then {
+                Conn0::ResetMidBody => big.to_vec(),
+                _ => b"{}".to_vec(),
+            };
+            let r = up.send_leg(&srv.host, &leg(&srv.host, &body)).await;
+            match (r, err) {
+                (Ok(resp), None) => assert_eq!(body_bytes(resp).await, b"ok", "{name}"),
                 (Err(e), Some(want)) => assert!(want(&e), "{name}: {e:?}"),
                 (r, _) => panic!("{name}: unexpected {r:?}"),
             }
             assert_eq!(srv.accepted(), conns.last().unwrap() + 1, "{name}");
             assert_eq!(srv.request_conns(), conns, "{name}");
             assert_eq!(srv.host.idle_count(), usize::from(err.is_none()), "{name}");
+        })
+        .await;
+    }
+}
+
+/// An idle connection the engine closed just before the leg (the client may not have seen
+/// it yet): either the close was seen and the leg goes on a new connection, or the leg was
+/// written into the closed connection and fails as `ClosedAfterWrite`. Never both: the
+/// request reaches an engine at most once.
+#[tokio::test]
+async fn idle_close_racing_the_leg_reaches_the_engine_at_most_once() {
+    for reset in [false, true] {
+        bounded(async {
+            let mut srv = serve(move |mut c| async move {
+                if c.i == 0 {
+                    c.request().await.expect("first request");
+                    c.send(OK2).await;
+                    c.close(reset);
+                } else {
+                    c.answer_all(OK2).await;
+                }
+            })
+            .await;
+            let up = upstream(|_| {});
+            call(&up, &srv.host).await.unwrap();
+            match call(&up, &srv.host).await {
+                Ok((_, body)) => {
+                    assert_eq!(body, b"ok");
+                    assert_eq!(srv.request_conns(), [0, 1], "reset={reset}");
+                }
+                Err(e) => {
+                    assert!(
+                        matches!(e, LegError::ClosedAfterWrite { reused: true, .. }),
+                        "reset={reset}: {e:?}"
+                    );
+                    assert_eq!(srv.request_conns(), [0], "reset={reset}");
+                    assert_eq!(srv.accepted(), 1, "reset={reset}");
+                }
+            }
         })
         .await;
     }

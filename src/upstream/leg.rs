@@ -15,16 +15,29 @@
 //!   the end, exactly (no extra bytes), with HTTP/1.1 keep-alive. Anything else closes it.
 //! - Dropping the send future or the [`LegBody`] closes the connection at once, which is
 //!   how an engine learns the leg was cancelled.
-//! - A request sent on a reused connection that the engine had closed (EOF or reset before
-//!   any byte of an answer) is sent once more on a new connection; nothing else is retried
-//!   here.
+//! - A request that an engine may have read is never sent again with the same bytes (the
+//!   same rid and bootstrap room would run twice). It is sent once more, on a new
+//!   connection, only when the engine cannot have read all of it: a kept-alive connection
+//!   seen closed before the write is not used, and one whose write failed part-way (with
+//!   no answer to read) is replaced. Once the request was written whole, an EOF or reset
+//!   before any byte of an answer is [`LegError::ClosedAfterWrite`]; the dispatcher retries,
+//!   if at all, with a fresh pair and fresh rooms. So that this stays rare, idle connections
+//!   are kept at most `upstream.pool_idle_timeout_secs` (4 s), below the engines' keep-alive
+//!   (uvicorn's `timeout_keep_alive=5` in SGLang and vLLM).
+//! - An engine's answer is reported even when it came before the engine read the whole
+//!   request (a 413 or 400, then a close): a failed write first reads what is there.
+//! - Framing follows RFC 9112 §6.3: Transfer-Encoding wins over Content-Length, and such a
+//!   length is not kept in the headers handed on.
 //! - Nothing in here panics on what an engine sends: malformed heads, bad chunk sizes and
 //!   early EOFs are errors.
 //!
 //! Known limits: an idle connection is judged alive from tokio's readiness (no syscall), so
-//! an engine that sends something unasked (a 408, say) just before the connection is
-//! reused can have it read as the answer; chunk data followed by a bad CRLF in the same
-//! read is dropped with the error.
+//! a close the runtime has not yet seen is found only by the leg written into it (then
+//! `ClosedAfterWrite { reused: true }`), and an engine that sends something unasked (a 408,
+//! say) just before the connection is reused can have it read as the answer; an engine
+//! that answers early but neither reads the rest of the request nor closes leaves the write
+//! waiting until the leg's deadline; chunk data followed by a bad CRLF in the same read is
+//! dropped with the error.
 //!
 //! The idle list is a `Mutex<Vec<_>>` held for one push or pop (never across an await);
 //! it belongs to the worker (see `pool::WorkerView::conns`), so no map is looked up per
@@ -41,53 +54,17 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 
+use super::error::{LegError, ProtocolError};
 use super::leg_body::{Framing, LegBody};
 
 /// Largest response head accepted from an engine.
 const MAX_HEAD: usize = 64 * 1024;
 /// Most headers accepted in a response head.
 const MAX_HEADERS: usize = 64;
+/// How long an answer is awaited after writing the request failed (see `early_answer`).
+const EARLY_ANSWER_WAIT: Duration = Duration::from_millis(200);
 /// Read buffer size a leg starts with (grows for large answers).
 pub(crate) const READ_CHUNK: usize = 4096;
-
-/// Why a leg failed at the transport or protocol level.
-#[derive(Debug, thiserror::Error)]
-pub enum LegError {
-    #[error("connect to {addr} failed: {source}")]
-    Connect { addr: String, source: io::Error },
-    #[error("connect to {0} timed out after {1:?}")]
-    ConnectTimeout(String, Duration),
-    #[error("cannot resolve {0}: {1}")]
-    Resolve(String, String),
-    #[error("sending the request failed: {0}")]
-    Write(io::Error),
-    #[error("reading the answer failed: {0}")]
-    Read(io::Error),
-    #[error("the engine closed the connection before answering")]
-    ClosedBeforeAnswer,
-    #[error("the engine closed the connection before the answer was complete")]
-    ClosedEarly,
-    #[error("malformed answer from the engine: {0}")]
-    Protocol(String),
-}
-
-impl LegError {
-    /// Whether a request on a reused connection may be sent again on a new one: the
-    /// engine closed the connection before it could have answered (a stale keep-alive).
-    fn is_stale(&self) -> bool {
-        match self {
-            LegError::ClosedBeforeAnswer => true,
-            LegError::Write(e) | LegError::Read(e) => matches!(
-                e.kind(),
-                io::ErrorKind::BrokenPipe
-                    | io::ErrorKind::ConnectionReset
-                    | io::ErrorKind::ConnectionAborted
-                    | io::ErrorKind::UnexpectedEof
-            ),
-            _ => false,
-        }
-    }
-}
 
 /// Pool settings (from `[upstream]` and `[timeouts]`).
 #[derive(Clone, Copy, Debug)]
@@ -192,14 +169,17 @@ impl HostConns {
             Some(a) => vec![a],
             None => tokio::net::lookup_host((self.host.as_str(), self.port))
                 .await
-                .map_err(|e| LegError::Resolve(self.authority.clone(), e.to_string()))?
+                .map_err(|source| LegError::Resolve {
+                    host: self.authority.clone(),
+                    source,
+                })?
                 .collect(),
         };
         if addrs.is_empty() {
-            return Err(LegError::Resolve(
-                self.authority.clone(),
-                "no address".to_string(),
-            ));
+            return Err(LegError::Resolve {
+                host: self.authority.clone(),
+                source: io::Error::new(io::ErrorKind::NotFound, "no address"),
+            });
         }
         let connect = async {
             let mut last = io::Error::other("no address");
@@ -301,63 +281,118 @@ pub fn header_lines<'a>(
 
 /// Sends `req` to `host` and reads the answer's head; the body streams from the returned
 /// [`LegBody`].
+///
+/// A request is sent a second time (on a new connection) only when the engine cannot have
+/// read all of it: writing it on a kept-alive connection failed part-way and no answer was
+/// there. Everything else is the caller's to decide (see [`LegError::engine_may_have_read`]).
 pub async fn send(
     host: &Arc<HostConns>,
     s: &LegSettings,
     req: &LegRequest,
 ) -> Result<Response<LegBody>, LegError> {
     if let Some(stream) = host.checkout(s) {
-        match exchange(stream, host, s, req).await {
-            Err(e) if e.is_stale() => {
+        match exchange(stream, host, s, req, true).await {
+            // The engine had closed the idle connection: it has not read this request.
+            Err(LegError::Write(_)) => {
                 metrics::counter!("pdgate_upstream_stale_retries_total").increment(1);
             }
             other => return other,
         }
     }
     let stream = host.connect(s).await?;
-    exchange(stream, host, s, req).await
+    exchange(stream, host, s, req, false).await
 }
 
+/// Writes the request on `stream` (a kept-alive one when `reused`) and reads the answer's
+/// head.
 async fn exchange(
     mut stream: TcpStream,
     host: &Arc<HostConns>,
     s: &LegSettings,
     req: &LegRequest,
+    reused: bool,
 ) -> Result<Response<LegBody>, LegError> {
-    write_two(&mut stream, &req.head, &req.body)
-        .await
-        .map_err(LegError::Write)?;
+    if let Err(e) = write_two(&mut stream, &req.head, &req.body).await {
+        return match early_answer(&mut stream, req.keep_headers).await {
+            Some((parts, buf)) => Ok(build(parts, buf, stream, host, s)),
+            None => Err(LegError::Write(e)),
+        };
+    }
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    let parts = read_head(&mut stream, &mut buf, req.keep_headers, reused).await?;
+    Ok(build(parts, buf, stream, host, s))
+}
+
+/// The answer of an engine that answered before it had read the whole request (a 413 or a
+/// 400 on the head alone) and closed, read after writing the request failed: that answer
+/// says more than the write's reset. What the engine sent before its close is already here
+/// (TCP delivers it before the reset), so this waits at most [`EARLY_ANSWER_WAIT`]; no
+/// answer, or a broken one, leaves the write's error as the leg's. The connection is never
+/// reused: the request was not written whole.
+async fn early_answer(stream: &mut TcpStream, keep_headers: bool) -> Option<(Parts, BytesMut)> {
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    let read = read_head(stream, &mut buf, keep_headers, false);
+    let mut parts = tokio::time::timeout(EARLY_ANSWER_WAIT, read)
+        .await
+        .ok()?
+        .ok()?;
+    parts.keep_alive = false;
+    Some((parts, buf))
+}
+
+/// Reads until the final answer's head is whole (1xx heads are skipped); what follows it
+/// stays in `buf`. An EOF or reset before any byte of an answer is
+/// [`LegError::ClosedAfterWrite`].
+async fn read_head(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    keep_headers: bool,
+    reused: bool,
+) -> Result<Parts, LegError> {
+    let mut answered = false;
     loop {
         // Nothing to parse before the first read.
         let head = if buf.is_empty() {
             Head::Partial
         } else {
-            parse_head(&mut buf, req.keep_headers)?
+            parse_head(buf, keep_headers)?
         };
         match head {
-            Head::Done(parts) => return Ok(build(parts, buf, stream, host, s)),
+            Head::Done(parts) => return Ok(parts),
             // 1xx: the real answer follows (maybe already in `buf`).
             Head::Informational => continue,
             Head::Partial => {
                 if buf.len() > MAX_HEAD {
-                    return Err(LegError::Protocol(format!(
-                        "response head larger than {MAX_HEAD} bytes"
-                    )));
+                    return Err(ProtocolError::HeadTooLarge(MAX_HEAD).into());
                 }
-                let n = read_more(&mut stream, &mut buf)
-                    .await
-                    .map_err(LegError::Read)?;
-                if n == 0 {
-                    return Err(if buf.is_empty() {
-                        LegError::ClosedBeforeAnswer
-                    } else {
-                        LegError::ClosedEarly
-                    });
+                match read_more(stream, buf).await {
+                    Ok(0) if !answered => {
+                        return Err(LegError::ClosedAfterWrite {
+                            reused,
+                            source: None,
+                        })
+                    }
+                    Ok(0) => return Err(LegError::ClosedEarly),
+                    Ok(_) => answered = true,
+                    Err(e) if !answered && is_reset(&e) => {
+                        return Err(LegError::ClosedAfterWrite {
+                            reused,
+                            source: Some(e),
+                        })
+                    }
+                    Err(e) => return Err(LegError::Read(e)),
                 }
             }
         }
     }
+}
+
+/// Whether a read error is the engine closing the connection (a reset).
+fn is_reset(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted
+    )
 }
 
 /// A parsed response head (without hop-by-hop headers).
@@ -376,7 +411,8 @@ enum Head {
 
 /// Parses one response head at the front of `buf`; on success the head's bytes are taken
 /// off `buf` (what remains is body). Headers are kept only when asked for (decode's are
-/// re-sent to the client; the prefill's are not needed).
+/// re-sent to the client; the prefill's are not needed), without the hop-by-hop ones and
+/// without a Content-Length that came with a Transfer-Encoding.
 fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> {
     // Header slots left uninitialized (a 64-slot array is 2 KiB to fill otherwise).
     let mut hs = [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
@@ -385,17 +421,14 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
         .parse_response_with_uninit_headers(&mut resp, buf, &mut hs)
     {
         Ok(httparse::Status::Complete(n)) if n > MAX_HEAD => {
-            return Err(LegError::Protocol(format!(
-                "response head larger than {MAX_HEAD} bytes"
-            )))
+            return Err(ProtocolError::HeadTooLarge(MAX_HEAD).into())
         }
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(Head::Partial),
-        Err(e) => return Err(LegError::Protocol(format!("bad response head: {e}"))),
+        Err(e) => return Err(ProtocolError::Head(e).into()),
     };
     let code = resp.code.unwrap_or(0);
-    let status = StatusCode::from_u16(code)
-        .map_err(|_| LegError::Protocol(format!("bad status code {code}")))?;
+    let status = StatusCode::from_u16(code).map_err(|_| ProtocolError::Status(code))?;
     let http11 = resp.version == Some(1);
     // Where each header's name and value sit in the head (no allocation per header).
     let mut spans: smallvec::SmallVec<[(u32, u32, u32, u32); 16]> = smallvec::SmallVec::new();
@@ -419,9 +452,9 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
             let n = (!v.is_empty() && v.iter().all(u8::is_ascii_digit))
                 .then(|| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
                 .flatten()
-                .ok_or_else(|| LegError::Protocol("bad content-length".to_string()))?;
-            if length.is_some_and(|l| l != n) {
-                return Err(LegError::Protocol("conflicting content-length".to_string()));
+                .ok_or_else(|| ProtocolError::ContentLength(ProtocolError::snippet(v)))?;
+            if let Some(l) = length.filter(|&l| l != n) {
+                return Err(ProtocolError::ConflictingContentLength(l, n).into());
             }
             length = Some(n);
         } else if name.eq_ignore_ascii_case(b"connection") {
@@ -449,10 +482,14 @@ fn parse_head(buf: &mut BytesMut, keep_headers: bool) -> Result<Head, LegError> 
         let mut headers = HeaderMap::with_capacity(spans.len() + 1);
         for &(n0, n1, v0, v1) in &spans {
             let (n0, n1, v0, v1) = (n0 as usize, n1 as usize, v0 as usize, v1 as usize);
-            let name = HeaderName::from_bytes(&raw[n0..n1])
-                .map_err(|_| LegError::Protocol("bad header name".to_string()))?;
+            let name = HeaderName::from_bytes(&raw[n0..n1]).map_err(ProtocolError::HeaderName)?;
+            // Transfer-Encoding frames the body; a length beside it is not passed on
+            // (RFC 9112 §6.3).
+            if te && name == http::header::CONTENT_LENGTH {
+                continue;
+            }
             let v = HeaderValue::from_maybe_shared(raw.slice(v0..v1))
-                .map_err(|_| LegError::Protocol("bad header value".to_string()))?;
+                .map_err(ProtocolError::HeaderValue)?;
             headers.append(name, v);
         }
         headers

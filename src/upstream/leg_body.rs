@@ -18,7 +18,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::net::TcpStream;
 
-use super::leg::{poll_read_more, HostConns, LegError, LegSettings};
+use super::error::{LegError, ProtocolError};
+use super::leg::{poll_read_more, HostConns, LegSettings};
 
 /// Longest chunk-size or trailer line accepted.
 const MAX_LINE: usize = 4096;
@@ -140,7 +141,7 @@ impl LegBody {
                         return Ok(());
                     }
                     if &self.buf[..2] != b"\r\n" {
-                        return Err(LegError::Protocol("chunk data not followed by CRLF".into()));
+                        return Err(ProtocolError::ChunkDataEnd.into());
                     }
                     self.buf.advance(2);
                     self.framing = Framing::Chunked(Chunk::Size);
@@ -177,7 +178,7 @@ impl LegBody {
         match memchr::memchr(b'\n', &self.buf) {
             Some(i) => Ok(Some(i)),
             None if self.buf.len() > MAX_LINE => {
-                Err(LegError::Protocol("chunk line too long".into()))
+                Err(ProtocolError::ChunkLineTooLong(MAX_LINE).into())
             }
             None => Ok(None),
         }
@@ -202,14 +203,15 @@ fn trim_cr(line: &[u8]) -> &[u8] {
     line.strip_suffix(b"\r").unwrap_or(line)
 }
 
-fn parse_chunk_size(line: &[u8]) -> Result<u64, LegError> {
+fn parse_chunk_size(line: &[u8]) -> Result<u64, ProtocolError> {
+    let bad = || ProtocolError::ChunkSize(ProtocolError::snippet(line));
     let digits = line
         .split(|&b| b == b';')
         .next()
         .unwrap_or_default()
         .trim_ascii();
     if digits.is_empty() || digits.len() > 15 {
-        return Err(LegError::Protocol("bad chunk size".into()));
+        return Err(bad());
     }
     let mut n: u64 = 0;
     for &d in digits {
@@ -217,7 +219,7 @@ fn parse_chunk_size(line: &[u8]) -> Result<u64, LegError> {
             b'0'..=b'9' => d - b'0',
             b'a'..=b'f' => d - b'a' + 10,
             b'A'..=b'F' => d - b'A' + 10,
-            _ => return Err(LegError::Protocol("bad chunk size".into())),
+            _ => return Err(bad()),
         };
         n = n * 16 + u64::from(v);
     }

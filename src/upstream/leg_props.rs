@@ -133,7 +133,8 @@ fn model(input: &[u8], keep_headers: bool) -> Got {
     let mut headers = Vec::new();
     if keep_headers {
         for (name, v) in &hs {
-            if HOP.contains(&name.as_str()) {
+            // RFC 9112 §6.3: a length beside a transfer-encoding is not passed on.
+            if HOP.contains(&name.as_str()) || (te && name == "content-length") {
                 continue;
             }
             if HeaderName::from_bytes(name.as_bytes()).is_err()
@@ -294,7 +295,7 @@ enum Fr {
     None,
     Length(u64),
     Chunked(&'static str),
-    /// Both: transfer-encoding wins.
+    /// Both: transfer-encoding wins, and the length is dropped.
     Both(u64, &'static str),
 }
 
@@ -463,6 +464,9 @@ impl GenHead {
                     .into_iter()
                     .map(|(n, _, v, _)| (n.to_ascii_lowercase(), v.into_bytes()))
                     .filter(|(n, _)| !HOP.contains(&n.as_str()))
+                    .filter(|(n, _)| {
+                        !(matches!(self.framing, Fr::Both(..)) && n == "content-length")
+                    })
                     .collect(),
             )
         } else {

@@ -6,12 +6,18 @@
 //!   one pooled hyper client (HTTP/1.1, TCP_NODELAY, connect timeout, keep-alive), via
 //!   [`Upstream::get`] / [`Upstream::call`], each with its own timeout.
 //!
+//! - Errors are typed and keep their cause ([`LegError`], [`ProtocolError`], [`CallError`],
+//!   [`UrlError`]); a leg's error says whether the engine may have read the request
+//!   ([`LegError::engine_may_have_read`]).
+//!
 //! [`Upstream`] is a cheap handle (one `Arc`): legs keep a clone to send their abort.
 
+mod error;
 mod leg;
 mod leg_body;
 
-pub use leg::{header_lines, HostConns, LegError, LegRequest, LegSettings};
+pub use error::{error_chain, CallError, LegError, ProtocolError, UrlError};
+pub use leg::{header_lines, HostConns, LegRequest, LegSettings};
 pub use leg_body::LegBody;
 
 use std::sync::Arc;
@@ -88,36 +94,23 @@ impl std::fmt::Display for BaseUrl {
 }
 
 /// Parses `http://host[:port][/]`; only plain http (engines speak cleartext in-cluster).
-pub fn parse_base_url(s: &str) -> Result<BaseUrl, String> {
-    let uri: Uri = s.trim().parse().map_err(|e| format!("not a URL ({e})"))?;
+pub fn parse_base_url(s: &str) -> Result<BaseUrl, UrlError> {
+    let uri: Uri = s.trim().parse().map_err(UrlError::NotAUrl)?;
     match uri.scheme_str() {
         Some("http") => {}
-        Some(other) => return Err(format!("scheme {other} is not supported, use http")),
-        None => return Err("missing http:// scheme".to_string()),
+        Some(other) => return Err(UrlError::Scheme(other.to_string())),
+        None => return Err(UrlError::MissingScheme),
     }
-    let auth = uri.authority().ok_or("missing host")?;
+    let auth = uri.authority().ok_or(UrlError::MissingHost)?;
     let path = uri.path();
     if !(path.is_empty() || path == "/") || uri.query().is_some() {
-        return Err("a path or query is not supported; give http://host:port".to_string());
+        return Err(UrlError::PathOrQuery);
     }
     let host = auth.host().trim_start_matches('[').trim_end_matches(']');
     if host.is_empty() {
-        return Err("missing host".to_string());
+        return Err(UrlError::MissingHost);
     }
     Ok(BaseUrl::new(host, auth.port_u16().unwrap_or(80)))
-}
-
-/// Why a background call failed.
-#[derive(Debug, thiserror::Error)]
-pub enum CallError {
-    #[error("connect/transport error: {0}")]
-    Transport(String),
-    #[error("timed out after {0:?}")]
-    Timeout(Duration),
-    #[error("bad URL: {0}")]
-    Url(String),
-    #[error("body read failed: {0}")]
-    Body(String),
 }
 
 /// Shared clients plus the settings legs need.
@@ -167,6 +160,16 @@ impl Upstream {
         }))
     }
 
+    /// The same clients with other leg settings (a short idle timeout in a test, say).
+    pub fn with_leg_settings(&self, legs: LegSettings) -> Upstream {
+        Upstream(Arc::new(UpstreamInner {
+            client: self.client.clone(),
+            auth: self.auth.clone(),
+            forward_authorization: self.forward_authorization,
+            legs,
+        }))
+    }
+
     /// Sends a leg to `host` and returns the answer's head; its body streams from the
     /// socket as it is polled.
     pub async fn send_leg(
@@ -194,18 +197,18 @@ impl Upstream {
         }
         let req = b
             .body(Full::new(body.unwrap_or_default()))
-            .map_err(|e| CallError::Url(e.to_string()))?;
+            .map_err(CallError::Url)?;
         let fut = async {
             let resp = self
                 .client
                 .request(req)
                 .await
-                .map_err(|e| CallError::Transport(error_chain(&e)))?;
+                .map_err(CallError::Transport)?;
             let status = resp.status();
             let bytes = Limited::new(resp.into_body(), SMALL_BODY_LIMIT)
                 .collect()
                 .await
-                .map_err(|e| CallError::Body(e.to_string()))?
+                .map_err(CallError::Body)?
                 .to_bytes();
             Ok((status, bytes))
         };
@@ -220,7 +223,7 @@ impl Upstream {
         path: &str,
         timeout: Duration,
     ) -> Result<(StatusCode, Bytes), CallError> {
-        let uri = base.uri(path).map_err(|e| CallError::Url(e.to_string()))?;
+        let uri = base.uri(path).map_err(CallError::Url)?;
         self.call(Method::GET, uri, None, timeout).await
     }
 
@@ -252,25 +255,14 @@ impl Upstream {
     }
 }
 
-/// The full source chain of an error, for logs and error messages.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn base_urls() {
-        let cases = [
+        type Want = Result<(&'static str, &'static str, u16), fn(&UrlError) -> bool>;
+        let cases: [(&str, Want); 10] = [
             (
                 "http://10.0.0.1:30000",
                 Ok(("http://10.0.0.1:30000", "10.0.0.1", 30000)),
@@ -278,10 +270,18 @@ mod tests {
             ("http://host:1/", Ok(("http://host:1", "host", 1))),
             ("http://[::1]:8000", Ok(("http://[::1]:8000", "::1", 8000))),
             ("http://h", Ok(("http://h:80", "h", 80))),
-            ("https://h:1", Err(())),
-            ("h:1", Err(())),
-            ("http://h:1/v1", Err(())),
-            ("not a url", Err(())),
+            (
+                "https://h:1",
+                Err(|e| matches!(e, UrlError::Scheme(s) if s == "https")),
+            ),
+            ("h:1", Err(|e| matches!(e, UrlError::MissingScheme))),
+            ("/v1", Err(|e| matches!(e, UrlError::MissingScheme))),
+            ("http://h:1/v1", Err(|e| matches!(e, UrlError::PathOrQuery))),
+            (
+                "http://h:1?a=1",
+                Err(|e| matches!(e, UrlError::PathOrQuery)),
+            ),
+            ("not a url", Err(|e| matches!(e, UrlError::NotAUrl(_)))),
         ];
         for (input, want) in cases {
             let got = parse_base_url(input);
@@ -293,10 +293,16 @@ mod tests {
                         "{input}"
                     )
                 }
-                (Err(_), Err(())) => {}
-                (g, w) => panic!("{input}: got {g:?}, want {w:?}"),
+                (Err(e), Err(check)) => assert!(check(&e), "{input}: {e:?}"),
+                (g, w) => panic!("{input}: got {g:?}, want {:?}", w.ok()),
             }
         }
+        let e = parse_base_url("not a url").unwrap_err();
+        assert!(
+            std::error::Error::source(&e).is_some(),
+            "keeps the URI error"
+        );
+        assert!(e.to_string().starts_with("not a URL ("), "{e}");
         let b = parse_base_url("http://[::1]:8000").unwrap().with_port(8998);
         assert_eq!(b.as_str(), "http://[::1]:8998");
     }

@@ -14,7 +14,8 @@ pub use http_body_util::BodyExt;
 pub use hyper::body::Body;
 pub use pdgate::config::{TimeoutConfig, UpstreamConfig};
 pub use pdgate::upstream::{
-    header_lines, parse_base_url, HostConns, LegBody, LegError, LegRequest, Upstream,
+    error_chain, header_lines, parse_base_url, CallError, HostConns, LegBody, LegError, LegRequest,
+    ProtocolError, Upstream,
 };
 pub use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub use tokio::net::{TcpListener, TcpStream};
@@ -126,12 +127,28 @@ impl Conn {
         let _ = self.s.write_all(b).await;
     }
 
-    /// Closes the connection (FIN, or RST when `reset`).
+    /// Reads one request's head only (its body is left unread); false once the client
+    /// closed.
+    pub async fn head_only(&mut self) -> bool {
+        while !self.buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            if !self.fill().await {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Closes the connection (FIN, or RST when `reset`); `Ev::Closed` is sent once the
+    /// socket is closed.
     pub fn close(self, reset: bool) {
         if reset {
             let _ = self.s.set_zero_linger();
         }
-        self.emit(Ev::Closed(self.i));
+        let (i, ev) = (self.i, self.ev.clone());
+        drop(self);
+        if let Some(tx) = ev {
+            let _ = tx.send(Ev::Closed(i));
+        }
     }
 
     /// Answers every request with `answer` until the client closes.
@@ -247,6 +264,18 @@ impl Manual {
 pub type Exchange = (Conn, Req, Result<Response<LegBody>, LegError>);
 
 // ---------------------------------------------------------------- client side
+
+/// Returns once this runtime's I/O driver has polled the kernel after the call: a loopback
+/// connect, whose readiness the driver must fetch. Readiness that arrived before (an engine's
+/// close of an idle connection, on loopback delivered by the close itself) is then known to
+/// tokio, so a test can wait for "the client has seen the close" without sleeping.
+pub async fn reactor_turn() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
+    a.unwrap();
+    b.unwrap();
+}
 
 pub fn upstream(tweak: impl FnOnce(&mut UpstreamConfig)) -> Upstream {
     let mut cfg = UpstreamConfig::default();
