@@ -495,7 +495,7 @@ impl Config {
     /// the allowed range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         for (i, p) in self.prefill.iter().enumerate() {
-            if let Err(e) = crate::upstream::parse_base_url(&p.url) {
+            if let Err(e) = crate::url::parse_base_url(&p.url) {
                 return Err(invalid(format!("prefill[{i}].url {:?}: {e}", p.url)));
             }
             if p.bootstrap_port == Some(0) {
@@ -507,7 +507,7 @@ impl Config {
             }
         }
         for (i, d) in self.decode.iter().enumerate() {
-            if let Err(e) = crate::upstream::parse_base_url(&d.url) {
+            if let Err(e) = crate::url::parse_base_url(&d.url) {
                 return Err(invalid(format!("decode[{i}].url {:?}: {e}", d.url)));
             }
         }

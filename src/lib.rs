@@ -23,6 +23,7 @@ pub mod server;
 pub mod sim;
 pub mod types;
 pub mod upstream;
+pub mod url;
 
 #[cfg(test)]
 mod test_cuts;

@@ -11,7 +11,7 @@ use crate::pd::{Dispatcher, RngSource};
 use crate::pool::Pool;
 use crate::server::Server;
 use crate::types::{Role, WorkerId};
-use crate::upstream::{parse_base_url, BaseUrl, Upstream};
+use crate::upstream::{parse_base_url, BaseUrl, Upstream, UpstreamSettings};
 
 /// A router serving on its listener.
 pub struct Router {
@@ -34,6 +34,17 @@ pub enum StartError {
         addr: String,
         source: std::io::Error,
     },
+}
+
+/// The engine clients' settings from `[upstream]` and `[timeouts]`.
+pub fn upstream_settings(cfg: &Config) -> UpstreamSettings {
+    UpstreamSettings {
+        connect_timeout: cfg.timeouts.connect(),
+        pool_max_idle_per_host: cfg.upstream.pool_max_idle_per_host,
+        pool_idle_timeout: std::time::Duration::from_secs(cfg.upstream.pool_idle_timeout_secs),
+        api_key: cfg.upstream.api_key.clone(),
+        forward_authorization: cfg.upstream.forward_authorization,
+    }
 }
 
 /// Starts the engine load poller of a worker when `policy.load_poll_interval_ms` > 0.
@@ -92,7 +103,7 @@ pub async fn start(
         }
     });
     let cfg = Arc::new(cfg);
-    let up = Upstream::new(&cfg.upstream, &cfg.timeouts);
+    let up = Upstream::new(&upstream_settings(&cfg));
     let pool = Arc::new(Pool::new());
     for p in &cfg.prefill {
         let url = parse_base_url(&p.url)

@@ -16,7 +16,6 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use pdgate::bootstrap::client::{self, Generation, RankRoute, Sentinel};
-use pdgate::config::{TimeoutConfig, UpstreamConfig};
 use pdgate::sim::{EngineConfig, Faults};
 use pdgate::types::{Role, WorkerId};
 use pdgate::upstream::{parse_base_url, Upstream};
@@ -44,7 +43,9 @@ async fn stale_views_are_checked_on_the_request_path() {
     // The simulator drops the ranks from its bootstrap table in the background: wait until
     // its server answers that way (as the preflight will ask it), and until the router's
     // view of them is older than the freshness bound (so that the preflight runs).
-    let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+    let up = Upstream::new(&pdgate::router::upstream_settings(
+        &pdgate::config::Config::default(),
+    ));
     let base = parse_base_url(&env.cluster.prefills[0].bootstrap_url().unwrap()).unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     for r in 0..2 {
@@ -183,7 +184,9 @@ fn old_answer(gen: Generation, path: &str, q: &str) -> (u16, String) {
 
 #[tokio::test]
 async fn older_bootstrap_generations_are_understood() {
-    let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+    let up = Upstream::new(&pdgate::router::upstream_settings(
+        &pdgate::config::Config::default(),
+    ));
     for gen in [Generation::V1, Generation::V2] {
         let (url, task) = old_server(gen).await;
         let base = parse_base_url(&url).unwrap();
@@ -284,7 +287,9 @@ async fn info_server(knows_it: bool) -> (String, tokio::task::JoinHandle<()>) {
 /// Engines older than `/server_info` answer `/get_server_info`; both are tried in turn.
 #[tokio::test]
 async fn server_info_falls_back_to_get_server_info() {
-    let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+    let up = Upstream::new(&pdgate::router::upstream_settings(
+        &pdgate::config::Config::default(),
+    ));
     let t = Duration::from_secs(2);
     let (url, task) = info_server(true).await;
     let info = client::server_info(&up, &parse_base_url(&url).unwrap(), t)

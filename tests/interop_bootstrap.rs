@@ -20,7 +20,7 @@ use pdgate::bootstrap::client::{
     health, rank_route, sentinel, BootstrapError, Generation, RankRoute, Sentinel,
 };
 use pdgate::bootstrap::Layout;
-use pdgate::config::{BootstrapConfig, TimeoutConfig, UpstreamConfig};
+use pdgate::config::BootstrapConfig;
 use pdgate::pool::{Pool, RankFailure, RankReadiness};
 use pdgate::types::Role;
 use pdgate::upstream::{parse_base_url, BaseUrl, Upstream};
@@ -222,7 +222,9 @@ impl BootstrapServer {
 }
 
 fn upstream() -> Upstream {
-    Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default())
+    Upstream::new(&pdgate::router::upstream_settings(
+        &pdgate::config::Config::default(),
+    ))
 }
 
 /// A loopback port nothing listens on (bound, then released).

@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
-use pdgate::config::{TimeoutConfig, UpstreamConfig};
 use pdgate::upstream::{parse_base_url, BaseUrl, HostConns, LegBody, LegRequest, Upstream};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
@@ -202,7 +201,9 @@ where
 }
 
 fn upstream() -> Upstream {
-    Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default())
+    Upstream::new(&pdgate::router::upstream_settings(
+        &pdgate::config::Config::default(),
+    ))
 }
 
 fn rid(tag: &str) -> String {

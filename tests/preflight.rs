@@ -15,7 +15,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use pdgate::bootstrap::client::Generation;
 use pdgate::bootstrap::preflight;
 use pdgate::bootstrap::Layout;
-use pdgate::config::{TimeoutConfig, UpstreamConfig};
 use pdgate::pool::{BootstrapInfo, Pool, PreflightOutcome, RankReadiness};
 use pdgate::types::Role;
 use pdgate::upstream::{parse_base_url, Upstream};
@@ -112,7 +111,9 @@ async fn checks(pool: &Arc<Pool>, up: &Upstream, rank: u32, n: usize) -> Vec<Pre
 async fn concurrent_stale_requests_share_one_check() {
     let (url, count) = slow_bootstrap(Duration::from_millis(300), StatusCode::OK).await;
     let pool = pool_with_prefill(&url);
-    let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+    let up = Upstream::new(&pdgate::router::upstream_settings(
+        &pdgate::config::Config::default(),
+    ));
     let got = checks(&pool, &up, 1, 20).await;
     assert!(got.iter().all(|o| *o == PreflightOutcome::Ready), "{got:?}");
     assert_eq!(
@@ -135,7 +136,9 @@ async fn concurrent_stale_requests_share_one_check() {
 async fn a_failed_check_is_shared_too() {
     let (url, count) = slow_bootstrap(Duration::from_millis(200), StatusCode::NOT_FOUND).await;
     let pool = pool_with_prefill(&url);
-    let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+    let up = Upstream::new(&pdgate::router::upstream_settings(
+        &pdgate::config::Config::default(),
+    ));
     let got = checks(&pool, &up, 0, 10).await;
     assert!(
         got.iter()

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use common::{assert_retried, attempts_seen, expect_ok, start, with_faults, GEN, GEN_STREAM};
 use pdgate::bootstrap::client::{self, Generation, RankRoute};
-use pdgate::config::{TimeoutConfig, UpstreamConfig};
 use pdgate::sim::{EngineConfig, Faults};
 use pdgate::types::{Role, WorkerId};
 use pdgate::upstream::{parse_base_url, Upstream};
@@ -204,7 +203,9 @@ async fn legacy_bootstrap_bug_with_a_stale_view_is_cut_short() {
         register_none: true,
         ..Faults::default()
     });
-    let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+    let up = Upstream::new(&pdgate::router::upstream_settings(
+        &pdgate::config::Config::default(),
+    ));
     let base = parse_base_url(&p.bootstrap_url().unwrap()).unwrap();
     for r in 1..4 {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);

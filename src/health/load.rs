@@ -240,7 +240,7 @@ pub fn spawn(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{TimeoutConfig, UpstreamConfig};
+
     use crate::upstream::parse_base_url;
 
     #[test]
@@ -338,7 +338,9 @@ mod tests {
         let sim = crate::sim::spawn(crate::sim::EngineConfig::decode(2))
             .await
             .unwrap();
-        let up = Upstream::new(&UpstreamConfig::default(), &TimeoutConfig::default());
+        let up = Upstream::new(&crate::router::upstream_settings(
+            &crate::config::Config::default(),
+        ));
         let url = parse_base_url(&sim.url()).unwrap();
         let pool = Pool::new();
         let id = pool.add_worker(Role::Decode, url.clone(), None);

@@ -124,21 +124,6 @@ pub enum CallError {
     Body(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
-/// Why an engine URL was refused (`http://host[:port][/]` only).
-#[derive(Debug, thiserror::Error)]
-pub enum UrlError {
-    #[error("not a URL ({0})")]
-    NotAUrl(#[source] http::uri::InvalidUri),
-    #[error("scheme {0} is not supported, use http")]
-    Scheme(String),
-    #[error("missing http:// scheme")]
-    MissingScheme,
-    #[error("missing host")]
-    MissingHost,
-    #[error("a path or query is not supported; give http://host:port")]
-    PathOrQuery,
-}
-
 /// The full source chain of an error, for logs and error messages. A cause that its error's
 /// message already ends with (see the module's convention) is not repeated.
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {

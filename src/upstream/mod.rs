@@ -16,7 +16,8 @@ mod error;
 mod leg;
 mod leg_body;
 
-pub use error::{error_chain, CallError, LegError, ProtocolError, UrlError};
+pub use crate::url::{parse_base_url, BaseUrl, UrlError};
+pub use error::{error_chain, CallError, LegError, ProtocolError};
 pub use leg::{header_lines, HostConns, LegRequest, LegSettings};
 pub use leg_body::LegBody;
 
@@ -30,88 +31,10 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use crate::config::{TimeoutConfig, UpstreamConfig};
-
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// Largest body a background call reads (server info, routes, health).
 const SMALL_BODY_LIMIT: usize = 4 * 1024 * 1024;
-
-/// An engine's base URL: `http://host:port`, without a trailing slash. Cheap to clone
-/// (one `Arc`): legs keep one for their abort.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BaseUrl(Arc<UrlParts>);
-
-#[derive(Debug, PartialEq, Eq)]
-struct UrlParts {
-    base: String,
-    host: String,
-    port: u16,
-}
-
-impl BaseUrl {
-    /// `http://host:port`, the host as written (an IPv6 host gets its brackets here).
-    fn new(host: &str, port: u16) -> BaseUrl {
-        let base = if host.contains(':') {
-            format!("http://[{host}]:{port}")
-        } else {
-            format!("http://{host}:{port}")
-        };
-        BaseUrl(Arc::new(UrlParts {
-            base,
-            host: host.to_string(),
-            port,
-        }))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0.base
-    }
-    /// The host as written (IPv6 without brackets).
-    pub fn host(&self) -> &str {
-        &self.0.host
-    }
-    pub fn port(&self) -> u16 {
-        self.0.port
-    }
-    /// `base + path` as a URI; `path` starts with `/`.
-    pub fn uri(&self, path: &str) -> Result<Uri, http::Error> {
-        let mut s = String::with_capacity(self.0.base.len() + path.len());
-        s.push_str(&self.0.base);
-        s.push_str(path);
-        Ok(Uri::try_from(s)?)
-    }
-    /// `http://host:port` with another port on the same host (the bootstrap server).
-    pub fn with_port(&self, port: u16) -> BaseUrl {
-        BaseUrl::new(self.host(), port)
-    }
-}
-
-impl std::fmt::Display for BaseUrl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Parses `http://host[:port][/]`; only plain http (engines speak cleartext in-cluster).
-pub fn parse_base_url(s: &str) -> Result<BaseUrl, UrlError> {
-    let uri: Uri = s.trim().parse().map_err(UrlError::NotAUrl)?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some(other) => return Err(UrlError::Scheme(other.to_string())),
-        None => return Err(UrlError::MissingScheme),
-    }
-    let auth = uri.authority().ok_or(UrlError::MissingHost)?;
-    let path = uri.path();
-    if !(path.is_empty() || path == "/") || uri.query().is_some() {
-        return Err(UrlError::PathOrQuery);
-    }
-    let host = auth.host().trim_start_matches('[').trim_end_matches(']');
-    if host.is_empty() {
-        return Err(UrlError::MissingHost);
-    }
-    Ok(BaseUrl::new(host, auth.port_u16().unwrap_or(80)))
-}
 
 /// Shared clients plus the settings legs need.
 #[derive(Clone)]
@@ -131,15 +54,28 @@ impl std::ops::Deref for Upstream {
     }
 }
 
+/// What the clients are built from (plain values; the router derives them from its
+/// `[upstream]` and `[timeouts]` settings).
+#[derive(Clone, Debug)]
+pub struct UpstreamSettings {
+    pub connect_timeout: Duration,
+    pub pool_max_idle_per_host: usize,
+    pub pool_idle_timeout: Duration,
+    /// Sent to engines as `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Forward the client's `Authorization` header on legs (when no `api_key`).
+    pub forward_authorization: bool,
+}
+
 impl Upstream {
-    pub fn new(cfg: &UpstreamConfig, timeouts: &TimeoutConfig) -> Upstream {
+    pub fn new(cfg: &UpstreamSettings) -> Upstream {
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
-        conn.set_connect_timeout(Some(timeouts.connect()));
+        conn.set_connect_timeout(Some(cfg.connect_timeout));
         conn.set_keepalive(Some(Duration::from_secs(30)));
         conn.enforce_http(true);
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(cfg.pool_idle_timeout_secs))
+            .pool_idle_timeout(cfg.pool_idle_timeout)
             .pool_max_idle_per_host(cfg.pool_max_idle_per_host)
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
@@ -153,9 +89,9 @@ impl Upstream {
             auth,
             forward_authorization: cfg.forward_authorization,
             legs: LegSettings {
-                connect_timeout: timeouts.connect(),
+                connect_timeout: cfg.connect_timeout,
                 max_idle: cfg.pool_max_idle_per_host,
-                idle_timeout: Duration::from_secs(cfg.pool_idle_timeout_secs),
+                idle_timeout: cfg.pool_idle_timeout,
             },
         }))
     }

@@ -278,9 +278,9 @@ pub async fn reactor_turn() {
 }
 
 pub fn upstream(tweak: impl FnOnce(&mut UpstreamConfig)) -> Upstream {
-    let mut cfg = UpstreamConfig::default();
-    tweak(&mut cfg);
-    Upstream::new(&cfg, &TimeoutConfig::default())
+    let mut cfg = pdgate::config::Config::default();
+    tweak(&mut cfg.upstream);
+    Upstream::new(&pdgate::router::upstream_settings(&cfg))
 }
 
 pub fn host_for(addr: SocketAddr) -> Arc<HostConns> {
