@@ -30,12 +30,19 @@ use serde_json::Value;
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// Idle connections the client keeps per host: bounded, so that the connections the
+/// router holds open for it (hence its RSS) after the faults, when hangs have pushed the
+/// concurrency up, compare with those after the warm-up.
+const MAX_IDLE_PER_HOST: usize = 16;
+
 /// A keep-alive HTTP/1.1 client with TCP_NODELAY.
 pub fn http_client() -> HttpClient {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
     c.set_connect_timeout(Some(Duration::from_secs(2)));
-    Client::builder(TokioExecutor::new()).build(c)
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(MAX_IDLE_PER_HOST)
+        .build(c)
 }
 
 /// GET `url` and read the body, within `within`.

@@ -174,6 +174,11 @@ impl Fleet for Processes {
         Some(support::rss_kib(self.router.pid()).0).filter(|k| *k > 0)
     }
 
+    fn router_fds(&self) -> Option<u64> {
+        let dir = std::fs::read_dir(format!("/proc/{}/fd", self.router.pid())).ok()?;
+        Some(dir.count() as u64)
+    }
+
     fn breakers(&self) -> Option<String> {
         breakers_from_log(&self.router_log)
     }

@@ -128,9 +128,11 @@ pub fn checks(o: &Outcome) -> Vec<Check> {
         (Some(w), Some(e)) => Check {
             name: "router RSS at the end within 10 % of after the warm-up",
             measured: format!(
-                "{:.1} MiB → {:.1} MiB ({:+.1} %)",
+                "VmRSS {:.1} MiB after the warm-up (under load, {} open fds) → {:.1} MiB at the end (load stopped, {} open fds): {:+.1} %",
                 mib(w),
+                o.fds.0.map_or("?".to_string(), |n| n.to_string()),
                 mib(e),
+                o.fds.1.map_or("?".to_string(), |n| n.to_string()),
                 (e as f64 / w.max(1) as f64 - 1.0) * 100.0
             ),
             ok: Some(e as f64 <= w as f64 * (1.0 + RSS_GROWTH)),

@@ -205,6 +205,10 @@ pub trait Fleet: Send + Sync {
     fn router_rss_kib(&self) -> Option<u64> {
         None
     }
+    /// The router process's open file descriptors (client and engine connections, ...).
+    fn router_fds(&self) -> Option<u64> {
+        None
+    }
     /// Legs the router's pool counts in flight (in-process only).
     fn router_legs_in_flight(&self) -> Option<u64> {
         None
@@ -522,6 +526,8 @@ pub struct Outcome {
     pub violations: u64,
     pub rss_warm_kib: Option<u64>,
     pub rss_end_kib: Option<u64>,
+    /// The router's open fds when its RSS was read (after the warm-up, at the end).
+    pub fds: (Option<u64>, Option<u64>),
     pub elapsed: Duration,
 }
 
@@ -538,6 +544,7 @@ pub async fn run(fleet: Arc<dyn Fleet>, router: &str, cfg: &Config, plan: Plan) 
     eprintln!("[chaos] warm-up {:.1} s", plan.warm.as_secs_f64());
     tokio::time::sleep(plan.warm).await;
     let rss_warm_kib = fleet.router_rss_kib();
+    let fds_warm = fleet.router_fds();
     load.set_phase(1);
     eprintln!("[chaos] faults for {:.1} s", plan.chaos.as_secs_f64());
     let injected = drive_faults(&client, &*fleet, &engines, &plan).await;
@@ -554,6 +561,7 @@ pub async fn run(fleet: Arc<dyn Fleet>, router: &str, cfg: &Config, plan: Plan) 
     let tally = load.stop(bounds.head + SLACK).await;
     let drained = watch_drain(&client, router, &*fleet, &engines).await;
     let rss_end_kib = fleet.router_rss_kib();
+    let fds_end = fleet.router_fds();
     let mut finals = Vec::new();
     let mut violations = injected.retired_violations;
     for e in &engines {
@@ -573,6 +581,7 @@ pub async fn run(fleet: Arc<dyn Fleet>, router: &str, cfg: &Config, plan: Plan) 
         violations,
         rss_warm_kib,
         rss_end_kib,
+        fds: (fds_warm, fds_end),
         elapsed: started.elapsed(),
     }
 }
