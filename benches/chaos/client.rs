@@ -140,6 +140,11 @@ struct Done {
     streamed: bool,
 }
 
+/// The outcome label of a too-long prompt refused as it should be.
+pub const TOO_LONG_REJECTED: &str = "400 rejected (too-long prompt, as asked)";
+/// Suffix of the outcome label of a too-long prompt answered otherwise.
+pub const TOO_LONG_OTHER: &str = " (too-long prompt)";
+
 /// What the clients saw, by outcome and phase.
 #[derive(Debug, Default, Clone)]
 pub struct Tally {
@@ -487,8 +492,9 @@ fn classify_json(status: u16, body: &[u8], spec: Spec) -> (String, Option<Bad>) 
         (200, None) => ("malformed: 200 without JSON".into(), Some(Bad::Malformed)),
         (s, Some(v)) => match error_type(&v) {
             Some(t) if spec.too_long && s == 400 && t.ends_with("_rejected") => {
-                ("400 rejected (too-long prompt, as asked)".into(), None)
+                (TOO_LONG_REJECTED.into(), None)
             }
+            Some(t) if spec.too_long => (format!("{s} {t}{TOO_LONG_OTHER}"), None),
             Some(t) => (format!("{s} {t}"), None),
             None => (
                 format!("malformed: {s} without a JSON error"),

@@ -215,6 +215,19 @@ pub fn print(o: &Outcome, checks: &[Check]) {
         );
     }
     println!("| **all** | | | | {} |", o.tally.total);
+    // Outside the faults the engines' 400 should reach the client as a 400.
+    let (warm, after) = o
+        .tally
+        .by_outcome
+        .iter()
+        .filter(|(l, _)| l.ends_with(crate::client::TOO_LONG_OTHER))
+        .fold((0, 0), |(w, a), (_, n)| (w + n[0], a + n[2]));
+    if warm + after > 0 {
+        println!(
+            "\nNote: {} too-long prompts in the warm-up and {} after the faults (no fault on) were answered other than 400 (rows marked \"too-long prompt\").",
+            warm, after
+        );
+    }
     if !o.tally.samples.is_empty() {
         println!("\nBad answers (first {}):", o.tally.samples.len());
         for s in &o.tally.samples {
