@@ -6,6 +6,7 @@
 //! [`health`] (active checks), [`sim`] (an SGLang engine simulator) and [`config`].
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod body;
 pub mod bootstrap;
 pub mod cli;

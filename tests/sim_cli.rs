@@ -27,6 +27,8 @@ fn flags_override_only_what_they_name() {
         "--prefill-status",
         "503",
         "--legacy-bootstrap-bug",
+        "--context-length",
+        "64",
         "--role",
         "decode",
     ])
@@ -41,6 +43,7 @@ fn flags_override_only_what_they_name() {
     assert_eq!(c.prefill_delay, d.prefill_delay);
     assert_eq!(c.sentinel_attempts, d.sentinel_attempts);
     assert!(c.legacy_bootstrap_bug);
+    assert_eq!(c.context_length, 64);
     assert_eq!(c.faults.unregistered_ranks, vec![1, 3]);
     assert_eq!(c.faults.prefill_status, Some(503));
     assert!(Cli::try_parse_from(["sim", "--role", "router"]).is_err());

@@ -99,9 +99,13 @@ pub fn newest_source_after(bin: &Path) -> Option<Duration> {
     newest.duration_since(built).ok().filter(|d| !d.is_zero())
 }
 
+/// Where the log of the child process `name` goes: `$TMPDIR/pdgate-bench-NAME-PID.log`.
+pub fn log_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("pdgate-bench-{name}-{}.log", std::process::id()))
+}
+
 pub fn log_file(name: &str) -> Stdio {
-    let path = std::env::temp_dir().join(format!("pdgate-bench-{name}-{}.log", std::process::id()));
-    match std::fs::File::create(&path) {
+    match std::fs::File::create(log_path(name)) {
         Ok(f) => Stdio::from(f),
         Err(_) => Stdio::null(),
     }
@@ -113,75 +117,99 @@ pub struct SimInfo {
     pub decode_url: String,
 }
 
-/// `pdgate sim --prefill 1 --decode 1` with tiny latencies; parses its `READY` lines.
-pub fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
+/// One `READY role url [bootstrap_port=N] dp=N` line of `pdgate sim`.
+#[derive(Clone, Debug)]
+pub struct Ready {
+    pub role: String,
+    pub url: String,
+    pub bootstrap_port: Option<u16>,
+}
+
+/// Starts `pdgate sim ARGS` (logs to the `name` log file) and waits (bounded: 20 s) until
+/// it printed `n` READY lines; its stdout is drained for the rest of its life.
+pub fn spawn_sim(
+    bin: &Path,
+    args: &[String],
+    n: usize,
+    name: &'static str,
+) -> Result<(Proc, Vec<Ready>), String> {
     let mut child = Command::new(bin)
-        .args([
-            "sim",
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--host",
-            "127.0.0.1",
-        ])
-        .args(["--prefill-ms", "0", "--ttft-ms", "0", "--itl-ms", "0"])
-        .args(["--tokens", &tokens.to_string()])
+        .arg("sim")
+        .args(args)
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(log_file("sim"))
+        .stderr(log_file(name))
         .spawn()
-        .expect("spawn pdgate sim");
-    let stdout = child.stdout.take().expect("sim stdout");
-    let proc = Proc {
-        child,
-        name: "pdgate sim",
-    };
+        .map_err(|e| format!("spawn pdgate sim: {e}"))?;
+    let stdout = child.stdout.take().ok_or("no stdout")?;
+    let proc = Proc { child, name };
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                // Keep draining so that the child never blocks on a full pipe.
-                continue;
-            }
+            // Keep draining after the receiver is gone, so that the child never blocks.
+            let _ = tx.send(line);
         }
     });
     let deadline = Instant::now() + Duration::from_secs(20);
-    let (mut prefill, mut decode) = (None, None);
-    while prefill.is_none() || decode.is_none() {
+    let mut ready = Vec::new();
+    while ready.len() < n {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = rx
             .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("pdgate sim printed no READY lines within 20 s"));
+            .map_err(|_| format!("pdgate sim printed {} of {n} READY lines", ready.len()))?;
         let mut it = line.split_whitespace();
         if it.next() != Some("READY") {
             continue;
         }
-        let role = it.next().unwrap_or("");
+        let role = it.next().unwrap_or("").to_string();
         let url = it.next().unwrap_or("").to_string();
-        match role {
-            "prefill" => {
-                let port = it
-                    .find_map(|w| w.strip_prefix("bootstrap_port="))
-                    .and_then(|p| p.parse::<u16>().ok())
-                    .expect("bootstrap_port in READY line");
-                prefill = Some((url, port));
-            }
-            "decode" => decode = Some(url),
-            _ => {}
-        }
-    }
-    let (prefill_url, bootstrap_port) = prefill.unwrap();
-    (
-        proc,
-        SimInfo {
-            prefill_url,
+        let bootstrap_port = it
+            .find_map(|w| w.strip_prefix("bootstrap_port="))
+            .and_then(|p| p.parse::<u16>().ok());
+        ready.push(Ready {
+            role,
+            url,
             bootstrap_port,
-            decode_url: decode.unwrap(),
-        },
-    )
+        });
+    }
+    Ok((proc, ready))
+}
+
+/// `pdgate sim --prefill 1 --decode 1` with tiny latencies; parses its `READY` lines.
+pub fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
+    let args: Vec<String> = [
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--prefill-ms",
+        "0",
+        "--ttft-ms",
+        "0",
+        "--itl-ms",
+        "0",
+        "--tokens",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain(std::iter::once(tokens.to_string()))
+    .collect();
+    let (proc, ready) = spawn_sim(bin, &args, 2, "sim").unwrap_or_else(|e| panic!("{e}"));
+    let prefill = ready.iter().find(|r| r.role == "prefill");
+    let decode = ready.iter().find(|r| r.role == "decode");
+    let (Some(p), Some(d)) = (prefill, decode) else {
+        panic!("pdgate sim printed no prefill and decode READY lines");
+    };
+    let info = SimInfo {
+        prefill_url: p.url.clone(),
+        bootstrap_port: p.bootstrap_port.expect("bootstrap_port in READY line"),
+        decode_url: d.url.clone(),
+    };
+    (proc, info)
 }
 
 pub fn free_port() -> u16 {

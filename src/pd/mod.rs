@@ -93,9 +93,9 @@ impl RetryBudget {
     }
 }
 
-/// The admission slot a request holds (see `server::admission`) until its response body
-/// ends, or until a prefill leg it left running ends.
-pub type AdmissionSlot = tokio::sync::OwnedSemaphorePermit;
+/// The admission slot a request holds until its response body ends, or until a prefill
+/// leg it left running ends.
+pub type AdmissionSlot = crate::admission::Slot;
 
 /// Per-request context from the front door.
 pub struct ReqCtx {

@@ -8,7 +8,6 @@
 //! At most `server.max_connections` connections are served at once, and an HTTP/2
 //! connection without a stream is closed after `server.idle_timeout_secs` ([`conn`]).
 
-pub mod admission;
 mod conn;
 mod routes;
 

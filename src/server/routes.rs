@@ -12,7 +12,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use super::admission::Admission;
+use crate::admission::Admission;
 use crate::body::{full_body, RespBody};
 use crate::error::{FailReason, Failure};
 use crate::pd::request::{self, ApiRoute};
@@ -199,7 +199,7 @@ impl App {
                 };
                 // The slot goes with the request: its response body (or a prefill leg still
                 // running after it) releases it.
-                self.pd(route, req, id, rid_header, slot).await
+                self.pd(route, req, id, rid_header, Some(slot)).await
             }
             Endpoint::Health => json_response(StatusCode::OK, r#"{"status":"ok"}"#, &rid_header),
             Endpoint::Readiness => self.readiness(&rid_header),

@@ -78,6 +78,10 @@ pub struct SimArgs {
     /// Served model name.
     #[arg(long)]
     pub model: Option<String>,
+    /// Model context length in tokens (whitespace-separated words of a prompt); a longer
+    /// prompt gets SGLang's 400, so a client can ask for a rejection per request.
+    #[arg(long)]
+    pub context_length: Option<u32>,
     /// KV page size.
     #[arg(long)]
     pub page_size: Option<u32>,
@@ -198,6 +202,9 @@ impl SimArgs {
         }
         if let Some(v) = &self.model {
             c.model = v.clone();
+        }
+        if let Some(v) = self.context_length {
+            c.context_length = v;
         }
         if let Some(v) = self.page_size {
             c.page_size = v;

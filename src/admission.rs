@@ -4,12 +4,23 @@
 //!
 //! Invariant: a slot is held until the response body ends (or is dropped), so a long
 //! stream counts for its whole life, and past it by a prefill leg still answering (see
-//! `pd::flight`). The fast path is one atomic (`try_acquire`).
+//! `pd::flight`): the slot travels with the request. The fast path is one atomic
+//! (`try_acquire`).
+//!
+//! Its own module (not the front door's) because both the front door (which admits) and
+//! `pd` (whose response body and detached legs hold the slot) use it.
+//!
+//! Gauges (handles registered once): `pdgate_in_flight_requests` counts the PD requests
+//! admitted whose response has not ended (also when `max_in_flight` is 0, i.e. no limit),
+//! `pdgate_admission_queue` those waiting for a slot. Both are moved by drop guards, so
+//! every way a request ends (answer, error, client gone) brings them back: at rest both are
+//! 0, which the chaos soak checks.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use metrics::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::AdmissionConfig;
@@ -20,13 +31,39 @@ pub struct Admission {
     waiting: AtomicUsize,
     max_queue: usize,
     timeout: Duration,
+    in_flight: Gauge,
+    queued: Gauge,
 }
 
-/// Decrements the wait count however the wait ends.
-struct Waiting<'a>(&'a AtomicUsize);
+/// Decrements the wait count (and the queue gauge) however the wait ends.
+struct Waiting<'a>(&'a AtomicUsize, &'a Gauge);
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+        self.1.decrement(1.0);
+    }
+}
+
+/// One admitted request: its slot (none without a limit) and its count in
+/// `pdgate_in_flight_requests`, both given back when dropped.
+pub struct Slot {
+    _permit: Option<OwnedSemaphorePermit>,
+    in_flight: Gauge,
+}
+
+impl Slot {
+    fn new(permit: Option<OwnedSemaphorePermit>, in_flight: &Gauge) -> Slot {
+        in_flight.increment(1.0);
+        Slot {
+            _permit: permit,
+            in_flight: in_flight.clone(),
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.in_flight.decrement(1.0);
     }
 }
 
@@ -37,16 +74,18 @@ impl Admission {
             waiting: AtomicUsize::new(0),
             max_queue: cfg.max_queue,
             timeout: Duration::from_millis(cfg.queue_timeout_ms),
+            in_flight: metrics::gauge!("pdgate_in_flight_requests"),
+            queued: metrics::gauge!("pdgate_admission_queue"),
         }
     }
 
     /// A slot for one request, or the failure to answer with.
-    pub async fn admit(&self) -> Result<Option<OwnedSemaphorePermit>, Failure> {
+    pub async fn admit(&self) -> Result<Slot, Failure> {
         let Some(slots) = &self.slots else {
-            return Ok(None);
+            return Ok(Slot::new(None, &self.in_flight));
         };
         if let Ok(p) = Arc::clone(slots).try_acquire_owned() {
-            return Ok(Some(p));
+            return Ok(Slot::new(Some(p), &self.in_flight));
         }
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.max_queue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -57,9 +96,10 @@ impl Admission {
                 "too many requests in flight and the wait queue is full",
             ));
         }
-        let _w = Waiting(&self.waiting);
+        self.queued.increment(1.0);
+        let _w = Waiting(&self.waiting, &self.queued);
         match tokio::time::timeout(self.timeout, Arc::clone(slots).acquire_owned()).await {
-            Ok(Ok(p)) => Ok(Some(p)),
+            Ok(Ok(p)) => Ok(Slot::new(Some(p), &self.in_flight)),
             Ok(Err(_)) => Err(Failure::new(FailReason::Internal, "admission closed")),
             Err(_) => {
                 metrics::counter!("pdgate_admission_rejected_total", "reason" => "queue_timeout")

@@ -1,0 +1,282 @@
+//! The soak's verdicts and its summary: requests by outcome and phase, latency against the
+//! deadlines, the faults injected, recovery per worker, the gauges, RSS, and one line per
+//! check (pass or fail, with what was measured).
+//!
+//! Why separate: the bench prints the summary and never fails; the test prints the same
+//! summary and fails on any failed check, so both must judge a run the same way.
+
+use std::time::Duration;
+
+use crate::soak::{Outcome, RECOVERY_BOUND, RSS_GROWTH};
+
+/// One claim of the soak and whether the run met it.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub name: &'static str,
+    pub measured: String,
+    /// None: not measured in this setup.
+    pub ok: Option<bool>,
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn secs(d: Option<Duration>) -> String {
+    d.map_or("—".to_string(), |d| format!("{:.2} s", d.as_secs_f64()))
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+/// Judges a run.
+pub fn checks(o: &Outcome) -> Vec<Check> {
+    let t = &o.tally;
+    let b = &o.bounds;
+    let mut v = Vec::new();
+    v.push(Check {
+        name: "every request ended within its deadline",
+        measured: format!(
+            "{} late of {}, {} lanes stuck; max head {} and non-streamed {} (bound {}); max stream gap {} (bound {}); longest stream {}",
+            t.late,
+            t.total,
+            t.stuck_lanes,
+            ms(t.max_head),
+            ms(t.max_plain_total),
+            ms(b.head),
+            ms(t.max_gap),
+            ms(b.gap),
+            ms(t.max_stream_total)
+        ),
+        ok: Some(t.late == 0 && t.stuck_lanes == 0 && t.total > 0),
+    });
+    v.push(Check {
+        name: "every answer well-formed (JSON, JSON error, or SSE ending in [DONE])",
+        measured: format!(
+            "{} malformed, {} too-long prompts answered 200",
+            t.malformed, t.unexpected
+        ),
+        ok: Some(t.malformed == 0 && t.unexpected == 0),
+    });
+    v.push(Check {
+        name: "0 contract violations",
+        measured: format!(
+            "{} (engines' counters, killed incarnations included)",
+            o.violations
+        ),
+        ok: Some(o.violations == 0),
+    });
+    let r = &o.recovered;
+    let late: Vec<String> = r
+        .workers
+        .iter()
+        .filter(|w| w.serving.is_none_or(|s| s > RECOVERY_BOUND))
+        .map(|w| {
+            format!(
+                "{} (serving: {}; {} requests received in {} after the clear)",
+                w.label,
+                secs(w.serving),
+                w.received,
+                secs(w.serving.or(o.recovered.watched))
+            )
+        })
+        .collect();
+    let slowest = r.workers.iter().filter_map(|w| w.serving).max();
+    v.push(Check {
+        name: "every worker routable and serving within 3 s of the faults clearing",
+        measured: if late.is_empty() {
+            format!(
+                "slowest worker serving after {}; every rank routable after {}",
+                secs(slowest),
+                secs(r.all_routable)
+            )
+        } else {
+            format!(
+                "not serving within {}: {}; every rank routable after {}",
+                secs(Some(RECOVERY_BOUND)),
+                late.join(", "),
+                secs(r.all_routable)
+            )
+        },
+        ok: Some(late.is_empty() && r.all_routable.is_some_and(|d| d <= RECOVERY_BOUND)),
+    });
+    let d = &o.drained;
+    let held: u64 = d.held.iter().filter_map(|(_, h)| *h).sum();
+    let fmt_g = |g: Option<f64>| g.map_or("absent".to_string(), |g| format!("{g}"));
+    v.push(Check {
+        name: "in-flight and admission gauges back to 0, no engine holds a request",
+        measured: format!(
+            "pdgate_in_flight_requests {}, pdgate_admission_queue {}, pool legs in flight {}, engines held {} ({}); {}",
+            fmt_g(d.in_flight),
+            fmt_g(d.queue),
+            d.legs_in_flight.map_or("n/a".to_string(), |n| n.to_string()),
+            held,
+            d.held
+                .iter()
+                .map(|(l, h)| format!("{l} {}", h.map_or("?".to_string(), |h| h.to_string())))
+                .collect::<Vec<_>>()
+                .join(", "),
+            d.zero_after
+                .map_or("not all 0 within 5 s of the load's end".to_string(), |z| {
+                    format!("all 0 after {}", ms(z))
+                })
+        ),
+        ok: Some(d.zero_after.is_some()),
+    });
+    v.push(match (o.rss_warm_kib, o.rss_end_kib) {
+        (Some(w), Some(e)) => Check {
+            name: "router RSS at the end within 10 % of after the warm-up",
+            measured: format!(
+                "VmRSS {:.1} MiB after the warm-up (under load, {} open fds) → {:.1} MiB at the end (load stopped, {} open fds): {:+.1} %",
+                mib(w),
+                o.fds.0.map_or("?".to_string(), |n| n.to_string()),
+                mib(e),
+                o.fds.1.map_or("?".to_string(), |n| n.to_string()),
+                (e as f64 / w.max(1) as f64 - 1.0) * 100.0
+            ),
+            ok: Some(e as f64 <= w as f64 * (1.0 + RSS_GROWTH)),
+        },
+        _ => Check {
+            name: "router RSS at the end within 10 % of after the warm-up",
+            measured: "not measured: the router runs in the test's own process".into(),
+            ok: None,
+        },
+    });
+    let missing: Vec<&str> = crate::driver::all_kinds()
+        .iter()
+        .filter(|k| !o.injected.by_kind.contains_key(k))
+        .map(|k| k.label())
+        .collect();
+    v.push(Check {
+        name: "the driver injected every fault and cleared it",
+        measured: format!(
+            "{} injections; not injected: {}; driver errors: {}",
+            o.injected.by_kind.values().map(|(n, _)| n).sum::<u64>(),
+            if missing.is_empty() {
+                "none".to_string()
+            } else {
+                missing.join(", ")
+            },
+            if o.injected.errors.is_empty() {
+                "none".to_string()
+            } else {
+                o.injected.errors.join("; ")
+            }
+        ),
+        ok: Some(missing.is_empty() && o.injected.errors.is_empty()),
+    });
+    v
+}
+
+/// The names of the failed checks, with what they measured.
+pub fn failures(checks: &[Check]) -> Vec<String> {
+    checks
+        .iter()
+        .filter(|c| c.ok == Some(false))
+        .map(|c| format!("{}: {}", c.name, c.measured))
+        .collect()
+}
+
+/// Prints the summary (markdown) to stdout.
+pub fn print(o: &Outcome, checks: &[Check]) {
+    let p = &o.plan;
+    println!(
+        "\n## Chaos soak: {:.0} s ({:.1} s warm-up, {:.1} s faults, {:.1} s after), {} open-loop lanes (a request every {} ms each, at most {} in flight), seed {}\n",
+        o.elapsed.as_secs_f64(),
+        p.warm.as_secs_f64(),
+        p.chaos.as_secs_f64(),
+        p.after.as_secs_f64(),
+        p.lanes,
+        p.mix.pause.as_millis(),
+        crate::client::MAX_OUTSTANDING,
+        p.seed
+    );
+    println!("Fleet: {}.\n", o.fleet);
+    println!(
+        "Mix: /generate and chat, streamed and not; {:.0} % too-long prompts (the engines answer 400), {:.0} % clients that go away mid-request.\n",
+        p.mix.share_4xx * 100.0,
+        p.mix.share_disconnect * 100.0
+    );
+    println!(
+        "| outcome | {} | {} | {} | total |",
+        crate::client::PHASES[0],
+        crate::client::PHASES[1],
+        crate::client::PHASES[2]
+    );
+    println!("|---|---:|---:|---:|---:|");
+    for (label, n) in &o.tally.by_outcome {
+        println!(
+            "| {label} | {} | {} | {} | {} |",
+            n[0],
+            n[1],
+            n[2],
+            n.iter().sum::<u64>()
+        );
+    }
+    println!("| **all** | | | | {} |", o.tally.total);
+    // Outside the faults the engines' 400 should reach the client as a 400.
+    let (warm, after) = o
+        .tally
+        .by_outcome
+        .iter()
+        .filter(|(l, _)| l.ends_with(crate::client::TOO_LONG_OTHER))
+        .fold((0, 0), |(w, a), (_, n)| (w + n[0], a + n[2]));
+    if warm + after > 0 {
+        println!(
+            "\nNote: {} too-long prompts in the warm-up and {} after the faults (no fault on) were answered other than 400 (rows marked \"too-long prompt\").",
+            warm, after
+        );
+    }
+    if !o.tally.samples.is_empty() {
+        println!("\nBad answers (first {}):", o.tally.samples.len());
+        for s in &o.tally.samples {
+            println!("- {s}");
+        }
+    }
+    println!("\n| fault | injected | on |");
+    println!("|---|---:|---|");
+    for (k, (n, on)) in &o.injected.by_kind {
+        println!("| {} | {n} | {} |", k.label(), on.join(" "));
+    }
+    println!(
+        "\nReal kills / restarts: {} / {}.",
+        o.injected.kills, o.injected.restarts
+    );
+    println!("\n| worker | ready (readiness) after | serving after | requests | ok | failed | aborted | disconnects | violations |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (w, (_, s)) in o.recovered.workers.iter().zip(&o.engines) {
+        let c = |f: fn(&pdgate::sim::StatsSnapshot) -> u64| {
+            s.as_ref().map_or("?".to_string(), |s| f(s).to_string())
+        };
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            w.label,
+            secs(w.ready),
+            secs(w.serving),
+            c(|s| s.requests_total),
+            c(|s| s.ok),
+            c(|s| s.failed),
+            c(|s| s.aborted),
+            c(|s| s.client_disconnects),
+            c(|s| s.contract_violations),
+        );
+    }
+    println!(
+        "\n(Engine counters are since the engine's last start; times since the faults cleared.)"
+    );
+    if let Some(b) = &o.recovered.breakers {
+        println!("\nBreakers when recovery was late: {b}");
+    }
+    println!("\n| check | measured | verdict |");
+    println!("|---|---|---|");
+    for c in checks {
+        let verdict = match c.ok {
+            Some(true) => "pass",
+            Some(false) => "**FAIL**",
+            None => "skipped",
+        };
+        println!("| {} | {} | {verdict} |", c.name, c.measured);
+    }
+    println!();
+}
