@@ -251,3 +251,63 @@ async fn legacy_bootstrap_bug_with_a_stale_view_is_cut_short() {
     let s = env.settled_stats().await;
     assert_eq!(s.held_now, 0, "{s:?}");
 }
+
+/// A prompt longer than the model's context is the client's fault, however it is reported:
+/// as the prefill's 400, or inside decode's stream (SGLang's in-stream validation error
+/// `{"error": {"code": 400, ...}}`, which can arrive before the prefill's answer). Either
+/// way the client gets a 4xx and the request is never retried nor held against a breaker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_too_long_prompt_is_a_4xx_and_never_retried() {
+    let short = |e: EngineConfig| EngineConfig {
+        context_length: 8,
+        ..e
+    };
+    let env = start(
+        vec![
+            short(EngineConfig::prefill(1)),
+            short(EngineConfig::prefill(1)),
+        ],
+        vec![
+            short(EngineConfig::decode(1)),
+            short(EngineConfig::decode(1)),
+        ],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(2, 2).await;
+    let long = "a b c d e f g h i j k l m n o p";
+    for stream in [false, true] {
+        for route in ["/generate", "/v1/chat/completions"] {
+            for _ in 0..6 {
+                let body = if route == "/generate" {
+                    serde_json::json!({"text": long, "sampling_params": {"max_new_tokens": 3}, "stream": stream})
+                } else {
+                    serde_json::json!({"model": "m", "messages": [{"role": "user", "content": long}], "max_tokens": 3, "stream": stream})
+                };
+                let (status, _, bytes) = env.post(route, &body.to_string()).await;
+                let text = String::from_utf8_lossy(&bytes);
+                assert_eq!(status, 400, "{route} stream={stream}: {text}");
+                let v: serde_json::Value = serde_json::from_slice(&bytes).expect("error JSON");
+                let kind = v["error"]["type"].as_str().unwrap_or_default();
+                assert!(
+                    kind == "prefill_rejected" || kind == "decode_rejected",
+                    "{route} stream={stream}: {text}"
+                );
+            }
+        }
+    }
+    env.settled_stats().await;
+    for e in env.cluster.engines() {
+        for side in ['p', 'd'] {
+            assert!(
+                attempts_seen(e, side, 1).is_empty(),
+                "a rejected request was retried: {:?}",
+                e.recent_rids()
+            );
+        }
+    }
+    let snap = env.router.pool.load();
+    for w in snap.prefills.iter().chain(snap.decodes.iter()) {
+        assert_eq!(w.breaker.state(), pdgate::pool::BreakerState::Closed);
+    }
+}

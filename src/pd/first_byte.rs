@@ -218,7 +218,7 @@ async fn first_bytes(
                     match sse.as_deref_mut() {
                         Some(s) => match s.push(data) {
                             Scan::Forward(b) => first.extend_from_slice(&b),
-                            Scan::Abort { message, .. } => return Err(legs::decode_abort_failure(&message)),
+                            Scan::Abort { abort, .. } => return Err(legs::decode_abort_failure(&abort)),
                             Scan::Broken { message } => return Err(broken(message)),
                         },
                         None if read_whole && first.len() + data.len() > limit => {

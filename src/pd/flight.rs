@@ -371,8 +371,8 @@ impl Body for PdBody {
                         None => data,
                         Some(sse) => match sse.push(data) {
                             Scan::Forward(b) => b,
-                            Scan::Abort { before, message } => {
-                                let f = super::legs::decode_abort_failure(&message);
+                            Scan::Abort { before, abort } => {
+                                let f = super::legs::decode_abort_failure(&abort);
                                 return this.fail(f, before);
                             }
                             Scan::Broken { message } => {

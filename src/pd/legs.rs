@@ -90,11 +90,21 @@ pub async fn run_prefill(
         if !status.is_success() {
             return Err(status_failure(Role::Prefill, status, &body));
         }
-        if let Some(msg) = abort_in_json(&body) {
-            return Err(Failure::new(
-                FailReason::PrefillAborted,
-                format!("prefill aborted the request: {msg}"),
-            ));
+        if let Some(abort) = abort_in_answer(&body) {
+            let msg = abort.message;
+            return Err(
+                match abort.status.and_then(|s| StatusCode::from_u16(s).ok()) {
+                    Some(s) if s.is_client_error() => Failure::new(
+                        FailReason::PrefillRejected,
+                        format!("prefill rejected the request ({}): {msg}", s.as_u16()),
+                    )
+                    .with_status(s),
+                    _ => Failure::new(
+                        FailReason::PrefillAborted,
+                        format!("prefill aborted the request: {msg}"),
+                    ),
+                },
+            );
         }
         Ok(PrefillDone { body })
     };
@@ -138,7 +148,22 @@ fn is_kv_failure(message: &str) -> bool {
 }
 
 /// An abort reported by decode (an SSE abort chunk, or an abort inside its answer).
-pub fn decode_abort_failure(message: &str) -> Failure {
+pub fn decode_abort_failure(abort: &InAnswer) -> Failure {
+    let message = &abort.message;
+    if let Some(status) = abort.status.and_then(|s| StatusCode::from_u16(s).ok()) {
+        if status.is_client_error() {
+            // The engine refused the request itself (SGLang's in-stream validation error,
+            // e.g. a prompt longer than the context): the client's fault, passed through.
+            return Failure::new(
+                FailReason::DecodeRejected,
+                format!(
+                    "decode rejected the request ({}): {message}",
+                    status.as_u16()
+                ),
+            )
+            .with_status(status);
+        }
+    }
     if is_kv_failure(message) {
         Failure::new(
             FailReason::KvTransferFailed,
@@ -216,6 +241,19 @@ pub fn may_hold_abort(bytes: &[u8]) -> bool {
 /// An abort or error inside a 200 JSON answer (or one SSE event's JSON): a
 /// `finish_reason` of type `abort`, or a top-level `error` object. Returns its message.
 pub fn abort_in_json(json: &[u8]) -> Option<String> {
+    abort_in_answer(json).map(|a| a.message)
+}
+
+/// An abort or error found inside an engine's answer: its message, and the status it
+/// names (`error.code`, or an abort's `status_code`), when it names one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InAnswer {
+    pub message: String,
+    pub status: Option<u16>,
+}
+
+/// Like [`abort_in_json`], with the status the abort names.
+pub fn abort_in_answer(json: &[u8]) -> Option<InAnswer> {
     if !may_hold_abort(json) {
         return None;
     }
@@ -224,13 +262,19 @@ pub fn abort_in_json(json: &[u8]) -> Option<String> {
         serde_json::Value::Array(a) => a.iter().collect(),
         other => vec![other],
     };
+    let status = |v: &serde_json::Value, key: &str| {
+        v.get(key)
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|c| u16::try_from(c).ok())
+    };
     for it in items {
         if let Some(err) = it.get("error").filter(|e| !e.is_null()) {
-            let msg = err
+            let message = err
                 .get("message")
                 .and_then(|m| m.as_str())
                 .map_or_else(|| err.to_string(), str::to_string);
-            return Some(msg);
+            let status = status(err, "code");
+            return Some(InAnswer { message, status });
         }
         let fr = it.get("meta_info").and_then(|m| m.get("finish_reason"));
         let choices = it.get("choices").and_then(|c| c.as_array());
@@ -242,11 +286,13 @@ pub fn abort_in_json(json: &[u8]) -> Option<String> {
             let is_abort = r.get("type").and_then(|t| t.as_str()) == Some("abort")
                 || r.as_str() == Some("abort");
             if is_abort {
-                let msg = r
+                let message = r
                     .get("message")
                     .and_then(|m| m.as_str())
-                    .unwrap_or("aborted");
-                return Some(msg.to_string());
+                    .unwrap_or("aborted")
+                    .to_string();
+                let status = status(r, "status_code");
+                return Some(InAnswer { message, status });
             }
         }
     }

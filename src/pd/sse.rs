@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
-use super::legs::{abort_in_json, may_hold_abort};
+use super::legs::{abort_in_answer, may_hold_abort, InAnswer};
 use super::logprobs::PrefillLogprobs;
 
 /// One scanner per decode stream.
@@ -29,7 +29,7 @@ pub enum Scan {
     Forward(Bytes),
     /// An event carried an abort or error; its message. Nothing of that event is forwarded,
     /// but the events before it are.
-    Abort { before: Bytes, message: String },
+    Abort { before: Bytes, abort: InAnswer },
     /// The unfinished event outgrew the scanner's limit: the stream is broken.
     Broken { message: String },
 }
@@ -153,12 +153,12 @@ impl SseScanner {
                 if data == b"[DONE]" {
                     continue;
                 }
-                if let Some(message) = abort_in_json(data) {
+                if let Some(abort) = abort_in_answer(data) {
                     let before = match rebuilt {
                         Some(v) => Bytes::from(v),
                         None => complete.slice(..pos),
                     };
-                    return Scan::Abort { before, message };
+                    return Scan::Abort { before, abort };
                 }
             }
             if let (Some(out), Some(lp)) = (rebuilt.as_mut(), self.logprobs.as_ref()) {
@@ -301,9 +301,9 @@ mod tests {
         for c in cases {
             let mut s = scanner();
             match s.push(Bytes::from_static(c)) {
-                Scan::Abort { before, message } => {
+                Scan::Abort { before, abort } => {
                     assert_eq!(&before[..], b"data: {\"text\":\"a\"}\n\n");
-                    assert_eq!(message, "kv lost");
+                    assert_eq!(abort.message, "kv lost");
                 }
                 other => panic!("{other:?}"),
             }
@@ -318,9 +318,9 @@ mod tests {
         let chunk =
             b"data: {\"text\":\"a\"}\r\n\r\ndata: {\"error\":{\"message\":\"kv lost\"}}\r\n\r\n";
         match s.push(Bytes::from_static(chunk)) {
-            Scan::Abort { before, message } => {
+            Scan::Abort { before, abort } => {
                 assert_eq!(&before[..], b"data: {\"text\":\"a\"}\r\n\r\n");
-                assert_eq!(message, "kv lost");
+                assert_eq!(abort.message, "kv lost");
             }
             other => panic!("{other:?}"),
         }
@@ -425,7 +425,7 @@ mod tests {
             ]
             .prop_map(|v| v.to_string())
             .prop_filter("an abort or error", |p| {
-                abort_in_json(p.as_bytes()).is_none()
+                abort_in_answer(p.as_bytes()).is_none()
             })
         }
 
@@ -536,7 +536,8 @@ mod tests {
                             prop_assert!(pushed < abort_end, "the abort event went through");
                             prop_assert_eq!(out.len(), whole(&ends, pushed));
                         }
-                        Scan::Abort { before, message: got } => {
+                        Scan::Abort { before, abort } => {
+                            let got = abort.message;
                             // Found with the chunk that completes the abort event.
                             prop_assert!(was < abort_end && abort_end <= pushed);
                             prop_assert_eq!(&got, &message);
