@@ -618,7 +618,8 @@ fn settings() -> Settings {
         warmup: Duration::from_millis(if quick { 100 } else { 300 }),
         duration: Duration::from_millis(if quick { 300 } else { 2000 }),
         max_requests: 20_000,
-        concurrency: [1, 16],
+        // The hardening issue judges pdgate at c=1 and c=64 against the hyper forwarder.
+        concurrency: [1, 64],
     }
 }
 
@@ -756,5 +757,41 @@ fn main() {
             rounds.join(" · "),
             median(&mut cpu)
         );
+    }
+    // The judged figure: pdgate's CPU per request over the hyper null forwarder's, per
+    // round (the two measured back to back), then the median and the worst round.
+    println!("\n## floor ratio: pdgate / hyper null forwarder, CPU per request (goal ≤ 1.5)\n");
+    println!("| route | conc | ratio each round | median | worst |");
+    println!("|---|---|---|---|---|");
+    let find = |route: Route, ti: usize, conc: usize| {
+        cases
+            .iter()
+            .position(|&(r, t, c)| r == route && t == ti && c == conc)
+            .map(|i| &points[i])
+    };
+    for &route in Route::ALL.iter() {
+        for conc in s.concurrency {
+            let (Some(h), Some(p)) = (find(route, 1, conc), find(route, 2, conc)) else {
+                continue;
+            };
+            let mut ratios: Vec<f64> = h
+                .iter()
+                .zip(p.iter())
+                .filter(|(h, _)| h.cpu_ms > 0.0)
+                .map(|(h, p)| p.cpu_ms / h.cpu_ms)
+                .collect();
+            if ratios.is_empty() {
+                continue;
+            }
+            let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+            let worst = ratios.iter().copied().fold(0.0, f64::max);
+            println!(
+                "| {} | {conc} | {} | {:.2} | {:.2} |",
+                route.label(),
+                each.join(" · "),
+                median(&mut ratios),
+                worst
+            );
+        }
     }
 }
