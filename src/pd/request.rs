@@ -604,9 +604,7 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
 }
 
 #[cfg(test)]
-#[path = "request_tests.rs"]
 mod tests;
 
 #[cfg(test)]
-#[path = "request_props.rs"]
 mod props;

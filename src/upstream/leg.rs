@@ -706,5 +706,4 @@ mod tests {
 }
 
 #[cfg(test)]
-#[path = "leg_props.rs"]
 mod props;

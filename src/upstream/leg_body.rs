@@ -339,5 +339,4 @@ mod tests {
 }
 
 #[cfg(test)]
-#[path = "leg_body_props.rs"]
 mod props;
