@@ -149,3 +149,73 @@ async fn a_failed_check_is_shared_too() {
     let snap = pool.load_full();
     assert_eq!(snap.prefills[0].ranks[0].label(), "failed");
 }
+
+/// A bootstrap server with `dp` ranks, all registered, whose rank routes each take
+/// `delay`; returns the most rank routes it had in flight at once.
+async fn layout_server(dp: u32, delay: Duration) -> (String, Arc<AtomicU64>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let now = Arc::new(AtomicU64::new(0));
+    let peak = Arc::new(AtomicU64::new(0));
+    let seen_peak = peak.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let (now, peak) = (now.clone(), peak.clone());
+            let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
+                let (now, peak) = (now.clone(), peak.clone());
+                async move {
+                    let q = req.uri().query().unwrap_or_default().to_string();
+                    let body = if q.contains("prefill_dp_rank=-1") {
+                        format!(
+                            r#"{{"dp_size":{dp},"attn_tp_size":1,"attn_cp_size":1,"pp_size":1,"follow_bootstrap_room":true}}"#
+                        )
+                    } else {
+                        let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+                        peak.fetch_max(n, Ordering::SeqCst);
+                        tokio::time::sleep(delay).await;
+                        now.fetch_sub(1, Ordering::SeqCst);
+                        r#"{"rank_ip":"127.0.0.1","rank_port":1}"#.to_string()
+                    };
+                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(body))))
+                }
+            });
+            tokio::spawn(async move {
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    (format!("http://{addr}"), seen_peak)
+}
+
+#[tokio::test]
+async fn the_refresher_asks_for_rank_routes_concurrently() {
+    let (url, peak) = layout_server(8, Duration::from_millis(200)).await;
+    let pool = Arc::new(Pool::new());
+    let base = parse_base_url(&url).expect("url");
+    let id = pool.add_worker(Role::Prefill, base.clone(), None);
+    let cfg = pdgate::config::Config::default();
+    let up = Upstream::new(&pdgate::router::upstream_settings(&cfg));
+    pdgate::bootstrap::tracker::refresh_once(&pool, &up, &cfg.bootstrap, id, &base).await;
+    let snap = pool.load_full();
+    let w = &snap.prefills[0];
+    assert_eq!(w.ranks.len(), 8);
+    assert!(
+        w.ranks.iter().all(|r| *r == RankReadiness::Ready),
+        "{:?}",
+        w.ranks
+    );
+    // One after another, a slow server would cost 8 × its delay (and 8 × the timeout when
+    // it is dead); asked together, every rank's route is in flight at once.
+    assert_eq!(
+        peak.load(Ordering::SeqCst),
+        8,
+        "rank routes in flight at once"
+    );
+}
