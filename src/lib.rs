@@ -11,8 +11,6 @@ pub mod body;
 pub mod bootstrap;
 pub mod cli;
 pub mod config;
-pub mod demo;
-
 pub mod engine;
 pub mod error;
 pub mod health;

@@ -17,6 +17,7 @@
 
 #[path = "../benches/chaos/client.rs"]
 mod client;
+mod common;
 #[path = "../benches/chaos/driver.rs"]
 mod driver;
 #[path = "../benches/chaos/report.rs"]
@@ -192,7 +193,7 @@ async fn soak(tweak: impl FnOnce(&mut pdgate::config::Config)) -> Vec<String> {
         .expect("sim cluster");
     let mut cfg = soak::router_config();
     tweak(&mut cfg);
-    pdgate::demo::add_sim_workers(&mut cfg, &cluster);
+    common::add_sim_workers(&mut cfg, &cluster);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
