@@ -18,8 +18,8 @@ use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
 use pdgate::pd::RngSource;
 use pdgate::pool::Snapshot;
 use pdgate::router::Router;
-use pdgate::sim::{EngineConfig, Faults, SimCluster};
 use pdgate::types::{Role, WorkerId};
+use pdgate_sim::{EngineConfig, Faults, SimCluster};
 
 struct Bench {
     cluster: SimCluster,

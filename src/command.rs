@@ -23,7 +23,7 @@ pub enum Command {
     /// Run the router.
     Serve(ServeArgs),
     /// Run simulated SGLang engines (prefill + bootstrap server, decode), no GPU.
-    Sim(pdgate::sim::cli::SimArgs),
+    Sim(pdgate_sim::cli::SimArgs),
     /// Simulated engines (2 prefill with DP 2, 2 decode with DP 2) plus the router, in one process.
     Demo(crate::demo::DemoArgs),
 }

@@ -6,8 +6,8 @@
 use clap::Args;
 use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
 use pdgate::pd::RngSource;
-use pdgate::sim::{EngineConfig, SimCluster};
 use pdgate::types::Role;
+use pdgate_sim::{EngineConfig, SimCluster};
 
 /// Flags of `pdgate demo`.
 #[derive(Debug, Args)]

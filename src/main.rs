@@ -109,7 +109,7 @@ fn main() -> std::process::ExitCode {
             }
             (Some(Command::Sim(args)), None) => {
                 init_logs(&LogConfig::default());
-                pdgate::sim::cli::run(args).await
+                pdgate_sim::cli::run(args).await
             }
             (Some(Command::Demo(args)), None) => {
                 init_logs(&LogConfig::default());

@@ -31,7 +31,7 @@ use std::time::Duration;
 use pdgate::pd::RngSource;
 use pdgate::pool::BreakerState;
 use pdgate::router::Router;
-use pdgate::sim::{EngineConfig, Faults, Role, SimCluster, SimEngine};
+use pdgate_sim::{EngineConfig, Faults, Role, SimCluster, SimEngine};
 
 use soak::{EngineRef, Fleet, Fut};
 
@@ -115,7 +115,7 @@ impl Fleet for InProcess {
             // The old listener closes as its accept task ends: retry the bind briefly.
             let mut last = String::new();
             for _ in 0..40 {
-                match pdgate::sim::spawn(cfg.clone()).await {
+                match pdgate_sim::spawn(cfg.clone()).await {
                     Ok(e) => {
                         if let Ok(mut g) = self.decodes.lock() {
                             g[d] = Some(e);

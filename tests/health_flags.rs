@@ -8,7 +8,7 @@ mod common;
 use common::{add_sim_workers, client, fast_config, fast_engine, Env};
 use pdgate::config::Config;
 use pdgate::pd::RngSource;
-use pdgate::sim::{EngineConfig, SimCluster};
+use pdgate_sim::{EngineConfig, SimCluster};
 
 const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
 

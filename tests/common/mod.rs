@@ -14,7 +14,7 @@ use hyper_util::rt::TokioExecutor;
 use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
 use pdgate::pd::RngSource;
 use pdgate::router::Router;
-use pdgate::sim::{EngineConfig, Faults, SimCluster, SimEngine, StatsSnapshot};
+use pdgate_sim::{EngineConfig, Faults, SimCluster, SimEngine, StatsSnapshot};
 
 pub struct Env {
     pub cluster: SimCluster,

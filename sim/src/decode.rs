@@ -25,13 +25,13 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use super::engine::Engine;
-use super::http::{self, ClientError};
-use super::prefill::{check_context, missing_room, routed_rank, status_fault};
-use super::request::{Instance, ParsedRequest};
-use super::run::Plan;
-use super::shapes::Failure;
-use super::stats::Tracker;
+use crate::engine::Engine;
+use crate::http::{self, ClientError};
+use crate::prefill::{check_context, missing_room, routed_rank, status_fault};
+use crate::request::{Instance, ParsedRequest};
+use crate::run::Plan;
+use crate::shapes::Failure;
+use crate::stats::Tracker;
 
 /// What decode needs from the sentinel answer.
 #[derive(Debug, Clone)]
@@ -369,7 +369,7 @@ async fn pull_kv(
                 let reason = v
                     .get("reason")
                     .and_then(Value::as_str)
-                    .unwrap_or(super::rendezvous::PREFILL_DEAD);
+                    .unwrap_or(crate::rendezvous::PREFILL_DEAD);
                 return Err(transfer_failure(inst, room, reason));
             }
             Ok(r) => {
@@ -378,7 +378,7 @@ async fn pull_kv(
                     room,
                     &format!(
                         "{} (rank endpoint answered {})",
-                        super::rendezvous::PREFILL_DEAD,
+                        crate::rendezvous::PREFILL_DEAD,
                         r.status
                     ),
                 ))

@@ -27,15 +27,15 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
-use super::bootstrap::{self, BootstrapState};
-use super::config::{EngineConfig, Faults, Role};
-use super::contract::{ContractBook, SeenRooms};
-use super::decode::DecodeState;
-use super::http::{self, Cut, Gate, Resp};
-use super::info;
-use super::rendezvous::{self, Rendezvous};
-use super::request::Api;
-use super::stats::{Stats, StatsSnapshot};
+use crate::bootstrap::{self, BootstrapState};
+use crate::config::{EngineConfig, Faults, Role};
+use crate::contract::{ContractBook, SeenRooms};
+use crate::decode::DecodeState;
+use crate::http::{self, Cut, Gate, Resp};
+use crate::info;
+use crate::rendezvous::{self, Rendezvous};
+use crate::request::Api;
+use crate::stats::{Stats, StatsSnapshot};
 
 /// Prefill-only parts of an engine.
 pub(crate) struct PrefillSide {
@@ -492,7 +492,7 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Resp, Cut
         if !allowed {
             return Ok(method_not_allowed());
         }
-        return super::run::handle_generate(engine, api, req).await;
+        return crate::run::handle_generate(engine, api, req).await;
     }
     let resp = match path.as_str() {
         "/health" | "/health_generate" if get => http::empty(200),

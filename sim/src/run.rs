@@ -4,7 +4,7 @@
 //!
 //! Why: batching, streaming, aborts, client disconnects and failure shapes are
 //! the same for prefill and decode; only "what happens before the first token"
-//! differs ([`super::prefill::prepare`], [`super::decode::prepare`]).
+//! differs ([`crate::prefill::prepare`], [`crate::decode::prepare`]).
 //!
 //! Invariants:
 //! - Each instance owns a [`Tracker`] (stats drop guard) and an abort
@@ -23,12 +23,12 @@ use futures_util::future::join_all;
 use hyper::body::Incoming;
 use hyper::Request;
 
-use super::config::Role;
-use super::engine::Engine;
-use super::http::{self, ChunkTx, Cut, Resp};
-use super::request::{self, Api, Instance, ParsedRequest};
-use super::shapes::{self, Ctx, Failure, Logprobs};
-use super::stats::{Outcome, Tracker};
+use crate::config::Role;
+use crate::engine::Engine;
+use crate::http::{self, ChunkTx, Cut, Resp};
+use crate::request::{self, Api, Instance, ParsedRequest};
+use crate::shapes::{self, Ctx, Failure, Logprobs};
+use crate::stats::{Outcome, Tracker};
 
 /// What the role decided before the first token.
 #[derive(Debug, Clone, Copy)]
@@ -202,8 +202,8 @@ async fn run_instance(
     let progress = AtomicU32::new(0);
     let work = async {
         let plan = match engine.cfg.role {
-            Role::Prefill => super::prefill::prepare(engine, ctx.req, inst, &tracker).await?,
-            Role::Decode => super::decode::prepare(engine, ctx.req, inst, &tracker).await?,
+            Role::Prefill => crate::prefill::prepare(engine, ctx.req, inst, &tracker).await?,
+            Role::Decode => crate::decode::prepare(engine, ctx.req, inst, &tracker).await?,
         };
         tracker.running();
         generate(engine, ctx, inst, plan, tx, &progress, &tracker).await
