@@ -12,8 +12,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use crate::engine::Engine;
 use crate::http::query_param;
+use crate::state::Engine;
 
 fn now_f64() -> f64 {
     SystemTime::now()

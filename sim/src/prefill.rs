@@ -22,11 +22,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::engine::Engine;
 use crate::http;
+use crate::plan::Plan;
 use crate::request::{Instance, ParsedRequest};
-use crate::run::Plan;
 use crate::shapes::Failure;
+use crate::state::Engine;
 use crate::stats::{Tracker, Violation};
 
 /// The message of a missing `bootstrap_room` (scheduler abort, 400).

@@ -24,21 +24,12 @@ use hyper::body::Incoming;
 use hyper::Request;
 
 use crate::config::Role;
-use crate::engine::Engine;
 use crate::http::{self, ChunkTx, Cut, Resp};
+use crate::plan::Plan;
 use crate::request::{self, Api, Instance, ParsedRequest};
 use crate::shapes::{self, Ctx, Failure, Logprobs};
+use crate::state::Engine;
 use crate::stats::{Outcome, Tracker};
-
-/// What the role decided before the first token.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Plan {
-    pub tokens: u32,
-    pub ttft: Duration,
-    pub itl: Duration,
-    /// Cut the connection after this many chunks (decode fault).
-    pub die_after: Option<u32>,
-}
 
 /// How one instance ended.
 struct InstanceResult {
