@@ -14,12 +14,12 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use pdgate::config::Config;
+use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
 use pdgate::pd::RngSource;
 use pdgate::pool::Snapshot;
 use pdgate::router::Router;
-use pdgate::sim::{EngineConfig, Faults, SimCluster};
 use pdgate::types::{Role, WorkerId};
+use pdgate_sim::{EngineConfig, Faults, SimCluster};
 
 struct Bench {
     cluster: SimCluster,
@@ -47,7 +47,16 @@ async fn setup() -> Bench {
     .await
     .expect("sim");
     let mut cfg = Config::default();
-    pdgate::demo::add_sim_workers(&mut cfg, &cluster);
+    for p in &cluster.prefills {
+        cfg.prefill.push(PrefillWorkerConfig {
+            url: p.url(),
+            bootstrap_port: p.bootstrap_port(),
+            bootstrap_host: None,
+        });
+    }
+    for d in &cluster.decodes {
+        cfg.decode.push(DecodeWorkerConfig { url: d.url() });
+    }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

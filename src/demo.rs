@@ -1,15 +1,25 @@
 //! `pdgate demo`: the embedded default. Simulated engines (2 prefill with DP 2 and their
 //! bootstrap servers, 2 decode with DP 2) on loopback, and the router in front of them.
+//!
+//! Part of the binary, not the library: it runs the simulator, a test double.
 
-use crate::cli::DemoArgs;
-use crate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
-use crate::pd::RngSource;
-use crate::sim::{EngineConfig, SimCluster};
-use crate::types::Role;
+use clap::Args;
+use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
+use pdgate::pd::RngSource;
+use pdgate::types::Role;
+use pdgate_sim::{EngineConfig, SimCluster};
+
+/// Flags of `pdgate demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Router port.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+}
 
 /// Adds every engine of a simulated cluster to `cfg` as a worker (prefills with their
 /// bootstrap ports).
-pub fn add_sim_workers(cfg: &mut Config, cluster: &SimCluster) {
+fn add_sim_workers(cfg: &mut Config, cluster: &SimCluster) {
     for p in &cluster.prefills {
         cfg.prefill.push(PrefillWorkerConfig {
             url: p.url(),
@@ -29,7 +39,7 @@ pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send 
     let mut cfg = Config::default();
     cfg.server.port = args.port;
     add_sim_workers(&mut cfg, &cluster);
-    let router = crate::router::start(cfg, None, RngSource::Os).await?;
+    let router = pdgate::router::start(cfg, None, RngSource::Os).await?;
     // Wait (bounded) until both pools are routable, so the printed commands work at once.
     for _ in 0..100 {
         let s = router.pool.load();

@@ -3,7 +3,12 @@
 //! The crate is organised by concept: [`server`] (the front door), [`pd`] (one request's
 //! life under the room-to-rank contract), [`bootstrap`] (the embedded decode-side
 //! bootstrap poll), [`pool`] (the lock-free worker snapshot), [`policy`] (selection),
-//! [`health`] (active checks), [`sim`] (an SGLang engine simulator) and [`config`].
+//! [`health`] (active checks) and [`config`].
+//!
+//! The library holds no test doubles: the SGLang engine simulator is the `pdgate-sim` crate
+//! (`sim/`), used by the `pdgate` binary's `sim` and `demo` commands and by the tests and
+//! benches; the SGLang PD wire types both share ([`types::Role`], the default bootstrap
+//! port) come from the `sglang-pd` crate (`protocol/`).
 #![forbid(unsafe_code)]
 
 pub mod admission;
@@ -11,8 +16,6 @@ pub mod body;
 pub mod bootstrap;
 pub mod cli;
 pub mod config;
-pub mod demo;
-
 pub mod engine;
 pub mod error;
 pub mod health;
@@ -21,7 +24,6 @@ pub mod policy;
 pub mod pool;
 pub mod router;
 pub mod server;
-pub mod sim;
 pub mod types;
 pub mod upstream;
 pub mod url;

@@ -1,8 +1,12 @@
 //! The `pdgate` binary: `serve`, `sim` and `demo`.
 #![forbid(unsafe_code)]
 
+mod command;
+mod demo;
+
 use clap::{CommandFactory, FromArgMatches};
-use pdgate::cli::{prefill_groups, Cli, Command};
+use command::{Cli, Command};
+use pdgate::cli::prefill_groups;
 use pdgate::config::{LogConfig, LogFormat};
 use pdgate::pd::RngSource;
 
@@ -105,11 +109,11 @@ fn main() -> std::process::ExitCode {
             }
             (Some(Command::Sim(args)), None) => {
                 init_logs(&LogConfig::default());
-                pdgate::sim::cli::run(args).await
+                pdgate_sim::cli::run(args).await
             }
             (Some(Command::Demo(args)), None) => {
                 init_logs(&LogConfig::default());
-                pdgate::demo::run(args).await
+                demo::run(args).await
             }
             _ => Err("no command".into()),
         }

@@ -10,41 +10,9 @@ use std::fmt;
 /// The request id header, echoed on every response and forwarded to engines.
 pub const REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
-/// Which side of PD disaggregation a worker serves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
-
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "prefill" => Ok(Role::Prefill),
-            "decode" => Ok(Role::Decode),
-            other => Err(format!(
-                "unknown role {other:?} (expected prefill or decode)"
-            )),
-        }
-    }
-}
+/// Which side of PD disaggregation a worker serves: SGLang's wire name, defined in the
+/// protocol crate [`sglang_pd`] that the simulator shares.
+pub use sglang_pd::Role;
 
 /// Index of a worker in its pool's configuration order; stable for the worker's life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

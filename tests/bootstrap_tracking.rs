@@ -16,9 +16,9 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use pdgate::bootstrap::client::{self, Generation, RankRoute, Sentinel};
-use pdgate::sim::{EngineConfig, Faults};
 use pdgate::types::{Role, WorkerId};
 use pdgate::upstream::{parse_base_url, Upstream};
+use pdgate_sim::{EngineConfig, Faults};
 
 /// With the background refresh far apart, a rank view older than the freshness bound is
 /// checked again on the request path; a rank that went away is then not dispatched into.

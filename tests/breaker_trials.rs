@@ -12,8 +12,8 @@ use common::{start, Env};
 use pdgate::config::Config;
 use pdgate::error::FailReason;
 use pdgate::pool::{Breaker, BreakerState};
-use pdgate::sim::{EngineConfig, Faults};
 use pdgate::types::{Role, WorkerId};
+use pdgate_sim::{EngineConfig, Faults};
 
 const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
 

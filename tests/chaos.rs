@@ -17,6 +17,7 @@
 
 #[path = "../benches/chaos/client.rs"]
 mod client;
+mod common;
 #[path = "../benches/chaos/driver.rs"]
 mod driver;
 #[path = "../benches/chaos/report.rs"]
@@ -30,7 +31,7 @@ use std::time::Duration;
 use pdgate::pd::RngSource;
 use pdgate::pool::BreakerState;
 use pdgate::router::Router;
-use pdgate::sim::{EngineConfig, Faults, Role, SimCluster, SimEngine};
+use pdgate_sim::{EngineConfig, Faults, Role, SimCluster, SimEngine};
 
 use soak::{EngineRef, Fleet, Fut};
 
@@ -114,7 +115,7 @@ impl Fleet for InProcess {
             // The old listener closes as its accept task ends: retry the bind briefly.
             let mut last = String::new();
             for _ in 0..40 {
-                match pdgate::sim::spawn(cfg.clone()).await {
+                match pdgate_sim::spawn(cfg.clone()).await {
                     Ok(e) => {
                         if let Ok(mut g) = self.decodes.lock() {
                             g[d] = Some(e);
@@ -192,7 +193,7 @@ async fn soak(tweak: impl FnOnce(&mut pdgate::config::Config)) -> Vec<String> {
         .expect("sim cluster");
     let mut cfg = soak::router_config();
     tweak(&mut cfg);
-    pdgate::demo::add_sim_workers(&mut cfg, &cluster);
+    common::add_sim_workers(&mut cfg, &cluster);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

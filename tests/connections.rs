@@ -12,7 +12,7 @@ use bytes::Bytes;
 use common::{start, Env};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use pdgate::sim::EngineConfig;
+use pdgate_sim::EngineConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -183,7 +183,7 @@ async fn an_h2c_connection_with_a_stream_open_is_not_idle() {
     let env = start(
         vec![EngineConfig::prefill(1)],
         vec![EngineConfig {
-            faults: pdgate::sim::Faults {
+            faults: pdgate_sim::Faults {
                 decode_extra_itl_ms: 300,
                 ..Default::default()
             },

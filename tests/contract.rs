@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::{sse_events, start};
 use futures_util::future::join_all;
 use pdgate::config::ContractMode;
-use pdgate::sim::EngineConfig;
+use pdgate_sim::EngineConfig;
 use rand::{Rng, SeedableRng};
 
 /// One request shape: (route, body, instances).

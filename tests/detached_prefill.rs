@@ -5,8 +5,8 @@
 mod common;
 
 use common::start;
-use pdgate::sim::{EngineConfig, Faults};
 use pdgate::types::{Role, WorkerId};
+use pdgate_sim::{EngineConfig, Faults};
 
 const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
 

@@ -13,7 +13,7 @@ use common::{
     with_faults, Env, GEN, GEN_STREAM,
 };
 use http_body_util::BodyExt;
-use pdgate::sim::{EngineConfig, Faults, StatsSnapshot};
+use pdgate_sim::{EngineConfig, Faults, StatsSnapshot};
 
 /// The error of a failed answer: from the JSON body before headers, or the stream's last
 /// event after streaming began. Returns (status, error type).

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{sse_events, start};
 use http_body_util::BodyExt;
-use pdgate::sim::{EngineConfig, Faults};
+use pdgate_sim::{EngineConfig, Faults};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_and_no_leg_is_sent() {

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::start;
-use pdgate::sim::EngineConfig;
+use pdgate_sim::EngineConfig;
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -5,10 +5,10 @@
 
 mod common;
 
-use common::{client, fast_config, fast_engine, Env};
+use common::{add_sim_workers, client, fast_config, fast_engine, Env};
 use pdgate::config::Config;
 use pdgate::pd::RngSource;
-use pdgate::sim::{EngineConfig, SimCluster};
+use pdgate_sim::{EngineConfig, SimCluster};
 
 const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
 
@@ -33,7 +33,7 @@ async fn start_with_decode_down(down_decode: Option<usize>) -> Env {
         cluster.decodes[i].set_down(true);
     }
     let mut cfg = fast_config();
-    pdgate::demo::add_sim_workers(&mut cfg, &cluster);
+    add_sim_workers(&mut cfg, &cluster);
     sglang_health_flags(&mut cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -5,7 +5,7 @@ mod common;
 
 use common::start;
 use pdgate::config::PolicyKind;
-use pdgate::sim::EngineConfig;
+use pdgate_sim::EngineConfig;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_aware_keeps_a_conversation_on_one_prefill() {

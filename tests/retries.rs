@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use common::{assert_retried, attempts_seen, expect_ok, start, with_faults, GEN, GEN_STREAM};
 use pdgate::bootstrap::client::{self, Generation, RankRoute};
-use pdgate::sim::{EngineConfig, Faults};
 use pdgate::types::{Role, WorkerId};
 use pdgate::upstream::{parse_base_url, Upstream};
+use pdgate_sim::{EngineConfig, Faults};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_down_with_another_prefill_healthy_gives_no_errors() {

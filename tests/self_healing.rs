@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::{start, Env};
 use pdgate::pool::BreakerState;
-use pdgate::sim::{EngineConfig, Faults};
 use pdgate::types::{Role, WorkerId};
+use pdgate_sim::{EngineConfig, Faults};
 
 const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
 const GEN_STREAM: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3},"stream":true}"#;

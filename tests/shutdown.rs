@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use pdgate::sim::{EngineConfig, Faults, SimCluster};
+use pdgate_sim::{EngineConfig, Faults, SimCluster};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests() {

@@ -5,7 +5,7 @@ mod sim_support;
 
 use std::time::Duration;
 
-use pdgate::sim::{self, EngineConfig, Faults};
+use pdgate_sim::{EngineConfig, Faults};
 use serde_json::{json, Value};
 use sim_support::{request, Answer};
 
@@ -59,7 +59,7 @@ fn ok<'a>(method: &'a str, path: &str, body: Value) -> Row<'a> {
 }
 
 /// A fresh bootstrap server (the engine registers none of its own ranks).
-async fn fresh(ttl: Duration) -> sim::SimEngine {
+async fn fresh(ttl: Duration) -> pdgate_sim::SimEngine {
     let cfg = EngineConfig {
         room_entry_ttl: ttl,
         faults: Faults {
@@ -68,10 +68,10 @@ async fn fresh(ttl: Duration) -> sim::SimEngine {
         },
         ..EngineConfig::prefill(1)
     };
-    sim::spawn(cfg).await.expect("spawn")
+    pdgate_sim::spawn(cfg).await.expect("spawn")
 }
 
-async fn run_rows(engine: &sim::SimEngine, rows: &[Row<'_>]) {
+async fn run_rows(engine: &pdgate_sim::SimEngine, rows: &[Row<'_>]) {
     let base = engine.bootstrap_url().expect("bootstrap url");
     for (method, path, body, status, ct, expected) in rows {
         let a: Answer = request(method, &format!("{base}{path}"), body.as_deref()).await;
@@ -623,7 +623,9 @@ async fn g_rooms() {
 
 #[tokio::test]
 async fn engine_registers_its_own_ranks() {
-    let e = sim::spawn(EngineConfig::prefill(2)).await.expect("spawn");
+    let e = pdgate_sim::spawn(EngineConfig::prefill(2))
+        .await
+        .expect("spawn");
     let base = e.bootstrap_url().expect("url");
     let s = request("GET", &format!("{base}{SENTINEL}"), None).await;
     assert_eq!(s.status, 200, "{}", s.body);
@@ -674,7 +676,9 @@ async fn engine_registers_its_own_ranks() {
 
 #[tokio::test]
 async fn bootstrap_down_drops_connections_but_keeps_port() {
-    let e = sim::spawn(EngineConfig::prefill(1)).await.expect("spawn");
+    let e = pdgate_sim::spawn(EngineConfig::prefill(1))
+        .await
+        .expect("spawn");
     let base = e.bootstrap_url().expect("url");
     e.set_faults(Faults {
         bootstrap_down: true,

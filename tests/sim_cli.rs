@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use clap::Parser;
-use pdgate::sim::cli::{ready_line, SimArgs};
-use pdgate::sim::{self, EngineConfig, Role};
+use pdgate_sim::cli::{ready_line, SimArgs};
+use pdgate_sim::{EngineConfig, Role};
 
 #[derive(Parser)]
 struct Cli {
@@ -51,8 +51,12 @@ fn flags_override_only_what_they_name() {
 
 #[tokio::test]
 async fn ready_lines() {
-    let p = sim::spawn(EngineConfig::prefill(2)).await.expect("prefill");
-    let d = sim::spawn(EngineConfig::decode(1)).await.expect("decode");
+    let p = pdgate_sim::spawn(EngineConfig::prefill(2))
+        .await
+        .expect("prefill");
+    let d = pdgate_sim::spawn(EngineConfig::decode(1))
+        .await
+        .expect("decode");
     assert_eq!(
         ready_line(&p),
         format!(

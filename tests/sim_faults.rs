@@ -4,7 +4,7 @@ mod sim_support;
 
 use std::time::Duration;
 
-use pdgate::sim::{self, EngineConfig, Faults, SimCluster};
+use pdgate_sim::{EngineConfig, Faults, SimCluster};
 use serde_json::{json, Value};
 use sim_support::{eventually, get, post, try_request};
 
@@ -343,7 +343,9 @@ async fn prefill_death_is_noticed_by_the_decode_heartbeat() {
 
 #[tokio::test]
 async fn sim_endpoints_and_info() {
-    let e = sim::spawn(EngineConfig::decode(2)).await.expect("spawn");
+    let e = pdgate_sim::spawn(EngineConfig::decode(2))
+        .await
+        .expect("spawn");
     let url = e.url();
     let f = post(
         &format!("{url}/sim/faults"),

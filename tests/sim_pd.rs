@@ -5,7 +5,7 @@ mod sim_support;
 
 use std::time::Duration;
 
-use pdgate::sim::{EngineConfig, SimCluster, StatsSnapshot};
+use pdgate_sim::{EngineConfig, SimCluster, StatsSnapshot};
 use serde_json::{json, Value};
 use sim_support::{eventually, post, Answer};
 

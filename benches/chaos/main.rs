@@ -28,7 +28,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pdgate::sim::{Role, SimCluster, SimEngine};
+use pdgate_sim::{Role, SimCluster, SimEngine};
 use serde_json::Value;
 
 use soak::{EngineRef, Fleet, Fut};
@@ -110,7 +110,7 @@ impl Fleet for Processes {
         i < self.prefills.len()
     }
 
-    fn set_faults_direct(&self, i: usize, f: &pdgate::sim::Faults) {
+    fn set_faults_direct(&self, i: usize, f: &pdgate_sim::Faults) {
         if let Some(p) = self.prefills.get(i) {
             p.set_faults(f.clone());
         }

@@ -246,7 +246,7 @@ pub fn print(o: &Outcome, checks: &[Check]) {
     println!("\n| worker | ready (readiness) after | serving after | requests | ok | failed | aborted | disconnects | violations |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (w, (_, s)) in o.recovered.workers.iter().zip(&o.engines) {
-        let c = |f: fn(&pdgate::sim::StatsSnapshot) -> u64| {
+        let c = |f: fn(&pdgate_sim::StatsSnapshot) -> u64| {
             s.as_ref().map_or("?".to_string(), |s| f(s).to_string())
         };
         println!(

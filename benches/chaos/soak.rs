@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdgate::config::Config;
-use pdgate::sim::{EngineConfig, Faults, Role, StatsSnapshot};
+use pdgate_sim::{EngineConfig, Faults, Role, StatsSnapshot};
 use serde_json::Value;
 
 use crate::client::{self, Bounds, HttpClient, Load, Mix, Tally};

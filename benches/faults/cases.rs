@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use pdgate::pool::RankReadiness;
-use pdgate::sim::{EngineConfig, Faults, SimEngine};
+use pdgate_sim::{EngineConfig, Faults, SimEngine};
 
 use crate::env::{engine, measure, routable, start, warm_up, Kind, Row};
 

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use http_body_util::BodyExt;
-use pdgate::sim::EngineConfig;
+use pdgate_sim::EngineConfig;
 
 use crate::env::{engine, request, start, warm_up, Env, Kind};
 

@@ -13,8 +13,8 @@ use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
 use pdgate::pd::RngSource;
 use pdgate::pool::Snapshot;
 use pdgate::router::Router;
-use pdgate::sim::{EngineConfig, SimCluster, SimEngine, StatsSnapshot};
 use pdgate::types::Role;
+use pdgate_sim::{EngineConfig, SimCluster, SimEngine, StatsSnapshot};
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 

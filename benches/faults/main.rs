@@ -28,7 +28,7 @@ mod report;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use pdgate::sim::Faults;
+use pdgate_sim::Faults;
 
 use cases::{
     decode_runtime, judge_prefill_status, legacy_bug, ok_text, prefill_runtime, prefill_visible,

@@ -28,8 +28,8 @@ use crate::upstream::{BaseUrl, Upstream};
 /// Rank routes the refresher asks for at once.
 const RANK_POLLS: usize = 16;
 
-/// SGLang's default `--disaggregation-bootstrap-port`.
-pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+/// SGLang's default `--disaggregation-bootstrap-port` (defined in the protocol crate).
+pub use sglang_pd::DEFAULT_BOOTSTRAP_PORT;
 
 /// Moves one rank to `new`, logging and counting a real transition.
 pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, now: Instant) {

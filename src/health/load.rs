@@ -335,7 +335,7 @@ mod tests {
 
     #[tokio::test]
     async fn polls_a_live_sim_engine() {
-        let sim = crate::sim::spawn(crate::sim::EngineConfig::decode(2))
+        let sim = pdgate_sim::spawn(pdgate_sim::EngineConfig::decode(2))
             .await
             .unwrap();
         let up = Upstream::new(&crate::router::upstream_settings(

@@ -11,10 +11,10 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use pdgate::config::Config;
+use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
 use pdgate::pd::RngSource;
 use pdgate::router::Router;
-use pdgate::sim::{EngineConfig, Faults, SimCluster, SimEngine, StatsSnapshot};
+use pdgate_sim::{EngineConfig, Faults, SimCluster, SimEngine, StatsSnapshot};
 
 pub struct Env {
     pub cluster: SimCluster,
@@ -55,6 +55,21 @@ pub fn fast_engine(mut e: EngineConfig) -> EngineConfig {
     e
 }
 
+/// Adds every engine of a simulated cluster to `cfg` as a worker (prefills with their
+/// bootstrap ports).
+pub fn add_sim_workers(cfg: &mut Config, cluster: &SimCluster) {
+    for p in &cluster.prefills {
+        cfg.prefill.push(PrefillWorkerConfig {
+            url: p.url(),
+            bootstrap_port: p.bootstrap_port(),
+            bootstrap_host: None,
+        });
+    }
+    for d in &cluster.decodes {
+        cfg.decode.push(DecodeWorkerConfig { url: d.url() });
+    }
+}
+
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
@@ -83,7 +98,7 @@ pub async fn start_as_is(
         .await
         .expect("sim cluster");
     let mut cfg = fast_config();
-    pdgate::demo::add_sim_workers(&mut cfg, &cluster);
+    add_sim_workers(&mut cfg, &cluster);
     tweak(&mut cfg);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -1,5 +1,5 @@
-//! One simulated engine: its listeners, shared state, HTTP routing and the
-//! public [`SimEngine`] handle.
+//! One simulated engine: its listeners, HTTP routing and the public [`SimEngine`]
+//! handle (the shared state is [`crate::state::Engine`]).
 //!
 //! Why: the router talks to the simulator exactly as to SGLang, over real TCP;
 //! tests and `pdgate sim` control it through [`SimEngine`] (or `/sim/*`).
@@ -8,14 +8,13 @@
 //! - Every listener (engine port, bootstrap server, one per prefill DP rank) is
 //!   bound in [`spawn`] and kept until shutdown; "down" never re-binds.
 //! - The current [`Faults`] live in one `watch` channel; `Stats::engine_down`
-//!   mirrors `faults.down` (set together in [`Engine::set_faults`]).
+//!   mirrors `faults.down` (see [`crate::state`]).
 //! - A prefill's own ranks are registered with real `PUT /route` requests; a
 //!   reconciler task keeps the bootstrap table in line with
 //!   `unregistered_ranks` / `register_none` whenever the faults change.
 //! - Dropping a [`SimEngine`] shuts everything down (listeners closed,
 //!   connections cut, background tasks ended).
 
-use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -25,162 +24,18 @@ use hyper::body::Incoming;
 use hyper::{Method, Request};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
-use super::bootstrap::{self, BootstrapState};
-use super::config::{EngineConfig, Faults, Role};
-use super::contract::{ContractBook, SeenRooms};
-use super::decode::DecodeState;
-use super::http::{self, Cut, Gate, Resp};
-use super::info;
-use super::rendezvous::{self, Rendezvous};
-use super::request::Api;
-use super::stats::{Stats, StatsSnapshot};
-
-/// Prefill-only parts of an engine.
-pub(crate) struct PrefillSide {
-    pub bootstrap: Arc<BootstrapState>,
-    pub rendezvous: Arc<Rendezvous>,
-    pub seen: Mutex<SeenRooms>,
-    pub rank_ports: Vec<u16>,
-}
-
-/// Shared state of one engine.
-pub(crate) struct Engine {
-    pub cfg: EngineConfig,
-    pub faults_tx: watch::Sender<Faults>,
-    pub shutdown_tx: watch::Sender<bool>,
-    pub stats: Arc<Stats>,
-    pub addr: SocketAddr,
-    pub bootstrap_port: Option<u16>,
-    pub inflight: Arc<Inflight>,
-    pub rr: AtomicU64,
-    pub prefill: Option<PrefillSide>,
-    pub decode: DecodeState,
-    /// The headers of the last generate request (names in lower case), for tests of what
-    /// a router forwards.
-    pub last_headers: std::sync::Mutex<Vec<(String, String)>>,
-    /// The rids of the request instances that started ([`SimEngine::recent_rids`]).
-    pub started_rids: RidLog,
-    /// The rids named by `POST /abort_request` ([`SimEngine::recent_abort_rids`]).
-    pub abort_rids: RidLog,
-}
-
-/// How many rids a [`RidLog`] keeps (bounded: benches run long).
-pub const RECENT_RIDS: usize = 1024;
-
-/// The last [`RECENT_RIDS`] rids of one kind of event, oldest first. Tests follow one
-/// client request across engines with them: a router gives each attempt of a leg its own
-/// rid.
-#[derive(Default)]
-pub(crate) struct RidLog(Mutex<VecDeque<String>>);
-
-impl RidLog {
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<String>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(crate) fn push(&self, rid: &str) {
-        let mut g = self.lock();
-        if g.len() == RECENT_RIDS {
-            g.pop_front();
-        }
-        g.push_back(rid.to_string());
-    }
-
-    fn list(&self) -> Vec<String> {
-        self.lock().iter().cloned().collect()
-    }
-}
-
-impl Engine {
-    pub(crate) fn faults(&self) -> Faults {
-        self.faults_tx.borrow().clone()
-    }
-
-    pub(crate) fn set_faults(&self, f: Faults) {
-        self.stats.engine_down.store(f.down, Ordering::Relaxed);
-        self.faults_tx.send_replace(f);
-    }
-
-    pub(crate) fn set_down(&self, down: bool) {
-        self.stats.engine_down.store(down, Ordering::Relaxed);
-        self.faults_tx.send_modify(|f| f.down = down);
-    }
-
-    /// The IP other processes should use to reach this engine's listeners.
-    pub(crate) fn public_ip(&self) -> String {
-        let ip = self.addr.ip();
-        if ip.is_unspecified() {
-            "127.0.0.1".to_string()
-        } else {
-            ip.to_string()
-        }
-    }
-
-    /// Next round-robin DP rank.
-    pub(crate) fn next_rr(&self) -> u32 {
-        (self.rr.fetch_add(1, Ordering::Relaxed) % u64::from(self.cfg.dp())) as u32
-    }
-}
-
-/// In-flight instances by rid, for `POST /abort_request`.
-#[derive(Default)]
-pub(crate) struct Inflight {
-    map: Mutex<HashMap<u64, (String, oneshot::Sender<()>)>>,
-    next: AtomicU64,
-}
-
-/// Removes its rid from [`Inflight`] when dropped.
-pub(crate) struct Registration {
-    inflight: Arc<Inflight>,
-    id: u64,
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        self.inflight.lock().remove(&self.id);
-    }
-}
-
-impl Inflight {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (String, oneshot::Sender<()>)>> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(crate) fn register(self: &Arc<Self>, rid: &str) -> (oneshot::Receiver<()>, Registration) {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        self.lock().insert(id, (rid.to_string(), tx));
-        (
-            rx,
-            Registration {
-                inflight: Arc::clone(self),
-                id,
-            },
-        )
-    }
-
-    /// SGLang semantics: the tokenizer ignores an untracked rid (unless
-    /// `abort_all`); the scheduler then aborts every rid starting with it.
-    pub(crate) fn abort(&self, rid: &str, all: bool) -> usize {
-        let mut g = self.lock();
-        if !all && !g.values().any(|(r, _)| r == rid) {
-            return 0;
-        }
-        let ids: Vec<u64> = g
-            .iter()
-            .filter(|(_, (r, _))| all || r.starts_with(rid))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in &ids {
-            if let Some((_, tx)) = g.remove(id) {
-                let _ = tx.send(());
-            }
-        }
-        ids.len()
-    }
-}
+use crate::bootstrap::{self, BootstrapState};
+use crate::config::{EngineConfig, Faults, Role};
+use crate::contract::{ContractBook, SeenRooms};
+use crate::decode_cache::DecodeState;
+use crate::http::{self, Cut, Gate, Resp};
+use crate::info;
+use crate::rendezvous::{self, Rendezvous};
+use crate::request::Api;
+use crate::state::{Engine, Inflight, PrefillSide, RidLog};
+use crate::stats::{Stats, StatsSnapshot};
 
 /// A running simulated engine. Dropping it shuts the engine down.
 pub struct SimEngine {
@@ -258,13 +113,13 @@ impl SimEngine {
             .unwrap_or_default()
     }
 
-    /// The rids of the last [`RECENT_RIDS`] request instances this engine started, in
+    /// The rids of the last [`RECENT_RIDS`](crate::RECENT_RIDS) request instances this engine started, in
     /// arrival order, whatever their outcome.
     pub fn recent_rids(&self) -> Vec<String> {
         self.engine.started_rids.list()
     }
 
-    /// The rids named by the last [`RECENT_RIDS`] `POST /abort_request` calls, in arrival
+    /// The rids named by the last [`RECENT_RIDS`](crate::RECENT_RIDS) `POST /abort_request` calls, in arrival
     /// order, matched or not (`abort_requests_received` counts them all).
     pub fn recent_abort_rids(&self) -> Vec<String> {
         self.engine.abort_rids.list()
@@ -492,7 +347,7 @@ async fn handle(engine: Arc<Engine>, req: Request<Incoming>) -> Result<Resp, Cut
         if !allowed {
             return Ok(method_not_allowed());
         }
-        return super::run::handle_generate(engine, api, req).await;
+        return crate::run::handle_generate(engine, api, req).await;
     }
     let resp = match path.as_str() {
         "/health" | "/health_generate" if get => http::empty(200),

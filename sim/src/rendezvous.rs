@@ -32,9 +32,9 @@ use hyper::{Method, Request};
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, Notify};
 
-use super::contract::{BookEntry, ContractBook, LegKind};
-use super::http::{self, Cut, Resp};
-use super::stats::{Stats, Violation};
+use crate::contract::{BookEntry, ContractBook, LegKind};
+use crate::http::{self, Cut, Resp};
+use crate::stats::{Stats, Violation};
 
 /// How a decode's wait ended.
 #[derive(Debug, Clone, PartialEq, Eq)]

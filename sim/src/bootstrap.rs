@@ -28,8 +28,8 @@ use hyper::{Method, Request};
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use super::http::{self, query_param, Cut, Resp};
-use super::pyjson::{self, int_str, int_value, PyKey, PyObj};
+use crate::http::{self, query_param, Cut, Resp};
+use crate::pyjson::{self, int_str, int_value, PyKey, PyObj};
 
 const GENERIC_500: &str = "500 Internal Server Error\n\nServer got itself in trouble";
 

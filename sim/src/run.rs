@@ -4,7 +4,7 @@
 //!
 //! Why: batching, streaming, aborts, client disconnects and failure shapes are
 //! the same for prefill and decode; only "what happens before the first token"
-//! differs ([`super::prefill::prepare`], [`super::decode::prepare`]).
+//! differs ([`crate::prefill::prepare`], [`crate::decode::prepare`]).
 //!
 //! Invariants:
 //! - Each instance owns a [`Tracker`] (stats drop guard) and an abort
@@ -23,22 +23,13 @@ use futures_util::future::join_all;
 use hyper::body::Incoming;
 use hyper::Request;
 
-use super::config::Role;
-use super::engine::Engine;
-use super::http::{self, ChunkTx, Cut, Resp};
-use super::request::{self, Api, Instance, ParsedRequest};
-use super::shapes::{self, Ctx, Failure, Logprobs};
-use super::stats::{Outcome, Tracker};
-
-/// What the role decided before the first token.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Plan {
-    pub tokens: u32,
-    pub ttft: Duration,
-    pub itl: Duration,
-    /// Cut the connection after this many chunks (decode fault).
-    pub die_after: Option<u32>,
-}
+use crate::config::Role;
+use crate::http::{self, ChunkTx, Cut, Resp};
+use crate::plan::Plan;
+use crate::request::{self, Api, Instance, ParsedRequest};
+use crate::shapes::{self, Ctx, Failure, Logprobs};
+use crate::state::Engine;
+use crate::stats::{Outcome, Tracker};
 
 /// How one instance ended.
 struct InstanceResult {
@@ -202,8 +193,8 @@ async fn run_instance(
     let progress = AtomicU32::new(0);
     let work = async {
         let plan = match engine.cfg.role {
-            Role::Prefill => super::prefill::prepare(engine, ctx.req, inst, &tracker).await?,
-            Role::Decode => super::decode::prepare(engine, ctx.req, inst, &tracker).await?,
+            Role::Prefill => crate::prefill::prepare(engine, ctx.req, inst, &tracker).await?,
+            Role::Decode => crate::decode::prepare(engine, ctx.req, inst, &tracker).await?,
         };
         tracker.running();
         generate(engine, ctx, inst, plan, tx, &progress, &tracker).await

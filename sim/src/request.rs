@@ -16,7 +16,7 @@
 
 use serde_json::{Map, Value};
 
-use super::config::{EngineConfig, MAX_OUTPUT_TOKENS};
+use crate::config::{EngineConfig, MAX_OUTPUT_TOKENS};
 
 /// Which HTTP API a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

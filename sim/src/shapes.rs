@@ -22,9 +22,9 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use super::http::{self, Resp};
-use super::request::{Api, Instance, ParsedRequest, ReqError};
-use super::stats::Outcome;
+use crate::http::{self, Resp};
+use crate::request::{Api, Instance, ParsedRequest, ReqError};
+use crate::stats::Outcome;
 
 /// Why an instance did not finish normally.
 #[derive(Debug, Clone)]
@@ -200,7 +200,7 @@ impl Ctx<'_> {
         self.req
             .instances
             .first()
-            .map_or_else(super::request::new_rid, |i| i.rid.clone())
+            .map_or_else(crate::request::new_rid, |i| i.rid.clone())
     }
 
     /// The non-streaming OpenAI object for finished instances

@@ -22,12 +22,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::engine::Engine;
-use super::http;
-use super::request::{Instance, ParsedRequest};
-use super::run::Plan;
-use super::shapes::Failure;
-use super::stats::{Tracker, Violation};
+use crate::http;
+use crate::plan::Plan;
+use crate::request::{Instance, ParsedRequest};
+use crate::shapes::Failure;
+use crate::state::Engine;
+use crate::stats::{Tracker, Violation};
 
 /// The message of a missing `bootstrap_room` (scheduler abort, 400).
 pub(crate) fn missing_room(rid: &str) -> Failure {

@@ -18,56 +18,20 @@
 //! does not retry, except reconnecting a cut rank connection while the
 //! heartbeat and the waiting timeout still allow it.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use super::engine::Engine;
-use super::http::{self, ClientError};
-use super::prefill::{check_context, missing_room, routed_rank, status_fault};
-use super::request::{Instance, ParsedRequest};
-use super::run::Plan;
-use super::shapes::Failure;
-use super::stats::Tracker;
-
-/// What decode needs from the sentinel answer.
-#[derive(Debug, Clone)]
-pub(crate) struct PrefillInfo {
-    pub dp_size: u32,
-    pub follow_bootstrap_room: bool,
-    pub page_size: Option<i64>,
-    pub kv_cache_dtype: Option<String>,
-}
-
-type FetchResult = Option<Result<Arc<PrefillInfo>, String>>;
-
-#[derive(Default)]
-struct Caches {
-    info: HashMap<String, Arc<PrefillInfo>>,
-    fetching: HashMap<String, watch::Receiver<FetchResult>>,
-    routes: HashMap<(String, u32), String>,
-}
-
-/// Decode-side caches, keyed by `bootstrap_addr` like SGLang's.
-#[derive(Default)]
-pub(crate) struct DecodeState {
-    caches: Mutex<Caches>,
-}
-
-impl DecodeState {
-    fn lock(&self) -> MutexGuard<'_, Caches> {
-        self.caches.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn forget(&self, addr: &str) {
-        let mut g = self.lock();
-        g.info.remove(addr);
-        g.routes.retain(|(a, _), _| a != addr);
-    }
-}
+use crate::decode_cache::{FetchResult, PrefillInfo};
+use crate::http::{self, ClientError};
+use crate::plan::Plan;
+use crate::prefill::{check_context, missing_room, routed_rank, status_fault};
+use crate::request::{Instance, ParsedRequest};
+use crate::shapes::Failure;
+use crate::state::Engine;
+use crate::stats::Tracker;
 
 const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -369,7 +333,7 @@ async fn pull_kv(
                 let reason = v
                     .get("reason")
                     .and_then(Value::as_str)
-                    .unwrap_or(super::rendezvous::PREFILL_DEAD);
+                    .unwrap_or(crate::rendezvous::PREFILL_DEAD);
                 return Err(transfer_failure(inst, room, reason));
             }
             Ok(r) => {
@@ -378,7 +342,7 @@ async fn pull_kv(
                     room,
                     &format!(
                         "{} (rank endpoint answered {})",
-                        super::rendezvous::PREFILL_DEAD,
+                        crate::rendezvous::PREFILL_DEAD,
                         r.status
                     ),
                 ))

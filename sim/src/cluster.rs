@@ -10,10 +10,10 @@
 
 use std::io;
 
-use super::config::{EngineConfig, Role};
-use super::contract::ContractBook;
-use super::engine::{spawn_in, SimEngine};
-use super::stats::StatsSnapshot;
+use crate::config::{EngineConfig, Role};
+use crate::contract::ContractBook;
+use crate::engine::{spawn_in, SimEngine};
+use crate::stats::StatsSnapshot;
 
 /// Prefill and decode engines started together.
 #[derive(Debug)]

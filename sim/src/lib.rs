@@ -1,5 +1,5 @@
-//! SGLang engine simulator: prefill and decode engines that speak SGLang
-//! 0.5.23's PD protocol over real TCP, for router tests, benches and demos.
+//! pdgate-sim: an SGLang engine simulator. Prefill and decode engines that speak SGLang
+//! 0.5.23's PD protocol over real TCP, for pdgate's tests, benches and `pdgate sim|demo`.
 //!
 //! Why: pdgate must be tested against the behaviour that makes PD routing hard
 //! — the bootstrap server, the room → DP-rank contract, the KV rendezvous, the
@@ -12,8 +12,15 @@
 //!   SGLang's, and one KV rank endpoint per DP rank ([`rendezvous`]) that the
 //!   decode long-polls, standing in for ZMQ.
 //!
-//! Invariants that hold across the module:
-//! - Self-contained: no other pdgate module is used.
+//! Why a crate of its own: it is a test double, and the router library must not contain
+//! one. The `pdgate` package uses it only from its binary (`pdgate sim`, `pdgate demo`) and
+//! from its tests, benches and examples.
+//!
+//! Invariants that hold across the crate:
+//! - Independent of the router: it does not depend on `pdgate`; the only wire types it
+//!   shares with it ([`Role`], the default bootstrap port) come from the protocol crate
+//!   `sglang-pd`, so the simulator stands in for SGLang and cannot borrow the router's
+//!   view of the protocol.
 //! - Listeners stay bound for an engine's whole life; "down" means
 //!   accept-and-drop plus cutting open connections, never re-binding.
 //! - No panics on input: every parse failure becomes an HTTP error shape.
@@ -22,6 +29,7 @@
 //!
 //! Public API: [`spawn`] / [`SimEngine`], [`SimCluster`], [`EngineConfig`],
 //! [`Faults`], [`Role`], [`StatsSnapshot`] and [`cli`] for `pdgate sim`.
+#![forbid(unsafe_code)]
 
 mod bootstrap;
 pub mod cli;
@@ -29,18 +37,22 @@ mod cluster;
 mod config;
 mod contract;
 mod decode;
+mod decode_cache;
 mod engine;
 mod http;
 mod info;
+mod plan;
 mod prefill;
 mod pyjson;
 mod rendezvous;
 mod request;
 mod run;
 mod shapes;
+mod state;
 mod stats;
 
 pub use cluster::SimCluster;
 pub use config::{EngineConfig, Faults, Role, MAX_OUTPUT_TOKENS};
-pub use engine::{spawn, SimEngine, RECENT_RIDS};
+pub use engine::{spawn, SimEngine};
+pub use state::RECENT_RIDS;
 pub use stats::StatsSnapshot;

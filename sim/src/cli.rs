@@ -10,9 +10,9 @@
 use std::io::Write;
 use std::time::Duration;
 
-use super::cluster::SimCluster;
-use super::config::{EngineConfig, Faults, Role};
-use super::engine::SimEngine;
+use crate::cluster::SimCluster;
+use crate::config::{EngineConfig, Faults, Role};
+use crate::engine::SimEngine;
 
 /// Flags of `pdgate sim`.
 #[derive(Debug, Clone, clap::Args)]
@@ -256,7 +256,7 @@ pub async fn run(args: SimArgs) -> Result<(), Box<dyn std::error::Error + Send +
             let mut cfg = args.config(role, dp);
             cfg.port = args.port;
             cfg.bootstrap_port = args.bootstrap_port;
-            vec![super::engine::spawn(cfg).await?]
+            vec![crate::engine::spawn(cfg).await?]
         }
         None => {
             let mut prefills = Vec::new();

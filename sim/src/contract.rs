@@ -7,7 +7,7 @@
 //! behaves the same but counts the violation the moment the second leg shows.
 //!
 //! Invariants:
-//! - A [`ContractBook`] is shared by every engine of one [`super::SimCluster`]
+//! - A [`ContractBook`] is shared by every engine of one [`crate::SimCluster`]
 //!   (an engine spawned alone gets its own), so cross-engine checks only see
 //!   engines of the same cluster and parallel tests cannot disturb each other.
 //! - A leg is in the book only while it is in flight ([`BookEntry`] removes it

@@ -6,14 +6,14 @@
 //! endpoints; the shapes follow SGLang (spec §6.6, §6.7).
 //!
 //! Invariants: `internal_states` and the load lists have one entry per DP
-//! rank; the load gauges come from the live [`super::stats::Stats`].
+//! rank; the load gauges come from the live [`crate::stats::Stats`].
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use super::engine::Engine;
-use super::http::query_param;
+use crate::http::query_param;
+use crate::state::Engine;
 
 fn now_f64() -> f64 {
     SystemTime::now()
@@ -45,13 +45,13 @@ pub(crate) fn server_info(engine: &Engine) -> Value {
         "host": engine.public_ip(),
         "port": engine.addr.port(),
         "disaggregation_mode": cfg.role.as_str(),
-        "disaggregation_bootstrap_port": engine.bootstrap_port.unwrap_or(8998),
+        "disaggregation_bootstrap_port": engine.bootstrap_port.unwrap_or(sglang_pd::DEFAULT_BOOTSTRAP_PORT),
         "disaggregation_transfer_backend": "sim",
         "dp_size": cfg.dp(),
         "tp_size": 1,
         "pp_size": 1,
         "enable_dp_attention": true,
-        "load_balance_method": if cfg.role == super::config::Role::Prefill { cfg.load_balance_method.as_str() } else { "round_robin" },
+        "load_balance_method": if cfg.role == crate::config::Role::Prefill { cfg.load_balance_method.as_str() } else { "round_robin" },
         "page_size": cfg.page_size,
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "context_length": cfg.context_length,
@@ -113,7 +113,7 @@ pub(crate) fn loads(engine: &Engine, query: Option<&str>) -> Value {
             } else {
                 l.tokens as f64 / max as f64
             };
-            let prefill = cfg.role == super::config::Role::Prefill;
+            let prefill = cfg.role == crate::config::Role::Prefill;
             json!({
                 "dp_rank": rank,
                 "timestamp": ts,

@@ -29,7 +29,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
-use super::config::Faults;
+use crate::config::Faults;
 
 /// Error type of response bodies.
 pub(crate) type BodyError = std::io::Error;

@@ -15,8 +15,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// Which half of a PD pair an engine simulates (`--disaggregation-mode prefill|decode`):
-/// the router's own [`crate::types::Role`].
-pub use crate::types::Role;
+/// the wire type shared with the router, from the protocol crate [`sglang_pd`].
+pub use sglang_pd::Role;
 
 /// Faults that can be switched on and off while the engine runs
 /// (`SimEngine::set_faults`, `POST /sim/faults`).
