@@ -15,17 +15,17 @@
 //! `CI` is set and are skipped (loudly) otherwise.
 
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::interop::{drain, manifest, skip_or_fail, upstream, venv_python};
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
 use pdgate::upstream::{parse_base_url, BaseUrl, HostConns, LegBody, LegRequest, Upstream};
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 const PARSERS: [&str; 2] = ["h11", "httptools"];
@@ -41,14 +41,10 @@ const IMPORTS: &str = "import uvicorn, starlette, httptools, h11, orjson";
 // Harness
 // ---------------------------------------------------------------------------------------
 
-fn manifest() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// The venv's python when it has the app's packages, or `None` (after a loud notice) when
 /// the test must be skipped. Under `CI` a missing venv or package is a failure.
-fn venv_python(test: &str) -> Option<PathBuf> {
-    let py = manifest().join("target/sglang-venv/bin/python");
+fn python_or_skip(test: &str) -> Option<PathBuf> {
+    let py = venv_python();
     let imports = py.is_file()
         && std::process::Command::new(&py)
             .args(["-c", IMPORTS])
@@ -65,28 +61,7 @@ fn venv_python(test: &str) -> Option<PathBuf> {
         py.display(),
         py.display()
     );
-    if std::env::var_os("CI").is_some() {
-        panic!("{test}: {why}");
-    }
-    // Straight to the process's stderr: libtest captures `eprintln!`, and a skip must be seen.
-    let bar = "!".repeat(88);
-    let _ = writeln!(
-        std::io::stderr(),
-        "\n{bar}\n!! SKIPPED {test}: {why}\n!! (set CI to make this a failure)\n{bar}\n"
-    );
-    None
-}
-
-/// Appends every line of `r` to `buf` until EOF (keeps the child's pipes drained).
-fn drain<R: AsyncRead + Unpin + Send + 'static>(r: R, buf: Arc<Mutex<String>>) {
-    tokio::spawn(async move {
-        let mut lines = BufReader::new(r).lines();
-        while let Ok(Some(l)) = lines.next_line().await {
-            let mut b = buf.lock().unwrap();
-            b.push_str(&l);
-            b.push('\n');
-        }
-    });
+    skip_or_fail(test, &why)
 }
 
 /// One uvicorn engine (the app), child of this test, killed on drop.
@@ -182,7 +157,7 @@ where
     F: Fn(Engine, Upstream) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    let Some(py) = venv_python(test) else {
+    let Some(py) = python_or_skip(test) else {
         return;
     };
     for parser in PARSERS {
@@ -198,12 +173,6 @@ where
             );
         }
     }
-}
-
-fn upstream() -> Upstream {
-    Upstream::new(&pdgate::router::upstream_settings(
-        &pdgate::config::Config::default(),
-    ))
 }
 
 fn rid(tag: &str) -> String {
@@ -537,7 +506,7 @@ async fn connections_are_reused_only_within_the_idle_timeout() {
 /// them, it is found closed before the write. Both parsers and both settings wait together.
 #[tokio::test]
 async fn a_connection_uvicorn_closed_is_not_used() {
-    let Some(py) = venv_python("a_connection_uvicorn_closed_is_not_used") else {
+    let Some(py) = python_or_skip("a_connection_uvicorn_closed_is_not_used") else {
         return;
     };
     let up = upstream();

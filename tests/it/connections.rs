@@ -4,7 +4,7 @@
 //! after their last one — by `server.idle_timeout_secs`. Many idle connections, both
 //! protocols.
 
-mod common;
+use crate::support::common;
 
 use std::time::Duration;
 

@@ -15,15 +15,7 @@
 //! `PDGATE_CHAOS_SECS` and `PDGATE_CHAOS_SEED` change the length and the seed; see
 //! `soak::Plan::with_env` for the mix.
 
-#[path = "../benches/chaos/client.rs"]
-mod client;
-mod common;
-#[path = "../benches/chaos/driver.rs"]
-mod driver;
-#[path = "../benches/chaos/report.rs"]
-mod report;
-#[path = "../benches/chaos/soak.rs"]
-mod soak;
+use crate::support::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,6 +25,7 @@ use pdgate::pool::BreakerState;
 use pdgate::router::Router;
 use pdgate_sim::{EngineConfig, Faults, Role, SimCluster, SimEngine};
 
+use crate::{report, soak};
 use soak::{EngineRef, Fleet, Fut};
 
 struct InProcess {

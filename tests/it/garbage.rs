@@ -1,7 +1,7 @@
 //! The front door under arbitrary bytes: whatever a client sends on a raw connection, the
 //! router answers with an HTTP error or closes, never sends a leg for it, and keeps serving.
 
-mod common;
+use crate::support::common;
 
 use std::time::Duration;
 

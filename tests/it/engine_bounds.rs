@@ -2,7 +2,7 @@
 //! vectors on every snapshot rebuild) refuses the worker, with an error naming it, instead
 //! of making the router allocate whatever the engine says.
 
-mod common;
+use crate::support::common;
 
 use std::convert::Infallible;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! (its KV was sent): it must keep counting as in flight on its rank, and keep its
 //! request's admission slot, until it ends.
 
-mod common;
+use crate::support::common;
 
 use common::start;
 use pdgate::types::{Role, WorkerId};

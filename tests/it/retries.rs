@@ -3,7 +3,7 @@
 //! engines saw (`pdg-<id>-<attempt><p|d>`), that a retry really happened: the failing engine
 //! got the first attempt and the healthy one served the second.
 
-mod common;
+use crate::support::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! SIGTERM on the real binary: pdgate stops taking new connections, lets the in-flight
 //! stream finish to its `[DONE]`, and exits 0.
 
-mod common;
+use crate::support::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

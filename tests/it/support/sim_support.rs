@@ -1,5 +1,4 @@
 //! Tiny HTTP/1 client helpers shared by the simulator's integration tests.
-#![allow(dead_code)]
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! it on, that no room is reused and that both legs carry the same bootstrap fields) must
 //! count zero violations. A negative control shows the simulator does catch a violation.
 
-mod common;
+use crate::support::common;
 
 use std::time::Duration;
 

@@ -10,12 +10,12 @@
 //! Without the venv the tests fail when `CI` is set and are skipped (loudly) otherwise.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::interop::{drain, manifest, skip_or_fail, upstream, venv_python};
 use pdgate::bootstrap::client::{
     health, rank_route, sentinel, BootstrapError, Generation, RankRoute, Sentinel,
 };
@@ -23,8 +23,8 @@ use pdgate::bootstrap::Layout;
 use pdgate::config::BootstrapConfig;
 use pdgate::pool::{Pool, RankFailure, RankReadiness};
 use pdgate::types::Role;
-use pdgate::upstream::{parse_base_url, BaseUrl, Upstream};
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use pdgate::upstream::{parse_base_url, BaseUrl};
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// Bound on the server printing its READY line.
@@ -40,18 +40,14 @@ const SERVER_MAX_SECONDS: &str = "120";
 // Harness
 // ---------------------------------------------------------------------------------------
 
-fn manifest() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 fn scripts_dir() -> PathBuf {
     manifest().join("../shared/interop/sglang-bootstrap")
 }
 
 /// The venv's python, or `None` (after a loud notice) when the test must be skipped.
 /// Under `CI` a missing venv is a failure.
-fn venv_python(test: &str) -> Option<PathBuf> {
-    let py = manifest().join("target/sglang-venv/bin/python");
+fn python_or_skip(test: &str) -> Option<PathBuf> {
+    let py = venv_python();
     let server = scripts_dir().join("bootstrap_server.py");
     if py.is_file() && server.is_file() {
         return Some(py);
@@ -63,28 +59,7 @@ fn venv_python(test: &str) -> Option<PathBuf> {
         server.display(),
         manifest().display()
     );
-    if std::env::var_os("CI").is_some() {
-        panic!("{test}: {why}");
-    }
-    // Straight to the process's stderr: libtest captures `eprintln!`, and a skip must be seen.
-    let bar = "!".repeat(88);
-    let _ = writeln!(
-        std::io::stderr(),
-        "\n{bar}\n!! SKIPPED {test}: {why}\n!! (set CI to make this a failure)\n{bar}\n"
-    );
-    None
-}
-
-/// Appends every line of `r` to `buf` until EOF (keeps the child's pipes drained).
-fn drain<R: AsyncRead + Unpin + Send + 'static>(r: R, buf: Arc<Mutex<String>>) {
-    tokio::spawn(async move {
-        let mut lines = BufReader::new(r).lines();
-        while let Ok(Some(l)) = lines.next_line().await {
-            let mut b = buf.lock().unwrap();
-            b.push_str(&l);
-            b.push('\n');
-        }
-    });
+    skip_or_fail(test, &why)
 }
 
 /// One real SGLang bootstrap server, child of this test, killed on drop.
@@ -221,12 +196,6 @@ impl BootstrapServer {
     }
 }
 
-fn upstream() -> Upstream {
-    Upstream::new(&pdgate::router::upstream_settings(
-        &pdgate::config::Config::default(),
-    ))
-}
-
 /// A loopback port nothing listens on (bound, then released).
 fn unused_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -262,7 +231,7 @@ fn assert_not_ready(s: &Sentinel, what: &str) {
 
 #[tokio::test]
 async fn full_layouts_dp1_dp2_dp4() {
-    let Some(py) = venv_python("full_layouts_dp1_dp2_dp4") else {
+    let Some(py) = python_or_skip("full_layouts_dp1_dp2_dp4") else {
         return;
     };
     let up = upstream();
@@ -353,7 +322,7 @@ async fn full_layouts_dp1_dp2_dp4() {
 
 #[tokio::test]
 async fn partial_registration_is_not_ready() {
-    let Some(py) = venv_python("partial_registration_is_not_ready") else {
+    let Some(py) = python_or_skip("partial_registration_is_not_ready") else {
         return;
     };
     let up = upstream();
@@ -383,7 +352,7 @@ async fn partial_registration_is_not_ready() {
 
 #[tokio::test]
 async fn duplicate_registration_ready_but_rank_missing() {
-    let Some(py) = venv_python("duplicate_registration_ready_but_rank_missing") else {
+    let Some(py) = python_or_skip("duplicate_registration_ready_but_rank_missing") else {
         return;
     };
     let up = upstream();
@@ -425,7 +394,7 @@ async fn duplicate_registration_ready_but_rank_missing() {
 
 #[tokio::test]
 async fn health_then_unreachable_after_kill() {
-    let Some(py) = venv_python("health_then_unreachable_after_kill") else {
+    let Some(py) = python_or_skip("health_then_unreachable_after_kill") else {
         return;
     };
     let up = upstream();
@@ -530,7 +499,7 @@ fn failed(reason: RankFailure) -> impl Fn(&RankReadiness) -> bool {
 
 #[tokio::test]
 async fn tracker_follows_registration_and_loss() {
-    let Some(py) = venv_python("tracker_follows_registration_and_loss") else {
+    let Some(py) = python_or_skip("tracker_follows_registration_and_loss") else {
         return;
     };
     let mut srv = BootstrapServer::start(&py).await;
@@ -595,7 +564,7 @@ async fn tracker_follows_registration_and_loss() {
 
 #[tokio::test]
 async fn tracker_marks_duplicate_registration_rank_missing() {
-    let Some(py) = venv_python("tracker_marks_duplicate_registration_rank_missing") else {
+    let Some(py) = python_or_skip("tracker_marks_duplicate_registration_rank_missing") else {
         return;
     };
     let srv = BootstrapServer::start(&py).await;

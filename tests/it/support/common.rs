@@ -1,7 +1,6 @@
 //! Shared harness for router integration tests: simulated engines on 127.0.0.1 port 0, a
 //! router on a port-0 listener it keeps, fast health and bootstrap intervals, and a small
 //! HTTP client.
-#![allow(dead_code)]
 
 use std::time::Duration;
 

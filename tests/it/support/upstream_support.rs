@@ -1,6 +1,5 @@
 //! Shared helpers of the leg-client tests (`upstream_legs`, `upstream_leg_errors`):
 //! hand-written HTTP/1.1 servers on real sockets and client-side shorthands.
-#![allow(dead_code, unused_imports)]
 
 pub use std::future::Future;
 pub use std::net::SocketAddr;
@@ -12,7 +11,7 @@ pub use http::header::{AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, 
 pub use http::{HeaderMap, HeaderValue, Response};
 pub use http_body_util::BodyExt;
 pub use hyper::body::Body;
-pub use pdgate::config::{TimeoutConfig, UpstreamConfig};
+pub use pdgate::config::UpstreamConfig;
 pub use pdgate::upstream::{
     error_chain, header_lines, parse_base_url, CallError, HostConns, LegBody, LegError, LegRequest,
     ProtocolError, Upstream,

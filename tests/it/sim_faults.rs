@@ -1,6 +1,6 @@
 //! Fault injection and failure shapes of the simulated engines.
 
-mod sim_support;
+use crate::support::sim_support;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! which operators copy when they swap routers: workers that pass their first check are
 //! routable at once, and a worker that is out is probed at the short unhealthy interval.
 
-mod common;
+use crate::support::common;
 
 use common::{add_sim_workers, client, fast_config, fast_engine, Env};
 use pdgate::config::Config;

@@ -1,7 +1,7 @@
 //! The simulated bootstrap server against the rows observed from the real
 //! SGLang 0.5.23 `CommonKVBootstrapServer` (shared/spec/sglang-0.5.23-bootstrap-observed.md).
 
-mod sim_support;
+use crate::support::sim_support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! no client errors while capacity remains, and are used again after they recover; passive
 //! circuit breaking blames the right leg; admission sheds load with 429/503 + Retry-After.
 
-mod common;
+use crate::support::common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

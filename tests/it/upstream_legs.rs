@@ -6,7 +6,7 @@
 //! (for reuse counts), and [`Manual`] lets the test accept and drive one connection step by
 //! step (for exact framing scripts).
 
-mod upstream_support;
+use crate::support::upstream_support;
 
 use upstream_support::*;
 

@@ -1,7 +1,7 @@
 //! The load- and cache-aware policies end to end: a multi-turn conversation keeps landing on
 //! the same prefill (prefix affinity), load spreads, and the contract still holds.
 
-mod common;
+use crate::support::common;
 
 use common::start;
 use pdgate::config::PolicyKind;

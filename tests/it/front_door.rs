@@ -1,7 +1,7 @@
 //! The front door: bad input is refused with an OpenAI-style error and no leg is sent;
 //! client PD fields are replaced; streams pass through as they come; the info routes work.
 
-mod common;
+use crate::support::common;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! counters), and that no engine is left holding a request. (With a healthy engine to
 //! retry on, see `tests/retries.rs`.)
 
-mod common;
+use crate::support::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! bootstrap port from its `/server_info` when `--prefill URL` gives none (or the older
 //! `/get_server_info`), and prefill/decode pairs whose KV layouts disagree.
 
-mod common;
+use crate::support::common;
 
 use std::convert::Infallible;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! Happy PD requests sent by hand (prefill leg + decode leg with identical
 //! bootstrap fields), and the rank-mismatch negative control.
 
-mod sim_support;
+use crate::support::sim_support;
 
 use std::time::Duration;
 

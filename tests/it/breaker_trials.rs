@@ -4,7 +4,7 @@
 //! request in one way, then checks that the trial is free and that a good request closes
 //! the circuit again.
 
-mod common;
+use crate::support::common;
 
 use std::time::Duration;
 

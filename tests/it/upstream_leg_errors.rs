@@ -1,7 +1,7 @@
 //! The lean leg client's errors, cancellation and idle pool, against hand-written
 //! HTTP/1.1 servers on real sockets (see `upstream_support`). Every test is bounded.
 
-mod upstream_support;
+use crate::support::upstream_support;
 
 use upstream_support::*;
 

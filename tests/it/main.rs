@@ -1,0 +1,41 @@
+//! The integration tests, as one test binary (the crate is linked once, not once per
+//! file): each module is one concern, sharing [`support`]. Every server listens on
+//! 127.0.0.1, port 0, and keeps its listener; every load loop is bounded in count and time.
+
+mod support;
+
+mod bootstrap_tracking;
+mod breaker_trials;
+mod chaos;
+mod connections;
+mod contract;
+mod detached_prefill;
+mod engine_bounds;
+mod faults;
+mod front_door;
+mod garbage;
+mod health_flags;
+mod interop_bootstrap;
+mod interop_uvicorn;
+mod policies;
+mod preflight;
+mod retries;
+mod self_healing;
+mod shutdown;
+mod sim_bootstrap;
+mod sim_cli;
+mod sim_faults;
+mod sim_pd;
+mod upstream_leg_errors;
+mod upstream_legs;
+
+// The chaos soak's driver, shared with `benches/chaos` (whose modules name each other
+// from the crate root).
+#[path = "../../benches/chaos/client.rs"]
+mod client;
+#[path = "../../benches/chaos/driver.rs"]
+mod driver;
+#[path = "../../benches/chaos/report.rs"]
+mod report;
+#[path = "../../benches/chaos/soak.rs"]
+mod soak;

@@ -1,0 +1,8 @@
+//! What the integration tests share: the in-process router and simulated engines harness
+//! ([`common`]), raw-socket engines for the leg client ([`upstream_support`]), simulator
+//! helpers ([`sim_support`]) and the skip-or-fail rule of the interop tests ([`interop`]).
+
+pub mod common;
+pub mod interop;
+pub mod sim_support;
+pub mod upstream_support;
