@@ -32,14 +32,15 @@ use crate::types::Role;
 use crate::upstream::{error_chain, LegBody};
 
 /// The prefill's progress and decode's first-byte timer, shared by the two waits below.
-struct PrefillProgress {
+struct PrefillProgress<'t> {
     done: Option<PrefillDone>,
-    first_byte: Pin<Box<Sleep>>,
+    /// On the caller's stack (no allocation per request).
+    first_byte: Pin<&'t mut Sleep>,
     first_byte_within: std::time::Duration,
     first_byte_secs: u64,
 }
 
-impl PrefillProgress {
+impl PrefillProgress<'_> {
     /// The prefill answered: decode's first byte is due within its deadline from now.
     fn completed(&mut self, d: PrefillDone) {
         self.done = Some(d);
@@ -77,9 +78,11 @@ where
     } = legs;
     let failed = |f: Failure| AttemptFailure::on(&pair, f);
     let timeouts = &d.cfg.timeouts;
+    let first_byte = tokio::time::sleep(timeouts.decode_first_byte());
+    tokio::pin!(first_byte);
     let mut progress = PrefillProgress {
         done: None,
-        first_byte: Box::pin(tokio::time::sleep(timeouts.decode_first_byte())),
+        first_byte,
         first_byte_within: timeouts.decode_first_byte(),
         first_byte_secs: timeouts.decode_first_byte_secs,
     };
@@ -197,7 +200,7 @@ where
 /// it when `read_whole`), while watching the prefill and the first-byte deadline.
 async fn first_bytes(
     prefill: &mut PrefillWatch,
-    progress: &mut PrefillProgress,
+    progress: &mut PrefillProgress<'_>,
     decode_body: &mut LegBody,
     mut sse: Option<&mut SseScanner>,
     read_whole: bool,

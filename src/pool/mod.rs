@@ -105,6 +105,12 @@ impl RankProbes {
         let slot = self.0.get(rank as usize)?;
         loop {
             if let Some(p) = slot.load_full() {
+                // A check whose task ended without an answer (it cannot, short of a
+                // runtime going away) must not hold the slot forever: take it over.
+                if p.has_changed().is_err() && p.borrow().is_none() {
+                    slot.compare_and_swap(&p, None);
+                    continue;
+                }
                 return Some(Ok((*p).clone()));
             }
             let (tx, rx) = watch::channel(None);
@@ -470,4 +476,44 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod probe_tests {
+    use super::*;
+
+    #[test]
+    fn one_check_per_rank_and_an_abandoned_one_is_taken_over() {
+        let probes = RankProbes::new(2);
+        let Some(Err(claim)) = probes.join_or_claim(0) else {
+            panic!("the first caller claims the check");
+        };
+        assert!(
+            matches!(probes.join_or_claim(0), Some(Ok(_))),
+            "later callers join it"
+        );
+        assert!(
+            matches!(probes.join_or_claim(1), Some(Err(_))),
+            "another rank is another check"
+        );
+        assert!(probes.join_or_claim(2).is_none(), "no such rank");
+        // The claimed check ends without an answer: the next caller claims a new one.
+        drop(claim);
+        assert!(matches!(probes.join_or_claim(0), Some(Err(_))));
+    }
+
+    #[tokio::test]
+    async fn waiters_get_the_outcome_and_the_slot_is_freed() {
+        let probes = RankProbes::new(1);
+        let Some(Err(claim)) = probes.join_or_claim(0) else {
+            panic!("claim");
+        };
+        let Some(Ok(mut waiter)) = probes.join_or_claim(0) else {
+            panic!("join");
+        };
+        probes.finish(0, claim, PreflightOutcome::Ready);
+        let got = waiter.wait_for(Option::is_some).await.map(|v| v.clone());
+        assert_eq!(got.ok().flatten(), Some(PreflightOutcome::Ready));
+        assert!(matches!(probes.join_or_claim(0), Some(Err(_))), "freed");
+    }
 }
