@@ -5,10 +5,9 @@
 
 use crate::support::common;
 
-use common::{add_sim_workers, client, fast_config, fast_engine, Env};
+use common::{start, Env};
 use pdgate::config::Config;
-use pdgate::pd::RngSource;
-use pdgate_sim::{EngineConfig, SimCluster};
+use pdgate_sim::{EngineConfig, Faults};
 
 const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
 
@@ -19,33 +18,21 @@ fn sglang_health_flags(cfg: &mut Config) {
     cfg.health.success_threshold = 2;
 }
 
-/// A cluster whose decode `down_decode` is down when the router starts.
+/// One prefill and two decodes; decode `down_decode` is down when the router starts.
 async fn start_with_decode_down(down_decode: Option<usize>) -> Env {
-    let prefill = vec![fast_engine(EngineConfig::prefill(2))];
-    let decode = vec![
-        fast_engine(EngineConfig::decode(1)),
-        fast_engine(EngineConfig::decode(1)),
-    ];
-    let cluster = SimCluster::spawn(&prefill, &decode)
-        .await
-        .expect("sim cluster");
-    if let Some(i) = down_decode {
-        cluster.decodes[i].set_down(true);
-    }
-    let mut cfg = fast_config();
-    add_sim_workers(&mut cfg, &cluster);
-    sglang_health_flags(&mut cfg);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let router = pdgate::router::start(cfg, Some(listener), RngSource::Seeded(1.into()))
-        .await
-        .expect("router");
-    Env {
-        cluster,
-        router,
-        client: client(),
-    }
+    let decode = |i: usize| EngineConfig {
+        faults: Faults {
+            down: Some(i) == down_decode,
+            ..Faults::default()
+        },
+        ..EngineConfig::decode(1)
+    };
+    start(
+        vec![EngineConfig::prefill(2)],
+        vec![decode(0), decode(1)],
+        sglang_health_flags,
+    )
+    .await
 }
 
 #[tokio::test]
