@@ -253,6 +253,10 @@ pub struct Failure {
     pub message: String,
     /// The engine's own status, when one answered.
     pub upstream_status: Option<StatusCode>,
+    /// The leg's kept-alive connection was closed by the engine just as the leg was sent
+    /// on it (a keep-alive race): the engine is not at fault, so the attempt is retried
+    /// (with fresh rooms) without blaming it, on the same worker if need be.
+    pub stale_connection: bool,
 }
 
 impl Failure {
@@ -261,6 +265,7 @@ impl Failure {
             reason,
             message: message.into(),
             upstream_status: None,
+            stale_connection: false,
         }
     }
 

@@ -97,10 +97,7 @@ where
             },
             r = &mut decode => match r {
                 Ok(resp) => break resp,
-                Err(e) => return Err(failed(Failure::new(
-                    FailReason::DecodeConnect,
-                    format!("decode request failed: {}", error_chain(&e)),
-                ))),
+                Err(e) => return Err(failed(legs::send_failure(FailReason::DecodeConnect, "decode", &e))),
             },
             _ = progress.first_byte.as_mut(), if progress.done.is_some() => {
                 return Err(failed(progress.first_byte_timeout()));

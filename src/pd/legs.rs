@@ -19,7 +19,7 @@ use serde::Deserialize;
 
 use crate::error::{FailReason, Failure};
 use crate::types::Role;
-use crate::upstream::{error_chain, BaseUrl, HostConns, LegBody, LegRequest, Upstream};
+use crate::upstream::{error_chain, BaseUrl, HostConns, LegBody, LegError, LegRequest, Upstream};
 
 /// Largest error body read from a failed decode.
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
@@ -54,6 +54,16 @@ impl Drop for LegCancel {
     }
 }
 
+/// A leg that could not be sent, or whose engine closed the connection without answering
+/// (`reason` is the leg's `*Connect`). A kept-alive connection the engine closed just as the
+/// leg was written on it is a keep-alive race, not the engine's fault: marked
+/// `stale_connection`, so the retry may go to the same worker (with fresh rooms).
+pub fn send_failure(reason: FailReason, what: &str, e: &LegError) -> Failure {
+    let mut f = Failure::new(reason, format!("{what} request failed: {}", error_chain(e)));
+    f.stale_connection = matches!(e, LegError::ClosedAfterWrite { reused: true, .. });
+    f
+}
+
 /// What a successful prefill leg returns.
 #[derive(Debug)]
 pub struct PrefillDone {
@@ -70,12 +80,10 @@ pub async fn run_prefill(
     limit: usize,
 ) -> Result<PrefillDone, Failure> {
     let fut = async {
-        let resp = up.send_leg(&host, &req).await.map_err(|e| {
-            Failure::new(
-                FailReason::PrefillConnect,
-                format!("prefill request failed: {}", error_chain(&e)),
-            )
-        })?;
+        let resp = up
+            .send_leg(&host, &req)
+            .await
+            .map_err(|e| send_failure(FailReason::PrefillConnect, "prefill", &e))?;
         let status = resp.status();
         let body = Limited::new(resp.into_body(), limit)
             .collect()

@@ -178,7 +178,10 @@ impl Dispatcher {
                     let f = &af.failure;
                     metrics::counter!("pdgate_request_failures_total", "reason" => f.reason.as_str(), "phase" => "before_first_byte").increment(1);
                     tracing::warn!(request_id = %ctx.id, attempt = attempt_no, reason = f.reason.as_str(), error = %f.message, "attempt failed");
-                    if let Some((role, w)) = af.blame {
+                    // A keep-alive race (the engine closed the leg's pooled connection just
+                    // as it was sent) is nobody's fault: no breaker count, no exclusion.
+                    let blame = af.blame.filter(|_| !f.stale_connection);
+                    if let Some((role, w)) = blame {
                         self.pool
                             .report_failure(role, w, f.reason, &self.cfg.breaker);
                         match role {

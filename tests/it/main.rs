@@ -26,6 +26,7 @@ mod sim_bootstrap;
 mod sim_cli;
 mod sim_faults;
 mod sim_pd;
+mod stale_connection;
 mod upstream_leg_errors;
 mod upstream_legs;
 
