@@ -1,10 +1,10 @@
-//! The binary's command line: `pdgate serve | sim | demo`.
+//! The binary's command line: `pdgate serve | check | sim | demo`.
 //!
 //! Why here and not in the library: `sim` and `demo` run the engine simulator, which is a
 //! test double the router library does not contain. `serve`'s flags and how they become a
 //! configuration stay in the library ([`pdgate::cli`]) for tests and benches.
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use pdgate::cli::ServeArgs;
 
 #[derive(Debug, Parser)]
@@ -22,10 +22,26 @@ pub struct Cli {
 pub enum Command {
     /// Run the router.
     Serve(ServeArgs),
+    /// Probe every configured engine (the same flags and config as `serve`) and report what
+    /// is wrong and how to fix it. Exit code 0: all ✓; 1: a ✗; 2: a config error.
+    Check(CheckArgs),
     /// Run simulated SGLang engines (prefill + bootstrap server, decode), no GPU.
     Sim(pdgate_sim::cli::SimArgs),
     /// Simulated engines (2 prefill with DP 2, 2 decode with DP 2) plus the router, in one process.
     Demo(crate::demo::DemoArgs),
+}
+
+/// `pdgate check`: `serve`'s flags plus the output format and the end-to-end probe.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// Print the report as JSON (machine output).
+    #[arg(long)]
+    pub json: bool,
+    /// Also send one PD request end to end through an in-process router.
+    #[arg(long)]
+    pub probe_request: bool,
 }
 
 #[cfg(test)]

@@ -47,4 +47,11 @@ pub struct ServerInfo {
     pub kv_cache_dtype: Option<String>,
     #[serde(default)]
     pub version: Option<String>,
+    /// `mooncake`, `nixl`, ...: a prefill and a decode must use the same one.
+    #[serde(default)]
+    pub disaggregation_transfer_backend: Option<String>,
+    /// A prefill's DP dispatch: `follow_bootstrap_room` places room R on rank `R % dp`
+    /// (what `modulo` contract mode needs).
+    #[serde(default)]
+    pub load_balance_method: Option<String>,
 }

@@ -14,6 +14,7 @@
 pub mod admission;
 pub mod body;
 pub mod bootstrap;
+pub mod check;
 pub mod cli;
 pub mod config;
 pub mod engine;

@@ -1,4 +1,4 @@
-//! The `pdgate` binary: `serve`, `sim` and `demo`.
+//! The `pdgate` binary: `serve`, `check`, `sim` and `demo`.
 #![forbid(unsafe_code)]
 
 mod command;
@@ -66,6 +66,49 @@ fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `pdgate check`: exit code 0 when every check passed, 1 on any ✗, 2 on a config error.
+fn check(args: command::CheckArgs, matches: &clap::ArgMatches) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    let sm = matches
+        .subcommand_matches("check")
+        .cloned()
+        .unwrap_or_default();
+    let cfg = match prefill_groups(&sm).and_then(|g| args.serve.into_config(g)) {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            eprintln!("pdgate: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match runtime(1) {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pdgate: cannot start the runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let opts = pdgate::check::CheckOptions {
+        probe_request: args.probe_request,
+    };
+    let report = rt.block_on(pdgate::check::run(&cfg, opts));
+    if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(s) => println!("{s}"),
+            Err(e) => {
+                eprintln!("pdgate: cannot write the report: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        print!("{}", report.table());
+    }
+    if report.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
 fn main() -> std::process::ExitCode {
     let matches = Cli::command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
@@ -87,6 +130,7 @@ fn main() -> std::process::ExitCode {
                 }
             }
         }
+        Command::Check(args) => return check(args, &matches),
         other => (Some(other), None),
     };
     let threads = serve_cfg.as_ref().map_or(0, |c| c.server.worker_threads);

@@ -1,0 +1,467 @@
+//! `pdgate check`, the deployment doctor: probes every configured engine (and, on request,
+//! one PD request end to end) and says, check by check, what is right and what to fix.
+//!
+//! Why: most failed PD deployments are misconfigurations that only show as timeouts under
+//! traffic — a decode listed as a prefill, a prefill that does not place rooms by
+//! `bootstrap_room % dp`, a rank that never registered with its bootstrap server, page
+//! sizes that differ. Each is cheap to see from the engines' own answers before serving.
+//!
+//! Invariants:
+//! - Read-only: the probes are `GET`s (the engine's `/health`, `/server_info`, the bootstrap
+//!   server's `/health` and `/route`); only `--probe-request` sends one 1-token `/generate`.
+//! - Bounded: every call has `bootstrap.http_timeout`; the engines are probed concurrently;
+//!   the end-to-end probe waits at most [`ROUTABLE_WAIT`] for the router, then one request
+//!   timeout (capped at [`PROBE_REQUEST_CAP`]).
+//! - Every ✗ carries a `fix`; a ✓ never does. A check whose precondition failed (the engine
+//!   did not answer) is not reported at all rather than reported as a second failure.
+//! - Layer: above [`crate::router`] (the end-to-end probe starts one in-process); nothing in
+//!   the library imports this module, only the binary.
+
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use serde::Serialize;
+
+use crate::bootstrap::client::{self, RankRoute, Sentinel};
+use crate::config::{Config, ContractMode};
+use crate::engine::{Layout, ServerInfo};
+use crate::types::Role;
+use crate::upstream::Upstream;
+use crate::url::{parse_base_url, BaseUrl};
+
+mod fleet;
+
+use fleet::{fleet, probe_request};
+
+/// The `target` of a check about the deployment as a whole.
+pub const FLEET: &str = "fleet";
+/// The prefill DP dispatch that `modulo` contract mode needs.
+pub const FOLLOW_BOOTSTRAP_ROOM: &str = "follow_bootstrap_room";
+/// The longest wait for the in-process router to see a routable prefill and decode rank.
+pub const ROUTABLE_WAIT: Duration = Duration::from_secs(10);
+/// The longest wait for the end-to-end probe's answer.
+pub const PROBE_REQUEST_CAP: Duration = Duration::from_secs(60);
+
+/// One check: what was probed, whether it is right, and what to do when it is not.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Check {
+    /// An engine URL, or [`FLEET`].
+    pub target: String,
+    pub name: String,
+    pub ok: bool,
+    pub detail: String,
+    /// Set on every ✗, never on a ✓.
+    pub fix: Option<String>,
+}
+
+impl Check {
+    fn pass(target: &str, name: &str, detail: impl Into<String>) -> Check {
+        Check {
+            target: target.to_string(),
+            name: name.to_string(),
+            ok: true,
+            detail: detail.into(),
+            fix: None,
+        }
+    }
+
+    fn fail(target: &str, name: &str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+        Check {
+            target: target.to_string(),
+            name: name.to_string(),
+            ok: false,
+            detail: detail.into(),
+            fix: Some(fix.into()),
+        }
+    }
+}
+
+/// Every check, in order: per engine (prefills, then decodes, as configured), then the fleet.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub ok: bool,
+    pub passed: usize,
+    pub failed: usize,
+    pub checks: Vec<Check>,
+}
+
+impl Report {
+    pub fn new(checks: Vec<Check>) -> Report {
+        let failed = checks.iter().filter(|c| !c.ok).count();
+        Report {
+            ok: failed == 0,
+            passed: checks.len() - failed,
+            failed,
+            checks,
+        }
+    }
+
+    /// Names of the failed checks, in order (for tests and scripts).
+    pub fn failures(&self) -> Vec<&str> {
+        self.checks
+            .iter()
+            .filter(|c| !c.ok)
+            .map(|c| c.name.as_str())
+            .collect()
+    }
+
+    /// The human table: one line per check, an indented `fix:` under each ✗, a summary.
+    pub fn table(&self) -> String {
+        let tw = self
+            .checks
+            .iter()
+            .map(|c| c.target.len())
+            .max()
+            .unwrap_or(0);
+        let nw = self.checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
+        let mut out = String::new();
+        for c in &self.checks {
+            let mark = if c.ok { "✓" } else { "✗" };
+            out.push_str(&format!(
+                "{mark} {:tw$}  {:nw$}  {}\n",
+                c.target, c.name, c.detail
+            ));
+            if let Some(fix) = &c.fix {
+                out.push_str(&format!("    fix: {fix}\n"));
+            }
+        }
+        out.push_str(&format!(
+            "{} checks: {} passed, {} failed\n",
+            self.checks.len(),
+            self.passed,
+            self.failed
+        ));
+        out
+    }
+}
+
+/// What `check` does beyond the engine probes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CheckOptions {
+    /// Start the router in-process and send one PD request end to end.
+    pub probe_request: bool,
+}
+
+/// What one engine answered.
+struct EngineProbe {
+    role: Role,
+    url: String,
+    checks: Vec<Check>,
+    /// `/server_info`, only when the engine reports the role it was configured with (an
+    /// engine in the wrong role is left out of the fleet comparisons).
+    info: Option<ServerInfo>,
+    layout: Option<Layout>,
+}
+
+/// Probes every engine of `cfg` (a validated configuration) and the fleet as a whole.
+pub async fn run(cfg: &Config, opts: CheckOptions) -> Report {
+    let up = Upstream::new(&crate::router::upstream_settings(cfg));
+    let timeout = cfg.bootstrap.http_timeout();
+    let mode = cfg.contract.mode;
+    let engines = cfg
+        .prefill
+        .iter()
+        .map(|p| (Role::Prefill, p.url.clone(), p.bootstrap_port))
+        .chain(
+            cfg.decode
+                .iter()
+                .map(|d| (Role::Decode, d.url.clone(), None)),
+        );
+    let handles: Vec<_> = engines
+        .map(|(role, url, port)| {
+            let up = up.clone();
+            let task = tokio::spawn({
+                let url = url.clone();
+                async move { probe_engine(&up, role, url, port, mode, timeout).await }
+            });
+            (role, url, task)
+        })
+        .collect();
+    let mut probes = Vec::with_capacity(handles.len());
+    for (role, url, task) in handles {
+        let probe = task.await.unwrap_or_else(|e| EngineProbe {
+            role,
+            checks: vec![Check::fail(
+                &url,
+                "probe",
+                format!("the probe task failed: {e}"),
+                "a pdgate bug: please report it with this output",
+            )],
+            url,
+            info: None,
+            layout: None,
+        });
+        probes.push(probe);
+    }
+    let mut checks: Vec<Check> = probes.iter().flat_map(|p| p.checks.clone()).collect();
+    checks.extend(fleet(cfg, &probes));
+    if opts.probe_request {
+        checks.push(probe_request(cfg, &up).await);
+    }
+    Report::new(checks)
+}
+
+fn snippet(b: &[u8]) -> String {
+    let s = String::from_utf8_lossy(&b[..b.len().min(200)]);
+    s.trim().to_string()
+}
+
+fn or_unknown<T: ToString>(v: &Option<T>) -> String {
+    v.as_ref().map_or_else(|| "?".to_string(), T::to_string)
+}
+
+async fn probe_engine(
+    up: &Upstream,
+    role: Role,
+    raw: String,
+    port: Option<u16>,
+    mode: ContractMode,
+    timeout: Duration,
+) -> EngineProbe {
+    let mut p = EngineProbe {
+        role,
+        url: raw.clone(),
+        checks: Vec::new(),
+        info: None,
+        layout: None,
+    };
+    let t = raw.as_str();
+    let url = match parse_base_url(t) {
+        Ok(u) => u,
+        Err(e) => {
+            p.checks.push(Check::fail(
+                t,
+                "url",
+                format!("not an engine URL: {e}"),
+                "give the engine as http://HOST:PORT",
+            ));
+            return p;
+        }
+    };
+    let started = Instant::now();
+    match up.get(&url, "/health", timeout).await {
+        Err(e) => {
+            p.checks.push(Check::fail(
+                t,
+                "reachable",
+                format!("no HTTP answer from the {role} engine: {e}"),
+                format!(
+                    "start the {role} engine at {url}, or correct its URL (host, port); check \
+                     that pdgate's host can connect to it"
+                ),
+            ));
+            return p;
+        }
+        Ok((status, body)) => {
+            p.checks.push(Check::pass(
+                t,
+                "reachable",
+                format!("HTTP answered in {} ms", started.elapsed().as_millis()),
+            ));
+            if status == StatusCode::OK {
+                p.checks.push(Check::pass(t, "health", "GET /health 200"));
+            } else {
+                p.checks.push(Check::fail(
+                    t,
+                    "health",
+                    format!("GET /health answered {status}: {}", snippet(&body)),
+                    "the engine is up but not healthy: see its logs (it may still be loading \
+                     the model, or its scheduler died)",
+                ));
+            }
+        }
+    }
+    let info = match client::server_info(up, &url, timeout).await {
+        Ok(info) => {
+            p.checks
+                .push(Check::pass(t, "server_info", "/server_info answered"));
+            info
+        }
+        Err(e) => {
+            p.checks.push(Check::fail(
+                t,
+                "server_info",
+                format!("neither /server_info nor /get_server_info answered: {e}"),
+                "pdgate reads the role, DP size, page size and KV dtype there: is this an \
+                 SGLang engine (and its API key, if any, in [upstream] api_key)?",
+            ));
+            return p;
+        }
+    };
+    let role_ok = role_check(&mut p.checks, t, role, &info);
+    p.checks.push(Check::pass(
+        t,
+        "engine",
+        format!(
+            "DP {}, page size {}, KV dtype {}, transfer backend {}, version {}",
+            or_unknown(&info.dp_size),
+            or_unknown(&info.page_size),
+            or_unknown(&info.kv_cache_dtype),
+            or_unknown(&info.disaggregation_transfer_backend),
+            or_unknown(&info.version)
+        ),
+    ));
+    if role == Role::Prefill && role_ok {
+        p.checks.push(room_check(t, &info, mode));
+        p.layout = probe_bootstrap(up, &mut p.checks, t, &url, port, &info, timeout).await;
+    }
+    if role_ok {
+        p.info = Some(info);
+    }
+    p
+}
+
+/// The engine's `disaggregation_mode` is the role it was configured with.
+fn role_check(checks: &mut Vec<Check>, t: &str, role: Role, info: &ServerInfo) -> bool {
+    let mode = info.disaggregation_mode.as_deref().unwrap_or("null");
+    if mode == role.as_str() {
+        checks.push(Check::pass(
+            t,
+            "role",
+            format!("disaggregation_mode {mode}"),
+        ));
+        return true;
+    }
+    let fix = match mode {
+        "prefill" | "decode" => format!(
+            "this is a {mode} engine: list it with --{mode} (in [[{mode}]]), not as a {role}"
+        ),
+        _ => format!("start the engine with --disaggregation-mode {role}"),
+    };
+    checks.push(Check::fail(
+        t,
+        "role",
+        format!("the engine reports disaggregation_mode {mode}; configured as a {role}"),
+        fix,
+    ));
+    false
+}
+
+/// A prefill places room R on rank `R % dp` (`modulo` needs it; `pinned` does not).
+fn room_check(t: &str, info: &ServerInfo, mode: ContractMode) -> Check {
+    let name = "load_balance_method";
+    match (info.load_balance_method.as_deref(), mode) {
+        (Some(FOLLOW_BOOTSTRAP_ROOM), _) => Check::pass(t, name, FOLLOW_BOOTSTRAP_ROOM),
+        (None, _) => Check::pass(
+            t,
+            name,
+            "not reported by /server_info (older engine): not verified",
+        ),
+        (Some(m), ContractMode::Pinned) => Check::pass(
+            t,
+            name,
+            format!("{m} (fine under pinned contract mode: the rank rides on the request)"),
+        ),
+        (Some(m), ContractMode::Modulo) => Check::fail(
+            t,
+            name,
+            format!("{m}: the prefill will not run room R on rank R % dp, which modulo contract mode relies on"),
+            format!(
+                "start the prefill with --load-balance-method {FOLLOW_BOOTSTRAP_ROOM}, or run \
+                 pdgate with --contract-mode pinned (needs SGLang PR #19268 on every engine)"
+            ),
+        ),
+    }
+}
+
+/// The prefill's bootstrap server: alive, every rank registered, every rank's route.
+/// Returns the layout from the sentinel.
+async fn probe_bootstrap(
+    up: &Upstream,
+    checks: &mut Vec<Check>,
+    t: &str,
+    engine: &BaseUrl,
+    port: Option<u16>,
+    info: &ServerInfo,
+    timeout: Duration,
+) -> Option<Layout> {
+    let (port, from) = match (port, info.disaggregation_bootstrap_port) {
+        (Some(p), _) => (p, "configured"),
+        (None, Some(p)) => (p, "from /server_info"),
+        (None, None) => (sglang_pd::DEFAULT_BOOTSTRAP_PORT, "the default"),
+    };
+    let url = engine.with_port(port);
+    if let Err(e) = client::health(up, &url, timeout).await {
+        checks.push(Check::fail(
+            t,
+            "bootstrap_health",
+            format!("bootstrap server {url} (port {from}): {e}"),
+            format!(
+                "the prefill's bootstrap server must answer on port {port}: give the right port \
+                 (--prefill URL PORT, or bootstrap_port in [[prefill]]; the engine's \
+                 --disaggregation-bootstrap-port) and check the prefill's logs"
+            ),
+        ));
+        return None;
+    }
+    checks.push(Check::pass(
+        t,
+        "bootstrap_health",
+        format!("bootstrap server {url} (port {from}) answers /health"),
+    ));
+    let layout = match client::sentinel(up, &url, None, timeout).await {
+        Ok(Sentinel::Ready(l)) => l,
+        Ok(Sentinel::NotReady(text)) => {
+            checks.push(Check::fail(
+                t,
+                "bootstrap_registered",
+                format!("503, not every rank registered: {text}; rank routes not checked"),
+                "a DP rank of the prefill never registered with its bootstrap server: wait \
+                 for the prefill to finish starting, else see its logs for a rank that failed \
+                 to start (every request to this prefill fails meanwhile)",
+            ));
+            return None;
+        }
+        Err(e) => {
+            checks.push(Check::fail(
+                t,
+                "bootstrap_registered",
+                format!("the layout query failed: {e}"),
+                "the bootstrap server answers /health but not GET /route: is it an SGLang \
+                 bootstrap server of a supported version?",
+            ));
+            return None;
+        }
+    };
+    checks.push(Check::pass(
+        t,
+        "bootstrap_registered",
+        format!(
+            "every rank registered: DP {}, attention TP {}, CP {}, PP {} ({:?} route API)",
+            layout.dp_size,
+            layout.attn_tp_size,
+            layout.attn_cp_size,
+            layout.pp_size,
+            layout.generation
+        ),
+    ));
+    for rank in 0..layout.dp_size {
+        let name = format!("rank_route[{rank}]");
+        checks.push(
+            match client::rank_route(up, &url, layout.generation, rank, timeout).await {
+                Ok(RankRoute::Ready { rank_ip, rank_port }) => {
+                    Check::pass(t, &name, format!("DP rank {rank} at {rank_ip}:{rank_port}"))
+                }
+                Ok(RankRoute::NotReady) => Check::fail(
+                    t,
+                    &name,
+                    format!("DP rank {rank}: 503, the bootstrap server is not ready"),
+                    "wait for the prefill to finish starting, else see its logs",
+                ),
+                Ok(RankRoute::Missing(text)) => Check::fail(
+                    t,
+                    &name,
+                    format!("DP rank {rank} is not registered: {text}"),
+                    "see the prefill's logs for this rank (it did not start or register)",
+                ),
+                Err(e) => Check::fail(
+                    t,
+                    &name,
+                    format!("DP rank {rank}: {e}"),
+                    "the bootstrap server did not answer the rank query: see its logs",
+                ),
+            },
+        );
+    }
+    Some(layout)
+}
