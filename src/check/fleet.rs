@@ -163,7 +163,7 @@ fn pairs(
         Check::pass(
             FLEET,
             name,
-            format!("{what}: not reported on both sides, not compared"),
+            format!("{what}: not known for both a prefill and a decode, not compared"),
         )
     } else {
         Check::pass(

@@ -7,6 +7,7 @@ mod support;
 mod bootstrap_tracking;
 mod breaker_trials;
 mod chaos;
+mod check;
 mod connections;
 mod contract;
 mod detached_prefill;
