@@ -3,7 +3,8 @@
 //! The crate is organised by concept: [`server`] (the front door), [`pd`] (one request's
 //! life under the room-to-rank contract), [`bootstrap`] (the embedded decode-side
 //! bootstrap poll), [`pool`] (the lock-free worker snapshot), [`policy`] (selection),
-//! [`health`] (active checks) and [`config`].
+//! [`health`] (active checks) and [`config`]; [`check`] is `pdgate check`, the deployment
+//! doctor, above the router.
 //!
 //! The library holds no test doubles: the SGLang engine simulator is the `pdgate-sim` crate
 //! (`sim/`), used by the `pdgate` binary's `sim` and `demo` commands and by the tests and
