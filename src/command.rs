@@ -107,6 +107,33 @@ mod tests {
     }
 
     #[test]
+    fn check_takes_serve_flags_plus_its_own() {
+        let argv = [
+            "pdgate",
+            "check",
+            "--prefill",
+            "http://10.0.0.1:30000",
+            "9000",
+            "--decode",
+            "http://10.0.0.3:30001",
+            "--contract-mode",
+            "pinned",
+            "--json",
+            "--probe-request",
+        ];
+        let m = Cli::command().try_get_matches_from(argv).unwrap();
+        let sm = m.subcommand_matches("check").cloned().unwrap();
+        let Command::Check(a) = Cli::from_arg_matches(&m).unwrap().command else {
+            panic!("not check");
+        };
+        assert!(a.json && a.probe_request);
+        let cfg = a.serve.into_config(prefill_groups(&sm).unwrap()).unwrap();
+        assert_eq!(cfg.prefill[0].bootstrap_port, Some(9000));
+        assert_eq!(cfg.decode.len(), 1);
+        assert_eq!(cfg.contract.mode, pdgate::config::ContractMode::Pinned);
+    }
+
+    #[test]
     fn bad_flags_are_refused_with_the_name() {
         let e = serve(&["--prefill", "http://h:1", "notaport"]).unwrap_err();
         assert!(e.contains("BOOTSTRAP_PORT"), "{e}");

@@ -175,6 +175,9 @@ fn pairs(
 }
 
 /// One PD request end to end through an in-process router with the same configuration.
+/// The router's front door is shut down afterwards; its background tasks (bootstrap
+/// trackers, health checkers) live until the runtime ends, which for `pdgate check` is
+/// right after the report.
 pub(super) async fn probe_request(cfg: &Config, up: &Upstream) -> Check {
     let name = "probe_request";
     let fail = |detail: String, fix: &str| Check::fail(FLEET, name, detail, fix);
