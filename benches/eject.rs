@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
+use pdgate::config::Config;
 use pdgate::pd::RngSource;
 use pdgate::pool::Snapshot;
 use pdgate::router::Router;
@@ -47,16 +47,7 @@ async fn setup() -> Bench {
     .await
     .expect("sim");
     let mut cfg = Config::default();
-    for p in &cluster.prefills {
-        cfg.prefill.push(PrefillWorkerConfig {
-            url: p.url(),
-            bootstrap_port: p.bootstrap_port(),
-            bootstrap_host: None,
-        });
-    }
-    for d in &cluster.decodes {
-        cfg.decode.push(DecodeWorkerConfig { url: d.url() });
-    }
+    cfg.add_workers(cluster.prefill_endpoints(), cluster.decode_urls());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

@@ -466,6 +466,26 @@ impl Default for LogConfig {
 }
 
 impl Config {
+    /// Adds static workers: prefills as (URL, bootstrap port), decodes as URLs.
+    pub fn add_workers(
+        &mut self,
+        prefills: impl IntoIterator<Item = (String, Option<u16>)>,
+        decodes: impl IntoIterator<Item = String>,
+    ) {
+        self.prefill
+            .extend(
+                prefills
+                    .into_iter()
+                    .map(|(url, bootstrap_port)| PrefillWorkerConfig {
+                        url,
+                        bootstrap_port,
+                        bootstrap_host: None,
+                    }),
+            );
+        self.decode
+            .extend(decodes.into_iter().map(|url| DecodeWorkerConfig { url }));
+    }
+
     /// Reads a TOML file; unknown keys and wrong types are refused with the key named.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {

@@ -4,7 +4,7 @@
 //! Part of the binary, not the library: it runs the simulator, a test double.
 
 use clap::Args;
-use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
+use pdgate::config::Config;
 use pdgate::pd::RngSource;
 use pdgate::types::Role;
 use pdgate_sim::{EngineConfig, SimCluster};
@@ -17,28 +17,13 @@ pub struct DemoArgs {
     pub port: u16,
 }
 
-/// Adds every engine of a simulated cluster to `cfg` as a worker (prefills with their
-/// bootstrap ports).
-fn add_sim_workers(cfg: &mut Config, cluster: &SimCluster) {
-    for p in &cluster.prefills {
-        cfg.prefill.push(PrefillWorkerConfig {
-            url: p.url(),
-            bootstrap_port: p.bootstrap_port(),
-            bootstrap_host: None,
-        });
-    }
-    for d in &cluster.decodes {
-        cfg.decode.push(DecodeWorkerConfig { url: d.url() });
-    }
-}
-
 pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let prefill = [EngineConfig::prefill(2), EngineConfig::prefill(2)];
     let decode = [EngineConfig::decode(2), EngineConfig::decode(2)];
     let cluster = SimCluster::spawn(&prefill, &decode).await?;
     let mut cfg = Config::default();
     cfg.server.port = args.port;
-    add_sim_workers(&mut cfg, &cluster);
+    cfg.add_workers(cluster.prefill_endpoints(), cluster.decode_urls());
     let router = pdgate::router::start(cfg, None, RngSource::Os).await?;
     // Wait (bounded) until both pools are routable, so the printed commands work at once.
     for _ in 0..100 {

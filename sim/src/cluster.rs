@@ -45,6 +45,16 @@ impl SimCluster {
         Ok(SimCluster { prefills, decodes })
     }
 
+    /// Each prefill as a router worker: its URL and its bootstrap port.
+    pub fn prefill_endpoints(&self) -> impl Iterator<Item = (String, Option<u16>)> + '_ {
+        self.prefills.iter().map(|p| (p.url(), p.bootstrap_port()))
+    }
+
+    /// Each decode's URL.
+    pub fn decode_urls(&self) -> impl Iterator<Item = String> + '_ {
+        self.decodes.iter().map(|d| d.url())
+    }
+
     /// Every engine, prefills first.
     pub fn engines(&self) -> impl Iterator<Item = &SimEngine> {
         self.prefills.iter().chain(self.decodes.iter())

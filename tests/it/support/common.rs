@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
+use pdgate::config::Config;
 use pdgate::pd::RngSource;
 use pdgate::router::Router;
 use pdgate_sim::{EngineConfig, Faults, SimCluster, SimEngine, StatsSnapshot};
@@ -57,16 +57,7 @@ pub fn fast_engine(mut e: EngineConfig) -> EngineConfig {
 /// Adds every engine of a simulated cluster to `cfg` as a worker (prefills with their
 /// bootstrap ports).
 pub fn add_sim_workers(cfg: &mut Config, cluster: &SimCluster) {
-    for p in &cluster.prefills {
-        cfg.prefill.push(PrefillWorkerConfig {
-            url: p.url(),
-            bootstrap_port: p.bootstrap_port(),
-            bootstrap_host: None,
-        });
-    }
-    for d in &cluster.decodes {
-        cfg.decode.push(DecodeWorkerConfig { url: d.url() });
-    }
+    cfg.add_workers(cluster.prefill_endpoints(), cluster.decode_urls());
 }
 
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
