@@ -73,6 +73,46 @@ pub struct ServeArgs {
     /// Log filter (`info`, `pdgate=debug`, ...); RUST_LOG wins.
     #[arg(long)]
     pub log_level: Option<String>,
+    /// Discover engines as Kubernetes pods (see `[discovery]`).
+    #[arg(long)]
+    pub service_discovery: bool,
+    /// Label selector of prefill pods, full syntax (`app=sglang,component in (prefill)`);
+    /// several values are joined with `,` (SGLang router's `--prefill-selector k=v k2=v2`).
+    #[arg(long, num_args = 1.., value_name = "SELECTOR")]
+    pub prefill_selector: Vec<String>,
+    /// Label selector of decode pods (as `--prefill-selector`).
+    #[arg(long, num_args = 1.., value_name = "SELECTOR")]
+    pub decode_selector: Vec<String>,
+    /// Namespace to watch (default: the pod's own); `*` watches all namespaces.
+    #[arg(long)]
+    pub service_discovery_namespace: Option<String>,
+    /// The engines' HTTP port (default 80) when no container port has `--service-discovery-port-name`.
+    #[arg(long)]
+    pub service_discovery_port: Option<u16>,
+    /// A named container port to take the engine's port from.
+    #[arg(long)]
+    pub service_discovery_port_name: Option<String>,
+    /// Annotation with a prefill pod's bootstrap port (default `sglang.ai/bootstrap-port`).
+    #[arg(long)]
+    pub bootstrap_port_annotation: Option<String>,
+    /// Admin listener address (default 127.0.0.1).
+    #[arg(long)]
+    pub admin_host: Option<std::net::IpAddr>,
+    /// Admin listener port (default 29000; 0 picks a free one).
+    #[arg(long)]
+    pub admin_port: Option<u16>,
+    /// File holding the admin bearer token (else `PDGATE_ADMIN_API_KEY`).
+    #[arg(long)]
+    pub admin_api_key_file: Option<PathBuf>,
+    /// Client API keys, one per line (raw or `sha256:<hex>`).
+    #[arg(long)]
+    pub api_keys_file: Option<PathBuf>,
+    /// One JSON access-log line per request.
+    #[arg(long)]
+    pub access_log: bool,
+    /// Also serve `/metrics` on the front door.
+    #[arg(long)]
+    pub public_metrics: bool,
     /// Accepted for compatibility with SGLang's router; pdgate is always PD.
     #[arg(long, hide = true)]
     pub pd_disaggregation: bool,
@@ -113,6 +153,7 @@ impl ServeArgs {
         if !prefills.is_empty() {
             cfg.prefill = prefills;
         }
+        self.discovery_flags(&mut cfg);
         if !self.decode.is_empty() {
             cfg.decode = self
                 .decode
@@ -166,7 +207,54 @@ impl ServeArgs {
         if let Some(v) = self.log_level {
             cfg.log.level = v;
         }
+        if let Some(v) = self.admin_host {
+            cfg.admin.host = v;
+        }
+        if let Some(v) = self.admin_port {
+            cfg.admin.port = v;
+        }
+        if let Some(v) = self.admin_api_key_file {
+            cfg.admin.api_key_file = Some(v);
+        }
+        if let Some(v) = self.api_keys_file {
+            cfg.auth.api_keys_file = Some(v);
+        }
+        cfg.log.access |= self.access_log;
+        cfg.server.public_metrics |= self.public_metrics;
         cfg.validate()?;
         Ok(cfg)
+    }
+}
+
+impl ServeArgs {
+    fn discovery_flags(&self, cfg: &mut Config) {
+        let d = &mut cfg.discovery;
+        d.enabled |= self.service_discovery;
+        if !self.prefill_selector.is_empty() {
+            d.prefill_selector = Some(self.prefill_selector.join(","));
+        }
+        if !self.decode_selector.is_empty() {
+            d.decode_selector = Some(self.decode_selector.join(","));
+        }
+        match self.service_discovery_namespace.as_deref() {
+            Some("*") => {
+                d.all_namespaces = true;
+                d.namespace = None;
+            }
+            Some(ns) => {
+                d.all_namespaces = false;
+                d.namespace = Some(ns.to_string());
+            }
+            None => {}
+        }
+        if let Some(v) = self.service_discovery_port {
+            d.port = v;
+        }
+        if let Some(v) = &self.service_discovery_port_name {
+            d.port_name = Some(v.clone());
+        }
+        if let Some(v) = &self.bootstrap_port_annotation {
+            d.bootstrap_port_annotation = v.clone();
+        }
     }
 }

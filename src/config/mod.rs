@@ -14,6 +14,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+mod ops;
+
+pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, ReloadConfig};
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -47,6 +51,10 @@ pub struct Config {
     pub bootstrap: BootstrapConfig,
     pub upstream: UpstreamConfig,
     pub log: LogConfig,
+    pub discovery: DiscoveryConfig,
+    pub admin: AdminConfig,
+    pub auth: AuthConfig,
+    pub reload: ReloadConfig,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -77,6 +85,8 @@ pub struct ServerConfig {
     /// An HTTP/2 connection with no open stream for this long is closed (GOAWAY). HTTP/1
     /// connections are bounded between requests by `header_read_timeout_secs`.
     pub idle_timeout_secs: u64,
+    /// Also serve `/metrics` on the front door (it always is on the admin listener).
+    pub public_metrics: bool,
 }
 
 impl ServerConfig {
@@ -104,6 +114,7 @@ impl Default for ServerConfig {
             worker_threads: 1,
             max_connections: 16_384,
             idle_timeout_secs: 60,
+            public_metrics: false,
         }
     }
 }
@@ -454,6 +465,8 @@ pub struct LogConfig {
     pub format: LogFormat,
     /// A `tracing` filter (`info`, `pdgate=debug,info`, ...); `RUST_LOG` wins when set.
     pub level: String,
+    /// One JSON line per request on the `pdgate::access` target.
+    pub access: bool,
 }
 
 impl Default for LogConfig {
@@ -461,6 +474,7 @@ impl Default for LogConfig {
         LogConfig {
             format: LogFormat::Text,
             level: "info".to_string(),
+            access: false,
         }
     }
 }
@@ -673,7 +687,7 @@ impl Config {
         if self.log.level.trim().is_empty() {
             return Err(invalid("log.level must not be empty".to_string()));
         }
-        Ok(())
+        ops::validate(self)
     }
 }
 

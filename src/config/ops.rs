@@ -1,0 +1,183 @@
+//! The operational sections of the config: Kubernetes discovery, the admin listener, client
+//! API keys and config reload. Kept apart from the routing settings in the parent module so
+//! each file stays readable; the same rules hold (defaults only here, unknown keys refused,
+//! every value checked by [`super::Config::validate`]).
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{invalid, range, ConfigError};
+
+/// `[discovery]`: find prefill and decode engines as Kubernetes pods.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// Watch pods (`--service-discovery`).
+    pub enabled: bool,
+    /// Label selector of prefill pods, full Kubernetes syntax (`app=sglang,role in (prefill)`).
+    pub prefill_selector: Option<String>,
+    /// Label selector of decode pods.
+    pub decode_selector: Option<String>,
+    /// Namespace to watch. Unset: the pod's own (the service-account namespace file), else
+    /// `default`.
+    pub namespace: Option<String>,
+    /// Watch every namespace (needs the ClusterRole variant of the RBAC).
+    pub all_namespaces: bool,
+    /// The engine's HTTP port when no container port is named `port_name`.
+    pub port: u16,
+    /// A container port name to take the engine's port from (e.g. `http`), when the pod has
+    /// one by that name.
+    pub port_name: Option<String>,
+    /// Annotation holding a prefill pod's bootstrap port; without it, the engine's
+    /// `/server_info` tells (as for static workers).
+    pub bootstrap_port_annotation: String,
+    /// Full relist and reconcile at least this often, whatever the watch says.
+    pub resync_secs: u64,
+    /// Longest a terminating pod's worker is drained when the pod has no grace period.
+    pub default_grace_secs: u64,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        DiscoveryConfig {
+            enabled: false,
+            prefill_selector: None,
+            decode_selector: None,
+            namespace: None,
+            all_namespaces: false,
+            port: 80,
+            port_name: None,
+            bootstrap_port_annotation: "sglang.ai/bootstrap-port".to_string(),
+            resync_secs: 60,
+            default_grace_secs: 30,
+        }
+    }
+}
+
+impl DiscoveryConfig {
+    pub fn resync(&self) -> Duration {
+        Duration::from_secs(self.resync_secs)
+    }
+    pub fn default_grace(&self) -> Duration {
+        Duration::from_secs(self.default_grace_secs)
+    }
+}
+
+/// `[admin]`: the admin listener (worker API, `/metrics`, effective config), apart from the
+/// front door.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Serve the admin listener at all.
+    pub enabled: bool,
+    pub host: IpAddr,
+    /// 0 picks a free port.
+    pub port: u16,
+    /// Bearer token the admin API requires. Also from `api_key_file` or the
+    /// `PDGATE_ADMIN_API_KEY` environment variable. Required on a non-loopback address.
+    pub api_key: Option<String>,
+    /// A file whose first line is the admin token.
+    pub api_key_file: Option<PathBuf>,
+    /// How long `DELETE /workers/{id}` (and a worker removed by reload or discovery) waits
+    /// for its requests in flight before the worker is dropped anyway.
+    pub remove_drain_secs: u64,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            enabled: true,
+            host: IpAddr::from([127, 0, 0, 1]),
+            port: 29000,
+            api_key: None,
+            api_key_file: None,
+            remove_drain_secs: 300,
+        }
+    }
+}
+
+impl AdminConfig {
+    pub fn remove_drain(&self) -> Duration {
+        Duration::from_secs(self.remove_drain_secs)
+    }
+}
+
+/// `[auth]`: client API keys on the front door.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// One key per line, raw or `sha256:<hex>`; `#` starts a comment. Unset: no client auth.
+    pub api_keys_file: Option<PathBuf>,
+    /// Requests in flight per key (0 = no limit); beyond it, 429.
+    pub per_key_max_in_flight: usize,
+}
+
+/// `[reload]`: applying a changed config without a restart (SIGHUP always does).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReloadConfig {
+    /// Also reload when the config file's contents change, checked this often (0 = only on
+    /// SIGHUP).
+    pub watch_ms: u64,
+}
+
+impl ReloadConfig {
+    pub fn watch(&self) -> Option<Duration> {
+        (self.watch_ms > 0).then(|| Duration::from_millis(self.watch_ms))
+    }
+}
+
+/// The checks of the sections above (called by `Config::validate`).
+pub(super) fn validate(cfg: &super::Config) -> Result<(), ConfigError> {
+    let d = &cfg.discovery;
+    if d.enabled {
+        if d.prefill_selector.is_none() && d.decode_selector.is_none() {
+            return Err(invalid(
+                "discovery.enabled needs discovery.prefill_selector or discovery.decode_selector \
+                 (--prefill-selector / --decode-selector)"
+                    .to_string(),
+            ));
+        }
+        if d.all_namespaces && d.namespace.is_some() {
+            return Err(invalid(
+                "discovery.namespace and discovery.all_namespaces exclude each other".to_string(),
+            ));
+        }
+    }
+    range("discovery.port", d.port, 1, u16::MAX)?;
+    range("discovery.resync_secs", d.resync_secs, 1, super::DAY)?;
+    range(
+        "discovery.default_grace_secs",
+        d.default_grace_secs,
+        0,
+        super::DAY,
+    )?;
+    if d.bootstrap_port_annotation.trim().is_empty() {
+        return Err(invalid(
+            "discovery.bootstrap_port_annotation must not be empty".to_string(),
+        ));
+    }
+    let a = &cfg.admin;
+    range(
+        "admin.remove_drain_secs",
+        a.remove_drain_secs,
+        0,
+        super::DAY,
+    )?;
+    if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        return Err(invalid("admin.api_key must not be empty".to_string()));
+    }
+    range(
+        "auth.per_key_max_in_flight",
+        cfg.auth.per_key_max_in_flight,
+        0,
+        tokio::sync::Semaphore::MAX_PERMITS,
+    )?;
+    if cfg.reload.watch_ms != 0 {
+        range("reload.watch_ms", cfg.reload.watch_ms, 50, 3_600_000)?;
+    }
+    Ok(())
+}
