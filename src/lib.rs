@@ -20,6 +20,7 @@ pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod fleet;
 pub mod health;
 pub mod pd;
 pub mod policy;

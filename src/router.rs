@@ -7,16 +7,19 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, ConfigError};
+use crate::fleet::{Fleet, WorkerSpec};
 use crate::pd::{Dispatcher, RngSource};
-use crate::pool::Pool;
+use crate::pool::{Pool, WorkerSource};
 use crate::server::Server;
-use crate::types::{Role, WorkerId};
-use crate::upstream::{parse_base_url, BaseUrl, Upstream, UpstreamSettings};
+use crate::types::Role;
+use crate::upstream::{parse_base_url, Upstream, UpstreamSettings};
 
 /// A router serving on its listener.
 pub struct Router {
     pub server: Server,
     pub pool: Arc<Pool>,
+    /// Adds, drains and removes workers while the router runs.
+    pub fleet: Arc<Fleet>,
 }
 
 impl Router {
@@ -29,6 +32,8 @@ impl Router {
 pub enum StartError {
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Fleet(#[from] crate::fleet::FleetError),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: String,
@@ -44,28 +49,6 @@ pub fn upstream_settings(cfg: &Config) -> UpstreamSettings {
         pool_idle_timeout: std::time::Duration::from_secs(cfg.upstream.pool_idle_timeout_secs),
         api_key: cfg.upstream.api_key.clone(),
         forward_authorization: cfg.upstream.forward_authorization,
-    }
-}
-
-/// Starts the engine load poller of a worker when `policy.load_poll_interval_ms` > 0.
-fn spawn_load_poller(
-    cfg: &Config,
-    pool: &Arc<Pool>,
-    up: &Upstream,
-    role: Role,
-    id: WorkerId,
-    url: BaseUrl,
-) {
-    if let Some(every) = cfg.policy.load_poll_interval() {
-        crate::health::load::spawn(
-            pool.clone(),
-            up.clone(),
-            every,
-            cfg.bootstrap.http_timeout(),
-            role,
-            id,
-            url,
-        );
     }
 }
 
@@ -102,48 +85,33 @@ pub async fn start(
             }
         }
     });
-    let cfg = Arc::new(cfg);
     let up = Upstream::new(&upstream_settings(&cfg));
     let pool = Arc::new(Pool::new());
+    let live = crate::config::live(cfg.clone());
+    let fleet = Arc::new(Fleet::new(pool.clone(), up.clone(), live));
     for p in &cfg.prefill {
         let url = parse_base_url(&p.url)
             .map_err(|e| ConfigError::Invalid(format!("prefill url {}: {e}", p.url)))?;
-        let id = pool.add_worker(Role::Prefill, url.clone(), None);
-        crate::bootstrap::tracker::spawn(
-            pool.clone(),
-            up.clone(),
-            cfg.bootstrap.clone(),
-            id,
-            url.clone(),
-            p.bootstrap_port,
-            p.bootstrap_host.clone(),
-        );
-        crate::health::spawn(
-            pool.clone(),
-            up.clone(),
-            cfg.health.clone(),
-            cfg.bootstrap.clone(),
-            Role::Prefill,
-            id,
-            url.clone(),
-        );
-        spawn_load_poller(&cfg, &pool, &up, Role::Prefill, id, url);
+        fleet.add(WorkerSpec {
+            role: Role::Prefill,
+            url,
+            bootstrap_port: p.bootstrap_port,
+            bootstrap_host: p.bootstrap_host.clone(),
+            source: WorkerSource::Static,
+        })?;
     }
     for d in &cfg.decode {
         let url = parse_base_url(&d.url)
             .map_err(|e| ConfigError::Invalid(format!("decode url {}: {e}", d.url)))?;
-        let id = pool.add_worker(Role::Decode, url.clone(), None);
-        crate::health::spawn(
-            pool.clone(),
-            up.clone(),
-            cfg.health.clone(),
-            cfg.bootstrap.clone(),
-            Role::Decode,
-            id,
-            url.clone(),
-        );
-        spawn_load_poller(&cfg, &pool, &up, Role::Decode, id, url);
+        fleet.add(WorkerSpec {
+            role: Role::Decode,
+            url,
+            bootstrap_port: None,
+            bootstrap_host: None,
+            source: WorkerSource::Static,
+        })?;
     }
+    let cfg = Arc::new(cfg);
     let listener = match listener {
         Some(l) => l,
         None => {
@@ -161,5 +129,9 @@ pub async fn start(
         source,
     })?;
     tracing::info!(url = %server.url(), "pdgate listening");
-    Ok(Router { server, pool })
+    Ok(Router {
+        server,
+        pool,
+        fleet,
+    })
 }

@@ -20,7 +20,7 @@ use futures_util::StreamExt;
 use tokio::sync::Notify;
 
 use super::client::{self, BootstrapError, RankRoute, Sentinel};
-use crate::config::BootstrapConfig;
+use crate::config::{BootstrapConfig, LiveConfig};
 use crate::pool::{BootstrapInfo, Pool, RankFailure, RankReadiness, WorkerState};
 use crate::types::{Role, WorkerId};
 use crate::upstream::{BaseUrl, Upstream};
@@ -106,19 +106,23 @@ pub fn apply_rank(
 }
 
 /// Starts the tracker of prefill `id`.
+///
+/// Its tasks end when the worker leaves the pool; each step reads the bootstrap settings
+/// of the live config.
 pub fn spawn(
     pool: Arc<Pool>,
     up: Upstream,
-    cfg: BootstrapConfig,
+    live: LiveConfig,
     id: WorkerId,
     engine: BaseUrl,
     port: Option<u16>,
     host: Option<String>,
 ) {
-    tokio::spawn(async move {
+    let p2 = pool.clone();
+    p2.spawn_task(Role::Prefill, id, async move {
         let port = match port {
             Some(p) => p,
-            None => discover_port(&up, &cfg, &engine).await,
+            None => discover_port(&up, &live, &engine).await,
         };
         let host = host.unwrap_or_else(|| engine.host().to_string());
         let info = BootstrapInfo {
@@ -129,22 +133,27 @@ pub fn spawn(
         let url = info.url.clone();
         pool.update_worker(Role::Prefill, id, |w| w.bootstrap = Some(info));
         let wake = Arc::new(Notify::new());
-        tokio::spawn(heartbeat(
-            pool.clone(),
-            up.clone(),
-            cfg.clone(),
+        pool.spawn_task(
+            Role::Prefill,
             id,
-            url.clone(),
-            wake.clone(),
-        ));
-        refresher(pool, up, cfg, id, url, wake).await;
+            heartbeat(
+                pool.clone(),
+                up.clone(),
+                live.clone(),
+                id,
+                url.clone(),
+                wake.clone(),
+            ),
+        );
+        refresher(pool, up, live, id, url, wake).await;
     });
 }
 
 /// The engine's `disaggregation_bootstrap_port`, else 8998 (retrying while unreachable).
-async fn discover_port(up: &Upstream, cfg: &BootstrapConfig, engine: &BaseUrl) -> u16 {
+async fn discover_port(up: &Upstream, live: &LiveConfig, engine: &BaseUrl) -> u16 {
     let mut attempts = 0u32;
     loop {
+        let cfg = live.load().bootstrap.clone();
         match client::server_info(up, engine, cfg.http_timeout()).await {
             Ok(info) => {
                 return info
@@ -169,12 +178,13 @@ async fn discover_port(up: &Upstream, cfg: &BootstrapConfig, engine: &BaseUrl) -
 async fn refresher(
     pool: Arc<Pool>,
     up: Upstream,
-    cfg: BootstrapConfig,
+    live: LiveConfig,
     id: WorkerId,
     url: BaseUrl,
     wake: Arc<Notify>,
 ) {
     loop {
+        let cfg = live.load().bootstrap.clone();
         refresh_once(&pool, &up, &cfg, id, &url).await;
         tokio::select! {
             _ = tokio::time::sleep(cfg.refresh_interval()) => {}
@@ -265,17 +275,25 @@ pub async fn refresh_once(
 async fn heartbeat(
     pool: Arc<Pool>,
     up: Upstream,
-    cfg: BootstrapConfig,
+    live: LiveConfig,
     id: WorkerId,
     url: BaseUrl,
     wake: Arc<Notify>,
 ) {
     let mut misses = 0u32;
     let mut lost = false;
-    let mut tick = tokio::time::interval(cfg.heartbeat_interval());
+    let mut every = live.load().bootstrap.heartbeat_interval();
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        let cfg = live.load().bootstrap.clone();
+        if cfg.heartbeat_interval() != every {
+            // A reload changed the interval: the next beat follows it.
+            every = cfg.heartbeat_interval();
+            tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        }
         // A heartbeat must answer within one interval to count.
         let timeout = cfg.heartbeat_interval().min(cfg.http_timeout());
         match client::health(&up, &url, timeout).await {

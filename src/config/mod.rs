@@ -16,6 +16,15 @@ use serde::{Deserialize, Serialize};
 
 mod ops;
 
+/// The config as it is now: swapped whole on reload, read by background tasks at each step
+/// (a health check reads `load().health` before each probe).
+pub type LiveConfig = std::sync::Arc<arc_swap::ArcSwap<Config>>;
+
+/// A [`LiveConfig`] holding `cfg`.
+pub fn live(cfg: Config) -> LiveConfig {
+    std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(cfg))
+}
+
 pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, ReloadConfig};
 
 /// Why a configuration was refused.

@@ -210,7 +210,8 @@ pub fn store(pool: &Pool, role: Role, id: WorkerId, report: Option<&Report>) {
     }
 }
 
-/// Starts the load poller of one worker (call only when polling is enabled).
+/// Starts the load poller of one worker (call only when polling is enabled); it ends when
+/// the worker leaves the pool.
 pub fn spawn(
     pool: Arc<Pool>,
     up: Upstream,
@@ -220,7 +221,8 @@ pub fn spawn(
     id: WorkerId,
     url: BaseUrl,
 ) {
-    tokio::spawn(async move {
+    let p2 = pool.clone();
+    p2.spawn_task(role, id, async move {
         let mut gen = Generation::Unknown;
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

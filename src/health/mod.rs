@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::bootstrap::client;
-use crate::config::{BootstrapConfig, HealthConfig};
+use crate::config::{HealthConfig, LiveConfig};
 use crate::pool::Pool;
 use crate::types::{Role, WorkerId};
 use crate::upstream::{BaseUrl, Upstream};
@@ -85,21 +85,31 @@ pub fn next_check_in(cfg: &HealthConfig, healthy: bool) -> Duration {
     }
 }
 
-/// Starts the health checker of one worker (and its server-info reader).
+/// Starts the health checker of one worker (and its server-info reader); it ends when the
+/// worker leaves the pool. Each check reads the health settings of the live config.
+///
+/// `require_info`: the worker is not admitted before its `/server_info` answered (workers
+/// added at run time: by the admin API, discovery or a reload), so that nothing routes to
+/// an engine whose role and layout are unknown.
 pub fn spawn(
     pool: Arc<Pool>,
     up: Upstream,
-    cfg: HealthConfig,
-    bcfg: BootstrapConfig,
+    live: LiveConfig,
     role: Role,
     id: WorkerId,
     url: BaseUrl,
+    require_info: bool,
 ) {
-    tokio::spawn(async move {
+    let p2 = pool.clone();
+    p2.spawn_task(role, id, async move {
         let mut run = HealthRun::default();
         let mut have_info = false;
         let conns = pool.with_worker(role, id, |w| w.conns.clone());
         loop {
+            let (cfg, bcfg) = {
+                let c = live.load();
+                (c.health.clone(), c.bootstrap.clone())
+            };
             let good = matches!(up.get(&url, "/health", cfg.timeout()).await, Ok((s, _)) if s.is_success());
             if good && !have_info {
                 if let Ok(info) = client::server_info(&up, &url, bcfg.http_timeout()).await {
@@ -126,6 +136,8 @@ pub fn spawn(
             let Some(healthy) = pool.with_worker(role, id, |w| w.healthy) else {
                 return; // the worker left the pool
             };
+            // Without its server info yet, a worker that must have it counts as down.
+            let good = good && (have_info || !require_info);
             let verdict = run.observe(good, healthy, &cfg);
             if verdict != Verdict::Keep {
                 let good = verdict == Verdict::Up;

@@ -11,12 +11,18 @@
 //!   so that a policy picks from them without allocating.
 //! - In-flight counters live in `Arc<[AtomicU64]>` carried across rebuilds; a
 //!   [`LoadGuard`] holds its counter until dropped (when the response body ends).
+//! - Workers come and go (static config, hot reload, the admin API, Kubernetes discovery).
+//!   A [`WorkerId`] is never reused within its role, so a stale id names no worker rather
+//!   than the wrong one; a snapshot's worker lists are sorted by id. A `draining` worker
+//!   takes no new request, and its in-flight ones finish; removing a worker cancels its
+//!   background tasks (the ones started by [`Pool::spawn_task`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
+use tokio_util::sync::CancellationToken;
 
 pub mod breaker;
 pub mod mismatch;
@@ -146,12 +152,46 @@ pub struct BootstrapInfo {
     pub port: u16,
 }
 
+/// Where a worker came from: who may change or remove it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WorkerSource {
+    /// The config file or the command line (reload owns it).
+    Static,
+    /// `POST /workers` or `/add_worker` on the admin API.
+    Admin,
+    /// A Kubernetes pod found by discovery (discovery owns it).
+    Discovered(PodRef),
+}
+
+impl WorkerSource {
+    pub fn label(&self) -> &'static str {
+        match self {
+            WorkerSource::Static => "static",
+            WorkerSource::Admin => "admin",
+            WorkerSource::Discovered(_) => "discovered",
+        }
+    }
+}
+
+/// The pod behind a discovered worker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
 /// Mutable state of one worker, owned by the writer.
 #[derive(Debug)]
 pub struct WorkerState {
     pub id: WorkerId,
     pub role: Role,
     pub url: BaseUrl,
+    pub source: Arc<WorkerSource>,
+    /// Takes no new request; requests in flight finish.
+    pub draining: bool,
+    /// Cancelled when the worker leaves the pool: ends its background tasks.
+    pub stop: CancellationToken,
     pub healthy: bool,
     pub health_checked: bool,
     pub dp_size: Option<u32>,
@@ -201,6 +241,8 @@ pub struct WorkerView {
     pub id: WorkerId,
     pub role: Role,
     pub url: BaseUrl,
+    pub source: Arc<WorkerSource>,
+    pub draining: bool,
     pub healthy: bool,
     pub dp_size: Option<u32>,
     pub loads: Arc<[AtomicU64]>,
@@ -225,6 +267,13 @@ impl WorkerView {
             (None, Some(d)) => d.max(1),
             (None, None) => 1,
         }
+    }
+
+    /// Requests pdgate has in flight on the worker, all ranks together.
+    pub fn in_flight_total(&self) -> u64 {
+        self.loads
+            .iter()
+            .fold(0u64, |a, c| a.saturating_add(c.load(Ordering::Relaxed)))
     }
 
     /// Requests pdgate has in flight on `rank`.
@@ -267,7 +316,22 @@ impl Snapshot {
             Role::Prefill => &self.prefills,
             Role::Decode => &self.decodes,
         };
-        list.get(id.0 as usize).filter(|w| w.id == id)
+        // Sorted by id (ids only grow); without removals the id is the index.
+        match list.get(id.0 as usize) {
+            Some(w) if w.id == id => Some(w),
+            _ => list
+                .binary_search_by_key(&id, |w| w.id)
+                .ok()
+                .and_then(|i| list.get(i)),
+        }
+    }
+
+    /// Every worker of a role.
+    pub fn workers(&self, role: Role) -> &[WorkerView] {
+        match role {
+            Role::Prefill => &self.prefills,
+            Role::Decode => &self.decodes,
+        }
     }
 
     pub fn routable(&self, role: Role) -> &[Routable] {
@@ -314,7 +378,14 @@ impl Drop for LoadGuard {
 /// The pools and their single-writer master state.
 pub struct Pool {
     snap: ArcSwap<Snapshot>,
-    master: Mutex<Vec<WorkerState>>,
+    master: Mutex<Master>,
+}
+
+#[derive(Default)]
+struct Master {
+    workers: Vec<WorkerState>,
+    /// The next id of each role (prefill, decode): ids are never reused.
+    next: [u32; 2],
 }
 
 fn new_loads(dp: u32) -> Arc<[AtomicU64]> {
@@ -325,7 +396,7 @@ impl Pool {
     pub fn new() -> Pool {
         Pool {
             snap: ArcSwap::from_pointee(Snapshot::default()),
-            master: Mutex::new(Vec::new()),
+            master: Mutex::new(Master::default()),
         }
     }
 
@@ -338,21 +409,37 @@ impl Pool {
         self.snap.load_full()
     }
 
-    /// Adds a worker; returns its id (its index within its role).
+    /// Adds a static worker; returns its id (its index within its role while no worker
+    /// was removed).
     pub fn add_worker(
         &self,
         role: Role,
         url: BaseUrl,
         bootstrap: Option<BootstrapInfo>,
     ) -> WorkerId {
+        self.add_worker_from(role, url, bootstrap, WorkerSource::Static)
+    }
+
+    /// Adds a worker from `source`; returns its id, never used before in its role.
+    pub fn add_worker_from(
+        &self,
+        role: Role,
+        url: BaseUrl,
+        bootstrap: Option<BootstrapInfo>,
+        source: WorkerSource,
+    ) -> WorkerId {
         let mut id = WorkerId(0);
-        self.update(|workers| {
-            let n = workers.iter().filter(|w| w.role == role).count();
-            id = WorkerId(n as u32);
+        self.update_master(|m| {
+            let next = &mut m.next[role_index(role)];
+            id = WorkerId(*next);
+            *next = next.saturating_add(1);
             let (lost_tx, _) = watch::channel(LostEpochs::default());
-            workers.push(WorkerState {
+            m.workers.push(WorkerState {
                 id,
                 role,
+                source: Arc::new(source),
+                draining: false,
+                stop: CancellationToken::new(),
                 conns: Arc::new(HostConns::new(&url)),
                 url,
                 healthy: false,
@@ -372,6 +459,56 @@ impl Pool {
             });
         });
         id
+    }
+
+    /// Removes a worker and cancels its background tasks; its requests in flight keep
+    /// what they hold (views, counters, connections) until they end. False if unknown.
+    pub fn remove_worker(&self, role: Role, id: WorkerId) -> bool {
+        let mut found = false;
+        self.update_master(|m| {
+            if let Some(i) = m.workers.iter().position(|w| w.role == role && w.id == id) {
+                let w = m.workers.remove(i);
+                w.stop.cancel();
+                found = true;
+            }
+        });
+        found
+    }
+
+    /// Marks a worker draining (no new requests) or not; false if unknown.
+    pub fn set_draining(&self, role: Role, id: WorkerId, draining: bool) -> bool {
+        let mut found = false;
+        self.update_worker(role, id, |w| {
+            found = true;
+            w.draining = draining;
+        });
+        found
+    }
+
+    /// The worker of `role` at `url`, if any.
+    pub fn find(&self, role: Role, url: &BaseUrl) -> Option<WorkerId> {
+        let m = self.master.lock().unwrap_or_else(|e| e.into_inner());
+        m.workers
+            .iter()
+            .find(|w| w.role == role && w.url == *url)
+            .map(|w| w.id)
+    }
+
+    /// Runs `task` until it ends or the worker leaves the pool. Nothing runs when the
+    /// worker is already gone.
+    pub fn spawn_task<F>(&self, role: Role, id: WorkerId, task: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let Some(stop) = self.with_worker(role, id, |w| w.stop.clone()) else {
+            return;
+        };
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = task => {}
+            }
+        });
     }
 
     /// Mutates one worker under the writer lock and publishes a new snapshot.
@@ -402,15 +539,29 @@ impl Pool {
         id: WorkerId,
         f: impl FnOnce(&WorkerState) -> T,
     ) -> Option<T> {
-        let workers = self.master.lock().unwrap_or_else(|e| e.into_inner());
-        workers.iter().find(|w| w.role == role && w.id == id).map(f)
+        let m = self.master.lock().unwrap_or_else(|e| e.into_inner());
+        m.workers
+            .iter()
+            .find(|w| w.role == role && w.id == id)
+            .map(f)
     }
 
     fn update(&self, f: impl FnOnce(&mut Vec<WorkerState>)) {
-        let mut workers = self.master.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut workers);
+        self.update_master(|m| f(&mut m.workers));
+    }
+
+    fn update_master(&self, f: impl FnOnce(&mut Master)) {
+        let mut m = self.master.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut m);
         let version = self.snap.load().version + 1;
-        self.snap.store(Arc::new(build(&workers, version)));
+        self.snap.store(Arc::new(build(&m.workers, version)));
+    }
+}
+
+fn role_index(role: Role) -> usize {
+    match role {
+        Role::Prefill => 0,
+        Role::Decode => 1,
     }
 }
 
@@ -430,6 +581,8 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             id: w.id,
             role: w.role,
             url: w.url.clone(),
+            source: w.source.clone(),
+            draining: w.draining,
             healthy: w.healthy,
             dp_size: w.dp_size,
             loads: w.loads.clone(),
@@ -444,10 +597,11 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             refused: w.refused.clone(),
             probes: w.probes.clone(),
         };
-        let breaker_open = w.breaker.state() == BreakerState::Open || w.refused.is_some();
+        // Out of rotation whatever its health: breaker open, refused, or draining.
+        let out = w.breaker.state() == BreakerState::Open || w.refused.is_some() || w.draining;
         match w.role {
             Role::Prefill => {
-                if w.healthy && !breaker_open && w.layout.is_some() {
+                if w.healthy && !out && w.layout.is_some() {
                     let ranks: Vec<DpRank> = w
                         .ranks
                         .iter()
@@ -465,7 +619,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
                 s.prefills.push(view);
             }
             Role::Decode => {
-                if w.healthy && !breaker_open {
+                if w.healthy && !out {
                     s.decode_routable.push(Routable {
                         worker: w.id,
                         ranks: (0..view.effective_dp()).collect(),

@@ -448,7 +448,10 @@ fn track(srv: &BootstrapServer) -> Arc<Pool> {
     pdgate::bootstrap::tracker::spawn(
         pool.clone(),
         upstream(),
-        fast_cfg(),
+        pdgate::config::live(pdgate::config::Config {
+            bootstrap: fast_cfg(),
+            ..Default::default()
+        }),
         id,
         engine,
         Some(srv.port),

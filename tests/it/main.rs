@@ -13,6 +13,7 @@ mod contract;
 mod detached_prefill;
 mod engine_bounds;
 mod faults;
+mod fleet;
 mod front_door;
 mod garbage;
 mod health_flags;

@@ -1,0 +1,202 @@
+//! Workers joining and leaving a running router: the one place that starts a worker's
+//! background tasks (bootstrap tracker, health checker, load poller) and that drains and
+//! removes it. The admin API, Kubernetes discovery and config reload all go through
+//! [`Fleet`]; the static workers of the config at start do too.
+//!
+//! Invariants:
+//! - A worker added at run time (not [`WorkerSource::Static`]) is routable only after its
+//!   `/server_info` answered and its first health check passed (a prefill also needs its
+//!   bootstrap layout and a ready rank, as every prefill does).
+//! - Two run-time workers of one role never share a URL: adding one that exists is refused
+//!   with the existing id (static config lists are taken as written).
+//! - Draining takes a worker out of rotation at once (the next snapshot); requests in flight
+//!   on it, and prefill legs it still runs, keep their counters and finish.
+//! - Removal drains first and drops the worker when it has nothing in flight or at the
+//!   deadline, whichever comes first; its tasks end with it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::LiveConfig;
+use crate::pool::{Pool, WorkerSource};
+use crate::types::{Role, WorkerId};
+use crate::upstream::{BaseUrl, Upstream};
+
+/// A worker to add.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerSpec {
+    pub role: Role,
+    pub url: BaseUrl,
+    /// Prefill only: the bootstrap server's port; unset, the engine's `/server_info`
+    /// tells (else 8998).
+    pub bootstrap_port: Option<u16>,
+    /// Prefill only: the host decode engines reach the bootstrap server at; unset, the
+    /// URL's host.
+    pub bootstrap_host: Option<String>,
+    pub source: WorkerSource,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FleetError {
+    #[error("a {role} worker at {url} already exists (id {id})")]
+    Exists {
+        role: Role,
+        url: String,
+        id: WorkerId,
+    },
+    #[error("no {role} worker with id {id}")]
+    NotFound { role: Role, id: WorkerId },
+}
+
+/// How a removal ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Removed {
+    /// Nothing was in flight any more.
+    Drained,
+    /// The deadline passed with requests still in flight (they keep running on what they
+    /// hold; the worker is gone from the pool).
+    DeadlinePassed,
+    /// Someone else removed it first.
+    AlreadyGone,
+}
+
+/// Adds, drains and removes workers of one running router.
+pub struct Fleet {
+    pool: Arc<Pool>,
+    up: Upstream,
+    live: LiveConfig,
+}
+
+/// How often a draining worker's in-flight count is read.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
+
+impl Fleet {
+    pub fn new(pool: Arc<Pool>, up: Upstream, live: LiveConfig) -> Fleet {
+        Fleet { pool, up, live }
+    }
+
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    pub fn live(&self) -> &LiveConfig {
+        &self.live
+    }
+
+    /// Adds a worker and starts its tasks; returns its id.
+    pub fn add(&self, spec: WorkerSpec) -> Result<WorkerId, FleetError> {
+        let runtime = spec.source != WorkerSource::Static;
+        if runtime {
+            if let Some(id) = self.pool.find(spec.role, &spec.url) {
+                return Err(FleetError::Exists {
+                    role: spec.role,
+                    url: spec.url.to_string(),
+                    id,
+                });
+            }
+        }
+        let WorkerSpec {
+            role,
+            url,
+            bootstrap_port,
+            bootstrap_host,
+            source,
+        } = spec;
+        tracing::info!(role = %role, worker = %url, source = source.label(), "worker added");
+        let id = self.pool.add_worker_from(role, url.clone(), None, source);
+        if role == Role::Prefill {
+            crate::bootstrap::tracker::spawn(
+                self.pool.clone(),
+                self.up.clone(),
+                self.live.clone(),
+                id,
+                url.clone(),
+                bootstrap_port,
+                bootstrap_host,
+            );
+        }
+        crate::health::spawn(
+            self.pool.clone(),
+            self.up.clone(),
+            self.live.clone(),
+            role,
+            id,
+            url.clone(),
+            runtime,
+        );
+        let cfg = self.live.load();
+        if let Some(every) = cfg.policy.load_poll_interval() {
+            crate::health::load::spawn(
+                self.pool.clone(),
+                self.up.clone(),
+                every,
+                cfg.bootstrap.http_timeout(),
+                role,
+                id,
+                url,
+            );
+        }
+        Ok(id)
+    }
+
+    /// Takes a worker out of rotation; its requests in flight finish.
+    pub fn drain(&self, role: Role, id: WorkerId) -> Result<(), FleetError> {
+        self.set_draining(role, id, true)
+    }
+
+    /// Puts a drained worker back in rotation (when healthy).
+    pub fn undrain(&self, role: Role, id: WorkerId) -> Result<(), FleetError> {
+        self.set_draining(role, id, false)
+    }
+
+    fn set_draining(&self, role: Role, id: WorkerId, on: bool) -> Result<(), FleetError> {
+        if !self.pool.set_draining(role, id, on) {
+            return Err(FleetError::NotFound { role, id });
+        }
+        tracing::info!(role = %role, worker = id.0, draining = on, "worker drain");
+        Ok(())
+    }
+
+    /// Drains a worker, then removes it when it has nothing in flight or after `within`.
+    /// The returned task ends when the worker is gone.
+    pub fn remove(
+        &self,
+        role: Role,
+        id: WorkerId,
+        within: Duration,
+    ) -> Result<tokio::task::JoinHandle<Removed>, FleetError> {
+        self.set_draining(role, id, true)?;
+        let pool = self.pool.clone();
+        Ok(tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + within;
+            let how = loop {
+                let busy = match pool.load().worker(role, id) {
+                    None => break Removed::AlreadyGone,
+                    Some(w) => w.in_flight_total(),
+                };
+                if busy == 0 {
+                    break Removed::Drained;
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    break Removed::DeadlinePassed;
+                }
+                tokio::time::sleep(DRAIN_POLL).await;
+            };
+            let url = pool.load().worker(role, id).map(|w| w.url.to_string());
+            let how = if pool.remove_worker(role, id) {
+                how
+            } else {
+                Removed::AlreadyGone
+            };
+            if let Some(url) = url {
+                tracing::info!(role = %role, worker = %url, outcome = ?how, "worker removed");
+            }
+            how
+        }))
+    }
+
+    /// The worker of `role` at `url`, if any.
+    pub fn find(&self, role: Role, url: &BaseUrl) -> Option<WorkerId> {
+        self.pool.find(role, url)
+    }
+}
