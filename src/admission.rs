@@ -10,13 +10,21 @@
 //! Its own module (not the front door's) because both the front door (which admits) and
 //! `pd` (whose response body and detached legs hold the slot) use it.
 //!
+//! A reload changes the limits in place ([`Admission::reconfigure`]): a higher
+//! `max_in_flight` adds permits at once; a lower one takes free permits away at once and the
+//! rest as requests in flight end, so the cap is never exceeded after the change settles
+//! and nobody in flight is cut. Switching between no limit (0) and a limit swaps the
+//! semaphore: requests admitted before keep their old slot.
+//!
 //! Gauges (handles registered once): `pdgate_in_flight_requests` counts the PD requests
 //! admitted whose response has not ended (also when `max_in_flight` is 0, i.e. no limit),
 //! `pdgate_admission_queue` those waiting for a slot. Both are moved by drop guards, so
 //! every way a request ends (answer, error, client gone) brings them back: at rest both are
 //! 0, which the chaos soak checks.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use arc_swap::ArcSwapOption;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,10 +35,12 @@ use crate::config::AdmissionConfig;
 use crate::error::{FailReason, Failure};
 
 pub struct Admission {
-    slots: Option<Arc<Semaphore>>,
+    slots: ArcSwapOption<Semaphore>,
+    /// The permits the current semaphore stands for (`max_in_flight`).
+    limit: AtomicUsize,
     waiting: AtomicUsize,
-    max_queue: usize,
-    timeout: Duration,
+    max_queue: AtomicUsize,
+    timeout_ms: AtomicU64,
     in_flight: Gauge,
     queued: Gauge,
 }
@@ -70,24 +80,67 @@ impl Drop for Slot {
 impl Admission {
     pub fn new(cfg: &AdmissionConfig) -> Admission {
         Admission {
-            slots: (cfg.max_in_flight > 0).then(|| Arc::new(Semaphore::new(cfg.max_in_flight))),
+            slots: ArcSwapOption::new(
+                (cfg.max_in_flight > 0).then(|| Arc::new(Semaphore::new(cfg.max_in_flight))),
+            ),
+            limit: AtomicUsize::new(cfg.max_in_flight),
             waiting: AtomicUsize::new(0),
-            max_queue: cfg.max_queue,
-            timeout: Duration::from_millis(cfg.queue_timeout_ms),
+            max_queue: AtomicUsize::new(cfg.max_queue),
+            timeout_ms: AtomicU64::new(cfg.queue_timeout_ms),
             in_flight: metrics::gauge!("pdgate_in_flight_requests"),
             queued: metrics::gauge!("pdgate_admission_queue"),
         }
     }
 
+    /// Applies reloaded limits (see the module docs).
+    pub fn reconfigure(&self, cfg: &AdmissionConfig) {
+        self.max_queue.store(cfg.max_queue, Ordering::Relaxed);
+        self.timeout_ms
+            .store(cfg.queue_timeout_ms, Ordering::Relaxed);
+        let old = self.limit.swap(cfg.max_in_flight, Ordering::AcqRel);
+        let new = cfg.max_in_flight;
+        match (old, new, self.slots.load_full()) {
+            _ if old == new => {}
+            (_, 0, _) => self.slots.store(None),
+            (_, _, None) => self.slots.store(Some(Arc::new(Semaphore::new(new)))),
+            (_, _, Some(sem)) if new > old => sem.add_permits(new - old),
+            (_, _, Some(sem)) => {
+                // Free permits go at once; the rest are taken as they come back.
+                let missing = (old - new).saturating_sub(sem.forget_permits(old - new));
+                if let Ok(n) = u32::try_from(missing) {
+                    if n > 0 {
+                        tokio::spawn(async move {
+                            if let Ok(p) = sem.acquire_many_owned(n).await {
+                                p.forget();
+                            }
+                        });
+                    }
+                }
+            }
+        }
+        tracing::info!(
+            max_in_flight = new,
+            max_queue = cfg.max_queue,
+            queue_timeout_ms = cfg.queue_timeout_ms,
+            "admission limits"
+        );
+    }
+
     /// A slot for one request, or the failure to answer with.
     pub async fn admit(&self) -> Result<Slot, Failure> {
-        let Some(slots) = &self.slots else {
-            return Ok(Slot::new(None, &self.in_flight));
+        let slots = {
+            let current = self.slots.load();
+            let Some(slots) = current.as_ref() else {
+                return Ok(Slot::new(None, &self.in_flight));
+            };
+            if let Ok(p) = Arc::clone(slots).try_acquire_owned() {
+                return Ok(Slot::new(Some(p), &self.in_flight));
+            }
+            Arc::clone(slots)
         };
-        if let Ok(p) = Arc::clone(slots).try_acquire_owned() {
-            return Ok(Slot::new(Some(p), &self.in_flight));
-        }
-        if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.max_queue {
+        let max_queue = self.max_queue.load(Ordering::Relaxed);
+        let timeout = Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed));
+        if self.waiting.fetch_add(1, Ordering::AcqRel) >= max_queue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             metrics::counter!("pdgate_admission_rejected_total", "reason" => "queue_full")
                 .increment(1);
@@ -98,7 +151,7 @@ impl Admission {
         }
         self.queued.increment(1.0);
         let _w = Waiting(&self.waiting, &self.queued);
-        match tokio::time::timeout(self.timeout, Arc::clone(slots).acquire_owned()).await {
+        match tokio::time::timeout(timeout, slots.acquire_owned()).await {
             Ok(Ok(p)) => Ok(Slot::new(Some(p), &self.in_flight)),
             Ok(Err(_)) => Err(Failure::new(FailReason::Internal, "admission closed")),
             Err(_) => {
@@ -108,10 +161,58 @@ impl Admission {
                     FailReason::QueueTimeout,
                     format!(
                         "no slot within the queue timeout of {} ms",
-                        self.timeout.as_millis()
+                        timeout.as_millis()
                     ),
                 ))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(max_in_flight: usize) -> AdmissionConfig {
+        AdmissionConfig {
+            max_in_flight,
+            max_queue: 0,
+            ..AdmissionConfig::default()
+        }
+    }
+
+    /// Admits until refused (bounded); returns the slots taken.
+    async fn fill(a: &Admission) -> Vec<Slot> {
+        let mut held = Vec::new();
+        for _ in 0..64 {
+            match a.admit().await {
+                Ok(s) => held.push(s),
+                Err(_) => break,
+            }
+        }
+        held
+    }
+
+    #[tokio::test]
+    async fn limits_change_in_place() {
+        // (start, reloaded, slots held across the reload, admitted after all are back)
+        let cases = [
+            (2, 4, 2, 4),
+            (4, 1, 3, 1),
+            (3, 1, 0, 1),
+            (0, 2, 5, 2),
+            (2, 0, 2, 64),
+        ];
+        for (from, to, hold, after) in cases {
+            let a = Admission::new(&cfg(from));
+            let held: Vec<Slot> = fill(&a).await.into_iter().take(hold).collect();
+            a.reconfigure(&cfg(to));
+            drop(held);
+            // Let the task that takes back permits still in use run.
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            assert_eq!(fill(&a).await.len(), after, "{from} -> {to} holding {hold}");
         }
     }
 }

@@ -16,7 +16,7 @@ use crate::config::{
     PrefillWorkerConfig,
 };
 
-#[derive(Debug, Args)]
+#[derive(Clone, Debug, Args)]
 pub struct ServeArgs {
     /// TOML file with every setting; flags override it.
     #[arg(long)]

@@ -85,8 +85,18 @@ impl Fleet {
 
     /// Adds a worker and starts its tasks; returns its id.
     pub fn add(&self, spec: WorkerSpec) -> Result<WorkerId, FleetError> {
-        let runtime = spec.source != WorkerSource::Static;
-        if runtime {
+        let checked = spec.source != WorkerSource::Static;
+        self.add_inner(spec, checked)
+    }
+
+    /// Adds a static worker at run time (a reload): like a run-time worker, it takes
+    /// traffic only after its `/server_info` answered and its first health check passed.
+    pub fn add_checked(&self, spec: WorkerSpec) -> Result<WorkerId, FleetError> {
+        self.add_inner(spec, true)
+    }
+
+    fn add_inner(&self, spec: WorkerSpec, runtime: bool) -> Result<WorkerId, FleetError> {
+        if spec.source != WorkerSource::Static {
             if let Some(id) = self.pool.find(spec.role, &spec.url) {
                 return Err(FleetError::Exists {
                     role: spec.role,

@@ -25,6 +25,7 @@ pub mod health;
 pub mod pd;
 pub mod policy;
 pub mod pool;
+pub mod reload;
 pub mod router;
 pub mod server;
 pub mod types;

@@ -116,12 +116,23 @@ fn main() -> std::process::ExitCode {
         Err(e) => e.exit(),
     };
     // `serve` reads its config first: it says how many worker threads to run.
+    let mut reload_source: Option<(pdgate::reload::Source, Option<std::path::PathBuf>)> = None;
     let (command, serve_cfg) = match cli.command {
         Command::Serve(args) => {
             let sm = matches
                 .subcommand_matches("serve")
                 .cloned()
                 .unwrap_or_default();
+            // A reload re-reads the file and applies the same flags over it.
+            let file = args.config.clone();
+            let again = (args.clone(), sm.clone());
+            reload_source = Some((
+                Box::new(move || {
+                    let (args, sm) = again.clone();
+                    prefill_groups(&sm).and_then(|g| args.into_config(g))
+                }),
+                file,
+            ));
             match prefill_groups(&sm).and_then(|g| args.into_config(g)) {
                 Ok(cfg) => (None, Some(cfg)),
                 Err(e) => {
@@ -145,7 +156,12 @@ fn main() -> std::process::ExitCode {
         match (command, serve_cfg) {
             (_, Some(cfg)) => {
                 init_logs(&cfg.log);
-                let router = pdgate::router::start(cfg, None, RngSource::Os).await?;
+                let watch = cfg.reload.watch();
+                let router =
+                    std::sync::Arc::new(pdgate::router::start(cfg, None, RngSource::Os).await?);
+                if let Some((source, file)) = reload_source {
+                    pdgate::reload::spawn(router.clone(), source, file, watch);
+                }
                 wait_for_signal().await;
                 tracing::info!("signal received");
                 router.server.shutdown().await;

@@ -42,7 +42,7 @@ pub enum ConfigError {
 }
 
 /// The whole configuration of `pdgate serve`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub server: ServerConfig,
@@ -66,7 +66,7 @@ pub struct Config {
     pub reload: ReloadConfig,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerConfig {
     pub host: IpAddr,
@@ -160,7 +160,7 @@ pub enum PolicyKind {
     CacheAware,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PolicyConfig {
     pub prefill: PolicyKind,
@@ -205,7 +205,7 @@ pub enum ContractMode {
     Pinned,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ContractConfig {
     pub mode: ContractMode,
@@ -220,7 +220,7 @@ impl Default for ContractConfig {
 }
 
 /// Deadlines per leg (no total timeout on a stream that keeps producing tokens).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TimeoutConfig {
     /// TCP connect to an engine.
@@ -267,7 +267,7 @@ impl TimeoutConfig {
 }
 
 /// Retries before the first byte reached the client, within a budget.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetryConfig {
     /// Extra attempts per request (0 disables retries).
@@ -289,7 +289,7 @@ impl Default for RetryConfig {
 }
 
 /// Active health checks of engines (`GET /health`).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HealthConfig {
     pub interval_secs: f64,
@@ -330,7 +330,7 @@ impl HealthConfig {
 }
 
 /// Passive health: a circuit breaker per worker, fed by real request outcomes.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BreakerConfig {
     /// Failures in a row (blamed on the worker's own leg) that open the circuit; 0 = off.
@@ -354,7 +354,7 @@ impl Default for BreakerConfig {
 }
 
 /// Admission: a cap on requests in flight, with a bounded wait queue.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdmissionConfig {
     /// Requests served at once (0 = no limit).
@@ -376,7 +376,7 @@ impl Default for AdmissionConfig {
 }
 
 /// The embedded decode-side bootstrap poll (spec §3, §7).
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BootstrapConfig {
     /// Heartbeat to each bootstrap server's `/health`.
@@ -425,7 +425,7 @@ impl BootstrapConfig {
 }
 
 /// How pdgate talks to engines.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UpstreamConfig {
     /// Forward the client's `Authorization` header to engines.
@@ -468,7 +468,7 @@ pub enum LogFormat {
     Json,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LogConfig {
     pub format: LogFormat,

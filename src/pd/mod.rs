@@ -110,27 +110,65 @@ pub struct ReqCtx {
     pub slot: Option<AdmissionSlot>,
 }
 
-/// Everything the request path needs.
+/// Everything the request path needs. Immutable: a config reload builds a new one with
+/// [`Dispatcher::reconfigured`] (sharing the pool, the clients, and every piece of state
+/// whose settings did not change) and the front door swaps it in; a request in flight keeps
+/// the one it started with.
 pub struct Dispatcher {
     pub pool: Arc<Pool>,
     pub up: Upstream,
     pub cfg: Arc<Config>,
-    prefill_policy: Box<dyn Policy>,
-    decode_policy: Box<dyn Policy>,
-    budget: RetryBudget,
-    pub rng: RngSource,
+    prefill_policy: Arc<dyn Policy>,
+    decode_policy: Arc<dyn Policy>,
+    budget: Arc<RetryBudget>,
+    pub rng: Arc<RngSource>,
 }
 
 impl Dispatcher {
     pub fn new(pool: Arc<Pool>, up: Upstream, cfg: Arc<Config>, rng: RngSource) -> Dispatcher {
         Dispatcher {
-            prefill_policy: policy::build_with(cfg.policy.prefill, &cfg.policy),
-            decode_policy: policy::build_with(cfg.policy.decode, &cfg.policy),
-            budget: RetryBudget::new(cfg.retry.budget_ratio, cfg.retry.budget_min_reserve),
+            prefill_policy: policy::build_with(cfg.policy.prefill, &cfg.policy).into(),
+            decode_policy: policy::build_with(cfg.policy.decode, &cfg.policy).into(),
+            budget: Arc::new(RetryBudget::new(
+                cfg.retry.budget_ratio,
+                cfg.retry.budget_min_reserve,
+            )),
             pool,
             up,
             cfg,
-            rng,
+            rng: Arc::new(rng),
+        }
+    }
+
+    /// The same dispatcher under a new config: policies are rebuilt only when the policy
+    /// settings changed (so round-robin positions and cache-aware rings survive a reload
+    /// that did not touch them), the retry budget only when the retry settings did.
+    pub fn reconfigured(&self, cfg: Arc<Config>) -> Dispatcher {
+        let same_policy = self.cfg.policy == cfg.policy;
+        let same_retry = self.cfg.retry == cfg.retry;
+        Dispatcher {
+            prefill_policy: if same_policy {
+                self.prefill_policy.clone()
+            } else {
+                policy::build_with(cfg.policy.prefill, &cfg.policy).into()
+            },
+            decode_policy: if same_policy {
+                self.decode_policy.clone()
+            } else {
+                policy::build_with(cfg.policy.decode, &cfg.policy).into()
+            },
+            budget: if same_retry {
+                self.budget.clone()
+            } else {
+                Arc::new(RetryBudget::new(
+                    cfg.retry.budget_ratio,
+                    cfg.retry.budget_min_reserve,
+                ))
+            },
+            pool: self.pool.clone(),
+            up: self.up.clone(),
+            cfg,
+            rng: self.rng.clone(),
         }
     }
 

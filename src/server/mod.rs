@@ -32,7 +32,7 @@ pub use crate::types::REQUEST_ID;
 pub struct Server {
     addr: SocketAddr,
     shutdown: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<()>,
+    task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     app: Arc<App>,
 }
 
@@ -50,7 +50,7 @@ impl Server {
         Ok(Server {
             addr,
             shutdown: tx,
-            task,
+            task: std::sync::Mutex::new(Some(task)),
             app,
         })
     }
@@ -63,11 +63,20 @@ impl Server {
         format!("http://{}", self.addr)
     }
 
+    /// Applies a reloaded config to the request path (see [`App::reconfigure`]).
+    pub fn reconfigure(&self, cfg: Arc<crate::config::Config>) {
+        self.app.reconfigure(cfg);
+    }
+
     /// Stops accepting, drains in-flight requests (up to the drain deadline), then returns.
-    pub async fn shutdown(self) {
+    /// A second call returns at once.
+    pub async fn shutdown(&self) {
         self.app.draining.store(true, Ordering::SeqCst);
         let _ = self.shutdown.send(true);
-        let _ = self.task.await;
+        let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
     }
 }
 
@@ -86,8 +95,10 @@ async fn accept_loop(
         .keep_alive(true);
     builder.http2().timer(TokioTimer::new());
     let registry = Arc::new(conn::Registry::default());
-    let max = app.dispatcher.cfg.server.max_connections;
-    let idle = app.dispatcher.cfg.server.idle_timeout();
+    let (max, idle) = {
+        let d = app.dispatcher.load();
+        (d.cfg.server.max_connections, d.cfg.server.idle_timeout())
+    };
     loop {
         tokio::select! {
             r = listener.accept() => {

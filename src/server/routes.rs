@@ -3,7 +3,9 @@
 //! [`Failure::into_response`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+
+use arc_swap::ArcSwap;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
@@ -14,6 +16,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admission::Admission;
 use crate::body::{full_body, RespBody};
+use crate::config::Config;
 use crate::error::{FailReason, Failure};
 use crate::pd::request::{self, ApiRoute};
 use crate::pd::{Dispatcher, ReqCtx};
@@ -51,7 +54,8 @@ static FORWARD: [HeaderName; 2] = [
 
 /// The front door's state.
 pub struct App {
-    pub dispatcher: Dispatcher,
+    /// Swapped whole by a config reload; each request loads it once.
+    pub dispatcher: ArcSwap<Dispatcher>,
     pub draining: AtomicBool,
     admission: Admission,
 }
@@ -145,14 +149,22 @@ impl App {
     pub fn new(dispatcher: Dispatcher) -> App {
         App {
             admission: Admission::new(&dispatcher.cfg.admission),
-            dispatcher,
+            dispatcher: ArcSwap::from_pointee(dispatcher),
             draining: AtomicBool::new(false),
         }
     }
 
+    /// Applies a reloaded config: the dispatcher (policies, timeouts, breaker and retry
+    /// settings) and the admission limits. Requests in flight keep what they started with.
+    pub fn reconfigure(&self, cfg: Arc<Config>) {
+        self.admission.reconfigure(&cfg.admission);
+        let next = self.dispatcher.load().reconfigured(cfg);
+        self.dispatcher.store(Arc::new(next));
+    }
+
     /// How long hyper gives a client for a request head (`server.header_read_timeout_secs`).
     pub fn header_read_timeout(&self) -> std::time::Duration {
-        self.dispatcher.cfg.server.header_read_timeout()
+        self.dispatcher.load().cfg.server.header_read_timeout()
     }
 
     pub async fn handle(&self, req: Request<Incoming>) -> Response<RespBody> {
@@ -244,7 +256,7 @@ impl App {
                 .into_response(Some(&rid_header));
             }
         }
-        let limit = self.dispatcher.cfg.server.max_body_bytes;
+        let limit = self.dispatcher.load().cfg.server.max_body_bytes;
         let too_large = || {
             let f = Failure::new(
                 FailReason::PayloadTooLarge,
@@ -267,7 +279,7 @@ impl App {
         let read = match (&mut read).now_or_never() {
             Some(r) => r,
             None => {
-                let within = self.dispatcher.cfg.server.body_read_timeout();
+                let within = self.dispatcher.load().cfg.server.body_read_timeout();
                 match tokio::time::timeout(within, read).await {
                     Ok(r) => r,
                     Err(_) => {
@@ -308,13 +320,14 @@ impl App {
             forward,
             slot,
         };
-        self.dispatcher.dispatch(parsed, ctx).await
+        self.dispatcher.load_full().dispatch(parsed, ctx).await
     }
 
     /// The allow-listed headers both legs carry, as `name: value\r\n` lines.
     fn forward_headers(&self, incoming: &HeaderMap, rid: &HeaderValue) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
-        let up = &self.dispatcher.up;
+        let d = self.dispatcher.load();
+        let up = &d.up;
         let auth = match &up.auth {
             Some(a) => Some(a),
             None if up.forward_authorization => incoming.get(header::AUTHORIZATION),
@@ -333,7 +346,7 @@ impl App {
     }
 
     fn readiness(&self, rid: &HeaderValue) -> Response<RespBody> {
-        let snap = self.dispatcher.pool.load();
+        let snap = self.dispatcher.load().pool.load();
         let draining = self.draining.load(Ordering::SeqCst);
         let ready =
             !draining && !snap.prefill_routable.is_empty() && !snap.decode_routable.is_empty();
@@ -370,15 +383,16 @@ impl App {
 
     /// `/v1/models` from a healthy worker (decode first: it serves the tokens).
     async fn models(&self, rid: &HeaderValue) -> Response<RespBody> {
-        let snap = self.dispatcher.pool.load_full();
-        let timeout = self.dispatcher.cfg.bootstrap.http_timeout();
+        let d = self.dispatcher.load_full();
+        let snap = d.pool.load_full();
+        let timeout = d.cfg.bootstrap.http_timeout();
         let candidates = snap
             .decodes
             .iter()
             .chain(snap.prefills.iter())
             .filter(|w| w.healthy);
         for w in candidates {
-            match self.dispatcher.up.get(&w.url, "/v1/models", timeout).await {
+            match d.up.get(&w.url, "/v1/models", timeout).await {
                 Ok((s, body)) if s.is_success() => return json_response(StatusCode::OK, body, rid),
                 Ok((s, _)) => {
                     tracing::debug!(worker = %w.url, status = s.as_u16(), "/v1/models failed")

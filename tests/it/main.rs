@@ -21,6 +21,7 @@ mod interop_bootstrap;
 mod interop_uvicorn;
 mod policies;
 mod preflight;
+mod reload;
 mod retries;
 mod self_healing;
 mod shutdown;

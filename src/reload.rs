@@ -1,0 +1,236 @@
+//! Hot reload: a new config file applied to a running router without a restart, on SIGHUP
+//! (and, with `reload.watch_ms`, when the file's contents change).
+//!
+//! What reloads: policies, timeouts, retry, breaker and admission settings, health and
+//! bootstrap settings, the contract mode, `log.access`, the static worker lists (added
+//! workers are checked before they take traffic; removed ones drain, then go) and the
+//! client API keys. What needs a restart (a change is logged and the running value kept,
+//! so the effective config — `GET /config` — always says what runs): `[server]`,
+//! `[admin]`, `[discovery]`, `[upstream]`, `[reload]`, `log.format` and `log.level`.
+//!
+//! Invariants:
+//! - An invalid file changes nothing: the old config stays whole, and the log names the
+//!   key, the value and the reason (the message of [`Config::validate`] or the parser).
+//! - The swap is one store per holder (the live config, the front door's dispatcher): a
+//!   request in flight finishes under the config it started with; streams are not touched.
+//! - Static workers are diffed as lists of entries (a changed bootstrap port is a removal
+//!   plus an addition); discovered and admin-added workers are never touched by a reload.
+//! - `pdgate_config_reloads_total{result="ok"|"error"}` counts every attempt.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::{Config, ConfigError};
+use crate::fleet::WorkerSpec;
+use crate::pool::WorkerSource;
+use crate::router::Router;
+use crate::types::Role;
+use crate::url::parse_base_url;
+
+/// What a reload changed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Sections whose change needs a restart (kept at their running values).
+    pub restart_needed: Vec<&'static str>,
+    /// Static workers added and removed.
+    pub added: usize,
+    pub removed: usize,
+}
+
+/// Builds the config to apply: the file re-read with the command line's flags over it.
+pub type Source = Box<dyn Fn() -> Result<Config, ConfigError> + Send + Sync>;
+
+/// Applies `new` to a running router (see the module docs). On error nothing changed.
+pub fn apply(router: &Router, new: Config) -> Result<Applied, ConfigError> {
+    let res = apply_inner(router, new);
+    let result = if res.is_ok() { "ok" } else { "error" };
+    metrics::counter!("pdgate_config_reloads_total", "result" => result).increment(1);
+    match &res {
+        Ok(a) => {
+            tracing::info!(added = a.added, removed = a.removed, restart_needed = ?a.restart_needed, "config reloaded")
+        }
+        Err(e) => tracing::error!(error = %e, "config reload refused; the running config is kept"),
+    }
+    res
+}
+
+fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError> {
+    new.validate()?;
+    // (Validation parsed every worker URL: the parses below cannot fail.)
+    let live = router.fleet.live();
+    let old = live.load_full();
+    let mut applied = Applied::default();
+    keep_restart_only(&old, &mut new, &mut applied.restart_needed);
+    // Static workers: entries gone, then entries new (multiset difference).
+    let gone_p = minus(&old.prefill, &new.prefill);
+    let new_p = minus(&new.prefill, &old.prefill);
+    let gone_d = minus(&old.decode, &new.decode);
+    let new_d = minus(&new.decode, &old.decode);
+    let new = Arc::new(new);
+    live.store(new.clone());
+    router.server.reconfigure(new.clone());
+
+    for p in new_p {
+        if let Ok(url) = parse_base_url(&p.url) {
+            let _ = router.fleet.add_checked(WorkerSpec {
+                role: Role::Prefill,
+                url,
+                bootstrap_port: p.bootstrap_port,
+                bootstrap_host: p.bootstrap_host.clone(),
+                source: WorkerSource::Static,
+            });
+            applied.added += 1;
+        }
+    }
+    for d in new_d {
+        if let Ok(url) = parse_base_url(&d.url) {
+            let _ = router.fleet.add_checked(WorkerSpec {
+                role: Role::Decode,
+                url,
+                bootstrap_port: None,
+                bootstrap_host: None,
+                source: WorkerSource::Static,
+            });
+            applied.added += 1;
+        }
+    }
+    let within = new.admin.remove_drain();
+    let gone = gone_p
+        .iter()
+        .map(|p| (Role::Prefill, p.url.as_str()))
+        .chain(gone_d.iter().map(|d| (Role::Decode, d.url.as_str())));
+    for (role, url) in gone {
+        let Ok(url) = parse_base_url(url) else {
+            continue;
+        };
+        // The oldest static worker at that URL that is not already leaving.
+        let id = router
+            .pool
+            .load()
+            .workers(role)
+            .iter()
+            .find(|w| *w.source == WorkerSource::Static && w.url == url && !w.draining)
+            .map(|w| w.id);
+        if let Some(id) = id {
+            if router.fleet.remove(role, id, within).is_ok() {
+                applied.removed += 1;
+            }
+        }
+    }
+    Ok(applied)
+}
+
+/// Sections that only take effect at start keep their running values in `new`.
+fn keep_restart_only(old: &Config, new: &mut Config, changed: &mut Vec<&'static str>) {
+    macro_rules! keep {
+        ($($field:ident).+, $name:literal) => {
+            if old.$($field).+ != new.$($field).+ {
+                changed.push($name);
+                new.$($field).+ = old.$($field).+.clone();
+            }
+        };
+    }
+    keep!(server, "server");
+    keep!(admin, "admin");
+    keep!(discovery, "discovery");
+    keep!(reload, "reload");
+    keep!(upstream, "upstream");
+    keep!(log.format, "log.format");
+    keep!(log.level, "log.level");
+    for s in changed.iter() {
+        tracing::warn!(section = s, "changed in the config file, but takes effect only at a restart; the running value is kept");
+    }
+}
+
+/// The entries of `a` not matched one-for-one in `b`.
+fn minus<T: PartialEq + Clone>(a: &[T], b: &[T]) -> Vec<T> {
+    let mut left: Vec<Option<&T>> = b.iter().map(Some).collect();
+    a.iter()
+        .filter(
+            |x| match left.iter_mut().find(|y| y.is_some_and(|y| y == *x)) {
+                Some(slot) => {
+                    *slot = None;
+                    false
+                }
+                None => true,
+            },
+        )
+        .cloned()
+        .collect()
+}
+
+/// Reloads on SIGHUP, and when `watch` is set and the file's contents changed, until the
+/// router shuts down (the task is dropped with the runtime).
+pub fn spawn(router: Arc<Router>, source: Source, file: Option<PathBuf>, watch: Option<Duration>) {
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "SIGHUP reload unavailable");
+                None
+            }
+        };
+        let mut last = file.as_ref().and_then(|f| std::fs::read(f).ok());
+        loop {
+            let hup_fut = async {
+                #[cfg(unix)]
+                if let Some(h) = hup.as_mut() {
+                    h.recv().await;
+                    return "sighup";
+                }
+                std::future::pending::<&'static str>().await
+            };
+            let watch_fut = async {
+                match (watch, &file) {
+                    (Some(every), Some(_)) => {
+                        tokio::time::sleep(every).await;
+                        "watch"
+                    }
+                    _ => std::future::pending().await,
+                }
+            };
+            let why = tokio::select! {
+                w = hup_fut => w,
+                w = watch_fut => w,
+            };
+            if why == "watch" {
+                let now = file.as_ref().and_then(|f| std::fs::read(f).ok());
+                if now == last {
+                    continue;
+                }
+                last = now;
+            }
+            tracing::info!(trigger = why, "reloading the config");
+            match source() {
+                Ok(cfg) => {
+                    let _ = apply(&router, cfg);
+                }
+                Err(e) => {
+                    metrics::counter!("pdgate_config_reloads_total", "result" => "error")
+                        .increment(1);
+                    tracing::error!(error = %e, "config reload refused; the running config is kept");
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::minus;
+
+    #[test]
+    fn multiset_difference() {
+        let cases: &[(&[u8], &[u8], &[u8])] = &[
+            (&[1, 2, 3], &[2], &[1, 3]),
+            (&[1, 1, 2], &[1], &[1, 2]),
+            (&[1], &[1, 1], &[]),
+            (&[], &[1], &[]),
+        ];
+        for (a, b, want) in cases {
+            assert_eq!(&minus(a, b), want, "{a:?} - {b:?}");
+        }
+    }
+}
