@@ -162,30 +162,38 @@ impl<'a> Fleet<'a> {
             return Err("not serve".into());
         };
         // The config file is the mounted ConfigMap key: write it where the test can read it.
-        if let Some(path) = &args.config {
-            let (kind, name, file) = self.mounted(w, c, path)?;
-            if kind != "ConfigMap" {
-                return Err(format!("{}: --config from a {kind}", path.display()));
+        let tmp = match &args.config {
+            None => None,
+            Some(path) => {
+                let (kind, name, file) = self.mounted(w, c, path)?;
+                if kind != "ConfigMap" {
+                    return Err(format!("{}: --config from a {kind}", path.display()));
+                }
+                let cm: ConfigMap = get(Self::find(&self.objs, "ConfigMap", &w.ns, &name)?)?;
+                let text = cm
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get(&file))
+                    .ok_or_else(|| format!("ConfigMap {name} has no key {file}"))?;
+                let tmp = std::env::temp_dir().join(format!(
+                    "pdgate-manifests-{}-{}.toml",
+                    std::process::id(),
+                    self.root.dir.replace('/', "-")
+                ));
+                std::fs::write(&tmp, text).map_err(|e| e.to_string())?;
+                Some(tmp)
             }
-            let cm: ConfigMap = get(Self::find(&self.objs, "ConfigMap", &w.ns, &name)?)?;
-            let text = cm
-                .data
-                .as_ref()
-                .and_then(|d| d.get(&file))
-                .ok_or_else(|| format!("ConfigMap {name} has no key {file}"))?;
-            let tmp = std::env::temp_dir().join(format!(
-                "pdgate-manifests-{}-{}.toml",
-                std::process::id(),
-                self.root.dir.replace('/', "-")
-            ));
-            std::fs::write(&tmp, text).map_err(|e| e.to_string())?;
-            args.config = Some(tmp.clone());
-            let cfg = args.into_config(prefill_groups(&sm).map_err(|e| e.to_string())?);
-            let _ = std::fs::remove_file(&tmp);
-            return cfg.map_err(|e| format!("{}: {e}", w.name));
+        };
+        if tmp.is_some() {
+            args.config.clone_from(&tmp);
         }
-        args.into_config(prefill_groups(&sm).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("{}: {e}", w.name))
+        let cfg = prefill_groups(&sm)
+            .and_then(|groups| args.into_config(groups))
+            .map_err(|e| format!("{}: {e}", w.name));
+        if let Some(tmp) = tmp {
+            let _ = std::fs::remove_file(tmp);
+        }
+        cfg
     }
 
     /// What a file path of container `c` is: (ConfigMap | Secret, its name, its key). The
@@ -210,9 +218,15 @@ impl<'a> Fleet<'a> {
             .find(|v| v.name == m.name)
             .ok_or_else(|| format!("no volume {}", m.name))?;
         if let Some(cm) = &v.config_map {
+            if cm.items.is_some() {
+                return Err(format!("volume {}: items remap keys; not checked", m.name));
+            }
             return Ok(("ConfigMap".into(), cm.name.clone(), file));
         }
         let s = v.secret.as_ref().ok_or("neither ConfigMap nor Secret")?;
+        if s.items.is_some() {
+            return Err(format!("volume {}: items remap keys; not checked", m.name));
+        }
         let name = s.secret_name.clone().ok_or("no secretName")?;
         if !self.root.external_secrets.contains(&name.as_str()) {
             let secret: Secret = get(Self::find(&self.objs, "Secret", &w.ns, &name)?)?;
