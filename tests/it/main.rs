@@ -19,6 +19,7 @@ mod garbage;
 mod health_flags;
 mod interop_bootstrap;
 mod interop_uvicorn;
+mod manifests;
 mod policies;
 mod preflight;
 mod reload;
