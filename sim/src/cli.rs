@@ -284,6 +284,17 @@ pub async fn run(args: SimArgs) -> Result<(), Box<dyn std::error::Error + Send +
         }
         out.flush()?;
     }
+    // Ctrl-C, or SIGTERM (a container's PID 1 gets no default SIGTERM handler).
+    #[cfg(unix)]
+    {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r?,
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
     tokio::signal::ctrl_c().await?;
     drop(engines);
     Ok(())
