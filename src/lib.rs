@@ -26,6 +26,7 @@ pub mod policy;
 pub mod pool;
 pub mod router;
 pub mod server;
+pub mod telemetry;
 pub mod types;
 pub mod upstream;
 pub mod url;

@@ -20,6 +20,7 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 
 pub mod breaker;
 pub mod mismatch;
+mod series;
 
 pub use breaker::{Breaker, BreakerState, TrialGuard};
 use tokio::sync::watch;

@@ -4,6 +4,7 @@
 
 mod support;
 
+mod access_log;
 mod bootstrap_tracking;
 mod breaker_trials;
 mod chaos;
@@ -18,6 +19,7 @@ mod garbage;
 mod health_flags;
 mod interop_bootstrap;
 mod interop_uvicorn;
+mod metrics;
 mod policies;
 mod preflight;
 mod retries;
