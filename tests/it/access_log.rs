@@ -216,6 +216,26 @@ async fn one_line_per_request_served_or_rejected() {
     cap.assert_once_each(&rids);
 }
 
+/// Without `log.access` nothing is written, even with a subscriber that wants the target.
+#[tokio::test]
+async fn off_unless_enabled() {
+    let cap = Capture::default();
+    let _guard = cap.install();
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    for (rid, body) in [("o-ok", GEN), ("o-bad", "{x")] {
+        send(&env, rid, "POST", "/generate", "application/json", body).await;
+    }
+    send(&env, "o-health", "GET", "/health", "", "").await;
+    env.settled_stats().await;
+    assert!(cap.lines().is_empty(), "{:?}", cap.lines());
+}
+
 #[tokio::test]
 async fn failed_mid_stream_and_abandoned_requests() {
     let cap = Capture::default();
