@@ -33,6 +33,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::AdmissionConfig;
 use crate::error::{FailReason, Failure};
+use crate::telemetry;
 
 pub struct Admission {
     slots: ArcSwapOption<Semaphore>,
@@ -87,8 +88,8 @@ impl Admission {
             waiting: AtomicUsize::new(0),
             max_queue: AtomicUsize::new(cfg.max_queue),
             timeout_ms: AtomicU64::new(cfg.queue_timeout_ms),
-            in_flight: metrics::gauge!("pdgate_in_flight_requests"),
-            queued: metrics::gauge!("pdgate_admission_queue"),
+            in_flight: metrics::gauge!(telemetry::IN_FLIGHT),
+            queued: metrics::gauge!(telemetry::ADMISSION_QUEUE),
         }
     }
 
@@ -142,8 +143,7 @@ impl Admission {
         let timeout = Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed));
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= max_queue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
-            metrics::counter!("pdgate_admission_rejected_total", "reason" => "queue_full")
-                .increment(1);
+            metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => "queue_full").increment(1);
             return Err(Failure::new(
                 FailReason::Overloaded,
                 "too many requests in flight and the wait queue is full",
@@ -155,7 +155,7 @@ impl Admission {
             Ok(Ok(p)) => Ok(Slot::new(Some(p), &self.in_flight)),
             Ok(Err(_)) => Err(Failure::new(FailReason::Internal, "admission closed")),
             Err(_) => {
-                metrics::counter!("pdgate_admission_rejected_total", "reason" => "queue_timeout")
+                metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => "queue_timeout")
                     .increment(1);
                 Err(Failure::new(
                     FailReason::QueueTimeout,

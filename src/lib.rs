@@ -28,6 +28,7 @@ pub mod pool;
 pub mod reload;
 pub mod router;
 pub mod server;
+pub mod telemetry;
 pub mod types;
 pub mod upstream;
 pub mod url;

@@ -9,16 +9,30 @@ use command::{Cli, Command};
 use pdgate::cli::prefill_groups;
 use pdgate::config::{LogConfig, LogFormat};
 use pdgate::pd::RngSource;
+use pdgate::telemetry::access;
 
+/// The main log (text or JSON, filtered by `log.level` or `RUST_LOG`) and, with
+/// `log.access`, the access log: one JSON object per line on stdout, whatever the main
+/// format, never filtered by the main log's level (see `pdgate::telemetry::access`).
 fn init_logs(cfg: &LogConfig) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(&cfg.level))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter);
-    match cfg.format {
-        LogFormat::Json => b.json().init(),
-        LogFormat::Text => b.init(),
+    if let Ok(d) = access::EXCLUDE.parse() {
+        filter = filter.add_directive(d);
     }
+    let main = match cfg.format {
+        LogFormat::Json => tracing_subscriber::fmt::layer().json().boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer().boxed(),
+    };
+    let access = cfg.access.then(|| access::layer(std::io::stdout));
+    tracing_subscriber::registry()
+        .with(main.with_filter(filter))
+        .with(access)
+        .init();
 }
 
 async fn wait_for_signal() {

@@ -44,8 +44,7 @@ pub type Source = Box<dyn Fn() -> Result<Config, ConfigError> + Send + Sync>;
 /// Applies `new` to a running router (see the module docs). On error nothing changed.
 pub fn apply(router: &Router, new: Config) -> Result<Applied, ConfigError> {
     let res = apply_inner(router, new);
-    let result = if res.is_ok() { "ok" } else { "error" };
-    metrics::counter!("pdgate_config_reloads_total", "result" => result).increment(1);
+    crate::telemetry::config_reloaded(res.is_ok());
     match &res {
         Ok(a) => {
             tracing::info!(added = a.added, removed = a.removed, restart_needed = ?a.restart_needed, "config reloaded")
@@ -208,8 +207,7 @@ pub fn spawn(router: Arc<Router>, source: Source, file: Option<PathBuf>, watch: 
                     let _ = apply(&router, cfg);
                 }
                 Err(e) => {
-                    metrics::counter!("pdgate_config_reloads_total", "result" => "error")
-                        .increment(1);
+                    crate::telemetry::config_reloaded(false);
                     tracing::error!(error = %e, "config reload refused; the running config is kept");
                 }
             }

@@ -73,16 +73,15 @@ pub async fn start(
     rng: RngSource,
 ) -> Result<Router, StartError> {
     cfg.validate()?;
-    let _ = crate::server::prometheus();
+    let _ = crate::telemetry::install();
+    crate::telemetry::config_loaded();
     // The Prometheus recorder keeps histogram samples until upkeep folds them in: run it
     // on a timer so memory stays flat when nobody scrapes `/metrics`.
     tokio::spawn(async {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
         loop {
             tick.tick().await;
-            if let Some(h) = crate::server::prometheus() {
-                h.run_upkeep();
-            }
+            crate::telemetry::upkeep();
         }
     });
     let up = Upstream::new(&upstream_settings(&cfg));

@@ -287,8 +287,7 @@ pub async fn run(args: SimArgs) -> Result<(), Box<dyn std::error::Error + Send +
     // Ctrl-C, or SIGTERM (a container's PID 1 gets no default SIGTERM handler).
     #[cfg(unix)]
     {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             r = tokio::signal::ctrl_c() => r?,
             _ = term.recv() => {}

@@ -84,7 +84,7 @@ fn apply(
         tracker::apply_rank(w, rank as usize, res, now)
     });
     let ok = matches!(res, Ok(RankRoute::Ready { .. }));
-    metrics::counter!("pdgate_preflight_checks_total", "ok" => if ok { "true" } else { "false" })
+    metrics::counter!(crate::telemetry::PREFLIGHT_CHECKS, "ok" => if ok { "true" } else { "false" })
         .increment(1);
     match res {
         Ok(RankRoute::Ready { .. }) => PreflightOutcome::Ready,

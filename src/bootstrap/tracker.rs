@@ -54,7 +54,7 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, now: Insta
             prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
             "bootstrap rank state"
         );
-        metrics::counter!("pdgate_bootstrap_rank_transitions_total", "to" => new.label())
+        metrics::counter!(crate::telemetry::BOOTSTRAP_RANK_TRANSITIONS, "to" => new.label())
             .increment(1);
         if *old == RankReadiness::Ready {
             // Requests in flight on this rank whose prefill has not answered would have
@@ -311,7 +311,7 @@ async fn heartbeat(
                     lost = true;
                     let now = Instant::now();
                     tracing::warn!(bootstrap = %url, misses, error = %e, "bootstrap heartbeat lost; failing in-flight requests");
-                    metrics::counter!("pdgate_bootstrap_heartbeat_lost_total").increment(1);
+                    metrics::counter!(crate::telemetry::BOOTSTRAP_HEARTBEAT_LOST).increment(1);
                     pool.update_worker(Role::Prefill, id, |w| {
                         fail_all(w, RankFailure::Unreachable, now);
                         w.layout = None;

@@ -144,9 +144,8 @@ pub fn spawn(
                 pool.update_worker(role, id, |w| {
                     w.healthy = good;
                     w.health_checked = true;
+                    // `pdgate_worker_healthy` is read from the pool at scrape time.
                     tracing::info!(role = %role, worker = %w.url, healthy = good, "worker health");
-                    metrics::gauge!("pdgate_worker_healthy", "role" => role.as_str(), "worker" => w.url.to_string())
-                        .set(if good { 1.0 } else { 0.0 });
                 });
             }
             let healthy = match verdict {

@@ -20,8 +20,9 @@ use std::future::Future;
 use http::{HeaderValue, Response};
 use http_body_util::BodyExt;
 
-use super::flight::{PdBody, PdBodyParts, PrefillFuture, PrefillWatch, RequestRecord};
+use super::flight::{PdBody, PdBodyParts, PrefillFuture, PrefillWatch};
 use super::legs::{self, LegCancel};
+use super::record::{LegTrace, RequestRecord};
 use super::request::{LegFields, ParsedRequest};
 use super::{room, Dispatcher, ReqCtx};
 use crate::body::RespBody;
@@ -71,11 +72,12 @@ pub struct Ready {
 impl Ready {
     pub fn into_response(
         self,
-        record: RequestRecord,
+        mut record: RequestRecord,
         request_id: &HeaderValue,
         slot: Option<super::AdmissionSlot>,
     ) -> Response<RespBody> {
         let mut head = self.head;
+        record.set_status(head.status);
         head.headers
             .insert(crate::types::REQUEST_ID, request_id.clone());
         Response::from_parts(head, PdBody::new(self.body, record, slot).boxed_unsync())
@@ -99,6 +101,8 @@ pub(super) struct ChosenPair<'s> {
 /// Stage 3's result: both legs on their way.
 pub(super) struct LegsInFlight<D> {
     pub pair: Pair,
+    /// The first bootstrap room of the legs (the access log's).
+    pub room: Option<u64>,
     /// The prefill leg, its lost signal, its abort-on-drop and its load counter.
     pub prefill: PrefillWatch,
     /// The decode leg's answer head, when it comes.
@@ -118,11 +122,18 @@ impl Dispatcher {
         attempt_no: u32,
         exclude_p: &[WorkerId],
         exclude_d: &[WorkerId],
+        trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
         let snap = self.pool.load_full();
         let chosen = self.choose_pair(&snap, req, exclude_p, exclude_d)?;
+        *trace = LegTrace {
+            prefill: Some((chosen.prefill.url.clone(), chosen.pair.prefill.rank)),
+            decode: Some((chosen.decode.url.clone(), chosen.pair.decode.rank)),
+            room: None,
+        };
         self.preflight(&chosen).await?;
         let legs = self.send_legs(req, ctx, attempt_no, &chosen);
+        trace.room = legs.room;
         super::first_byte::wait_first_bytes(self, req, legs).await
     }
 
@@ -300,6 +311,7 @@ impl Dispatcher {
         let (up, conns) = (self.up.clone(), c.decode.conns.clone());
         LegsInFlight {
             pair: c.pair,
+            room: rooms.first().copied(),
             prefill,
             decode: async move { up.send_leg(&conns, &decode_req).await },
             decode_cancel: LegCancel::new(&self.up, &c.decode.url, rid_d),

@@ -71,6 +71,7 @@ where
 {
     let LegsInFlight {
         pair,
+        room: _,
         mut prefill,
         decode,
         mut decode_cancel,

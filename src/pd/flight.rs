@@ -12,11 +12,14 @@
 //!   response ends with one JSON error event and `data: [DONE]`; a non-streamed one is cut.
 //! - The decode body is never buffered: each frame is forwarded when it arrives (an SSE
 //!   stream at event granularity, see [`super::sse`]).
+//! - The request's record rides in the body: a stream's first event relayed is its time to
+//!   first token, each later write one inter-event gap; the request is counted and
+//!   access-logged when the body is dropped ([`super::record`]).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::upstream::LegBody;
 use bytes::Bytes;
@@ -25,12 +28,12 @@ use tokio::sync::watch;
 use tokio::time::Sleep;
 
 use super::legs::{LegCancel, PrefillDone};
-use super::request::ApiRoute;
+use super::record::{self, Outcome, Phase, RequestRecord};
 use super::sse::{Scan, SseScanner};
 use crate::body::BoxError;
 use crate::error::{FailReason, Failure};
 use crate::pool::{LoadGuard, LostEpochs};
-use crate::types::{DpRank, RequestId};
+use crate::types::DpRank;
 
 type LostFuture = Pin<Box<dyn Future<Output = &'static str> + Send>>;
 
@@ -142,68 +145,6 @@ impl Future for PrefillWatch {
     }
 }
 
-/// Outcome accounting for one request: metrics and a log line when it ends.
-pub struct RequestRecord {
-    pub route: ApiRoute,
-    pub request_id: RequestId,
-    pub start: Instant,
-    pub outcome: Option<&'static str>,
-}
-
-impl RequestRecord {
-    pub fn finish(&mut self, outcome: &'static str) {
-        if self.outcome.is_none() {
-            self.outcome = Some(outcome);
-        }
-    }
-}
-
-impl Drop for RequestRecord {
-    fn drop(&mut self) {
-        let outcome = self
-            .outcome
-            .unwrap_or(FailReason::ClientDisconnected.as_str());
-        let secs = self.start.elapsed().as_secs_f64();
-        let h = route_handles(self.route);
-        let route = self.route.label();
-        h.duration.record(secs);
-        if outcome == "ok" {
-            h.ok.increment(1);
-            tracing::debug!(request_id = %self.request_id, route, secs, "request done");
-            return;
-        }
-        metrics::counter!("pdgate_requests_total", "route" => route, "outcome" => outcome)
-            .increment(1);
-        if outcome == FailReason::ClientDisconnected.as_str() {
-            tracing::info!(request_id = %self.request_id, route, secs, "client went away; legs cancelled");
-        }
-    }
-}
-
-/// Metric handles of a route's common outcome, registered once: a labelled `counter!`
-/// call hashes its name and labels (and allocates) on every call. Resolved at the first
-/// request, after the recorder was installed at start.
-struct RouteHandles {
-    ok: metrics::Counter,
-    duration: metrics::Histogram,
-}
-
-fn route_handles(route: ApiRoute) -> &'static RouteHandles {
-    static H: std::sync::OnceLock<[RouteHandles; 3]> = std::sync::OnceLock::new();
-    let all = H.get_or_init(|| {
-        [
-            ApiRoute::Generate,
-            ApiRoute::ChatCompletions,
-            ApiRoute::Completions,
-        ]
-        .map(|r| RouteHandles {
-            ok: metrics::counter!("pdgate_requests_total", "route" => r.label(), "outcome" => "ok"),
-            duration: metrics::histogram!("pdgate_request_duration_seconds", "route" => r.label()),
-        })
-    });
-    &all[route as usize]
-}
-
 /// The client's response body: decode's bytes, watched.
 pub struct PdBody {
     pending: Option<Bytes>,
@@ -277,7 +218,7 @@ impl PdBody {
         if let Some(pw) = self.prefill.take() {
             pw.detach(self.slot.take());
         }
-        self.record.finish("ok");
+        self.record.finish(Outcome::Ok);
         self.sse
             .as_mut()
             .map(SseScanner::finish)
@@ -287,9 +228,9 @@ impl PdBody {
     /// Ends the response with `f`: cancels what still runs, then an SSE error event or a
     /// cut connection.
     fn fail(&mut self, f: Failure, before: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        tracing::warn!(request_id = %self.record.request_id, reason = f.reason.as_str(), error = %f.message, "request failed after streaming began");
-        metrics::counter!("pdgate_request_failures_total", "reason" => f.reason.as_str(), "phase" => "streaming").increment(1);
-        self.record.finish(f.reason.as_str());
+        tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "request failed after streaming began");
+        record::failed(f.reason, Phase::Streaming);
+        self.record.fail(f.reason);
         if let Some(role) = f.reason.leg() {
             let id = match role {
                 crate::types::Role::Prefill => self.passive.prefill,
@@ -340,6 +281,9 @@ impl Body for PdBody {
             return Poll::Ready(None);
         }
         if let Some(b) = this.pending.take() {
+            if this.sse.is_some() {
+                this.record.event_sent(tokio::time::Instant::now());
+            }
             // The whole answer may have come with the first bytes (a non-streamed answer
             // with a Content-Length, after which hyper stops polling this body).
             let b = if this.decode.as_ref().is_some_and(Body::is_end_stream) {
@@ -366,7 +310,8 @@ impl Body for PdBody {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    this.last_data = tokio::time::Instant::now();
+                    let now = tokio::time::Instant::now();
+                    this.last_data = now;
                     let out = match this.sse.as_mut() {
                         None => data,
                         Some(sse) => match sse.push(data) {
@@ -392,6 +337,9 @@ impl Body for PdBody {
                             return Poll::Ready(None);
                         }
                         continue;
+                    }
+                    if this.sse.is_some() {
+                        this.record.event_sent(now);
                     }
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }

@@ -18,13 +18,13 @@ mod first_byte;
 pub mod flight;
 pub mod legs;
 pub mod logprobs;
+pub mod record;
 pub mod request;
 pub mod room;
 pub mod sse;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use http::{HeaderValue, Response};
 use rand::{RngCore, SeedableRng};
@@ -36,7 +36,7 @@ use crate::policy::{self, Policy};
 use crate::pool::Pool;
 use crate::types::{RequestId, Role, WorkerId};
 use crate::upstream::Upstream;
-use flight::RequestRecord;
+use record::{Phase, RequestRecord};
 use request::ParsedRequest;
 
 /// Where randomness comes from: the OS-seeded thread CSPRNG in production, or a seeded
@@ -108,6 +108,9 @@ pub struct ReqCtx {
     /// Held by the response body (or a prefill leg left running after it); an error
     /// answered before the first byte releases it when the dispatch returns.
     pub slot: Option<AdmissionSlot>,
+    /// The id of the client's API key, when client keys are configured (the access log's
+    /// `key_id`).
+    pub key_id: Option<Arc<str>>,
 }
 
 /// Everything the request path needs. Immutable: a config reload builds a new one with
@@ -173,14 +176,18 @@ impl Dispatcher {
     }
 
     /// Runs a parsed request to its response: retries before the first byte, errors mapped
-    /// once by [`Failure::into_response`].
-    pub async fn dispatch(&self, req: ParsedRequest, mut ctx: ReqCtx) -> Response<RespBody> {
-        let mut record = RequestRecord {
-            route: req.route,
-            request_id: ctx.id,
-            start: Instant::now(),
-            outcome: None,
-        };
+    /// once by [`Failure::into_response`]. `record` (the request's account since it
+    /// arrived) ends up on the response's body.
+    pub async fn dispatch(
+        &self,
+        req: ParsedRequest,
+        mut ctx: ReqCtx,
+        mut record: RequestRecord,
+    ) -> Response<RespBody> {
+        record.set_stream(req.stream);
+        if record.key_id.is_none() {
+            record.key_id = ctx.key_id.clone();
+        }
         if !req.replaced.is_empty() {
             tracing::info!(request_id = %ctx.id, fields = ?req.replaced, "client-supplied PD fields replaced by pdgate's own");
         }
@@ -190,7 +197,9 @@ impl Dispatcher {
         let mut exclude_d: Vec<WorkerId> = Vec::new();
         let mut attempt_no = 0u32;
         let failure = loop {
-            let fut = self.attempt(&req, &ctx, attempt_no, &exclude_p, &exclude_d);
+            record.set_attempts(attempt_no + 1);
+            let trace = &mut record.legs;
+            let fut = self.attempt(&req, &ctx, attempt_no, &exclude_p, &exclude_d, trace);
             let res = match tokio::time::timeout_at(deadline, fut).await {
                 Ok(r) => r,
                 Err(_) => Err(attempt::AttemptFailure {
@@ -214,7 +223,7 @@ impl Dispatcher {
                 }
                 Err(af) => {
                     let f = &af.failure;
-                    metrics::counter!("pdgate_request_failures_total", "reason" => f.reason.as_str(), "phase" => "before_first_byte").increment(1);
+                    record::failed(f.reason, Phase::BeforeFirstByte);
                     tracing::warn!(request_id = %ctx.id, attempt = attempt_no, reason = f.reason.as_str(), error = %f.message, "attempt failed");
                     // A keep-alive race (the engine closed the leg's pooled connection just
                     // as it was sent) is nobody's fault: no breaker count, no exclusion.
@@ -232,8 +241,7 @@ impl Dispatcher {
                         && attempt_no < self.cfg.retry.max_retries
                         && self.has_alternative(&exclude_p, &exclude_d);
                     if can_retry && self.budget.try_withdraw() {
-                        metrics::counter!("pdgate_retries_total", "reason" => f.reason.as_str())
-                            .increment(1);
+                        record::retried(f.reason);
                         attempt_no += 1;
                         continue;
                     }
@@ -241,8 +249,8 @@ impl Dispatcher {
                 }
             }
         };
-        record.finish(failure.reason.as_str());
-        failure.into_response(Some(&ctx.request_id))
+        record.fail(failure.reason);
+        record.answer(failure.into_response(Some(&ctx.request_id)))
     }
 
     /// Whether both pools still have a routable target outside the excluded workers.

@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use crate::config::BreakerConfig;
 use crate::error::FailReason;
+use crate::telemetry;
 use crate::types::{Role, WorkerId};
 
 use super::Pool;
@@ -171,7 +172,8 @@ impl Pool {
                     self.open(role, id, &b, cfg, 0, reason);
                 } else {
                     tracing::warn!(role = %role, worker = %id, "breaker would open but the ejection cap is reached");
-                    metrics::counter!("pdgate_breaker_ejection_capped_total", "role" => role.as_str()).increment(1);
+                    metrics::counter!(telemetry::BREAKER_EJECTION_CAPPED, "role" => role.as_str())
+                        .increment(1);
                 }
             }
             _ => {}
@@ -231,7 +233,7 @@ impl Pool {
             b.consecutive.store(0, Ordering::Relaxed);
         }
         tracing::info!(role = %role, worker = %id, from = from.label(), to = to.label(), "circuit breaker");
-        metrics::counter!("pdgate_breaker_transitions_total", "role" => role.as_str(), "to" => to.label()).increment(1);
+        metrics::counter!(telemetry::BREAKER_TRANSITIONS, "role" => role.as_str(), "to" => to.label()).increment(1);
         // Rebuild the snapshot so routability follows the new state.
         self.update_worker(role, id, |_| {});
     }

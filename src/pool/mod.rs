@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 pub mod breaker;
 pub mod mismatch;
+mod series;
 
 pub use breaker::{Breaker, BreakerState, TrialGuard};
 use tokio::sync::watch;

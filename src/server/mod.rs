@@ -24,7 +24,7 @@ use tokio::sync::watch;
 
 use crate::pd::Dispatcher;
 
-pub use routes::{prometheus, App};
+pub use routes::App;
 
 pub use crate::types::REQUEST_ID;
 

@@ -1,9 +1,13 @@
 //! Routing and the checks every request passes before it is dispatched: method, content
 //! type, body size, request id. Errors become responses only through
 //! [`Failure::into_response`].
+//!
+//! Every request gets its [`RequestRecord`] as soon as it is routed; whatever answers it
+//! (a rejection here, the dispatcher, a GET endpoint) hands the record to the response body,
+//! which accounts for the request when it ends.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
@@ -12,39 +16,16 @@ use futures_util::FutureExt;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admission::Admission;
 use crate::body::{full_body, RespBody};
 use crate::config::Config;
 use crate::error::{FailReason, Failure};
+use crate::pd::record::{RequestRecord, Route};
 use crate::pd::request::{self, ApiRoute};
 use crate::pd::{Dispatcher, ReqCtx};
 use crate::types::REQUEST_ID;
 use crate::types::{RequestId, Role};
-
-static PROMETHEUS: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
-
-/// Installs the process-wide Prometheus recorder once (later calls reuse it).
-pub fn prometheus() -> Option<&'static PrometheusHandle> {
-    PROMETHEUS
-        .get_or_init(|| {
-            let b = metrics_exporter_prometheus::PrometheusBuilder::new()
-                .set_buckets(&[
-                    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                    300.0,
-                ])
-                .ok()?;
-            match b.install_recorder() {
-                Ok(h) => Some(h),
-                Err(e) => {
-                    tracing::warn!(error = %e, "metrics recorder not installed");
-                    None
-                }
-            }
-        })
-        .as_ref()
-}
 
 /// Headers forwarded to engines as they are.
 static FORWARD: [HeaderName; 2] = [
@@ -66,6 +47,24 @@ enum Endpoint {
     Health,
     Readiness,
     Metrics,
+}
+
+impl Endpoint {
+    fn route(&self) -> Route {
+        match self {
+            Endpoint::Pd(r) => Route::Api(*r),
+            Endpoint::Models => Route::Other("models"),
+            Endpoint::Health => Route::Other("health"),
+            Endpoint::Readiness => Route::Other("readiness"),
+            Endpoint::Metrics => Route::Other("metrics"),
+        }
+    }
+}
+
+/// A request answered with `f`, accounted for in `rec`.
+fn reject(mut rec: RequestRecord, f: Failure, rid: &HeaderValue) -> Response<RespBody> {
+    rec.fail(f.reason);
+    rec.answer(f.into_response(Some(rid)))
 }
 
 fn route(path: &str) -> Option<(Endpoint, &'static [Method])> {
@@ -177,19 +176,22 @@ impl App {
             .unwrap_or_else(|| {
                 HeaderValue::from_str(id.as_str()).unwrap_or_else(|_| HeaderValue::from_static("-"))
             });
+        let access = self.dispatcher.load().cfg.log.access;
         let Some((ep, methods)) = route(req.uri().path()) else {
-            return Failure::new(
+            let rec = RequestRecord::new(id, Route::Other("unmatched"), &rid_header, access);
+            let f = Failure::new(
                 FailReason::NotFound,
                 format!("no route for {}", req.uri().path()),
-            )
-            .into_response(Some(&rid_header));
+            );
+            return reject(rec, f, &rid_header);
         };
+        let rec = RequestRecord::new(id, ep.route(), &rid_header, access);
         if !methods.contains(req.method()) {
-            let mut r = Failure::new(
+            let f = Failure::new(
                 FailReason::MethodNotAllowed,
                 format!("{} is not allowed on {}", req.method(), req.uri().path()),
-            )
-            .into_response(Some(&rid_header));
+            );
+            let mut r = reject(rec, f, &rid_header);
             let allow = methods
                 .iter()
                 .map(Method::as_str)
@@ -204,27 +206,31 @@ impl App {
             Endpoint::Pd(route) => {
                 let slot = match self.admission.admit().await {
                     Ok(s) => s,
-                    Err(f) => {
-                        metrics::counter!("pdgate_requests_total", "route" => route.label(), "outcome" => f.reason.as_str()).increment(1);
-                        return f.into_response(Some(&rid_header));
-                    }
+                    Err(f) => return reject(rec, f, &rid_header),
                 };
                 // The slot goes with the request: its response body (or a prefill leg still
                 // running after it) releases it.
-                self.pd(route, req, id, rid_header, Some(slot)).await
+                self.pd(route, req, rid_header, Some(slot), rec).await
             }
-            Endpoint::Health => json_response(StatusCode::OK, r#"{"status":"ok"}"#, &rid_header),
-            Endpoint::Readiness => self.readiness(&rid_header),
+            Endpoint::Health => rec.answer(json_response(
+                StatusCode::OK,
+                r#"{"status":"ok"}"#,
+                &rid_header,
+            )),
+            Endpoint::Readiness => rec.answer(self.readiness(&rid_header)),
             Endpoint::Metrics => {
-                let text = prometheus().map(|h| h.render()).unwrap_or_default();
+                let text = crate::telemetry::render(&*self.dispatcher.load().pool);
                 let mut r = Response::new(full_body(text));
                 r.headers_mut().insert(
                     header::CONTENT_TYPE,
-                    HeaderValue::from_static("text/plain; version=0.0.4"),
+                    HeaderValue::from_static(crate::telemetry::CONTENT_TYPE),
                 );
-                r
+                rec.answer(r)
             }
-            Endpoint::Models => self.models(&rid_header).await,
+            Endpoint::Models => match self.models(&rid_header).await {
+                Ok(r) => rec.answer(r),
+                Err(f) => reject(rec, f, &rid_header),
+            },
         }
     }
 
@@ -232,9 +238,9 @@ impl App {
         &self,
         route: ApiRoute,
         req: Request<Incoming>,
-        id: RequestId,
         rid_header: HeaderValue,
         slot: Option<crate::pd::AdmissionSlot>,
+        rec: RequestRecord,
     ) -> Response<RespBody> {
         let (parts, body) = req.into_parts();
         if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
@@ -249,20 +255,20 @@ impl App {
                     || (mime.starts_with("application/") && mime.ends_with("+json"))
             });
             if !ok {
-                return Failure::new(
+                let f = Failure::new(
                     FailReason::UnsupportedMediaType,
                     "content type must be application/json",
-                )
-                .into_response(Some(&rid_header));
+                );
+                return reject(rec, f, &rid_header);
             }
         }
         let limit = self.dispatcher.load().cfg.server.max_body_bytes;
-        let too_large = || {
+        let too_large = |rec| {
             let f = Failure::new(
                 FailReason::PayloadTooLarge,
                 format!("request body is larger than {limit} bytes"),
             );
-            closing(f.into_response(Some(&rid_header)))
+            closing(reject(rec, f, &rid_header))
         };
         let declared = parts
             .headers
@@ -270,7 +276,7 @@ impl App {
             .and_then(|v| v.to_str().ok())
             .and_then(|s| s.parse::<u64>().ok());
         if declared.is_some_and(|n| n > limit as u64) {
-            return too_large();
+            return too_large(rec);
         }
         // A body that came with its head (the usual case) is read at once, with no timer;
         // only a body still on its way is given `body_read_timeout`.
@@ -290,37 +296,35 @@ impl App {
                                 within.as_secs()
                             ),
                         );
-                        return closing(f.into_response(Some(&rid_header)));
+                        return closing(reject(rec, f, &rid_header));
                     }
                 }
             }
         };
         let bytes = match read {
             Ok(b) => b,
-            Err(None) => return too_large(),
+            Err(None) => return too_large(rec),
             Err(Some(e)) => {
-                return Failure::new(
+                let f = Failure::new(
                     FailReason::InvalidRequest,
                     format!("could not read the request body: {e}"),
-                )
-                .into_response(Some(&rid_header))
+                );
+                return reject(rec, f, &rid_header);
             }
         };
         let parsed = match request::parse(route, bytes) {
             Ok(p) => p,
-            Err(f) => {
-                metrics::counter!("pdgate_requests_total", "route" => route.label(), "outcome" => f.reason.as_str()).increment(1);
-                return f.into_response(Some(&rid_header));
-            }
+            Err(f) => return reject(rec, f, &rid_header),
         };
         let forward = self.forward_headers(&parts.headers, &rid_header);
         let ctx = ReqCtx {
-            id,
+            id: rec.id(),
             request_id: rid_header,
             forward,
             slot,
+            key_id: None,
         };
-        self.dispatcher.load_full().dispatch(parsed, ctx).await
+        self.dispatcher.load_full().dispatch(parsed, ctx, rec).await
     }
 
     /// The allow-listed headers both legs carry, as `name: value\r\n` lines.
@@ -382,7 +386,7 @@ impl App {
     }
 
     /// `/v1/models` from a healthy worker (decode first: it serves the tokens).
-    async fn models(&self, rid: &HeaderValue) -> Response<RespBody> {
+    async fn models(&self, rid: &HeaderValue) -> Result<Response<RespBody>, Failure> {
         let d = self.dispatcher.load_full();
         let snap = d.pool.load_full();
         let timeout = d.cfg.bootstrap.http_timeout();
@@ -393,7 +397,9 @@ impl App {
             .filter(|w| w.healthy);
         for w in candidates {
             match d.up.get(&w.url, "/v1/models", timeout).await {
-                Ok((s, body)) if s.is_success() => return json_response(StatusCode::OK, body, rid),
+                Ok((s, body)) if s.is_success() => {
+                    return Ok(json_response(StatusCode::OK, body, rid))
+                }
                 Ok((s, _)) => {
                     tracing::debug!(worker = %w.url, status = s.as_u16(), "/v1/models failed")
                 }
@@ -409,6 +415,9 @@ impl App {
         } else {
             FailReason::NoDecodeAvailable
         };
-        Failure::new(reason, "no healthy worker answered /v1/models").into_response(Some(rid))
+        Err(Failure::new(
+            reason,
+            "no healthy worker answered /v1/models",
+        ))
     }
 }

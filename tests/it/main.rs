@@ -4,6 +4,7 @@
 
 mod support;
 
+mod access_log;
 mod bootstrap_tracking;
 mod breaker_trials;
 mod chaos;
@@ -20,6 +21,7 @@ mod health_flags;
 mod interop_bootstrap;
 mod interop_uvicorn;
 mod manifests;
+mod metrics;
 mod policies;
 mod preflight;
 mod reload;

@@ -138,7 +138,7 @@ async fn an_invalid_config_changes_nothing_and_is_counted() {
     }
     let (status, _, _) = env.post("/generate", GEN).await;
     assert_eq!(status, 200);
-    let text = pdgate::server::prometheus().expect("recorder").render();
+    let text = pdgate::telemetry::render(&*env.router.pool);
     let line = text
         .lines()
         .find(|l| l.starts_with("pdgate_config_reloads_total{result=\"error\"}"))

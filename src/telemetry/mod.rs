@@ -1,0 +1,348 @@
+//! What pdgate tells an operator: every metric series it exports (name, type, unit, labels,
+//! help text, histogram buckets) in one table, the process-wide Prometheus recorder, the
+//! `/metrics` text, and the access log's line format ([`access`]).
+//!
+//! A leaf: it imports nothing of the crate, so every layer (the engine clients, the pool,
+//! admission, the request path, the front door) can name its series from here.
+//!
+//! Two kinds of series, one exposition:
+//! - *recorded* series go through the `metrics` crate (counters, histograms and the
+//!   admission gauges), with handles cached by their callers: the request path never builds
+//!   a labelled key per request;
+//! - *derived* series (per worker, per DP rank) are read from the pool's snapshot when
+//!   `/metrics` is rendered ([`Source`]): in-flight counters are the pool's own atomics, so a
+//!   request touches no gauge, and a worker that leaves the pool leaves the exposition at
+//!   the next scrape (the Prometheus recorder cannot unregister a series; these never enter
+//!   it).
+//!
+//! Invariants: every series pdgate exports is in [`SERIES`] and described once at start
+//! ([`install`]); a derived series never has the name of a recorded one (each family
+//! appears once in the text).
+
+pub mod access;
+mod exposition;
+
+use std::sync::OnceLock;
+
+use metrics::Unit;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+pub use exposition::{Exposition, Source};
+
+/// The kind of a series.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// Where a series' values come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// The `metrics` recorder (moved as things happen).
+    Recorded,
+    /// The pool's snapshot, read when `/metrics` is rendered.
+    Derived,
+}
+
+/// One series: everything the exposition, the README table and the dashboard test read.
+#[derive(Clone, Copy, Debug)]
+pub struct Series {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub unit: Unit,
+    pub labels: &'static [&'static str],
+    pub help: &'static str,
+    pub origin: Origin,
+    /// Histogram buckets (upper bounds, seconds).
+    pub buckets: &'static [f64],
+}
+
+/// Request durations and time to first token: 10 ms to 10 min (an LLM answer can take
+/// minutes; a rejected request takes microseconds and lands in the first bucket).
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+
+/// Time between streamed events: decode's inter-token latency is typically 5–100 ms.
+pub const INTER_EVENT_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Any other histogram (none today): the recorder renders histograms, never summaries.
+const DEFAULT_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+// Recorded series.
+pub const REQUESTS: &str = "pdgate_requests_total";
+pub const REQUEST_DURATION: &str = "pdgate_request_duration_seconds";
+pub const TIME_TO_FIRST_TOKEN: &str = "pdgate_time_to_first_token_seconds";
+pub const INTER_EVENT: &str = "pdgate_stream_inter_event_seconds";
+pub const REQUEST_FAILURES: &str = "pdgate_request_failures_total";
+pub const RETRIES: &str = "pdgate_retries_total";
+pub const IN_FLIGHT: &str = "pdgate_in_flight_requests";
+pub const ADMISSION_QUEUE: &str = "pdgate_admission_queue";
+pub const ADMISSION_REJECTED: &str = "pdgate_admission_rejected_total";
+pub const OPEN_CONNECTIONS: &str = "pdgate_open_connections";
+pub const CONNECTIONS_REJECTED: &str = "pdgate_connections_rejected_total";
+pub const STALE_RETRIES: &str = "pdgate_upstream_stale_retries_total";
+pub const LEG_ABORTS: &str = "pdgate_leg_aborts_total";
+pub const LAYOUT_MISMATCHES: &str = "pdgate_layout_mismatches";
+pub const BREAKER_TRANSITIONS: &str = "pdgate_breaker_transitions_total";
+pub const BREAKER_EJECTION_CAPPED: &str = "pdgate_breaker_ejection_capped_total";
+pub const PREFLIGHT_CHECKS: &str = "pdgate_preflight_checks_total";
+pub const BOOTSTRAP_RANK_TRANSITIONS: &str = "pdgate_bootstrap_rank_transitions_total";
+pub const BOOTSTRAP_HEARTBEAT_LOST: &str = "pdgate_bootstrap_heartbeat_lost_total";
+pub const CONFIG_RELOADS: &str = "pdgate_config_reloads_total";
+pub const CONFIG_LAST_RELOAD: &str = "pdgate_config_last_reload_success_timestamp_seconds";
+pub const BUILD_INFO: &str = "pdgate_build_info";
+
+// Derived series (read from the pool at scrape time).
+pub const WORKER_HEALTHY: &str = "pdgate_worker_healthy";
+pub const WORKER_IN_FLIGHT: &str = "pdgate_worker_in_flight_requests";
+pub const WORKER_BREAKER_STATE: &str = "pdgate_worker_breaker_state";
+pub const BOOTSTRAP_RANK_STATE: &str = "pdgate_bootstrap_rank_state";
+pub const ROUTABLE_RANKS: &str = "pdgate_routable_ranks";
+
+const fn s(
+    name: &'static str,
+    kind: Kind,
+    unit: Unit,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> Series {
+    Series {
+        name,
+        kind,
+        unit,
+        labels,
+        help,
+        origin: Origin::Recorded,
+        buckets: &[],
+    }
+}
+
+const fn histogram(
+    name: &'static str,
+    labels: &'static [&'static str],
+    buckets: &'static [f64],
+    help: &'static str,
+) -> Series {
+    Series {
+        buckets,
+        ..s(name, Kind::Histogram, Unit::Seconds, labels, help)
+    }
+}
+
+const fn derived(
+    name: &'static str,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> Series {
+    Series {
+        origin: Origin::Derived,
+        ..s(name, Kind::Gauge, Unit::Count, labels, help)
+    }
+}
+
+use Kind::{Counter as C, Gauge as G};
+
+/// Every series pdgate exports.
+pub static SERIES: &[Series] = &[
+    s(REQUESTS, C, Unit::Count, &["route", "outcome"],
+        "PD requests by route and outcome (ok, or the failure reason: the error type clients see), counted when the response ends."),
+    histogram(REQUEST_DURATION, &["route", "outcome"], LATENCY_BUCKETS,
+        "Time from a PD request's arrival to the end of its response body (the whole stream for a stream), by route and outcome."),
+    histogram(TIME_TO_FIRST_TOKEN, &["route"], LATENCY_BUCKETS,
+        "Streams: time from the request's arrival to its first event relayed to the client (decode's first token)."),
+    histogram(INTER_EVENT, &["route"], INTER_EVENT_BUCKETS,
+        "Streams: time between consecutive writes of SSE events to the client (events that arrive together are written together)."),
+    s(REQUEST_FAILURES, C, Unit::Count, &["reason", "phase"],
+        "Failures by reason: phase=before_first_byte counts failed attempts (retried when possible), phase=streaming streams that failed after the client saw bytes."),
+    s(RETRIES, C, Unit::Count, &["reason"],
+        "Attempts retried with a fresh pair, by the reason the previous attempt failed."),
+    s(IN_FLIGHT, G, Unit::Count, &[],
+        "PD requests admitted whose response has not ended (including prefill legs still answering after it)."),
+    s(ADMISSION_QUEUE, G, Unit::Count, &[],
+        "PD requests waiting for an admission slot (admission.max_in_flight reached)."),
+    s(ADMISSION_REJECTED, C, Unit::Count, &["reason"],
+        "PD requests shed by admission: queue_full (429) or queue_timeout (503)."),
+    s(OPEN_CONNECTIONS, G, Unit::Count, &[],
+        "Client connections open on the front door."),
+    s(CONNECTIONS_REJECTED, C, Unit::Count, &[],
+        "Client connections answered 503 and closed because server.max_connections were open."),
+    s(STALE_RETRIES, C, Unit::Count, &[],
+        "Legs re-sent on a new connection because the engine had closed the kept-alive one before reading them."),
+    s(LEG_ABORTS, C, Unit::Count, &[],
+        "abort_request calls sent to engines for cancelled legs."),
+    s(LAYOUT_MISMATCHES, G, Unit::Count, &[],
+        "Prefill/decode pairs whose engines disagree on page size or KV dtype (see the log)."),
+    s(BREAKER_TRANSITIONS, C, Unit::Count, &["role", "to"],
+        "Circuit breaker transitions, by role and new state (closed, open, half_open)."),
+    s(BREAKER_EJECTION_CAPPED, C, Unit::Count, &["role"],
+        "Breakers that would have opened but were kept closed by breaker.max_ejection_ratio."),
+    s(PREFLIGHT_CHECKS, C, Unit::Count, &["ok"],
+        "Request-path re-checks of a prefill rank whose bootstrap view was stale, by result."),
+    s(BOOTSTRAP_RANK_TRANSITIONS, C, Unit::Count, &["to"],
+        "Bootstrap state changes of (prefill, DP rank)s, by new state (unknown, bootstrapping, ready, failed)."),
+    s(BOOTSTRAP_HEARTBEAT_LOST, C, Unit::Count, &[],
+        "Times a prefill's bootstrap server missed heartbeat_max_failures heartbeats in a row (its requests in flight are failed)."),
+    s(CONFIG_RELOADS, C, Unit::Count, &["result"],
+        "Config reloads, by result (ok, error)."),
+    s(CONFIG_LAST_RELOAD, G, Unit::Seconds, &[],
+        "Unix time of the last successful config load (start or reload)."),
+    s(BUILD_INFO, G, Unit::Count, &["version"],
+        "Always 1; the version label is pdgate's."),
+    derived(WORKER_HEALTHY, &["role", "worker"],
+        "1 when the worker passes its active health checks, else 0."),
+    derived(WORKER_IN_FLIGHT, &["role", "worker", "rank"],
+        "Legs pdgate has in flight on a worker's DP rank (what the policies balance; sum by worker for the worker's total)."),
+    derived(WORKER_BREAKER_STATE, &["role", "worker", "state"],
+        "1 for the circuit breaker's current state (closed, open, half_open) of each worker, else 0."),
+    derived(BOOTSTRAP_RANK_STATE, &["prefill", "rank", "state"],
+        "1 for the current bootstrap state (unknown, bootstrapping, ready, failed) of each (prefill, DP rank), else 0."),
+    derived(ROUTABLE_RANKS, &["role"],
+        "(worker, DP rank)s that can take a leg now: healthy, breaker not open and, for a prefill, bootstrap ready."),
+];
+
+/// The table entry of `name`.
+pub fn series(name: &str) -> Option<&'static Series> {
+    SERIES.iter().find(|s| s.name == name)
+}
+
+static RECORDER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the process-wide Prometheus recorder once (later calls return the same handle)
+/// and describes every series. `None` when another recorder was installed first (a program
+/// embedding pdgate with its own): pdgate's series then go there.
+pub fn install() -> Option<&'static PrometheusHandle> {
+    RECORDER
+        .get_or_init(|| {
+            let mut b = PrometheusBuilder::new().set_buckets(DEFAULT_BUCKETS).ok()?;
+            for s in SERIES.iter().filter(|s| s.kind == Kind::Histogram) {
+                b = b
+                    .set_buckets_for_metric(Matcher::Full(s.name.to_string()), s.buckets)
+                    .ok()?;
+            }
+            let handle = match b.install_recorder() {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics recorder not installed");
+                    return None;
+                }
+            };
+            describe();
+            metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+            // Both results exist from the start, so `increase(...{result="error"}[5m])`
+            // has a series to read before the first reload.
+            for result in ["ok", "error"] {
+                metrics::counter!(CONFIG_RELOADS, "result" => result).absolute(0);
+            }
+            Some(handle)
+        })
+        .as_ref()
+}
+
+fn describe() {
+    for s in SERIES {
+        match s.kind {
+            Kind::Counter => metrics::describe_counter!(s.name, s.unit, s.help),
+            Kind::Gauge => metrics::describe_gauge!(s.name, s.unit, s.help),
+            Kind::Histogram => metrics::describe_histogram!(s.name, s.unit, s.help),
+        }
+    }
+}
+
+/// Folds recorded histogram samples into their buckets (run on a timer, so memory stays
+/// flat when nobody scrapes).
+pub fn upkeep() {
+    if let Some(h) = install() {
+        h.run_upkeep();
+    }
+}
+
+/// The `/metrics` text: the recorded series, then those `source` derives (the pool).
+pub fn render(source: &dyn Source) -> String {
+    let recorded = install().map(PrometheusHandle::render).unwrap_or_default();
+    let mut ex = Exposition::new(recorded);
+    source.write_series(&mut ex);
+    ex.into_text()
+}
+
+/// Only the series `source` derives (no recorder).
+pub fn render_derived(source: &dyn Source) -> String {
+    let mut ex = Exposition::new(String::new());
+    source.write_series(&mut ex);
+    ex.into_text()
+}
+
+/// The content type of [`render`]'s text.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// A config was applied (at start, or by a good reload): stamps
+/// `pdgate_config_last_reload_success_timestamp_seconds`.
+pub fn config_loaded() {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    metrics::gauge!(CONFIG_LAST_RELOAD).set(now);
+}
+
+/// A config reload ended: counted by result (`ok`, `error`); a good one also stamps the
+/// last-success time ([`config_loaded`]).
+pub fn config_reloaded(ok: bool) {
+    let result = if ok { "ok" } else { "error" };
+    metrics::counter!(CONFIG_RELOADS, "result" => result).increment(1);
+    if ok {
+        config_loaded();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_is_sound() {
+        let mut names: Vec<&str> = SERIES.iter().map(|s| s.name).collect();
+        names.sort_unstable();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "a name appears twice");
+        for s in SERIES {
+            assert!(s.name.starts_with("pdgate_"), "{}", s.name);
+            assert!(!s.help.is_empty(), "{}", s.name);
+            assert_eq!(
+                s.kind == Kind::Counter,
+                s.name.ends_with("_total"),
+                "{}",
+                s.name
+            );
+            assert_eq!(
+                s.kind == Kind::Histogram,
+                !s.buckets.is_empty(),
+                "{}",
+                s.name
+            );
+            assert!(s.buckets.windows(2).all(|w| w[0] < w[1]), "{}", s.name);
+            if s.origin == Origin::Derived {
+                assert_eq!(s.kind, Kind::Gauge, "{}", s.name);
+            }
+        }
+        assert_eq!(LATENCY_BUCKETS.first(), Some(&0.01));
+        assert_eq!(LATENCY_BUCKETS.last(), Some(&600.0));
+    }
+}

@@ -1,0 +1,521 @@
+//! `/metrics` as an on-call engineer reads it: requests (streamed, not, failed, retried)
+//! through a router in front of simulated engines, then the scrape: the expected series with
+//! sane values, per-worker and per-rank series from the pool, and `promtool check metrics`
+//! on the text. Also: the dashboard names only series pdgate exports, and every series
+//! named in the source is in the telemetry table.
+//!
+//! The recorded series are process-wide (every router of this test binary shares the
+//! recorder), so their checks are lower bounds; the series derived from the pool are this
+//! router's own, so theirs are exact.
+
+use crate::support::common::{sse_events, start, with_faults, Env, GEN, GEN_STREAM};
+use crate::support::interop::{manifest, skip_or_fail};
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use pdgate::telemetry::{self, Kind, SERIES};
+use pdgate_sim::{EngineConfig, Faults};
+
+/// One sample of the text format.
+#[derive(Debug)]
+struct Sample {
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+fn parse(text: &str) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let (series, value) = line.rsplit_once(' ').expect("a sample line");
+        let value = value.parse().unwrap_or_else(|_| panic!("value of {line}"));
+        let (name, labels) = match series.split_once('{') {
+            None => (series.to_string(), BTreeMap::new()),
+            Some((name, rest)) => {
+                let body = rest.strip_suffix('}').expect("closing brace");
+                let mut labels = BTreeMap::new();
+                // Label values here hold no `",` (URLs, words, numbers).
+                for pair in body.split("\",").filter(|p| !p.is_empty()) {
+                    let (k, v) = pair.split_once("=\"").expect("k=\"v\"");
+                    labels.insert(k.to_string(), v.trim_end_matches('"').to_string());
+                }
+                (name.to_string(), labels)
+            }
+        };
+        out.push(Sample {
+            name,
+            labels,
+            value,
+        });
+    }
+    out
+}
+
+/// The value of the one sample named `name` whose labels include `with`.
+fn value(samples: &[Sample], name: &str, with: &[(&str, &str)]) -> Option<f64> {
+    let found: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.name == name)
+        .filter(|s| {
+            with.iter()
+                .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|s| s.value)
+        .collect();
+    assert!(found.len() <= 1, "{name} {with:?} matches {found:?}");
+    found.first().copied()
+}
+
+fn must(samples: &[Sample], name: &str, with: &[(&str, &str)]) -> f64 {
+    value(samples, name, with).unwrap_or_else(|| panic!("no sample {name} {with:?}"))
+}
+
+async fn scrape(env: &Env) -> String {
+    let resp = env.send("GET", "/metrics", &[], "").await;
+    assert_eq!(resp.status(), 200);
+    let ct = resp.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(ct.starts_with("text/plain; version=0.0.4"), "{ct}");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(body.to_vec()).unwrap()
+}
+
+/// `promtool check metrics` on `text`: no format error, no lint problem. Skipped (loudly)
+/// when promtool is not installed, unless `CI` is set (`apt-get install -y prometheus`).
+fn promtool_check(test: &str, text: &str) {
+    let child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let why = "promtool is not installed (apt-get install -y prometheus)";
+            return skip_or_fail(test, why).unwrap_or(());
+        }
+        Err(e) => panic!("promtool: {e}"),
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics: {said}\n--- the text:\n{text}"
+    );
+}
+
+/// Every family in `text` is in the table, with its type and a HELP line.
+fn families_are_described(text: &str) {
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            let s = telemetry::series(name).unwrap_or_else(|| panic!("{name} not in the table"));
+            assert_eq!(s.kind.as_str(), kind, "{name}");
+            assert!(
+                text.contains(&format!("# HELP {name} ")),
+                "{name} has no HELP"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_on_call_scrape() {
+    // Round robin sends one of the first two requests to the failing decode: retried.
+    let bad = with_faults(
+        EngineConfig::decode(1),
+        Faults {
+            decode_status: Some(500),
+            ..Faults::default()
+        },
+    );
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![bad, EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(2, 2).await;
+    for body in [GEN, GEN, GEN_STREAM, GEN_STREAM] {
+        let (st, _, bytes) = env.post("/generate", body).await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+    }
+    let chat =
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":3,"stream":true}"#;
+    let (st, _, bytes) = env.post("/v1/chat/completions", chat).await;
+    assert_eq!(st, 200);
+    let (events, done) = sse_events(&bytes);
+    assert!(done && events.len() >= 3, "{events:?}");
+    // Rejected before dispatch.
+    let (st, _, _) = env.post("/generate", "{not json").await;
+    assert_eq!(st, 400);
+    env.settled_stats().await;
+
+    let p = env.cluster.prefills[0].url();
+    let (d_bad, d_good) = (env.cluster.decodes[0].url(), env.cluster.decodes[1].url());
+    // Legs still held (a prefill answering after its decode) are let go first.
+    let text = scrape_until(&env, "no leg in flight at rest", |s| {
+        [
+            ("prefill", &p, 2),
+            ("decode", &d_bad, 1),
+            ("decode", &d_good, 1),
+        ]
+        .iter()
+        .all(|(role, w, ranks)| {
+            (0..*ranks).all(|r| {
+                let r = r.to_string();
+                let at = [
+                    ("role", *role),
+                    ("worker", w.as_str()),
+                    ("rank", r.as_str()),
+                ];
+                value(s, "pdgate_worker_in_flight_requests", &at) == Some(0.0)
+            })
+        })
+    })
+    .await;
+    let s = parse(&text);
+
+    // Requests by route and outcome; their durations in 10 ms .. 10 min buckets.
+    let ok = [("route", "generate"), ("outcome", "ok")];
+    assert!(must(&s, "pdgate_requests_total", &ok) >= 4.0);
+    let bad_json = [("route", "generate"), ("outcome", "invalid_request")];
+    assert!(must(&s, "pdgate_requests_total", &bad_json) >= 1.0);
+    let chat_ok = [("route", "chat_completions"), ("outcome", "ok")];
+    assert!(must(&s, "pdgate_requests_total", &chat_ok) >= 1.0);
+    let count = must(&s, "pdgate_request_duration_seconds_count", &ok);
+    assert!(count >= 4.0);
+    for (le, at_least) in [("0.01", 0.0), ("600", count), ("+Inf", count)] {
+        let b = [ok[0], ok[1], ("le", le)];
+        let v = must(&s, "pdgate_request_duration_seconds_bucket", &b);
+        assert!(v >= at_least && v <= count, "le={le}: {v} of {count}");
+    }
+    assert!(must(&s, "pdgate_request_duration_seconds_sum", &ok) > 0.0);
+    // Streams: time to first token, and the gaps between events (finer buckets).
+    let gen = [("route", "generate")];
+    assert!(must(&s, "pdgate_time_to_first_token_seconds_count", &gen) >= 2.0);
+    must(
+        &s,
+        "pdgate_time_to_first_token_seconds_bucket",
+        &[gen[0], ("le", "600")],
+    );
+    assert!(must(&s, "pdgate_stream_inter_event_seconds_count", &gen) >= 2.0);
+    must(
+        &s,
+        "pdgate_stream_inter_event_seconds_bucket",
+        &[gen[0], ("le", "0.001")],
+    );
+    let chat = [("route", "chat_completions")];
+    assert!(must(&s, "pdgate_time_to_first_token_seconds_count", &chat) >= 1.0);
+    // The failing decode's attempts were retried, by reason (its 500 reads as a decode
+    // failure: decode_status, or decode_aborted for SGLang's abort shape).
+    let decode_failures = |name: &str, phase: Option<&str>| -> f64 {
+        s.iter()
+            .filter(|x| x.name == name)
+            .filter(|x| phase.is_none_or(|p| x.labels.get("phase").is_some_and(|v| v == p)))
+            .filter(|x| {
+                x.labels
+                    .get("reason")
+                    .is_some_and(|r| r.starts_with("decode_"))
+            })
+            .map(|x| x.value)
+            .sum()
+    };
+    assert!(decode_failures("pdgate_retries_total", None) >= 1.0);
+    let before = Some("before_first_byte");
+    assert!(decode_failures("pdgate_request_failures_total", before) >= 1.0);
+    // Admission gauges, build info.
+    must(&s, "pdgate_in_flight_requests", &[]);
+    must(&s, "pdgate_admission_queue", &[]);
+    must(
+        &s,
+        "pdgate_build_info",
+        &[("version", env!("CARGO_PKG_VERSION"))],
+    );
+    // Both results are there from the start (a query for errors has a series to read).
+    must(&s, "pdgate_config_reloads_total", &[("result", "ok")]);
+    must(&s, "pdgate_config_reloads_total", &[("result", "error")]);
+    must(
+        &s,
+        "pdgate_config_last_reload_success_timestamp_seconds",
+        &[],
+    );
+
+    // This router's pool, exactly.
+    for (role, w) in [("prefill", &p), ("decode", &d_bad), ("decode", &d_good)] {
+        let at = [("role", role), ("worker", w.as_str())];
+        assert_eq!(must(&s, "pdgate_worker_healthy", &at), 1.0, "{w}");
+        let states: f64 = ["closed", "open", "half_open"]
+            .iter()
+            .map(|st| {
+                must(
+                    &s,
+                    "pdgate_worker_breaker_state",
+                    &[at[0], at[1], ("state", st)],
+                )
+            })
+            .sum();
+        assert_eq!(states, 1.0, "one breaker state of {w}");
+    }
+    let good = [
+        ("role", "decode"),
+        ("worker", d_good.as_str()),
+        ("state", "closed"),
+    ];
+    assert_eq!(must(&s, "pdgate_worker_breaker_state", &good), 1.0);
+    for rank in ["0", "1"] {
+        for (state, want) in [("ready", 1.0), ("failed", 0.0), ("unknown", 0.0)] {
+            let at = [("prefill", p.as_str()), ("rank", rank), ("state", state)];
+            assert_eq!(
+                must(&s, "pdgate_bootstrap_rank_state", &at),
+                want,
+                "{rank} {state}"
+            );
+        }
+    }
+    assert_eq!(
+        must(&s, "pdgate_routable_ranks", &[("role", "prefill")]),
+        2.0
+    );
+
+    families_are_described(&text);
+    promtool_check("an_on_call_scrape", &text);
+}
+
+/// Scrapes until `cond` holds on the samples (bounded: 200 scrapes, 20 ms apart); returns
+/// the text that satisfied it.
+async fn scrape_until(env: &Env, what: &str, cond: impl Fn(&[Sample]) -> bool) -> String {
+    let mut text = String::new();
+    for _ in 0..200 {
+        text = scrape(env).await;
+        if cond(&parse(&text)) {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("never saw {what}:\n{text}");
+}
+
+fn set_hold(env: &Env, hold: bool) {
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_hold: hold,
+        ..Faults::default()
+    });
+}
+
+/// A request held by the decode (`decode_hold`) shows on its worker's DP rank, and one
+/// more waits in the admission queue; when the hold is lifted both end and every gauge is
+/// back to 0. Nothing here depends on timing: the decode holds until told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_per_rank_and_queue_depth() {
+    let env = std::sync::Arc::new(
+        start(
+            vec![EngineConfig::prefill(1)],
+            vec![EngineConfig::decode(2)],
+            |c| {
+                c.admission.max_in_flight = 1;
+                c.admission.max_queue = 4;
+                c.admission.queue_timeout_ms = 30_000;
+            },
+        )
+        .await,
+    );
+    env.wait_routable(1, 2).await;
+    set_hold(&env, true);
+    let post = |env: &std::sync::Arc<Env>| {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", GEN).await })
+    };
+    let first = post(&env);
+    let d = env.cluster.decodes[0].url();
+    let held = |s: &[Sample]| -> f64 {
+        ["0", "1"]
+            .iter()
+            .map(|r| {
+                let at = [("role", "decode"), ("worker", d.as_str()), ("rank", *r)];
+                must(s, "pdgate_worker_in_flight_requests", &at)
+            })
+            .sum()
+    };
+    scrape_until(&env, "the held request on a decode rank", |s| {
+        held(s) == 1.0
+    })
+    .await;
+    let second = post(&env);
+    let text = scrape_until(&env, "the second request queued", |s| {
+        value(s, "pdgate_admission_queue", &[]).is_some_and(|v| v >= 1.0)
+    })
+    .await;
+    let s = parse(&text);
+    assert!(must(&s, "pdgate_in_flight_requests", &[]) >= 1.0);
+    assert_eq!(held(&s), 1.0, "the queued request holds no leg");
+    promtool_check("in_flight_per_rank_and_queue_depth", &text);
+
+    set_hold(&env, false);
+    for h in [first, second] {
+        let (st, _, _) = tokio::time::timeout(Duration::from_secs(20), h)
+            .await
+            .expect("answered")
+            .unwrap();
+        assert_eq!(st, 200);
+    }
+    scrape_until(&env, "no leg in flight after the end", |s| held(s) == 0.0).await;
+}
+
+/// Metric names in a PromQL expression (`pdgate_...`), histogram suffixes removed.
+fn names_in(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find("pdgate_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = &tail[..end];
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suf| {
+                name.strip_suffix(suf)
+                    .filter(|b| telemetry::series(b).is_some_and(|s| s.kind == Kind::Histogram))
+            })
+            .unwrap_or(name);
+        out.push(base.to_string());
+        rest = &tail[end..];
+    }
+    out
+}
+
+/// Label names an expression groups or matches by: `by (a, b)`, `without (a)`, `{a="x"}`.
+fn labels_in(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for kw in ["by (", "by(", "without (", "without("] {
+        for (i, _) in expr.match_indices(kw) {
+            let inner = &expr[i + kw.len()..];
+            let inner = &inner[..inner.find(')').unwrap_or(inner.len())];
+            out.extend(inner.split(',').map(|l| l.trim().to_string()));
+        }
+    }
+    for (i, _) in expr.match_indices('{') {
+        let inner = &expr[i + 1..];
+        let inner = &inner[..inner.find('}').unwrap_or(inner.len())];
+        for m in inner.split(',') {
+            if let Some(k) = m.split(['=', '!']).next() {
+                out.push(k.trim().to_string());
+            }
+        }
+    }
+    out.retain(|l| !l.is_empty());
+    out
+}
+
+fn exprs(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, v) in m {
+                match (k.as_str(), v) {
+                    ("expr", serde_json::Value::String(e)) => out.push(e.clone()),
+                    _ => exprs(v, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|v| exprs(v, out)),
+        _ => {}
+    }
+}
+
+/// The Grafana dashboard's every query names only series pdgate exports, and groups or
+/// matches only by labels those series have (or `le`, or Grafana's `$variables`).
+#[test]
+fn the_dashboard_names_only_exported_series() {
+    let path = manifest().join("docker/grafana/pdgate.json");
+    let text = std::fs::read_to_string(&path).expect("the dashboard");
+    let dash: serde_json::Value = serde_json::from_str(&text).expect("dashboard JSON");
+    let mut all = Vec::new();
+    exprs(&dash, &mut all);
+    assert!(all.len() >= 10, "only {} queries", all.len());
+    let mut used = std::collections::BTreeSet::new();
+    for e in &all {
+        let names = names_in(e);
+        assert!(!names.is_empty(), "a query on no pdgate series: {e}");
+        let mut allowed: Vec<&str> = vec!["le", "instance", "job"];
+        for n in &names {
+            let s = telemetry::series(n).unwrap_or_else(|| panic!("{n} is not exported: {e}"));
+            allowed.extend(s.labels);
+            used.insert(s.name);
+        }
+        for l in labels_in(e) {
+            assert!(
+                allowed.contains(&l.as_str()),
+                "label {l} is not on {names:?}: {e}"
+            );
+        }
+    }
+    // The dashboard covers what the on-call needs.
+    for n in [
+        telemetry::REQUESTS,
+        telemetry::REQUEST_DURATION,
+        telemetry::TIME_TO_FIRST_TOKEN,
+        telemetry::INTER_EVENT,
+        telemetry::WORKER_IN_FLIGHT,
+        telemetry::ADMISSION_QUEUE,
+        telemetry::WORKER_BREAKER_STATE,
+        telemetry::BOOTSTRAP_RANK_STATE,
+        telemetry::RETRIES,
+        telemetry::CONFIG_RELOADS,
+    ] {
+        assert!(used.contains(n), "the dashboard does not show {n}");
+    }
+}
+
+/// Every `"pdgate_..."` literal in the library's source is a series of the table (a
+/// series named at a call site but never described would have no HELP).
+#[test]
+fn every_series_named_in_the_source_is_described() {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&manifest().join("src"), &mut files);
+    let mut found = 0;
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        for (i, _) in code.match_indices("\"pdgate_") {
+            let lit = &code[i + 1..];
+            let name = &lit[..lit.find('"').unwrap()];
+            if name.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                assert!(
+                    SERIES.iter().any(|s| s.name == name),
+                    "{name} ({}) is not in telemetry::SERIES",
+                    f.display()
+                );
+                found += 1;
+            }
+        }
+    }
+    assert!(found > 20, "only {found} names found: is the scan broken?");
+}
