@@ -145,10 +145,16 @@ fn main() -> std::process::ExitCode {
         match (command, serve_cfg) {
             (_, Some(cfg)) => {
                 init_logs(&cfg.log);
-                let router = pdgate::router::start(cfg, None, RngSource::Os).await?;
+                let router = pdgate::router::start_with(
+                    cfg,
+                    None,
+                    pdgate::router::AdminListener::FromConfig,
+                    RngSource::Os,
+                )
+                .await?;
                 wait_for_signal().await;
                 tracing::info!("signal received");
-                router.server.shutdown().await;
+                router.shutdown().await;
                 Ok(())
             }
             (Some(Command::Sim(args)), None) => {

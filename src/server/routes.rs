@@ -1,6 +1,18 @@
-//! Routing and the checks every request passes before it is dispatched: method, content
-//! type, body size, request id. Errors become responses only through
+//! Routing and the checks every request passes before it is dispatched: method, client
+//! key, content type, body size, request id. Errors become responses only through
 //! [`Failure::into_response`].
+//!
+//! The client-key check is a plain call in [`App::handle`], not a tower layer: its result
+//! (the key id, and the hold on the key's in-flight limit) must reach the dispatch, and a
+//! layer could only hand it over through the request's extensions (a type map allocated on
+//! first insert, then a lookup by type) — per-request work the front door does not need.
+//! With no keys file it costs one `ArcSwap` load. The admin listener, off the hot path,
+//! is a tower stack (`crate::admin`).
+//!
+//! Which routes need a client key (when `auth.api_keys_file` is set): the API routes
+//! (`/generate`, `/v1/chat/completions`, `/v1/completions`, `/v1/models`). Probes
+//! (`/health`, `/liveness`, `/readiness`) and `/metrics` (only served here with
+//! `server.public_metrics`) do not.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -13,6 +25,7 @@ use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admission::Admission;
+use crate::auth::ClientKeys;
 use crate::body::{full_body, RespBody};
 use crate::error::{FailReason, Failure};
 use crate::pd::request::{self, ApiRoute};
@@ -54,6 +67,8 @@ pub struct App {
     pub dispatcher: Dispatcher,
     pub draining: AtomicBool,
     admission: Admission,
+    /// Client API keys (reloaded in place by whoever holds the `Arc`).
+    keys: std::sync::Arc<ClientKeys>,
 }
 
 enum Endpoint {
@@ -64,7 +79,9 @@ enum Endpoint {
     Metrics,
 }
 
-fn route(path: &str) -> Option<(Endpoint, &'static [Method])> {
+/// `/metrics` is a route of the front door only with `server.public_metrics` (it always is
+/// on the admin listener).
+fn route(path: &str, public_metrics: bool) -> Option<(Endpoint, &'static [Method])> {
     const POST: &[Method] = &[Method::POST];
     const GET: &[Method] = &[Method::GET, Method::HEAD];
     Some(match path {
@@ -74,7 +91,7 @@ fn route(path: &str) -> Option<(Endpoint, &'static [Method])> {
         "/v1/models" => (Endpoint::Models, GET),
         "/health" | "/liveness" => (Endpoint::Health, GET),
         "/readiness" => (Endpoint::Readiness, GET),
-        "/metrics" => (Endpoint::Metrics, GET),
+        "/metrics" if public_metrics => (Endpoint::Metrics, GET),
         _ => return None,
     })
 }
@@ -142,11 +159,12 @@ fn json_response(
 }
 
 impl App {
-    pub fn new(dispatcher: Dispatcher) -> App {
+    pub fn new(dispatcher: Dispatcher, keys: std::sync::Arc<ClientKeys>) -> App {
         App {
             admission: Admission::new(&dispatcher.cfg.admission),
             dispatcher,
             draining: AtomicBool::new(false),
+            keys,
         }
     }
 
@@ -165,7 +183,8 @@ impl App {
             .unwrap_or_else(|| {
                 HeaderValue::from_str(id.as_str()).unwrap_or_else(|_| HeaderValue::from_static("-"))
             });
-        let Some((ep, methods)) = route(req.uri().path()) else {
+        let public_metrics = self.dispatcher.cfg.server.public_metrics;
+        let Some((ep, methods)) = route(req.uri().path(), public_metrics) else {
             return Failure::new(
                 FailReason::NotFound,
                 format!("no route for {}", req.uri().path()),
@@ -190,16 +209,27 @@ impl App {
         }
         match ep {
             Endpoint::Pd(route) => {
+                // The client key first: a refused request takes no admission slot and sends
+                // no leg.
+                let (key_id, hold) = match self.keys.admit(req.headers()) {
+                    Ok(Some(k)) => (Some(k.id), k.hold),
+                    Ok(None) => (None, None),
+                    Err(f) => {
+                        metrics::counter!("pdgate_requests_total", "route" => route.label(), "outcome" => f.reason.as_str()).increment(1);
+                        return f.into_response(Some(&rid_header));
+                    }
+                };
                 let slot = match self.admission.admit().await {
-                    Ok(s) => s,
+                    Ok(s) => s.with_client(hold),
                     Err(f) => {
                         metrics::counter!("pdgate_requests_total", "route" => route.label(), "outcome" => f.reason.as_str()).increment(1);
                         return f.into_response(Some(&rid_header));
                     }
                 };
                 // The slot goes with the request: its response body (or a prefill leg still
-                // running after it) releases it.
-                self.pd(route, req, id, rid_header, Some(slot)).await
+                // running after it) releases it, and with it the key's count.
+                self.pd(route, req, id, rid_header, Some(slot), key_id)
+                    .await
             }
             Endpoint::Health => json_response(StatusCode::OK, r#"{"status":"ok"}"#, &rid_header),
             Endpoint::Readiness => self.readiness(&rid_header),
@@ -212,7 +242,10 @@ impl App {
                 );
                 r
             }
-            Endpoint::Models => self.models(&rid_header).await,
+            Endpoint::Models => match self.keys.identify(req.headers()) {
+                Ok(_) => self.models(&rid_header).await,
+                Err(f) => f.into_response(Some(&rid_header)),
+            },
         }
     }
 
@@ -223,6 +256,7 @@ impl App {
         id: RequestId,
         rid_header: HeaderValue,
         slot: Option<crate::pd::AdmissionSlot>,
+        key_id: Option<std::sync::Arc<str>>,
     ) -> Response<RespBody> {
         let (parts, body) = req.into_parts();
         if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
@@ -301,23 +335,32 @@ impl App {
                 return f.into_response(Some(&rid_header));
             }
         };
-        let forward = self.forward_headers(&parts.headers, &rid_header);
+        let forward = self.forward_headers(&parts.headers, &rid_header, key_id.is_some());
         let ctx = ReqCtx {
             id,
             request_id: rid_header,
             forward,
             slot,
+            key_id,
         };
         self.dispatcher.dispatch(parsed, ctx).await
     }
 
-    /// The allow-listed headers both legs carry, as `name: value\r\n` lines.
-    fn forward_headers(&self, incoming: &HeaderMap, rid: &HeaderValue) -> Vec<u8> {
+    /// The allow-listed headers both legs carry, as `name: value\r\n` lines. With client
+    /// keys on (`client_key`), the client's `Authorization` is its pdgate key and is never
+    /// forwarded, whatever `upstream.forward_authorization` says: engines get
+    /// `upstream.api_key` or nothing.
+    fn forward_headers(
+        &self,
+        incoming: &HeaderMap,
+        rid: &HeaderValue,
+        client_key: bool,
+    ) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
         let up = &self.dispatcher.up;
         let auth = match &up.auth {
             Some(a) => Some(a),
-            None if up.forward_authorization => incoming.get(header::AUTHORIZATION),
+            None if up.forward_authorization && !client_key => incoming.get(header::AUTHORIZATION),
             None => None,
         };
         let fwd = FORWARD
