@@ -4,6 +4,8 @@
 
 mod support;
 
+mod admin;
+mod api_keys;
 mod bootstrap_tracking;
 mod breaker_trials;
 mod chaos;
