@@ -55,10 +55,12 @@ impl Drop for Waiting<'_> {
     }
 }
 
-/// One admitted request: its slot (none without a limit) and its count in
-/// `pdgate_in_flight_requests`, both given back when dropped.
+/// One admitted request: its slot (none without a limit), its count in
+/// `pdgate_in_flight_requests` and, with client keys, its count against its key's limit;
+/// all given back when dropped.
 pub struct Slot {
     _permit: Option<OwnedSemaphorePermit>,
+    _client: Option<ClientHold>,
     in_flight: Gauge,
 }
 
@@ -67,8 +69,40 @@ impl Slot {
         in_flight.increment(1.0);
         Slot {
             _permit: permit,
+            _client: None,
             in_flight: in_flight.clone(),
         }
+    }
+
+    /// The slot, also holding the request's count against its client's limit (so that
+    /// both end together, with the response body or a prefill leg left running).
+    pub fn with_client(mut self, hold: Option<ClientHold>) -> Slot {
+        self._client = hold;
+        self
+    }
+}
+
+/// One request counted against a per-client limit (its API key's requests in flight):
+/// taken with one atomic add, given back when dropped. Lock-free, and without a wait: a
+/// client over its limit is answered 429 at once.
+#[derive(Debug)]
+pub struct ClientHold(Arc<AtomicUsize>);
+
+impl ClientHold {
+    /// Counts one more request on `counter`, unless `max` are in flight already.
+    pub fn try_take(counter: &Arc<AtomicUsize>, max: usize) -> Option<ClientHold> {
+        let before = counter.fetch_add(1, Ordering::AcqRel);
+        if before >= max {
+            counter.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(ClientHold(counter.clone()))
+    }
+}
+
+impl Drop for ClientHold {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -214,5 +248,25 @@ mod tests {
             }
             assert_eq!(fill(&a).await.len(), after, "{from} -> {to} holding {hold}");
         }
+    }
+
+    #[test]
+    fn a_client_hold_counts_until_dropped_and_refuses_past_the_limit() {
+        let c = Arc::new(AtomicUsize::new(0));
+        let a = ClientHold::try_take(&c, 2).expect("first");
+        let b = ClientHold::try_take(&c, 2).expect("second");
+        assert!(
+            ClientHold::try_take(&c, 2).is_none(),
+            "third is over the limit"
+        );
+        assert_eq!(
+            c.load(Ordering::SeqCst),
+            2,
+            "a refusal leaves no count behind"
+        );
+        drop(a);
+        let again = ClientHold::try_take(&c, 2).expect("room again");
+        drop((b, again));
+        assert_eq!(c.load(Ordering::SeqCst), 0);
     }
 }

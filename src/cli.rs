@@ -214,6 +214,8 @@ impl ServeArgs {
             cfg.admin.port = v;
         }
         if let Some(v) = self.admin_api_key_file {
+            // The flag overrides the file's token, whichever way the file gives it.
+            cfg.admin.api_key = None;
             cfg.admin.api_key_file = Some(v);
         }
         if let Some(v) = self.api_keys_file {

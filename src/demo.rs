@@ -23,6 +23,8 @@ pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send 
     let cluster = SimCluster::spawn(&prefill, &decode).await?;
     let mut cfg = Config::default();
     cfg.server.port = args.port;
+    // The demo has no admin listener: its `/metrics` is on the front door.
+    cfg.server.public_metrics = true;
     cfg.add_workers(cluster.prefill_endpoints(), cluster.decode_urls());
     let router = pdgate::router::start(cfg, None, RngSource::Os).await?;
     // Wait (bounded) until both pools are routable, so the printed commands work at once.

@@ -22,6 +22,9 @@ pub enum FailReason {
     NotFound,
     MethodNotAllowed,
     Unauthorized,
+    InvalidApiKey,
+    KeyInFlightLimit,
+    Conflict,
     Overloaded,
     QueueTimeout,
     TooManyConnections,
@@ -50,7 +53,7 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 32] = [
+    pub const ALL: [FailReason; 35] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
         FailReason::RequestBodyTimeout,
@@ -58,6 +61,9 @@ impl FailReason {
         FailReason::NotFound,
         FailReason::MethodNotAllowed,
         FailReason::Unauthorized,
+        FailReason::InvalidApiKey,
+        FailReason::KeyInFlightLimit,
+        FailReason::Conflict,
         FailReason::Overloaded,
         FailReason::QueueTimeout,
         FailReason::TooManyConnections,
@@ -96,6 +102,9 @@ impl FailReason {
             NotFound => "not_found",
             MethodNotAllowed => "method_not_allowed",
             Unauthorized => "unauthorized",
+            InvalidApiKey => "invalid_api_key",
+            KeyInFlightLimit => "key_in_flight_limit",
+            Conflict => "conflict",
             Overloaded => "overloaded",
             QueueTimeout => "queue_timeout",
             TooManyConnections => "too_many_connections",
@@ -135,8 +144,9 @@ impl FailReason {
             UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             NotFound => StatusCode::NOT_FOUND,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Unauthorized => StatusCode::UNAUTHORIZED,
-            Overloaded => StatusCode::TOO_MANY_REQUESTS,
+            Unauthorized | InvalidApiKey => StatusCode::UNAUTHORIZED,
+            Conflict => StatusCode::CONFLICT,
+            Overloaded | KeyInFlightLimit => StatusCode::TOO_MANY_REQUESTS,
             QueueTimeout | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable
             | BootstrapUnreachable | BootstrapNotReady | BootstrapRankMissing => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -203,7 +213,8 @@ impl FailReason {
             DecodeBroken           => c(Some(D), true,  true,  None),
             // Not a leg's doing: the request itself, the router, or the client.
             InvalidRequest | PayloadTooLarge | RequestBodyTimeout | UnsupportedMediaType
-            | NotFound | MethodNotAllowed | Unauthorized | Overloaded | QueueTimeout
+            | NotFound | MethodNotAllowed | Unauthorized | InvalidApiKey | KeyInFlightLimit
+            | Conflict | Overloaded | QueueTimeout
             | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable | RequestTimeout
             | ClientDisconnected | Internal => c(None, false, false, None),
         };
@@ -225,6 +236,18 @@ impl FailReason {
     /// Which leg a reason blames, for logs and breaker attribution.
     pub fn leg(self) -> Option<Role> {
         self.coupling().blames
+    }
+
+    /// The client-key failures answer with OpenAI's own error `type` and string `code`, so
+    /// that OpenAI SDKs and tools that read them (`invalid_api_key`, `rate_limit_exceeded`)
+    /// behave as they do against OpenAI. Every other reason uses pdgate's shape: `type` is
+    /// [`FailReason::as_str`], `code` the HTTP status.
+    pub fn openai_type_and_code(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            FailReason::InvalidApiKey => Some(("invalid_request_error", "invalid_api_key")),
+            FailReason::KeyInFlightLimit => Some(("requests", "rate_limit_exceeded")),
+            _ => None,
+        }
     }
 }
 
@@ -278,15 +301,26 @@ impl Failure {
         self.reason.status(self.upstream_status)
     }
 
-    /// `{"error": {"message", "type", "code"}}`.
+    /// `{"error": {"message", "type", "code"}}` (OpenAI's `type`, `param` and string `code`
+    /// for the client-key failures: [`FailReason::openai_type_and_code`]).
     pub fn json(&self) -> Bytes {
-        let v = serde_json::json!({
-            "error": {
-                "message": self.message,
-                "type": self.reason.as_str(),
-                "code": self.status().as_u16(),
-            }
-        });
+        let v = match self.reason.openai_type_and_code() {
+            Some((kind, code)) => serde_json::json!({
+                "error": {
+                    "message": self.message,
+                    "type": kind,
+                    "param": null,
+                    "code": code,
+                }
+            }),
+            None => serde_json::json!({
+                "error": {
+                    "message": self.message,
+                    "type": self.reason.as_str(),
+                    "code": self.status().as_u16(),
+                }
+            }),
+        };
         Bytes::from(v.to_string())
     }
 
@@ -337,6 +371,10 @@ impl Failure {
         ) {
             h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
+        if status == StatusCode::UNAUTHORIZED {
+            // RFC 9110: a 401 names the scheme it wants.
+            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(id) = request_id {
             h.insert(crate::types::REQUEST_ID, id.clone());
         }
@@ -361,8 +399,16 @@ mod tests {
             assert!(seen.insert(r.as_str()), "duplicate label {}", r.as_str());
             let f = Failure::new(r, "m \"quoted\"");
             let v: serde_json::Value = serde_json::from_slice(&f.json()).unwrap();
-            assert_eq!(v["error"]["type"], r.as_str());
-            assert_eq!(v["error"]["code"], f.status().as_u16());
+            match r.openai_type_and_code() {
+                Some((kind, code)) => {
+                    assert_eq!(v["error"]["type"], kind);
+                    assert_eq!(v["error"]["code"], code);
+                }
+                None => {
+                    assert_eq!(v["error"]["type"], r.as_str());
+                    assert_eq!(v["error"]["code"], f.status().as_u16());
+                }
+            }
             let sse = f.sse_event();
             let s = std::str::from_utf8(&sse).unwrap();
             let first = s

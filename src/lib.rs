@@ -12,7 +12,9 @@
 //! port) come from the `sglang-pd` crate (`protocol/`).
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod admission;
+pub mod auth;
 pub mod body;
 pub mod bootstrap;
 pub mod check;

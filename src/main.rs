@@ -171,14 +171,21 @@ fn main() -> std::process::ExitCode {
             (_, Some(cfg)) => {
                 init_logs(&cfg.log);
                 let watch = cfg.reload.watch();
-                let router =
-                    std::sync::Arc::new(pdgate::router::start(cfg, None, RngSource::Os).await?);
+                let router = std::sync::Arc::new(
+                    pdgate::router::start_with(
+                        cfg,
+                        None,
+                        pdgate::router::AdminListener::FromConfig,
+                        RngSource::Os,
+                    )
+                    .await?,
+                );
                 if let Some((source, file)) = reload_source {
                     pdgate::reload::spawn(router.clone(), source, file, watch);
                 }
                 wait_for_signal().await;
                 tracing::info!("signal received");
-                router.server.shutdown().await;
+                router.shutdown().await;
                 Ok(())
             }
             (Some(Command::Sim(args)), None) => {

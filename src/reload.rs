@@ -4,9 +4,10 @@
 //! What reloads: policies, timeouts, retry, breaker and admission settings, health and
 //! bootstrap settings, the contract mode, `log.access`, the static worker lists (added
 //! workers are checked before they take traffic; removed ones drain, then go) and the
-//! client API keys. What needs a restart (a change is logged and the running value kept,
-//! so the effective config — `GET /config` — always says what runs): `[server]`,
-//! `[admin]`, `[discovery]`, `[upstream]`, `[reload]`, `log.format` and `log.level`.
+//! client API keys and the admin token. What needs a restart (a change is logged and the
+//! running value kept, so the effective config — `GET /config` — always says what runs):
+//! `[server]`, the admin listener's address (`admin.enabled`, `host`, `port`),
+//! `[discovery]`, `[upstream]`, `[reload]`, `log.format` and `log.level`.
 //!
 //! Invariants:
 //! - An invalid file changes nothing: the old config stays whole, and the log names the
@@ -66,6 +67,18 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
     let new_p = minus(&new.prefill, &old.prefill);
     let gone_d = minus(&old.decode, &new.decode);
     let new_d = minus(&new.decode, &old.decode);
+    // Secrets next: a keys file or admin token that cannot be read refuses the whole
+    // reload (each keeps what it has on an error; the keys are put back if the token fails).
+    router
+        .keys
+        .reload(&new)
+        .map_err(|e| ConfigError::Invalid(format!("auth.api_keys_file: {e}")))?;
+    if let Some(admin) = &router.admin {
+        if let Err(e) = admin.reload(&new) {
+            let _ = router.keys.reload(&old);
+            return Err(ConfigError::Invalid(format!("admin token: {e}")));
+        }
+    }
     let new = Arc::new(new);
     live.store(new.clone());
     router.server.reconfigure(new.clone());
@@ -131,7 +144,9 @@ fn keep_restart_only(old: &Config, new: &mut Config, changed: &mut Vec<&'static 
         };
     }
     keep!(server, "server");
-    keep!(admin, "admin");
+    keep!(admin.enabled, "admin.enabled");
+    keep!(admin.host, "admin.host");
+    keep!(admin.port, "admin.port");
     keep!(discovery, "discovery");
     keep!(reload, "reload");
     keep!(upstream, "upstream");

@@ -1,11 +1,18 @@
 //! Assembling a running router from a validated [`Config`]: the pool, one bootstrap
 //! tracker per prefill, one health checker (and, when enabled, one load poller) per
-//! worker, and the front door.
+//! worker, the client keys, the front door and, when asked for, the admin listener.
+//!
+//! The admin listener is opt-in for callers of the library: [`start`] never opens it (the
+//! tests and benches start many routers with the default config, whose admin port is the
+//! fixed 29000), [`start_with`] takes an [`AdminListener`]; `pdgate serve` passes
+//! [`AdminListener::FromConfig`], so the binary serves it by default (`admin.enabled`).
 
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
+use crate::admin::{AdminServer, AdminToken};
+use crate::auth::ClientKeys;
 use crate::config::{Config, ConfigError};
 use crate::fleet::{Fleet, WorkerSpec};
 use crate::pd::{Dispatcher, RngSource};
@@ -20,12 +27,41 @@ pub struct Router {
     pub pool: Arc<Pool>,
     /// Adds, drains and removes workers while the router runs.
     pub fleet: Arc<Fleet>,
+    /// The front door's client API keys; `keys.reload(&cfg)` takes a changed keys file.
+    pub keys: Arc<ClientKeys>,
+    /// The admin listener, when one was asked for; `admin.reload(&cfg)` takes a changed
+    /// admin token.
+    pub admin: Option<AdminServer>,
 }
 
 impl Router {
     pub fn url(&self) -> String {
         self.server.url()
     }
+
+    /// The admin listener's URL, when it runs.
+    pub fn admin_url(&self) -> Option<String> {
+        self.admin.as_ref().map(AdminServer::url)
+    }
+
+    /// Drains the front door (up to `server.drain_secs`), then closes the admin listener
+    /// (kept open meanwhile, so that `/metrics` shows the drain).
+    pub async fn shutdown(&self) {
+        self.server.shutdown().await;
+        if let Some(a) = &self.admin {
+            a.shutdown().await;
+        }
+    }
+}
+
+/// Whether (and where) [`start_with`] opens the admin listener.
+pub enum AdminListener {
+    /// No admin listener.
+    Off,
+    /// `admin.host:admin.port` when `admin.enabled` (what `pdgate serve` does).
+    FromConfig,
+    /// This already-bound socket (tests bind 127.0.0.1 port 0), whatever `admin.enabled`.
+    Bound(TcpListener),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +75,12 @@ pub enum StartError {
         addr: String,
         source: std::io::Error,
     },
+    /// The admin token could not be read, or is missing on a non-loopback listener.
+    #[error("admin listener: {0}")]
+    Admin(String),
+    /// The client keys file could not be read or parsed.
+    #[error("client API keys: {0}")]
+    Auth(String),
 }
 
 /// The engine clients' settings from `[upstream]` and `[timeouts]`.
@@ -65,14 +107,50 @@ fn bind(addr: std::net::SocketAddr, backlog: u32) -> std::io::Result<TcpListener
     socket.listen(backlog)
 }
 
-/// Starts a router. `listener`: an already-bound socket (tests bind port 0), else
-/// `server.host:server.port` is bound.
+/// Starts a router without an admin listener. `listener`: an already-bound socket (tests
+/// bind port 0), else `server.host:server.port` is bound.
 pub async fn start(
     cfg: Config,
     listener: Option<TcpListener>,
     rng: RngSource,
 ) -> Result<Router, StartError> {
+    start_with(cfg, listener, AdminListener::Off, rng).await
+}
+
+/// Starts a router, and its admin listener as `admin` says. Everything that can be refused
+/// (config, keys file, admin token) is checked before any socket is bound.
+pub async fn start_with(
+    cfg: Config,
+    listener: Option<TcpListener>,
+    admin: AdminListener,
+    rng: RngSource,
+) -> Result<Router, StartError> {
     cfg.validate()?;
+    let keys = Arc::new(ClientKeys::from_config(&cfg).map_err(StartError::Auth)?);
+    if keys.enabled() && cfg.upstream.forward_authorization {
+        tracing::warn!(
+            "upstream.forward_authorization is ignored while client API keys are on: a \
+             client's Authorization is its pdgate key and is not sent to engines (use \
+             upstream.api_key for engines that need one)"
+        );
+    }
+    let admin = match admin {
+        AdminListener::Off => None,
+        AdminListener::FromConfig if !cfg.admin.enabled => None,
+        AdminListener::FromConfig => {
+            let addr = std::net::SocketAddr::new(cfg.admin.host, cfg.admin.port);
+            let token = AdminToken::from_config(&cfg, addr.ip()).map_err(StartError::Admin)?;
+            Some((None, addr, token))
+        }
+        AdminListener::Bound(l) => {
+            let addr = l.local_addr().map_err(|source| StartError::Bind {
+                addr: "admin listener".into(),
+                source,
+            })?;
+            let token = AdminToken::from_config(&cfg, addr.ip()).map_err(StartError::Admin)?;
+            Some((Some(l), addr, token))
+        }
+    };
     let _ = crate::telemetry::install();
     crate::telemetry::config_loaded();
     // The Prometheus recorder keeps histogram samples until upkeep folds them in: run it
@@ -121,16 +199,38 @@ pub async fn start(
             })?
         }
     };
+    let admin = match admin {
+        None => None,
+        Some((l, addr, token)) => {
+            let l = match l {
+                Some(l) => l,
+                None => bind(addr, 128).map_err(|source| StartError::Bind {
+                    addr: addr.to_string(),
+                    source,
+                })?,
+            };
+            Some(
+                AdminServer::start(l, fleet.clone(), token).map_err(|source| StartError::Bind {
+                    addr: addr.to_string(),
+                    source,
+                })?,
+            )
+        }
+    };
     let drain = std::time::Duration::from_secs(cfg.server.drain_secs);
     let dispatcher = Dispatcher::new(pool.clone(), up, cfg, rng);
-    let server = Server::start(listener, dispatcher, drain).map_err(|source| StartError::Bind {
-        addr: "listener".into(),
-        source,
+    let server = Server::start(listener, dispatcher, keys.clone(), drain).map_err(|source| {
+        StartError::Bind {
+            addr: "listener".into(),
+            source,
+        }
     })?;
     tracing::info!(url = %server.url(), "pdgate listening");
     Ok(Router {
         server,
         pool,
         fleet,
+        keys,
+        admin,
     })
 }

@@ -42,6 +42,12 @@ use crate::driver::{drive_faults, Injected};
 pub const ROUTER_TOML: &str = r#"
 [server]
 drain_secs = 1
+# The soak reads the gauges from the front door's /metrics.
+public_metrics = true
+
+# No admin listener (the bench's `pdgate serve` would take the fixed port 29000).
+[admin]
+enabled = false
 
 [timeouts]
 connect_ms = 500

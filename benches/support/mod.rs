@@ -221,6 +221,8 @@ pub fn start_router(bin: &Path, sim: &SimInfo) -> (Proc, String) {
     let port = free_port();
     let child = Command::new(bin)
         .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
+        // No fixed admin port for a bench's router.
+        .args(["--admin-port", "0"])
         .args([
             "--prefill",
             &sim.prefill_url,

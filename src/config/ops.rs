@@ -76,8 +76,10 @@ pub struct AdminConfig {
     pub host: IpAddr,
     /// 0 picks a free port.
     pub port: u16,
-    /// Bearer token the admin API requires. Also from `api_key_file` or the
-    /// `PDGATE_ADMIN_API_KEY` environment variable. Required on a non-loopback address.
+    /// Bearer token the admin API requires on every path but `/metrics` (which Prometheus
+    /// scrapes without one). Or from `api_key_file` (not both), else the
+    /// `PDGATE_ADMIN_API_KEY` environment variable. Required on a non-loopback address;
+    /// without one (loopback only) the admin API is open to local processes.
     pub api_key: Option<String>,
     /// A file whose first line is the admin token.
     pub api_key_file: Option<PathBuf>,
@@ -109,9 +111,12 @@ impl AdminConfig {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AuthConfig {
-    /// One key per line, raw or `sha256:<hex>`; `#` starts a comment. Unset: no client auth.
+    /// One key per line: `KEY`, `sha256:<64 hex>`, or either after a name (`team-a: KEY`,
+    /// the key id in logs and metrics; else the first 8 hex digits of the key's SHA-256);
+    /// `#` starts a comment. Clients send `Authorization: Bearer KEY` (or `x-api-key`).
+    /// Unset: no client auth.
     pub api_keys_file: Option<PathBuf>,
-    /// Requests in flight per key (0 = no limit); beyond it, 429.
+    /// Requests in flight per key id (0 = no limit); beyond it, 429.
     pub per_key_max_in_flight: usize,
 }
 

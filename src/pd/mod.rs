@@ -108,9 +108,9 @@ pub struct ReqCtx {
     /// Held by the response body (or a prefill leg left running after it); an error
     /// answered before the first byte releases it when the dispatch returns.
     pub slot: Option<AdmissionSlot>,
-    /// The id of the client's API key, when client keys are configured (the access log's
-    /// `key_id`).
-    pub key_id: Option<Arc<str>>,
+    /// The client key's id (its name in the keys file, or the first 8 hex digits of its
+    /// SHA-256), never the key; `None` without client keys.
+    pub key_id: Option<std::sync::Arc<str>>,
 }
 
 /// Everything the request path needs. Immutable: a config reload builds a new one with

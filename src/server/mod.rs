@@ -22,6 +22,7 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::auth::ClientKeys;
 use crate::pd::Dispatcher;
 
 pub use routes::App;
@@ -41,10 +42,11 @@ impl Server {
     pub fn start(
         listener: TcpListener,
         dispatcher: Dispatcher,
+        keys: Arc<ClientKeys>,
         drain: Duration,
     ) -> std::io::Result<Server> {
         let addr = listener.local_addr()?;
-        let app = Arc::new(App::new(dispatcher));
+        let app = Arc::new(App::new(dispatcher, keys));
         let (tx, rx) = watch::channel(false);
         let task = tokio::spawn(accept_loop(listener, app.clone(), rx, drain));
         Ok(Server {

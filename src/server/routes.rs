@@ -1,10 +1,22 @@
-//! Routing and the checks every request passes before it is dispatched: method, content
-//! type, body size, request id. Errors become responses only through
+//! Routing and the checks every request passes before it is dispatched: method, client
+//! key, content type, body size, request id. Errors become responses only through
 //! [`Failure::into_response`].
 //!
 //! Every request gets its [`RequestRecord`] as soon as it is routed; whatever answers it
 //! (a rejection here, the dispatcher, a GET endpoint) hands the record to the response body,
 //! which accounts for the request when it ends.
+//!
+//! The client-key check is a plain call in [`App::handle`], not a tower layer: its result
+//! (the key id, and the hold on the key's in-flight limit) must reach the dispatch, and a
+//! layer could only hand it over through the request's extensions (a type map allocated on
+//! first insert, then a lookup by type) — per-request work the front door does not need.
+//! With no keys file it costs one `ArcSwap` load. The admin listener, off the hot path,
+//! is a tower stack (`crate::admin`).
+//!
+//! Which routes need a client key (when `auth.api_keys_file` is set): the API routes
+//! (`/generate`, `/v1/chat/completions`, `/v1/completions`, `/v1/models`). Probes
+//! (`/health`, `/liveness`, `/readiness`) and `/metrics` (only served here with
+//! `server.public_metrics`) do not.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,6 +30,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::admission::Admission;
+use crate::auth::ClientKeys;
 use crate::body::{full_body, RespBody};
 use crate::config::Config;
 use crate::error::{FailReason, Failure};
@@ -39,6 +52,8 @@ pub struct App {
     pub dispatcher: ArcSwap<Dispatcher>,
     pub draining: AtomicBool,
     admission: Admission,
+    /// Client API keys (reloaded in place by whoever holds the `Arc`).
+    keys: std::sync::Arc<ClientKeys>,
 }
 
 enum Endpoint {
@@ -67,7 +82,9 @@ fn reject(mut rec: RequestRecord, f: Failure, rid: &HeaderValue) -> Response<Res
     rec.answer(f.into_response(Some(rid)))
 }
 
-fn route(path: &str) -> Option<(Endpoint, &'static [Method])> {
+/// `/metrics` is a route of the front door only with `server.public_metrics` (it always is
+/// on the admin listener).
+fn route(path: &str, public_metrics: bool) -> Option<(Endpoint, &'static [Method])> {
     const POST: &[Method] = &[Method::POST];
     const GET: &[Method] = &[Method::GET, Method::HEAD];
     Some(match path {
@@ -77,7 +94,7 @@ fn route(path: &str) -> Option<(Endpoint, &'static [Method])> {
         "/v1/models" => (Endpoint::Models, GET),
         "/health" | "/liveness" => (Endpoint::Health, GET),
         "/readiness" => (Endpoint::Readiness, GET),
-        "/metrics" => (Endpoint::Metrics, GET),
+        "/metrics" if public_metrics => (Endpoint::Metrics, GET),
         _ => return None,
     })
 }
@@ -145,11 +162,12 @@ fn json_response(
 }
 
 impl App {
-    pub fn new(dispatcher: Dispatcher) -> App {
+    pub fn new(dispatcher: Dispatcher, keys: std::sync::Arc<ClientKeys>) -> App {
         App {
             admission: Admission::new(&dispatcher.cfg.admission),
             dispatcher: ArcSwap::from_pointee(dispatcher),
             draining: AtomicBool::new(false),
+            keys,
         }
     }
 
@@ -176,8 +194,11 @@ impl App {
             .unwrap_or_else(|| {
                 HeaderValue::from_str(id.as_str()).unwrap_or_else(|_| HeaderValue::from_static("-"))
             });
-        let access = self.dispatcher.load().cfg.log.access;
-        let Some((ep, methods)) = route(req.uri().path()) else {
+        let (access, public_metrics) = {
+            let d = self.dispatcher.load();
+            (d.cfg.log.access, d.cfg.server.public_metrics)
+        };
+        let Some((ep, methods)) = route(req.uri().path(), public_metrics) else {
             let rec = RequestRecord::new(id, Route::Other("unmatched"), &rid_header, access);
             let f = Failure::new(
                 FailReason::NotFound,
@@ -204,12 +225,23 @@ impl App {
         }
         match ep {
             Endpoint::Pd(route) => {
+                // The client key first: a refused request takes no admission slot and sends
+                // no leg.
+                let mut rec = rec;
+                let hold = match self.keys.admit(req.headers()) {
+                    Ok(Some(k)) => {
+                        rec.key_id = Some(k.id);
+                        k.hold
+                    }
+                    Ok(None) => None,
+                    Err(f) => return reject(rec, f, &rid_header),
+                };
                 let slot = match self.admission.admit().await {
-                    Ok(s) => s,
+                    Ok(s) => s.with_client(hold),
                     Err(f) => return reject(rec, f, &rid_header),
                 };
                 // The slot goes with the request: its response body (or a prefill leg still
-                // running after it) releases it.
+                // running after it) releases it, and with it the key's count.
                 self.pd(route, req, rid_header, Some(slot), rec).await
             }
             Endpoint::Health => rec.answer(json_response(
@@ -227,8 +259,11 @@ impl App {
                 );
                 rec.answer(r)
             }
-            Endpoint::Models => match self.models(&rid_header).await {
-                Ok(r) => rec.answer(r),
+            Endpoint::Models => match self.keys.identify(req.headers()) {
+                Ok(_) => match self.models(&rid_header).await {
+                    Ok(r) => rec.answer(r),
+                    Err(f) => reject(rec, f, &rid_header),
+                },
                 Err(f) => reject(rec, f, &rid_header),
             },
         }
@@ -316,25 +351,33 @@ impl App {
             Ok(p) => p,
             Err(f) => return reject(rec, f, &rid_header),
         };
-        let forward = self.forward_headers(&parts.headers, &rid_header);
+        let forward = self.forward_headers(&parts.headers, &rid_header, rec.key_id.is_some());
         let ctx = ReqCtx {
             id: rec.id(),
             request_id: rid_header,
             forward,
             slot,
-            key_id: None,
+            key_id: rec.key_id.clone(),
         };
         self.dispatcher.load_full().dispatch(parsed, ctx, rec).await
     }
 
-    /// The allow-listed headers both legs carry, as `name: value\r\n` lines.
-    fn forward_headers(&self, incoming: &HeaderMap, rid: &HeaderValue) -> Vec<u8> {
+    /// The allow-listed headers both legs carry, as `name: value\r\n` lines. With client
+    /// keys on (`client_key`), the client's `Authorization` is its pdgate key and is never
+    /// forwarded, whatever `upstream.forward_authorization` says: engines get
+    /// `upstream.api_key` or nothing.
+    fn forward_headers(
+        &self,
+        incoming: &HeaderMap,
+        rid: &HeaderValue,
+        client_key: bool,
+    ) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
         let d = self.dispatcher.load();
         let up = &d.up;
         let auth = match &up.auth {
             Some(a) => Some(a),
-            None if up.forward_authorization => incoming.get(header::AUTHORIZATION),
+            None if up.forward_authorization && !client_key => incoming.get(header::AUTHORIZATION),
             None => None,
         };
         let fwd = FORWARD

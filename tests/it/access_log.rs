@@ -169,6 +169,7 @@ async fn one_line_per_request_served_or_rejected() {
         |c| {
             c.log.access = true;
             c.server.max_body_bytes = 4096;
+            c.server.public_metrics = true;
         },
     )
     .await;

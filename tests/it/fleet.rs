@@ -84,7 +84,7 @@ async fn a_worker_added_at_run_time_takes_traffic_once_checked() {
 
 /// An engine that answers `/health` but not `/server_info` (nor `/get_server_info`);
 /// counts health checks.
-async fn health_only_engine() -> (String, Arc<AtomicUsize>) {
+pub(crate) async fn health_only_engine() -> (String, Arc<AtomicUsize>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

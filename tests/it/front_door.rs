@@ -315,7 +315,7 @@ async fn info_routes() {
     let env = start(
         vec![EngineConfig::prefill(2)],
         vec![EngineConfig::decode(1)],
-        |_| {},
+        |c| c.server.public_metrics = true,
     )
     .await;
     env.wait_routable(2, 1).await;

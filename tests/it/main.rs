@@ -5,6 +5,8 @@
 mod support;
 
 mod access_log;
+mod admin;
+mod api_keys;
 mod bootstrap_tracking;
 mod breaker_trials;
 mod chaos;

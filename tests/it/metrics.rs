@@ -8,7 +8,7 @@
 //! recorder), so their checks are lower bounds; the series derived from the pool are this
 //! router's own, so theirs are exact.
 
-use crate::support::common::{sse_events, start, with_faults, Env, GEN, GEN_STREAM};
+use crate::support::common::{sse_events, start_with_admin, with_faults, Env, GEN, GEN_STREAM};
 use crate::support::interop::{manifest, skip_or_fail};
 
 use std::collections::BTreeMap;
@@ -16,7 +16,6 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use http_body_util::BodyExt;
 use pdgate::telemetry::{self, Kind, SERIES};
 use pdgate_sim::{EngineConfig, Faults};
 
@@ -77,12 +76,12 @@ fn must(samples: &[Sample], name: &str, with: &[(&str, &str)]) -> f64 {
     value(samples, name, with).unwrap_or_else(|| panic!("no sample {name} {with:?}"))
 }
 
+/// Scrapes the admin listener, as Prometheus does (no token needed for `/metrics`).
 async fn scrape(env: &Env) -> String {
-    let resp = env.send("GET", "/metrics", &[], "").await;
-    assert_eq!(resp.status(), 200);
-    let ct = resp.headers()["content-type"].to_str().unwrap().to_string();
+    let (status, headers, body) = env.admin("GET", "/metrics", None, "").await;
+    assert_eq!(status, 200);
+    let ct = headers["content-type"].to_str().unwrap().to_string();
     assert!(ct.starts_with("text/plain; version=0.0.4"), "{ct}");
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
     String::from_utf8(body.to_vec()).unwrap()
 }
 
@@ -146,7 +145,7 @@ async fn an_on_call_scrape() {
             ..Faults::default()
         },
     );
-    let env = start(
+    let env = start_with_admin(
         vec![EngineConfig::prefill(2)],
         vec![bad, EngineConfig::decode(1)],
         |_| {},
@@ -326,7 +325,7 @@ fn set_hold(env: &Env, hold: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_flight_per_rank_and_queue_depth() {
     let env = std::sync::Arc::new(
-        start(
+        start_with_admin(
             vec![EngineConfig::prefill(1)],
             vec![EngineConfig::decode(2)],
             |c| {

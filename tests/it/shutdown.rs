@@ -31,6 +31,9 @@ async fn sigterm_drains_in_flight_requests() {
             "json",
             "--health-check-interval-secs",
             "0.05",
+            // `serve` opens the admin listener by default: on a free port here.
+            "--admin-port",
+            "0",
         ])
         .args([
             "--prefill",
@@ -51,6 +54,7 @@ async fn sigterm_drains_in_flight_requests() {
             let _ = tx.send(line);
         }
     });
+    let mut admin = None;
     let url = loop {
         let line = rx
             .recv_timeout(Duration::from_secs(20))
@@ -59,10 +63,14 @@ async fn sigterm_drains_in_flight_requests() {
             Ok(v) => v,
             Err(_) => continue,
         };
+        if v["fields"]["message"] == "admin API listening" {
+            admin = v["fields"]["url"].as_str().map(str::to_string);
+        }
         if v["fields"]["message"] == "pdgate listening" {
             break v["fields"]["url"].as_str().unwrap().to_string();
         }
     };
+    let admin = admin.expect("pdgate serve opens its admin listener (before the front door)");
     let client = common::client();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -76,6 +84,14 @@ async fn sigterm_drains_in_flight_requests() {
         }
         assert!(tokio::time::Instant::now() < deadline, "router never ready");
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The admin listener serves the metrics (no token on loopback); the front door not.
+    for (base, want) in [(&admin, 200), (&url, 404)] {
+        let r = client
+            .get(format!("{base}/metrics").parse().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(r.status(), want, "{base}/metrics");
     }
     let req = http::Request::post(format!("{url}/generate"))
         .header("content-type", "application/json")

@@ -84,6 +84,25 @@ pub async fn start_as_is(
     decode: Vec<EngineConfig>,
     tweak: impl FnOnce(&mut Config),
 ) -> Env {
+    start_env(prefill, decode, tweak, false).await
+}
+
+/// Like [`start_as_is`], plus the admin listener on 127.0.0.1 port 0
+/// (`env.router.admin`).
+pub async fn start_with_admin(
+    prefill: Vec<EngineConfig>,
+    decode: Vec<EngineConfig>,
+    tweak: impl FnOnce(&mut Config),
+) -> Env {
+    start_env(prefill, decode, tweak, true).await
+}
+
+async fn start_env(
+    prefill: Vec<EngineConfig>,
+    decode: Vec<EngineConfig>,
+    tweak: impl FnOnce(&mut Config),
+    admin: bool,
+) -> Env {
     let cluster = SimCluster::spawn(&prefill, &decode)
         .await
         .expect("sim cluster");
@@ -93,9 +112,18 @@ pub async fn start_as_is(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
-    let router = pdgate::router::start(cfg, Some(listener), RngSource::Seeded(1.into()))
-        .await
-        .expect("router");
+    let admin = if admin {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind admin");
+        pdgate::router::AdminListener::Bound(l)
+    } else {
+        pdgate::router::AdminListener::Off
+    };
+    let router =
+        pdgate::router::start_with(cfg, Some(listener), admin, RngSource::Seeded(1.into()))
+            .await
+            .expect("router");
     Env {
         cluster,
         router,
@@ -183,6 +211,41 @@ impl Env {
         }
         let req = b.body(Full::new(body.into())).expect("request");
         self.client.request(req).await.expect("router answered")
+    }
+
+    /// One call to the admin listener (with `Authorization: Bearer <token>` when given);
+    /// the whole answer.
+    pub async fn admin(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: &str,
+    ) -> (StatusCode, HeaderMap, Bytes) {
+        let base = self.router.admin_url().expect("the admin listener runs");
+        let mut b = Request::builder()
+            .method(method)
+            .uri(format!("{base}{path}"));
+        if let Some(t) = token {
+            b = b.header("authorization", format!("Bearer {t}"));
+        }
+        if !body.is_empty() {
+            b = b.header("content-type", "application/json");
+        }
+        let req = b
+            .body(Full::new(Bytes::from(body.to_string())))
+            .expect("request");
+        let resp = tokio::time::timeout(Duration::from_secs(30), self.client.request(req))
+            .await
+            .expect("admin answered in time")
+            .expect("admin answered");
+        let (parts, body) = resp.into_parts();
+        let bytes = tokio::time::timeout(Duration::from_secs(30), body.collect())
+            .await
+            .expect("body in time")
+            .expect("body")
+            .to_bytes();
+        (parts.status, parts.headers, bytes)
     }
 
     /// POSTs JSON and reads the whole answer.
