@@ -1,6 +1,6 @@
 //! Assembling a running router from a validated [`Config`]: the pool, one bootstrap
 //! tracker per prefill, one health checker (and, when enabled, one load poller) per
-//! worker, and the front door.
+//! worker, Kubernetes discovery when `[discovery]` is enabled, and the front door.
 
 use std::sync::Arc;
 
@@ -20,6 +20,8 @@ pub struct Router {
     pub pool: Arc<Pool>,
     /// Adds, drains and removes workers while the router runs.
     pub fleet: Arc<Fleet>,
+    /// Kubernetes discovery, when enabled (stops when the router is dropped).
+    pub discovery: Option<crate::discovery::Discovery>,
 }
 
 impl Router {
@@ -34,6 +36,8 @@ pub enum StartError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Fleet(#[from] crate::fleet::FleetError),
+    #[error("service discovery: {0}")]
+    Discovery(#[from] crate::discovery::DiscoveryError),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: String,
@@ -73,6 +77,10 @@ pub async fn start(
     rng: RngSource,
 ) -> Result<Router, StartError> {
     cfg.validate()?;
+    // A malformed selector refuses the start before anything runs.
+    if cfg.discovery.enabled {
+        crate::discovery::plan(&cfg.discovery)?;
+    }
     let _ = crate::server::prometheus();
     // The Prometheus recorder keeps histogram samples until upkeep folds them in: run it
     // on a timer so memory stays flat when nobody scrapes `/metrics`.
@@ -111,6 +119,11 @@ pub async fn start(
             source: WorkerSource::Static,
         })?;
     }
+    let discovery = if cfg.discovery.enabled {
+        Some(crate::discovery::spawn(&cfg.discovery, fleet.clone()).await?)
+    } else {
+        None
+    };
     let cfg = Arc::new(cfg);
     let listener = match listener {
         Some(l) => l,
@@ -133,5 +146,6 @@ pub async fn start(
         server,
         pool,
         fleet,
+        discovery,
     })
 }
