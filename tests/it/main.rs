@@ -11,6 +11,7 @@ mod check;
 mod connections;
 mod contract;
 mod detached_prefill;
+mod discovery;
 mod engine_bounds;
 mod faults;
 mod fleet;
