@@ -12,6 +12,7 @@ mod connections;
 mod contract;
 mod detached_prefill;
 mod discovery;
+mod discovery_e2e;
 mod engine_bounds;
 mod faults;
 mod fleet;
