@@ -124,7 +124,13 @@ pub fn plan(cfg: &DiscoveryConfig) -> Result<Plan, DiscoveryError> {
         "decode_selector",
     )?;
     if let (Some((text, a)), Some((_, b))) = (&p, &d) {
-        if a == b {
+        // The same requirements in any order select the same pods.
+        let set = |s: &selector::LabelSelector| {
+            s.0.iter()
+                .map(ToString::to_string)
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        if set(a) == set(b) {
             return Err(DiscoveryError::SameSelectors(text.clone()));
         }
     }
@@ -275,5 +281,78 @@ async fn reconcile_loop(
         }
         let observed = stores.observed();
         pending = rec.reconcile(&observed).pending;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(p: Option<&str>, d: Option<&str>) -> DiscoveryConfig {
+        DiscoveryConfig {
+            enabled: true,
+            prefill_selector: p.map(str::to_string),
+            decode_selector: d.map(str::to_string),
+            ..DiscoveryConfig::default()
+        }
+    }
+
+    #[test]
+    fn plan_checks_the_selectors_and_names_the_flag() {
+        type Case<'a> = (Option<&'a str>, Option<&'a str>, Result<Vec<Role>, &'a str>);
+        let cases: &[Case] = &[
+            (
+                Some("app=p"),
+                Some("app=d"),
+                Ok(vec![Role::Prefill, Role::Decode]),
+            ),
+            (Some("app=p"), None, Ok(vec![Role::Prefill])),
+            (None, Some("role in (decode)"), Ok(vec![Role::Decode])),
+            (
+                Some("app in (p"),
+                Some("app=d"),
+                Err("--prefill-selector (discovery.prefill_selector)"),
+            ),
+            (
+                Some("app=p"),
+                Some("app=d,"),
+                Err("--decode-selector (discovery.decode_selector)"),
+            ),
+            (
+                Some("a=1, b in (x,y)"),
+                Some("b in (y,x),a==1"),
+                Err("the same selector"),
+            ),
+        ];
+        for (p, d, want) in cases {
+            match (plan(&cfg(*p, *d)), want) {
+                (Ok(plan), Ok(roles)) => assert_eq!(&plan.roles(), roles, "{p:?} {d:?}"),
+                (Err(e), Err(text)) => assert!(e.to_string().contains(text), "{e}"),
+                (got, _) => panic!("{p:?} {d:?}: {got:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn plan_takes_the_settings_as_given() {
+        let mut c = cfg(Some(" app=p "), Some("app=d"));
+        c.port_name = Some(" ".into());
+        c.namespace = Some("".into());
+        c.bootstrap_port_annotation = " example.com/bp ".into();
+        let p = plan(&c).expect("plan");
+        assert_eq!(p.prefill_selector.as_deref(), Some("app=p"));
+        assert_eq!(p.pod.port_name, None);
+        assert_eq!(p.namespace, None);
+        assert_eq!(p.pod.bootstrap_annotation, "example.com/bp");
+        assert_eq!(p.pod.default_grace, Duration::from_secs(30));
+        assert_eq!(p.resync, Duration::from_secs(60));
+    }
+
+    /// The TLS stack builds (rustls with ring: the one provider compiled in).
+    #[tokio::test]
+    async fn a_client_for_an_https_api_server_builds() {
+        let uri: http::Uri = "https://127.0.0.1:6443".parse().expect("uri");
+        let client = kube::Client::try_from(kube::Config::new(uri)).expect("client");
+        assert_eq!(client.default_namespace(), "default");
     }
 }

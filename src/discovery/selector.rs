@@ -451,7 +451,7 @@ mod tests {
             ("/app=x", "not a valid label key"),
             ("app=-x", "not a valid label value"),
             (
-                &"k=aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+                "k=aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
                 "not a valid label value",
             ),
             ("rank>three", "not an integer"),

@@ -102,7 +102,10 @@ impl Pdgate {
             if f(&r) {
                 return;
             }
-            assert!(Instant::now() < deadline, "timed out waiting for {what}: {r}");
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}: {r}"
+            );
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
@@ -145,7 +148,12 @@ struct Tally {
 
 /// `loops` clients sending streamed requests one after the other until `stop` (each
 /// loop at most 5000 requests).
-fn load(url: &str, loops: usize, stop: Arc<AtomicBool>, tally: Arc<Tally>) -> Vec<tokio::task::JoinHandle<()>> {
+fn load(
+    url: &str,
+    loops: usize,
+    stop: Arc<AtomicBool>,
+    tally: Arc<Tally>,
+) -> Vec<tokio::task::JoinHandle<()>> {
     (0..loops)
         .map(|_| {
             let (url, stop, tally) = (url.to_string(), stop.clone(), tally.clone());
@@ -217,7 +225,10 @@ async fn hold(e: &SimEngine) -> u64 {
                 return held;
             }
         }
-        assert!(Instant::now() < deadline, "no request reached the engine to hold");
+        assert!(
+            Instant::now() < deadline,
+            "no request reached the engine to hold"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -237,12 +248,19 @@ async fn the_binary_follows_pods_under_load() {
     let p = pdgate_sim::spawn(common::fast_engine(EngineConfig::prefill(1)))
         .await
         .expect("prefill");
-    let (a, b, c) = (decode_engine().await, decode_engine().await, decode_engine().await);
+    let (a, b, c) = (
+        decode_engine().await,
+        decode_engine().await,
+        decode_engine().await,
+    );
     kube.create(NS, fake_kube::pod("prefill-0", PREFILL, p.addr().port()));
     kube.create(NS, fake_kube::pod("decode-0", DECODE, a.addr().port()));
     kube.create(NS, fake_kube::pod("decode-1", DECODE, b.addr().port()));
     // A pod no selector picks.
-    kube.create(NS, fake_kube::pod("other", &[("app", "web")], c.addr().port()));
+    kube.create(
+        NS,
+        fake_kube::pod("other", &[("app", "web")], c.addr().port()),
+    );
 
     let mut cfg = common::fast_config();
     cfg.discovery.default_grace_secs = 20;
@@ -280,7 +298,9 @@ async fn the_binary_follows_pods_under_load() {
     // the held ones finish without error.
     let held_a = hold(&a).await;
     kube.update(NS, "decode-0", |p| fake_kube::set_ready(p, false));
-    router.wait("decode-0 draining", |r| draining(r, "decode-0")).await;
+    router
+        .wait("decode-0 draining", |r| draining(r, "decode-0"))
+        .await;
     a.set_faults(Faults::default());
     settled(&a).await;
     let a_after_drain = a.stats().requests_total;
@@ -289,7 +309,9 @@ async fn the_binary_follows_pods_under_load() {
     // finish, then goes.
     let held_b = hold(&b).await;
     kube.terminate(NS, "decode-1", 20);
-    router.wait("decode-1 draining", |r| draining(r, "decode-1")).await;
+    router
+        .wait("decode-1 draining", |r| draining(r, "decode-1"))
+        .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     if router.worker("decode-1").await.is_none() {
         for l in router.logs.lock().expect("logs").iter() {
@@ -298,13 +320,17 @@ async fn the_binary_follows_pods_under_load() {
         panic!("decode-1 removed with requests in flight");
     }
     b.set_faults(Faults::default());
-    router.wait("decode-1 removed", |r| !listed(r, "decode-1")).await;
+    router
+        .wait("decode-1 removed", |r| !listed(r, "decode-1"))
+        .await;
     let b_after_removal = b.stats().requests_total;
     kube.delete(NS, "decode-1");
 
     // decode-0 is deleted outright (no terminating state seen): removed.
     kube.delete(NS, "decode-0");
-    router.wait("decode-0 removed", |r| !listed(r, "decode-0")).await;
+    router
+        .wait("decode-0 removed", |r| !listed(r, "decode-0"))
+        .await;
 
     // More load on what is left, then stop.
     let more_from = tally.ok.load(Ordering::Relaxed);
@@ -318,15 +344,36 @@ async fn the_binary_follows_pods_under_load() {
     }
 
     let errors = tally.errors.lock().expect("errors").clone();
-    assert!(errors.is_empty(), "{} client errors: {:?}", errors.len(), &errors[..errors.len().min(5)]);
+    assert!(
+        errors.is_empty(),
+        "{} client errors: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
     assert!(held_a >= 1 && held_b >= 1);
-    assert_eq!(a.stats().requests_total, a_after_drain, "decode-0 got requests after it drained");
-    assert_eq!(b.stats().requests_total, b_after_removal, "decode-1 got requests after its removal");
-    assert!(c.stats().requests_total > 40, "decode-2 serves: {:?}", c.stats());
+    assert_eq!(
+        a.stats().requests_total,
+        a_after_drain,
+        "decode-0 got requests after it drained"
+    );
+    assert_eq!(
+        b.stats().requests_total,
+        b_after_removal,
+        "decode-1 got requests after its removal"
+    );
+    assert!(
+        c.stats().requests_total > 40,
+        "decode-2 serves: {:?}",
+        c.stats()
+    );
     // Each change logged once, with its reason.
     assert_eq!(router.logged("decode-0", "discovered pod not ready"), 1);
     assert_eq!(router.logged("decode-1", "discovered pod terminating"), 1);
-    assert_eq!(router.logged("other", ""), 0, "pods no selector picks are not seen");
+    assert_eq!(
+        router.logged("other", ""),
+        0,
+        "pods no selector picks are not seen"
+    );
     eprintln!(
         "discovery e2e: {} requests ok, decode-2 traffic {first_traffic:?} after Ready, held {held_a}+{held_b}",
         tally.ok.load(Ordering::Relaxed)
@@ -342,7 +389,14 @@ fn the_binary_refuses_a_malformed_selector_naming_its_flag() {
     ];
     for (flag, want) in cases {
         let out = Command::new(env!("CARGO_BIN_EXE_pdgate"))
-            .args(["serve", "--service-discovery", "--port", "0", "--admin-port", "0"])
+            .args([
+                "serve",
+                "--service-discovery",
+                "--port",
+                "0",
+                "--admin-port",
+                "0",
+            ])
             .args(["--prefill-selector", "app=p", "--decode-selector", "app=d"])
             .args(flag)
             .env("KUBECONFIG", "/nonexistent/kubeconfig")
