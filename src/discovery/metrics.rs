@@ -31,8 +31,8 @@ pub fn describe() {
         );
         metrics::describe_counter!(
             WATCH_RESTARTS,
-            "Pod watches that started over with a fresh LIST (410 Gone, a desync), by role; \
-             the periodic resync is not counted"
+            "Pod watches that started over with a fresh LIST (after 410 Gone, a failed LIST, \
+             a desync), by role; the periodic resync is not counted"
         );
         metrics::describe_counter!(
             WATCH_ERRORS,
