@@ -20,6 +20,7 @@ pub mod bootstrap;
 pub mod check;
 pub mod cli;
 pub mod config;
+pub mod discovery;
 pub mod engine;
 pub mod error;
 pub mod fleet;

@@ -1,6 +1,6 @@
 //! Assembling a running router from a validated [`Config`]: the pool, one bootstrap
 //! tracker per prefill, one health checker (and, when enabled, one load poller) per
-//! worker, the client keys, the front door and, when asked for, the admin listener.
+//! worker, the client keys, Kubernetes discovery when `[discovery]` is enabled, the front door and, when asked for, the admin listener.
 //!
 //! The admin listener is opt-in for callers of the library: [`start`] never opens it (the
 //! tests and benches start many routers with the default config, whose admin port is the
@@ -32,6 +32,8 @@ pub struct Router {
     /// The admin listener, when one was asked for; `admin.reload(&cfg)` takes a changed
     /// admin token.
     pub admin: Option<AdminServer>,
+    /// Kubernetes discovery, when enabled (stops when the router is dropped).
+    pub discovery: Option<crate::discovery::Discovery>,
 }
 
 impl Router {
@@ -70,6 +72,8 @@ pub enum StartError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Fleet(#[from] crate::fleet::FleetError),
+    #[error("service discovery: {0}")]
+    Discovery(#[from] crate::discovery::DiscoveryError),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: String,
@@ -126,6 +130,10 @@ pub async fn start_with(
     rng: RngSource,
 ) -> Result<Router, StartError> {
     cfg.validate()?;
+    // A malformed selector refuses the start before anything runs.
+    if cfg.discovery.enabled {
+        crate::discovery::plan(&cfg.discovery)?;
+    }
     let keys = Arc::new(ClientKeys::from_config(&cfg).map_err(StartError::Auth)?);
     if keys.enabled() && cfg.upstream.forward_authorization {
         tracing::warn!(
@@ -188,6 +196,11 @@ pub async fn start_with(
             source: WorkerSource::Static,
         })?;
     }
+    let discovery = if cfg.discovery.enabled {
+        Some(crate::discovery::spawn(&cfg.discovery, fleet.clone()).await?)
+    } else {
+        None
+    };
     let cfg = Arc::new(cfg);
     let listener = match listener {
         Some(l) => l,
@@ -232,5 +245,6 @@ pub async fn start_with(
         fleet,
         keys,
         admin,
+        discovery,
     })
 }

@@ -260,7 +260,7 @@ pub async fn drive_faults(
                     Err(e) => out.errors.push(e),
                 }
                 next += 1;
-                if next % order.len() == 0 {
+                if next.is_multiple_of(order.len()) {
                     order.shuffle(&mut rng);
                 }
                 next_start = Instant::now() + rng.random_range(plan.fault_gap.0..=plan.fault_gap.1);

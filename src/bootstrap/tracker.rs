@@ -166,7 +166,7 @@ async fn discover_port(up: &Upstream, live: &LiveConfig, engine: &BaseUrl) -> u1
             }
             Err(e) => {
                 attempts += 1;
-                if attempts == 1 || attempts % 30 == 0 {
+                if attempts == 1 || attempts.is_multiple_of(30) {
                     tracing::warn!(prefill = %engine, error = %e, "prefill unreachable; waiting to learn its bootstrap port");
                 }
                 tokio::time::sleep(cfg.refresh_interval()).await;

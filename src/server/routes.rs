@@ -410,6 +410,14 @@ impl App {
                     "bootstrap": w.bootstrap.as_ref().map(|b| b.url.as_str()),
                     "ranks": w.ranks.iter().map(|r| r.label()).collect::<Vec<_>>(),
                     "refused": w.refused,
+                    "draining": w.draining,
+                    "source": w.source.label(),
+                    "pod": match &*w.source {
+                        crate::pool::WorkerSource::Discovered(p) => serde_json::json!({
+                            "namespace": p.namespace, "name": p.name, "uid": p.uid,
+                        }),
+                        _ => serde_json::Value::Null,
+                    },
                 })
             })
             .collect();

@@ -109,6 +109,12 @@ pub const BOOTSTRAP_HEARTBEAT_LOST: &str = "pdgate_bootstrap_heartbeat_lost_tota
 pub const CONFIG_RELOADS: &str = "pdgate_config_reloads_total";
 pub const CONFIG_LAST_RELOAD: &str = "pdgate_config_last_reload_success_timestamp_seconds";
 pub const BUILD_INFO: &str = "pdgate_build_info";
+// Kubernetes discovery (`crate::discovery`).
+pub const DISCOVERY_PODS: &str = "pdgate_discovery_pods";
+pub const DISCOVERY_WATCH_RESTARTS: &str = "pdgate_discovery_watch_restarts_total";
+pub const DISCOVERY_WATCH_ERRORS: &str = "pdgate_discovery_watch_errors_total";
+pub const DISCOVERY_LAST_SYNC: &str = "pdgate_discovery_last_sync_timestamp_seconds";
+pub const DISCOVERY_WORKERS: &str = "pdgate_discovery_workers";
 
 // Derived series (read from the pool at scrape time).
 pub const WORKER_HEALTHY: &str = "pdgate_worker_healthy";
@@ -206,6 +212,16 @@ pub static SERIES: &[Series] = &[
         "Unix time of the last successful config load (start or reload)."),
     s(BUILD_INFO, G, Unit::Count, &["version"],
         "Always 1; the version label is pdgate's."),
+    s(DISCOVERY_PODS, G, Unit::Count, &["state"],
+        "Pods matched by a discovery selector, by state (ready, not_ready, terminating, or why one is not used)."),
+    s(DISCOVERY_WATCH_RESTARTS, C, Unit::Count, &["role"],
+        "Pod watches that started over with a fresh LIST (after 410 Gone, a failed LIST, a desync), by role; the periodic resync is not counted."),
+    s(DISCOVERY_WATCH_ERRORS, C, Unit::Count, &["role"],
+        "Failed pod LISTs and watches, by role (workers are kept; the watch backs off)."),
+    s(DISCOVERY_LAST_SYNC, G, Unit::Seconds, &[],
+        "Unix time of the last complete pod LIST of every discovery selector (age: time() minus this)."),
+    s(DISCOVERY_WORKERS, G, Unit::Count, &["role"],
+        "Workers discovery has in the pool, by role."),
     derived(WORKER_HEALTHY, &["role", "worker"],
         "1 when the worker passes its active health checks, else 0."),
     derived(WORKER_IN_FLIGHT, &["role", "worker", "rank"],

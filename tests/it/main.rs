@@ -14,6 +14,8 @@ mod check;
 mod connections;
 mod contract;
 mod detached_prefill;
+mod discovery;
+mod discovery_e2e;
 mod engine_bounds;
 mod faults;
 mod fleet;

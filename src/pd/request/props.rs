@@ -57,7 +57,7 @@ impl Style<'_> {
                 '\t' => Some("\\t"),
                 '\u{8}' => Some("\\b"),
                 '\u{c}' => Some("\\f"),
-                '/' if pick % 2 == 0 => Some("\\/"),
+                '/' if pick.is_multiple_of(2) => Some("\\/"),
                 _ => None,
             };
             let must_escape = short.is_some() || (c as u32) < 0x20;
@@ -71,7 +71,7 @@ impl Style<'_> {
             if optional || (must_escape && short.is_none()) {
                 let mut units = [0u16; 2];
                 for u in c.encode_utf16(&mut units) {
-                    if pick % 3 == 0 {
+                    if pick.is_multiple_of(3) {
                         out.push_str(&format!("\\u{u:04X}"));
                     } else {
                         out.push_str(&format!("\\u{u:04x}"));

@@ -3,6 +3,7 @@
 //! helpers ([`sim_support`]) and the skip-or-fail rule of the interop tests ([`interop`]).
 
 pub mod common;
+pub mod fake_kube;
 pub mod interop;
 pub mod sim_support;
 pub mod upstream_support;
