@@ -234,6 +234,11 @@ impl Drop for RequestRecord {
         if let Route::Api(route) = self.route {
             let s = route_series(route);
             s.requests(outcome).increment(1);
+            // Only with client keys: their ids are as many as the keys file has names.
+            if let Some(key) = &self.key_id {
+                metrics::counter!(telemetry::CLIENT_REQUESTS, "key" => key.to_string(), "outcome" => outcome.label())
+                    .increment(1);
+            }
             s.duration(outcome).record(took.as_secs_f64());
             let (id, route, secs) = (self.id, route.label(), took.as_secs_f64());
             match outcome {

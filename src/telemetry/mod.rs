@@ -88,6 +88,7 @@ const DEFAULT_BUCKETS: &[f64] = &[
 
 // Recorded series.
 pub const REQUESTS: &str = "pdgate_requests_total";
+pub const CLIENT_REQUESTS: &str = "pdgate_client_requests_total";
 pub const REQUEST_DURATION: &str = "pdgate_request_duration_seconds";
 pub const TIME_TO_FIRST_TOKEN: &str = "pdgate_time_to_first_token_seconds";
 pub const INTER_EVENT: &str = "pdgate_stream_inter_event_seconds";
@@ -168,6 +169,8 @@ use Kind::{Counter as C, Gauge as G};
 
 /// Every series pdgate exports.
 pub static SERIES: &[Series] = &[
+    s(CLIENT_REQUESTS, C, Unit::Count, &["key", "outcome"],
+        "PD requests by client key id (the name in auth.api_keys_file, or the first 8 hex digits of the key's SHA-256; never the key) and outcome; only with client keys."),
     s(REQUESTS, C, Unit::Count, &["route", "outcome"],
         "PD requests by route and outcome (ok, or the failure reason: the error type clients see), counted when the response ends."),
     histogram(REQUEST_DURATION, &["route", "outcome"], LATENCY_BUCKETS,

@@ -244,6 +244,19 @@ async fn logs_carry_the_key_id_never_the_key() {
     assert!(text.contains(&format!("key_id={unnamed}")), "{text}");
     assert!(text.contains("unknown client key"), "{text}");
     assert!(!text.contains("sk-log-secret"), "a key was logged:\n{text}");
+    // Metrics carry the key id too, never the key.
+    let scrape = pdgate::telemetry::render(&*env.router.pool);
+    assert!(
+        scrape.contains(r#"pdgate_client_requests_total{key="team-logs",outcome="ok"}"#),
+        "{scrape}"
+    );
+    assert!(
+        scrape.contains(&format!(
+            r#"pdgate_client_requests_total{{key="{unnamed}",outcome="ok"}}"#
+        )),
+        "{scrape}"
+    );
+    assert!(!scrape.contains("sk-log-secret"), "a key in the metrics");
 }
 
 /// With client keys on, the client's `Authorization` is its pdgate key: engines get
