@@ -22,8 +22,9 @@ pub struct Cli {
 pub enum Command {
     /// Run the router.
     Serve(ServeArgs),
-    /// Probe every configured engine (the same flags and config as `serve`) and report what
-    /// is wrong and how to fix it. Exit code 0: all ✓; 1: a ✗; 2: a config error.
+    /// Probe every configured engine, and every engine discovery finds (the same flags and
+    /// config as `serve`), and report what is wrong and how to fix it. Exit code 0: all ✓;
+    /// 1: a ✗; 2: a config error.
     Check(CheckArgs),
     /// Run simulated SGLang engines (prefill + bootstrap server, decode), no GPU.
     Sim(pdgate_sim::cli::SimArgs),

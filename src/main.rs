@@ -80,7 +80,9 @@ fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// `pdgate check`: exit code 0 when every check passed, 1 on any ✗, 2 on a config error.
+/// `pdgate check`: exit code 0 when every check passed, 1 on any ✗, 2 on a config error
+/// (a malformed discovery selector included). Discovery's client comes from the
+/// environment (`KUBECONFIG`, else the in-cluster service account), as `serve`'s.
 fn check(args: command::CheckArgs, matches: &clap::ArgMatches) -> std::process::ExitCode {
     use std::process::ExitCode;
     let sm = matches
@@ -94,6 +96,13 @@ fn check(args: command::CheckArgs, matches: &clap::ArgMatches) -> std::process::
             return ExitCode::from(2);
         }
     };
+    // A malformed selector is a config error (it names its flag), as it refuses `serve`.
+    if cfg.discovery.enabled {
+        if let Err(e) = pdgate::discovery::plan(&cfg.discovery) {
+            eprintln!("pdgate: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let rt = match runtime(1) {
         Ok(rt) => rt,
         Err(e) => {

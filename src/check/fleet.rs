@@ -20,20 +20,37 @@ use crate::url::parse_base_url;
 /// Every fleet check, in order.
 pub(super) fn fleet(cfg: &Config, probes: &[EngineProbe]) -> Vec<Check> {
     let mut out = Vec::new();
-    for (role, n) in [
-        (Role::Prefill, cfg.prefill.len()),
-        (Role::Decode, cfg.decode.len()),
-    ] {
+    let discovery = cfg.discovery.enabled;
+    for role in [Role::Prefill, Role::Decode] {
         let name = format!("{role}_configured");
-        out.push(if n > 0 {
-            Check::pass(FLEET, &name, format!("{n} {role} engine(s)"))
-        } else {
-            Check::fail(
+        let of_role = || probes.iter().filter(|p| p.role == role);
+        let n = of_role().count();
+        let found = of_role().filter(|p| p.discovered).count();
+        out.push(match (n, discovery) {
+            (0, false) => Check::fail(
                 FLEET,
                 &name,
                 format!("no {role} engine configured: no request can be served"),
                 format!("add one: --{role} URL, or [[{role}]] in the config file"),
-            )
+            ),
+            (0, true) => Check::fail(
+                FLEET,
+                &name,
+                format!("no {role} engine configured or discovered: no request can be served"),
+                format!(
+                    "run a Ready {role} pod that matches --{role}-selector (see the discovery \
+                     rows above), or add one: --{role} URL, or [[{role}]] in the config file"
+                ),
+            ),
+            (n, false) => Check::pass(FLEET, &name, format!("{n} {role} engine(s)")),
+            (n, true) => Check::pass(
+                FLEET,
+                &name,
+                format!(
+                    "{n} {role} engine(s): {} static, {found} discovered",
+                    n - found
+                ),
+            ),
         });
     }
     out.push(contract(cfg.contract.mode, probes));
@@ -98,7 +115,7 @@ fn contract(mode: ContractMode, probes: &[EngineProbe]) -> Check {
                 .filter(|p| p.role == Role::Prefill)
                 .filter_map(|p| {
                     let m = p.info.as_ref()?.load_balance_method.as_deref()?;
-                    (m != FOLLOW_BOOTSTRAP_ROOM).then(|| format!("{} ({m})", p.url))
+                    (m != FOLLOW_BOOTSTRAP_ROOM).then(|| format!("{} ({m})", p.target))
                 })
                 .collect();
             if off.is_empty() {
@@ -137,7 +154,7 @@ fn pairs(
         probes
             .iter()
             .filter(move |p| p.role == role)
-            .filter_map(|p| Some((p.url.as_str(), fact(p)?)))
+            .filter_map(|p| Some((p.target.as_str(), fact(p)?)))
             .collect::<Vec<_>>()
     };
     let (prefills, decodes) = (of(Role::Prefill), of(Role::Decode));

@@ -1,5 +1,6 @@
-//! `pdgate check`, the deployment doctor: probes every configured engine (and, on request,
-//! one PD request end to end) and says, check by check, what is right and what to fix.
+//! `pdgate check`, the deployment doctor: probes every configured engine, and every engine
+//! Kubernetes discovery finds (and, on request, one PD request end to end), and says, check
+//! by check, what is right and what to fix.
 //!
 //! Why: most failed PD deployments are misconfigurations that only show as timeouts under
 //! traffic — a decode listed as a prefill, a prefill that does not place rooms by
@@ -14,6 +15,9 @@
 //!   timeout (capped at [`PROBE_REQUEST_CAP`]).
 //! - Every ✗ carries a `fix`; a ✓ never does. A check whose precondition failed (the engine
 //!   did not answer) is not reported at all rather than reported as a second failure.
+//! - With `[discovery]` enabled, the pods are listed once (`discovered.rs`: the same client,
+//!   namespace, selectors and pod rules as `serve`), and every pod the router would use is
+//!   probed exactly as a static engine is, under the target `namespace/name`.
 //! - Layer: above [`crate::router`] (the end-to-end probe starts one in-process); nothing in
 //!   the library imports this module, only the binary.
 
@@ -23,17 +27,19 @@ use http::StatusCode;
 use serde::Serialize;
 
 use crate::bootstrap::client::{self, RankRoute, Sentinel};
-use crate::config::{Config, ContractMode};
+use crate::config::{Config, ContractMode, DecodeWorkerConfig, PrefillWorkerConfig};
 use crate::engine::{Layout, ServerInfo};
 use crate::types::Role;
 use crate::upstream::Upstream;
 use crate::url::{parse_base_url, BaseUrl};
 
+mod discovered;
 mod fleet;
 
+pub use discovered::{KubeSource, DISCOVERY_WAIT};
 use fleet::{fleet, probe_request};
 
-/// The `target` of a check about the deployment as a whole.
+/// The `target` of a check about the deployment as a whole (discovery included).
 pub const FLEET: &str = "fleet";
 /// The prefill DP dispatch that `modulo` contract mode needs.
 pub const FOLLOW_BOOTSTRAP_ROOM: &str = "follow_bootstrap_room";
@@ -76,7 +82,9 @@ impl Check {
     }
 }
 
-/// Every check, in order: per engine (prefills, then decodes, as configured), then the fleet.
+/// Every check, in order: discovery (what it found, then each pod it would not use), per
+/// engine (prefills, then decodes; static ones as configured, then discovered ones by pod
+/// name), then the fleet.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
     pub ok: bool,
@@ -142,10 +150,32 @@ pub struct CheckOptions {
     pub probe_request: bool,
 }
 
+/// How an engine came to be probed.
+#[derive(Clone, Debug)]
+enum Listed {
+    /// In the config or on the command line.
+    Static,
+    /// A pod discovery would use: its ✓ `pod` row (the endpoint) opens the engine's checks.
+    Pod { row: Check, annotation: String },
+}
+
+/// An engine to probe.
+#[derive(Clone, Debug)]
+struct Engine {
+    role: Role,
+    /// The report's target: the URL as configured, or the pod's `namespace/name`.
+    target: String,
+    url: String,
+    bootstrap_port: Option<u16>,
+    listed: Listed,
+}
+
 /// What one engine answered.
 struct EngineProbe {
     role: Role,
-    url: String,
+    /// The engine's target in the report.
+    target: String,
+    discovered: bool,
     checks: Vec<Check>,
     /// `/server_info`, only when the engine reports the role it was configured with (an
     /// engine in the wrong role is left out of the fleet comparisons).
@@ -153,12 +183,18 @@ struct EngineProbe {
     layout: Option<Layout>,
 }
 
-/// Probes every engine of `cfg` (a validated configuration) and the fleet as a whole.
+/// Probes every engine of `cfg` (a validated configuration) and the fleet as a whole; with
+/// `[discovery]` enabled, the Kubernetes client comes from the environment, as `serve`'s.
 pub async fn run(cfg: &Config, opts: CheckOptions) -> Report {
+    run_with(cfg, opts, KubeSource::Environment).await
+}
+
+/// [`run`], with the Kubernetes client configuration given (tests use a fake API server).
+pub async fn run_with(cfg: &Config, opts: CheckOptions, kube: KubeSource) -> Report {
     let up = Upstream::new(&crate::router::upstream_settings(cfg));
     let timeout = cfg.bootstrap.http_timeout();
     let mode = cfg.contract.mode;
-    let engines = cfg
+    let mut engines: Vec<Engine> = cfg
         .prefill
         .iter()
         .map(|p| (Role::Prefill, p.url.clone(), p.bootstrap_port))
@@ -166,39 +202,79 @@ pub async fn run(cfg: &Config, opts: CheckOptions) -> Report {
             cfg.decode
                 .iter()
                 .map(|d| (Role::Decode, d.url.clone(), None)),
-        );
+        )
+        .map(|(role, url, bootstrap_port)| Engine {
+            role,
+            target: url.clone(),
+            url,
+            bootstrap_port,
+            listed: Listed::Static,
+        })
+        .collect();
+    let mut checks = Vec::new();
+    if cfg.discovery.enabled {
+        let d = discovered::discover(cfg, kube, &engines).await;
+        checks.extend(d.checks);
+        engines.extend(d.engines);
+        // Prefills first, each role in listing order.
+        engines.sort_by_key(|e| e.role != Role::Prefill);
+    }
     let handles: Vec<_> = engines
-        .map(|(role, url, port)| {
+        .iter()
+        .map(|e| {
             let up = up.clone();
             let task = tokio::spawn({
-                let url = url.clone();
-                async move { probe_engine(&up, role, url, port, mode, timeout).await }
+                let e = e.clone();
+                async move { probe_engine(&up, &e, mode, timeout).await }
             });
-            (role, url, task)
+            (e, task)
         })
         .collect();
     let mut probes = Vec::with_capacity(handles.len());
-    for (role, url, task) in handles {
-        let probe = task.await.unwrap_or_else(|e| EngineProbe {
-            role,
+    for (e, task) in handles {
+        let probe = task.await.unwrap_or_else(|err| EngineProbe {
+            role: e.role,
             checks: vec![Check::fail(
-                &url,
+                &e.target,
                 "probe",
-                format!("the probe task failed: {e}"),
+                format!("the probe task failed: {err}"),
                 "a pdgate bug: please report it with this output",
             )],
-            url,
+            target: e.target.clone(),
+            discovered: matches!(e.listed, Listed::Pod { .. }),
             info: None,
             layout: None,
         });
         probes.push(probe);
     }
-    let mut checks: Vec<Check> = probes.iter().flat_map(|p| p.checks.clone()).collect();
+    checks.extend(probes.iter().flat_map(|p| p.checks.clone()));
     checks.extend(fleet(cfg, &probes));
     if opts.probe_request {
-        checks.push(probe_request(cfg, &up).await);
+        checks.push(probe_request(&probe_config(cfg, &engines), &up).await);
     }
     Report::new(checks)
+}
+
+/// The end-to-end probe's router config: the engines probed here, all static, discovery
+/// off. The router then routes to exactly the fleet this report describes, and does not
+/// look for a Kubernetes client of its own (the one `check` used may have been given).
+fn probe_config(cfg: &Config, engines: &[Engine]) -> Config {
+    let mut c = cfg.clone();
+    c.discovery.enabled = false;
+    for e in engines
+        .iter()
+        .filter(|e| matches!(e.listed, Listed::Pod { .. }))
+    {
+        match e.role {
+            Role::Prefill => c.prefill.push(PrefillWorkerConfig {
+                url: e.url.clone(),
+                bootstrap_port: e.bootstrap_port,
+                bootstrap_host: None,
+            }),
+            Role::Decode => c.decode.push(DecodeWorkerConfig { url: e.url.clone() }),
+        }
+    }
+    c
 }
 
 fn snippet(b: &[u8]) -> String {
@@ -212,21 +288,24 @@ fn or_unknown<T: ToString>(v: &Option<T>) -> String {
 
 async fn probe_engine(
     up: &Upstream,
-    role: Role,
-    raw: String,
-    port: Option<u16>,
+    e: &Engine,
     mode: ContractMode,
     timeout: Duration,
 ) -> EngineProbe {
+    let role = e.role;
     let mut p = EngineProbe {
         role,
-        url: raw.clone(),
+        target: e.target.clone(),
+        discovered: matches!(e.listed, Listed::Pod { .. }),
         checks: Vec::new(),
         info: None,
         layout: None,
     };
-    let t = raw.as_str();
-    let url = match parse_base_url(t) {
+    if let Listed::Pod { row, .. } = &e.listed {
+        p.checks.push(row.clone());
+    }
+    let t = e.target.as_str();
+    let url = match parse_base_url(&e.url) {
         Ok(u) => u,
         Err(e) => {
             p.checks.push(Check::fail(
@@ -240,15 +319,24 @@ async fn probe_engine(
     };
     let started = Instant::now();
     match up.get(&url, "/health", timeout).await {
-        Err(e) => {
-            p.checks.push(Check::fail(
-                t,
-                "reachable",
-                format!("no HTTP answer from the {role} engine: {e}"),
-                format!(
+        Err(err) => {
+            let fix = match &e.listed {
+                Listed::Static => format!(
                     "start the {role} engine at {url}, or correct its URL (host, port); check \
                      that pdgate's host can connect to it"
                 ),
+                Listed::Pod { .. } => format!(
+                    "the pod is Ready but nothing answers at {url}: check the engine's port \
+                     (--service-discovery-port, or the container port named by \
+                     --service-discovery-port-name) and that pdgate's host can reach pod IPs \
+                     (network policies)"
+                ),
+            };
+            p.checks.push(Check::fail(
+                t,
+                "reachable",
+                format!("no HTTP answer from the {role} engine: {err}"),
+                fix,
             ));
             return p;
         }
@@ -288,7 +376,7 @@ async fn probe_engine(
             return p;
         }
     };
-    let role_ok = role_check(&mut p.checks, t, role, &info);
+    let role_ok = role_check(&mut p.checks, e, &info);
     p.checks.push(Check::pass(
         t,
         "engine",
@@ -303,7 +391,7 @@ async fn probe_engine(
     ));
     if role == Role::Prefill && role_ok {
         p.checks.push(room_check(t, &info, mode));
-        p.layout = probe_bootstrap(up, &mut p.checks, t, &url, port, &info, timeout).await;
+        p.layout = probe_bootstrap(up, &mut p.checks, e, &url, &info, timeout).await;
     }
     if role_ok {
         p.info = Some(info);
@@ -311,8 +399,10 @@ async fn probe_engine(
     p
 }
 
-/// The engine's `disaggregation_mode` is the role it was configured with.
-fn role_check(checks: &mut Vec<Check>, t: &str, role: Role, info: &ServerInfo) -> bool {
+/// The engine's `disaggregation_mode` is the role it was configured with (or its pod's
+/// selector says).
+fn role_check(checks: &mut Vec<Check>, e: &Engine, info: &ServerInfo) -> bool {
+    let (t, role) = (e.target.as_str(), e.role);
     let mode = info.disaggregation_mode.as_deref().unwrap_or("null");
     if mode == role.as_str() {
         checks.push(Check::pass(
@@ -322,16 +412,24 @@ fn role_check(checks: &mut Vec<Check>, t: &str, role: Role, info: &ServerInfo) -
         ));
         return true;
     }
-    let fix = match mode {
-        "prefill" | "decode" => format!(
+    let fix = match (mode, &e.listed) {
+        ("prefill" | "decode", Listed::Static) => format!(
             "this is a {mode} engine: list it with --{mode} (in [[{mode}]]), not as a {role}"
         ),
+        ("prefill" | "decode", Listed::Pod { .. }) => format!(
+            "this pod runs a {mode} engine but matches --{role}-selector: correct its labels \
+             (it must match --{mode}-selector only) or the selectors"
+        ),
         _ => format!("start the engine with --disaggregation-mode {role}"),
+    };
+    let how = match e.listed {
+        Listed::Static => "configured",
+        Listed::Pod { .. } => "discovered",
     };
     checks.push(Check::fail(
         t,
         "role",
-        format!("the engine reports disaggregation_mode {mode}; configured as a {role}"),
+        format!("the engine reports disaggregation_mode {mode}; {how} as a {role}"),
         fix,
     ));
     false
@@ -369,27 +467,32 @@ fn room_check(t: &str, info: &ServerInfo, mode: ContractMode) -> Check {
 async fn probe_bootstrap(
     up: &Upstream,
     checks: &mut Vec<Check>,
-    t: &str,
+    e: &Engine,
     engine: &BaseUrl,
-    port: Option<u16>,
     info: &ServerInfo,
     timeout: Duration,
 ) -> Option<Layout> {
-    let (port, from) = match (port, info.disaggregation_bootstrap_port) {
+    let t = e.target.as_str();
+    let (port, from) = match (e.bootstrap_port, info.disaggregation_bootstrap_port) {
+        (Some(p), _) if matches!(e.listed, Listed::Pod { .. }) => (p, "from the pod's annotation"),
         (Some(p), _) => (p, "configured"),
         (None, Some(p)) => (p, "from /server_info"),
         (None, None) => (sglang_pd::DEFAULT_BOOTSTRAP_PORT, "the default"),
     };
     let url = engine.with_port(port);
-    if let Err(e) = client::health(up, &url, timeout).await {
+    if let Err(err) = client::health(up, &url, timeout).await {
+        let give = match &e.listed {
+            Listed::Static => "--prefill URL PORT, or bootstrap_port in [[prefill]]".to_string(),
+            Listed::Pod { annotation, .. } => format!("the pod's {annotation} annotation"),
+        };
         checks.push(Check::fail(
             t,
             "bootstrap_health",
-            format!("bootstrap server {url} (port {from}): {e}"),
+            format!("bootstrap server {url} (port {from}): {err}"),
             format!(
                 "the prefill's bootstrap server must answer on port {port}: give the right port \
-                 (--prefill URL PORT, or bootstrap_port in [[prefill]]; the engine's \
-                 --disaggregation-bootstrap-port) and check the prefill's logs"
+                 ({give}; the engine's --disaggregation-bootstrap-port) and check the \
+                 prefill's logs"
             ),
         ));
         return None;

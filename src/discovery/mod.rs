@@ -8,6 +8,11 @@
 //! [`Fleet`]. It is level-triggered: missing an event costs nothing once the next one (or
 //! the periodic relist, `discovery.resync_secs`) arrives.
 //!
+//! [`snapshot`] is the one-shot view of the same pods (one LIST per role, the same client,
+//! namespace, selectors and classification, no watch, no fleet) that `pdgate check`
+//! reports; [`infer_config`], [`client_from`] and [`scope`] are shared by both, so the
+//! doctor looks where the router will.
+//!
 //! Invariants:
 //! - Selectors are checked at start ([`plan`]); a malformed one refuses the start and names
 //!   its flag. They are sent to the API server as written.
@@ -35,10 +40,12 @@ pub mod metrics;
 pub mod pod;
 mod reconcile;
 pub mod selector;
+mod snapshot;
 mod watch;
 
 use metrics::{Stats, StatsSnapshot};
 use pod::PodSettings;
+pub use snapshot::{snapshot, Found, FoundPod};
 
 /// Where a pod reads its own namespace.
 pub const SERVICE_ACCOUNT_NAMESPACE: &str =
@@ -62,6 +69,34 @@ pub enum DiscoveryError {
     Config(String),
     #[error("cannot build the Kubernetes client: {0}")]
     Client(String),
+    /// A one-shot LIST ([`snapshot`]) failed.
+    #[error("LIST pods with the {role} selector {selector:?}: {error}")]
+    List {
+        role: Role,
+        selector: String,
+        #[source]
+        error: kube::Error,
+    },
+    /// A one-shot LIST did not end within [`snapshot::MAX_PAGES`] pages.
+    #[error("LIST pods with the {role} selector {selector:?}: still more after {pods} pods")]
+    TooManyPods {
+        role: Role,
+        selector: String,
+        pods: usize,
+    },
+}
+
+impl DiscoveryError {
+    /// The API server's answer when it refused a LIST: HTTP status and message.
+    pub fn api_status(&self) -> Option<(u16, &str)> {
+        match self {
+            DiscoveryError::List {
+                error: kube::Error::Api(st),
+                ..
+            } => Some((st.code, st.message.as_str())),
+            _ => None,
+        }
+    }
 }
 
 /// Which pods to watch, checked.
@@ -77,7 +112,8 @@ pub struct Plan {
 }
 
 impl Plan {
-    fn selector(&self, role: Role) -> Option<&str> {
+    /// The selector of `role`, if it has one.
+    pub fn selector(&self, role: Role) -> Option<&str> {
         match role {
             Role::Prefill => self.prefill_selector.as_deref(),
             Role::Decode => self.decode_selector.as_deref(),
@@ -178,14 +214,23 @@ impl Drop for Discovery {
     }
 }
 
-/// Starts discovery with the client configuration of the environment: `KUBECONFIG` (or
-/// `~/.kube/config`), else the in-cluster service account.
+/// The client configuration of the environment: `KUBECONFIG` (or `~/.kube/config`), else
+/// the in-cluster service account.
+pub async fn infer_config() -> Result<kube::Config, DiscoveryError> {
+    kube::Config::infer()
+        .await
+        .map_err(|e| DiscoveryError::Config(e.to_string()))
+}
+
+/// The client discovery uses, from a client configuration.
+pub fn client_from(kc: kube::Config) -> Result<kube::Client, DiscoveryError> {
+    kube::Client::try_from(kc).map_err(|e| DiscoveryError::Client(e.to_string()))
+}
+
+/// Starts discovery with the client configuration of the environment ([`infer_config`]).
 pub async fn spawn(cfg: &DiscoveryConfig, fleet: Arc<Fleet>) -> Result<Discovery, DiscoveryError> {
     let plan = plan(cfg)?;
-    let kc = kube::Config::infer()
-        .await
-        .map_err(|e| DiscoveryError::Config(e.to_string()))?;
-    let client = kube::Client::try_from(kc).map_err(|e| DiscoveryError::Client(e.to_string()))?;
+    let client = client_from(infer_config().await?)?;
     Ok(start(plan, client, fleet))
 }
 
@@ -207,17 +252,27 @@ fn own_namespace(client: &kube::Client) -> String {
         .unwrap_or_else(|| client.default_namespace().to_string())
 }
 
-fn start(plan: Plan, client: kube::Client, fleet: Arc<Fleet>) -> Discovery {
-    let scope = match (&plan.namespace, plan.all_namespaces) {
+/// The namespace `plan` watches with `client`, or `*` for all.
+pub fn scope(plan: &Plan, client: &kube::Client) -> String {
+    match (&plan.namespace, plan.all_namespaces) {
         (_, true) => "*".to_string(),
         (Some(ns), false) => ns.clone(),
-        (None, false) => own_namespace(&client),
-    };
-    let api: Api<Pod> = if plan.all_namespaces {
+        (None, false) => own_namespace(client),
+    }
+}
+
+/// The pods API of `scope` (`*`: every namespace).
+fn pods_api(client: kube::Client, scope: &str) -> Api<Pod> {
+    if scope == "*" {
         Api::all(client)
     } else {
-        Api::namespaced(client, &scope)
-    };
+        Api::namespaced(client, scope)
+    }
+}
+
+fn start(plan: Plan, client: kube::Client, fleet: Arc<Fleet>) -> Discovery {
+    let scope = scope(&plan, &client);
+    let api = pods_api(client, &scope);
     let stop = CancellationToken::new();
     let stats = Arc::new(Stats::default());
     let stores = Arc::new(watch::Stores::default());

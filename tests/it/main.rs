@@ -11,6 +11,7 @@ mod bootstrap_tracking;
 mod breaker_trials;
 mod chaos;
 mod check;
+mod check_discovery;
 mod connections;
 mod contract;
 mod detached_prefill;

@@ -21,7 +21,8 @@
 //!   DELETED (ADDED) on it, as the API server's watch cache does.
 //! - Faults: [`FakeKube::cut_watches`] ends every stream, [`FakeKube::expire`] sends 410
 //!   Expired on every stream and compacts the history (a reconnect gets 410 too, and the
-//!   client must relist), [`FakeKube::set_down`] closes every new connection (and answers 500 on a kept one).
+//!   client must relist), [`FakeKube::set_down`] closes every new connection (and answers 500 on a kept one),
+//!   [`FakeKube::set_forbidden`] answers 403 as RBAC without `list pods` does.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
@@ -77,6 +78,7 @@ struct State {
     oldest_rv: u64,
     watches: Vec<Watch>,
     down: bool,
+    forbidden: bool,
     page_cap: usize,
     requests: Vec<String>,
     next_uid: u64,
@@ -409,14 +411,18 @@ impl FakeKube {
         path
     }
 
-    /// A real kube client for this server, from a kubeconfig file (not `KUBECONFIG`: the
-    /// environment is the whole test process's).
-    pub async fn client(&self, namespace: &str) -> kube::Client {
+    /// A client configuration for this server, from a kubeconfig file (not `KUBECONFIG`:
+    /// the environment is the whole test process's).
+    pub async fn config(&self, namespace: &str) -> kube::Config {
         let kc = kube::config::Kubeconfig::read_from(self.kubeconfig(namespace)).expect("read");
-        let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        kube::Config::from_custom_kubeconfig(kc, &Default::default())
             .await
-            .expect("kube config");
-        kube::Client::try_from(cfg).expect("kube client")
+            .expect("kube config")
+    }
+
+    /// A real kube client for this server ([`FakeKube::config`]).
+    pub async fn client(&self, namespace: &str) -> kube::Client {
+        kube::Client::try_from(self.config(namespace).await).expect("kube client")
     }
 
     fn commit(s: &mut State, kind: Kind, old: Option<Pod>, mut new: Pod) -> Pod {
@@ -524,6 +530,12 @@ impl FakeKube {
         })
     }
 
+    /// Answers every request 403 Forbidden while `forbidden`, as the API server does for a
+    /// service account without `list pods`.
+    pub fn set_forbidden(&self, forbidden: bool) {
+        self.with(|s| s.forbidden = forbidden)
+    }
+
     /// Request targets (path and query) seen so far.
     pub fn requests(&self) -> Vec<String> {
         self.with(|s| s.requests.clone())
@@ -558,6 +570,23 @@ fn handle(st: &Mutex<State>, req: hyper::Request<hyper::body::Incoming>) -> hype
         return fail(500, "InternalError", "the fake API server is down");
     }
     let path = req.uri().path();
+    if s.forbidden {
+        let scope = path
+            .strip_prefix("/api/v1/namespaces/")
+            .and_then(|r| r.split('/').next())
+            .map_or_else(
+                || "at the cluster scope".to_string(),
+                |ns| format!("in the namespace \"{ns}\""),
+            );
+        return fail(
+            403,
+            "Forbidden",
+            &format!(
+                "pods is forbidden: User \"system:serviceaccount:llm:pdgate\" cannot list \
+                 resource \"pods\" in API group \"\" {scope}"
+            ),
+        );
+    }
     let namespace = match path.split('/').collect::<Vec<_>>().as_slice() {
         ["", "api", "v1", "pods"] => None,
         ["", "api", "v1", "namespaces", ns, "pods"] => Some(ns.to_string()),
