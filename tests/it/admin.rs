@@ -13,7 +13,7 @@ use pdgate_sim::EngineConfig;
 use serde_json::Value;
 
 use crate::support::common::{
-    self, fast_config, fast_engine, gen_body, sse_events, start_with_admin, Env, GEN,
+    self, fast_config, fast_engine, gen_body, start_with_admin, Env, GEN,
 };
 
 const TOKEN: &str = "adm1n-t0ken";
@@ -457,18 +457,9 @@ async fn drain_undrain_and_delete_let_a_stream_in_flight_finish() {
     .await;
     env.wait_routable(1, 2).await;
     let long = r#"{"text":"hello","stream":true,"sampling_params":{"max_new_tokens":50}}"#;
-    let stream = env
-        .send(
-            "POST",
-            "/generate",
-            &[("content-type", "application/json")],
-            long,
-        )
-        .await;
+    let stream = env.post_streaming("/generate", long).await;
     assert_eq!(stream.status(), 200);
-    let busy = (0..2)
-        .find(|i| env.cluster.decodes[*i].stats().held_now == 1)
-        .expect("one decode holds the stream");
+    let busy = env.busy_decode();
     let (busy_id, other_id) = (format!("decode-{busy}"), format!("decode-{}", 1 - busy));
     let v = wait_worker(&env, &busy_id, "its stream counted", |v| {
         v["in_flight"] == 1
@@ -540,17 +531,7 @@ async fn drain_undrain_and_delete_let_a_stream_in_flight_finish() {
     assert!(!deleting.is_finished(), "the DELETE waits for the stream");
 
     // The stream runs to its end, untouched; then the DELETE answers.
-    let all = tokio::time::timeout(
-        Duration::from_secs(20),
-        http_body_util::BodyExt::collect(stream.into_body()),
-    )
-    .await
-    .expect("stream in time")
-    .expect("stream")
-    .to_bytes();
-    let (events, done) = sse_events(&all);
-    assert!(done, "{}", String::from_utf8_lossy(&all));
-    assert!(events.iter().all(|e| e.get("error").is_none()));
+    common::finish_clean(stream).await;
     let (st, b) = tokio::time::timeout(Duration::from_secs(10), deleting)
         .await
         .expect("DELETE in time")

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use pdgate::fleet::{FleetError, Removed, WorkerSpec};
@@ -159,19 +159,10 @@ async fn drain_then_remove_lets_a_stream_finish_and_ids_are_not_reused() {
     .await;
     env.wait_routable(1, 2).await;
     let long = r#"{"text":"hello","stream":true,"sampling_params":{"max_new_tokens":25}}"#;
-    let stream = env
-        .send(
-            "POST",
-            "/generate",
-            &[("content-type", "application/json")],
-            long,
-        )
-        .await;
+    let stream = env.post_streaming("/generate", long).await;
     assert_eq!(stream.status(), 200);
     // The decode that holds the stream.
-    let busy = (0..2)
-        .find(|i| env.cluster.decodes[*i].stats().held_now == 1)
-        .expect("one decode holds the stream");
+    let busy = env.busy_decode();
     let snap = env.router.pool.load();
     let busy_id = snap.workers(Role::Decode)[busy].id;
     let other_id = snap.workers(Role::Decode)[1 - busy].id;
@@ -198,17 +189,7 @@ async fn drain_then_remove_lets_a_stream_finish_and_ids_are_not_reused() {
         .is_some());
 
     // The stream runs to its end, untouched.
-    let body = tokio::time::timeout(Duration::from_secs(20), stream.into_body().collect())
-        .await
-        .expect("stream in time")
-        .expect("stream")
-        .to_bytes();
-    let (events, done) = common::sse_events(&body);
-    assert!(done, "{}", String::from_utf8_lossy(&body));
-    assert!(
-        events.iter().all(|e| e.get("error").is_none()),
-        "{events:?}"
-    );
+    common::finish_clean(stream).await;
 
     // Then the worker goes, having drained.
     let how = tokio::time::timeout(Duration::from_secs(20), removal)

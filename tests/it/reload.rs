@@ -12,7 +12,7 @@ use pdgate::config::{Config, PolicyKind};
 use pdgate::types::Role;
 use pdgate_sim::{EngineConfig, SimCluster};
 
-use crate::support::common::{self, fast_engine, start_as_is};
+use crate::support::common::{self, fast_engine, finish_clean, start_as_is};
 
 const LONG: &str = r#"{"text":"hello","stream":true,"sampling_params":{"max_new_tokens":25}}"#;
 const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
@@ -28,23 +28,6 @@ fn current(env: &common::Env) -> Config {
     (**env.router.fleet.live().load()).clone()
 }
 
-/// Reads a whole stream; checks it ended with `[DONE]` and no error event.
-async fn finish_clean(resp: hyper::Response<hyper::body::Incoming>) -> usize {
-    assert_eq!(resp.status(), 200);
-    let body = tokio::time::timeout(Duration::from_secs(20), resp.into_body().collect())
-        .await
-        .expect("stream in time")
-        .expect("stream")
-        .to_bytes();
-    let (events, done) = common::sse_events(&body);
-    assert!(done, "{}", String::from_utf8_lossy(&body));
-    assert!(
-        events.iter().all(|e| e.get("error").is_none()),
-        "{events:?}"
-    );
-    events.len()
-}
-
 #[tokio::test]
 async fn a_reload_while_streams_run_disturbs_none_of_them() {
     let env = start_as_is(
@@ -56,15 +39,7 @@ async fn a_reload_while_streams_run_disturbs_none_of_them() {
     env.wait_routable(1, 1).await;
     let mut streams = Vec::new();
     for _ in 0..4 {
-        streams.push(
-            env.send(
-                "POST",
-                "/generate",
-                &[("content-type", "application/json")],
-                LONG,
-            )
-            .await,
-        );
+        streams.push(env.post_streaming("/generate", LONG).await);
     }
     assert_eq!(env.cluster.decodes[0].stats().held_now, 4);
 
@@ -163,15 +138,7 @@ async fn a_removed_static_worker_drains_its_stream_then_goes() {
     // Streams until one is on decode 0 (round robin: within two).
     let mut held = Vec::new();
     for _ in 0..2 {
-        held.push(
-            env.send(
-                "POST",
-                "/generate",
-                &[("content-type", "application/json")],
-                LONG,
-            )
-            .await,
-        );
+        held.push(env.post_streaming("/generate", LONG).await);
     }
     assert!(env.cluster.decodes[0].stats().held_now >= 1);
     let mut next = current(&env);

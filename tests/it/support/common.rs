@@ -248,6 +248,26 @@ impl Env {
         (parts.status, parts.headers, bytes)
     }
 
+    /// POSTs a JSON body; returns the answer with its body still coming (a stream).
+    pub async fn post_streaming(&self, path: &str, body: &str) -> hyper::Response<Incoming> {
+        self.send(
+            "POST",
+            path,
+            &[("content-type", "application/json")],
+            body.to_string(),
+        )
+        .await
+    }
+
+    /// The index of the one decode engine that holds a request now.
+    pub fn busy_decode(&self) -> usize {
+        let held: Vec<usize> = (0..self.cluster.decodes.len())
+            .filter(|i| self.cluster.decodes[*i].stats().held_now > 0)
+            .collect();
+        assert_eq!(held.len(), 1, "one decode holds requests: {held:?}");
+        held[0]
+    }
+
     /// POSTs JSON and reads the whole answer.
     pub async fn post(&self, path: &str, body: &str) -> (StatusCode, HeaderMap, Bytes) {
         let resp = self
@@ -369,4 +389,22 @@ pub fn assert_retried(failing: &SimEngine, other: &SimEngine, side: char) -> usi
         );
     }
     first.len()
+}
+
+/// Reads a whole stream (bounded: 20 s); checks that it is a 200 that ended with `[DONE]` and
+/// no error event; returns its event count.
+pub async fn finish_clean(resp: hyper::Response<Incoming>) -> usize {
+    assert_eq!(resp.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(20), resp.into_body().collect())
+        .await
+        .expect("stream in time")
+        .expect("stream")
+        .to_bytes();
+    let (events, done) = sse_events(&body);
+    assert!(done, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        events.iter().all(|e| e.get("error").is_none()),
+        "{events:?}"
+    );
+    events.len()
 }
