@@ -222,13 +222,7 @@ async fn one_line_per_request_served_or_rejected() {
 async fn off_unless_enabled() {
     let cap = Capture::default();
     let _guard = cap.install();
-    let env = start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        |_| {},
-    )
-    .await;
-    env.wait_routable(1, 1).await;
+    let env = common::start_pair().await;
     for (rid, body) in [("o-ok", GEN), ("o-bad", "{x")] {
         send(&env, rid, "POST", "/generate", "application/json", body).await;
     }

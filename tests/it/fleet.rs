@@ -32,13 +32,7 @@ fn decode_spec(url: &str, source: WorkerSource) -> WorkerSpec {
 
 #[tokio::test]
 async fn a_worker_added_at_run_time_takes_traffic_once_checked() {
-    let env = start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        |_| {},
-    )
-    .await;
-    env.wait_routable(1, 1).await;
+    let env = common::start_pair().await;
     let extra = pdgate_sim::spawn(fast_engine(EngineConfig::decode(2)))
         .await
         .expect("engine");
@@ -120,13 +114,7 @@ pub(crate) async fn health_only_engine() -> (String, Arc<AtomicUsize>) {
 
 #[tokio::test]
 async fn a_run_time_worker_without_server_info_is_never_routable() {
-    let env = start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        |_| {},
-    )
-    .await;
-    env.wait_routable(1, 1).await;
+    let env = common::start_pair().await;
     let (url, checks) = health_only_engine().await;
     let id = env
         .router

@@ -243,13 +243,7 @@ async fn client_pd_fields_are_replaced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_id_is_kept_and_echoed() {
-    let env = start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        |_| {},
-    )
-    .await;
-    env.wait_routable(1, 1).await;
+    let env = common::start_pair().await;
     let resp = env
         .send(
             "POST",

@@ -77,6 +77,19 @@ pub async fn start(
     start_as_is(prefill, decode, tweak).await
 }
 
+/// One prefill and one decode engine (DP 1 each) behind a router with the test defaults,
+/// routable.
+pub async fn start_pair() -> Env {
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    env
+}
+
 /// Like [`start`], with the engine configurations exactly as given (for a test that needs
 /// one of the settings [`fast_engine`] overrides).
 pub async fn start_as_is(
