@@ -194,10 +194,10 @@ impl App {
             .unwrap_or_else(|| {
                 HeaderValue::from_str(id.as_str()).unwrap_or_else(|_| HeaderValue::from_static("-"))
             });
-        let (access, public_metrics) = {
-            let d = self.dispatcher.load();
-            (d.cfg.log.access, d.cfg.server.public_metrics)
-        };
+        // One dispatcher (config, policies) for the request's whole life, even across a
+        // reload.
+        let d = self.dispatcher.load_full();
+        let (access, public_metrics) = (d.cfg.log.access, d.cfg.server.public_metrics);
         let Some((ep, methods)) = route(req.uri().path(), public_metrics) else {
             let rec = RequestRecord::new(id, Route::Other("unmatched"), &rid_header, access);
             let f = Failure::new(
@@ -242,7 +242,7 @@ impl App {
                 };
                 // The slot goes with the request: its response body (or a prefill leg still
                 // running after it) releases it, and with it the key's count.
-                self.pd(route, req, rid_header, Some(slot), rec).await
+                self.pd(&d, route, req, rid_header, Some(slot), rec).await
             }
             Endpoint::Health => rec.answer(json_response(
                 StatusCode::OK,
@@ -251,7 +251,7 @@ impl App {
             )),
             Endpoint::Readiness => rec.answer(self.readiness(&rid_header)),
             Endpoint::Metrics => {
-                let text = crate::telemetry::render(&*self.dispatcher.load().pool);
+                let text = crate::telemetry::render(&*d.pool);
                 let mut r = Response::new(full_body(text));
                 r.headers_mut().insert(
                     header::CONTENT_TYPE,
@@ -271,6 +271,7 @@ impl App {
 
     async fn pd(
         &self,
+        d: &Arc<Dispatcher>,
         route: ApiRoute,
         req: Request<Incoming>,
         rid_header: HeaderValue,
@@ -297,7 +298,7 @@ impl App {
                 return reject(rec, f, &rid_header);
             }
         }
-        let limit = self.dispatcher.load().cfg.server.max_body_bytes;
+        let limit = d.cfg.server.max_body_bytes;
         let too_large = |rec| {
             let f = Failure::new(
                 FailReason::PayloadTooLarge,
@@ -320,7 +321,7 @@ impl App {
         let read = match (&mut read).now_or_never() {
             Some(r) => r,
             None => {
-                let within = self.dispatcher.load().cfg.server.body_read_timeout();
+                let within = d.cfg.server.body_read_timeout();
                 match tokio::time::timeout(within, read).await {
                     Ok(r) => r,
                     Err(_) => {
@@ -351,7 +352,7 @@ impl App {
             Ok(p) => p,
             Err(f) => return reject(rec, f, &rid_header),
         };
-        let forward = self.forward_headers(&parts.headers, &rid_header, rec.key_id.is_some());
+        let forward = forward_headers(&d.up, &parts.headers, &rid_header, rec.key_id.is_some());
         let ctx = ReqCtx {
             id: rec.id(),
             request_id: rid_header,
@@ -359,37 +360,7 @@ impl App {
             slot,
             key_id: rec.key_id.clone(),
         };
-        self.dispatcher.load_full().dispatch(parsed, ctx, rec).await
-    }
-
-    /// The allow-listed headers both legs carry, as `name: value\r\n` lines. With client
-    /// keys on (`client_key`), the client's `Authorization` is its pdgate key and is never
-    /// forwarded, whatever `upstream.forward_authorization` says: engines get
-    /// `upstream.api_key` or nothing.
-    fn forward_headers(
-        &self,
-        incoming: &HeaderMap,
-        rid: &HeaderValue,
-        client_key: bool,
-    ) -> Vec<u8> {
-        let mut out = Vec::with_capacity(64);
-        let d = self.dispatcher.load();
-        let up = &d.up;
-        let auth = match &up.auth {
-            Some(a) => Some(a),
-            None if up.forward_authorization && !client_key => incoming.get(header::AUTHORIZATION),
-            None => None,
-        };
-        let fwd = FORWARD
-            .iter()
-            .filter_map(|name| incoming.get(name).map(|v| (name, v)));
-        crate::upstream::header_lines(
-            std::iter::once((&REQUEST_ID, rid))
-                .chain(fwd)
-                .chain(auth.map(|a| (&header::AUTHORIZATION, a))),
-            &mut out,
-        );
-        out
+        d.dispatch(parsed, ctx, rec).await
     }
 
     fn readiness(&self, rid: &HeaderValue) -> Response<RespBody> {
@@ -471,4 +442,32 @@ impl App {
             "no healthy worker answered /v1/models",
         ))
     }
+}
+
+/// The allow-listed headers both legs carry, as `name: value\r\n` lines. With client
+/// keys on (`client_key`), the client's `Authorization` is its pdgate key and is never
+/// forwarded, whatever `upstream.forward_authorization` says: engines get
+/// `upstream.api_key` or nothing.
+fn forward_headers(
+    up: &crate::upstream::Upstream,
+    incoming: &HeaderMap,
+    rid: &HeaderValue,
+    client_key: bool,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    let auth = match &up.auth {
+        Some(a) => Some(a),
+        None if up.forward_authorization && !client_key => incoming.get(header::AUTHORIZATION),
+        None => None,
+    };
+    let fwd = FORWARD
+        .iter()
+        .filter_map(|name| incoming.get(name).map(|v| (name, v)));
+    crate::upstream::header_lines(
+        std::iter::once((&REQUEST_ID, rid))
+            .chain(fwd)
+            .chain(auth.map(|a| (&header::AUTHORIZATION, a))),
+        &mut out,
+    );
+    out
 }
