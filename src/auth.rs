@@ -64,6 +64,10 @@ struct KeyEntry {
     in_flight: Arc<AtomicUsize>,
 }
 
+/// Keys read and checked by [`ClientKeys::stage`], not yet in use (with the file they came
+/// from); none: no client auth.
+pub struct StagedKeys(Option<(String, Arc<KeySet>)>);
+
 /// A request whose key was accepted: its key id and its count against the key's limit.
 pub struct Admitted {
     pub id: Arc<str>,
@@ -88,9 +92,17 @@ impl ClientKeys {
     /// Reads the keys file again (and `auth.per_key_max_in_flight`) and swaps the set in
     /// whole. On an error the set in use stays, and the error names the file and the line.
     pub fn reload(&self, cfg: &Config) -> Result<(), String> {
+        let staged = self.stage(cfg)?;
+        self.install(staged);
+        Ok(())
+    }
+
+    /// Reads and checks the keys `cfg` names without using them yet (a reload stages every
+    /// secret first, so that one that cannot be read refuses the reload before anything
+    /// changed). Per-key in-flight counts carry over to the same key ids.
+    pub fn stage(&self, cfg: &Config) -> Result<StagedKeys, String> {
         let Some(path) = &cfg.auth.api_keys_file else {
-            self.set.store(None);
-            return Ok(());
+            return Ok(StagedKeys(None));
         };
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read auth.api_keys_file {}: {e}", path.display()))?;
@@ -120,17 +132,29 @@ impl ClientKeys {
                 }),
             );
         }
-        tracing::info!(
-            file = %path.display(),
-            keys = by_digest.len(),
-            per_key_max_in_flight = cfg.auth.per_key_max_in_flight,
-            "client API keys loaded"
-        );
-        self.set.store(Some(Arc::new(KeySet {
-            by_digest,
-            max_in_flight: cfg.auth.per_key_max_in_flight,
-        })));
-        Ok(())
+        Ok(StagedKeys(Some((
+            path.display().to_string(),
+            Arc::new(KeySet {
+                by_digest,
+                max_in_flight: cfg.auth.per_key_max_in_flight,
+            }),
+        ))))
+    }
+
+    /// Puts staged keys in use.
+    pub fn install(&self, staged: StagedKeys) {
+        match staged.0 {
+            None => self.set.store(None),
+            Some((file, set)) => {
+                tracing::info!(
+                    file,
+                    keys = set.by_digest.len(),
+                    per_key_max_in_flight = set.max_in_flight,
+                    "client API keys loaded"
+                );
+                self.set.store(Some(set));
+            }
+        }
     }
 
     /// Whether requests need a key.

@@ -67,17 +67,23 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
     let new_p = minus(&new.prefill, &old.prefill);
     let gone_d = minus(&old.decode, &new.decode);
     let new_d = minus(&new.decode, &old.decode);
-    // Secrets next: a keys file or admin token that cannot be read refuses the whole
-    // reload (each keeps what it has on an error; the keys are put back if the token fails).
-    router
+    // Secrets next, staged: a keys file or admin token that cannot be read refuses the
+    // whole reload before anything changed.
+    let keys = router
         .keys
-        .reload(&new)
+        .stage(&new)
         .map_err(|e| ConfigError::Invalid(format!("auth.api_keys_file: {e}")))?;
-    if let Some(admin) = &router.admin {
-        if let Err(e) = admin.reload(&new) {
-            let _ = router.keys.reload(&old);
-            return Err(ConfigError::Invalid(format!("admin token: {e}")));
-        }
+    let token = match &router.admin {
+        Some(admin) => Some(
+            admin
+                .stage_token(&new)
+                .map_err(|e| ConfigError::Invalid(format!("admin token: {e}")))?,
+        ),
+        None => None,
+    };
+    router.keys.install(keys);
+    if let (Some(admin), Some(token)) = (&router.admin, token) {
+        admin.install_token(token);
     }
     let new = Arc::new(new);
     live.store(new.clone());

@@ -94,6 +94,16 @@ impl AdminServer {
         self.token.reload(cfg)
     }
 
+    /// Reads and checks the admin token of a changed config without using it yet.
+    pub fn stage_token(&self, cfg: &Config) -> Result<token::StagedToken, String> {
+        self.token.stage(cfg)
+    }
+
+    /// Puts a staged admin token in use.
+    pub fn install_token(&self, staged: token::StagedToken) {
+        self.token.install(staged);
+    }
+
     /// Stops accepting; open connections finish their request. A second call returns at
     /// once.
     pub async fn shutdown(&self) {

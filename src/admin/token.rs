@@ -33,6 +33,9 @@ pub const TOKEN_ENV: &str = "PDGATE_ADMIN_API_KEY";
 /// The one admin path served without the token.
 pub const OPEN_PATH: &str = "/metrics";
 
+/// A token read and checked by [`AdminToken::stage`], not yet in use.
+pub struct StagedToken(Option<Arc<KeyDigest>>);
+
 /// The admin token of one listener (none: open, loopback only).
 pub struct AdminToken {
     digest: ArcSwapOption<KeyDigest>,
@@ -105,15 +108,33 @@ impl AdminToken {
         self.reload_with(cfg, process_env)
     }
 
+    /// Reads and checks the token of a changed config without using it yet.
+    pub fn stage(&self, cfg: &Config) -> Result<StagedToken, String> {
+        self.stage_with(cfg, process_env)
+    }
+
+    /// Puts a staged token in use.
+    pub fn install(&self, staged: StagedToken) {
+        self.digest.store(staged.0);
+    }
+
+    fn stage_with(
+        &self,
+        cfg: &Config,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<StagedToken, String> {
+        let token = resolve(&cfg.admin, env)?;
+        check_exposure(self.ip, token.is_some())?;
+        Ok(StagedToken(token.map(|t| Arc::new(digest(t.as_bytes())))))
+    }
+
     fn reload_with(
         &self,
         cfg: &Config,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<(), String> {
-        let token = resolve(&cfg.admin, env)?;
-        check_exposure(self.ip, token.is_some())?;
-        self.digest
-            .store(token.map(|t| Arc::new(digest(t.as_bytes()))));
+        let staged = self.stage_with(cfg, env)?;
+        self.install(staged);
         Ok(())
     }
 

@@ -9,7 +9,6 @@
 //! away: `time() - pdgate_discovery_last_sync_timestamp_seconds`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::types::Role;
 
@@ -19,13 +18,6 @@ pub use crate::telemetry::{
     DISCOVERY_WATCH_ERRORS as WATCH_ERRORS, DISCOVERY_WATCH_RESTARTS as WATCH_RESTARTS,
     DISCOVERY_WORKERS as WORKERS,
 };
-
-/// Seconds since the Unix epoch, now.
-pub fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
 
 /// A discovery's own counters.
 #[derive(Debug, Default)]

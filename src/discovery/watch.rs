@@ -25,7 +25,8 @@ use kube::Api;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::metrics::{unix_now, Stats, LAST_SYNC};
+use super::metrics::{Stats, LAST_SYNC};
+use crate::telemetry::unix_now;
 use crate::types::Role;
 
 /// One role's pods, by UID.

@@ -108,9 +108,6 @@ pub struct ReqCtx {
     /// Held by the response body (or a prefill leg left running after it); an error
     /// answered before the first byte releases it when the dispatch returns.
     pub slot: Option<AdmissionSlot>,
-    /// The client key's id (its name in the keys file, or the first 8 hex digits of its
-    /// SHA-256), never the key; `None` without client keys.
-    pub key_id: Option<std::sync::Arc<str>>,
 }
 
 /// Everything the request path needs. Immutable: a config reload builds a new one with
@@ -185,9 +182,6 @@ impl Dispatcher {
         mut record: RequestRecord,
     ) -> Response<RespBody> {
         record.set_stream(req.stream);
-        if record.key_id.is_none() {
-            record.key_id = ctx.key_id.clone();
-        }
         if !req.replaced.is_empty() {
             tracing::info!(request_id = %ctx.id, fields = ?req.replaced, "client-supplied PD fields replaced by pdgate's own");
         }

@@ -358,7 +358,6 @@ impl App {
             request_id: rid_header,
             forward,
             slot,
-            key_id: rec.key_id.clone(),
         };
         d.dispatch(parsed, ctx, rec).await
     }

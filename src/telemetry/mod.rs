@@ -314,10 +314,14 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// A config was applied (at start, or by a good reload): stamps
 /// `pdgate_config_last_reload_success_timestamp_seconds`.
 pub fn config_loaded() {
-    let now = std::time::SystemTime::now()
+    metrics::gauge!(CONFIG_LAST_RELOAD).set(unix_now());
+}
+
+/// Seconds since the Unix epoch, now: the value of every `*_timestamp_seconds` series.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64());
-    metrics::gauge!(CONFIG_LAST_RELOAD).set(now);
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// A config reload ended: counted by result (`ok`, `error`); a good one also stamps the

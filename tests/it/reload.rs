@@ -100,6 +100,11 @@ async fn an_invalid_config_changes_nothing_and_is_counted() {
             "timeouts.decode_first_byte_secs",
         ),
         (|c| c.decode[0].url = "ftp://nope".into(), "decode[0].url"),
+        // A secret that cannot be read refuses the reload too.
+        (
+            |c| c.auth.api_keys_file = Some("/nonexistent/pdgate-keys".into()),
+            "auth.api_keys_file",
+        ),
     ];
     for (breakit, named) in cases {
         let mut bad = before.clone();
