@@ -22,6 +22,7 @@ pub enum FailReason {
     NotFound,
     MethodNotAllowed,
     Unauthorized,
+    Forbidden,
     InvalidApiKey,
     KeyInFlightLimit,
     Conflict,
@@ -53,7 +54,7 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 35] = [
+    pub const ALL: [FailReason; 36] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
         FailReason::RequestBodyTimeout,
@@ -61,6 +62,7 @@ impl FailReason {
         FailReason::NotFound,
         FailReason::MethodNotAllowed,
         FailReason::Unauthorized,
+        FailReason::Forbidden,
         FailReason::InvalidApiKey,
         FailReason::KeyInFlightLimit,
         FailReason::Conflict,
@@ -102,6 +104,7 @@ impl FailReason {
             NotFound => "not_found",
             MethodNotAllowed => "method_not_allowed",
             Unauthorized => "unauthorized",
+            Forbidden => "forbidden",
             InvalidApiKey => "invalid_api_key",
             KeyInFlightLimit => "key_in_flight_limit",
             Conflict => "conflict",
@@ -145,6 +148,7 @@ impl FailReason {
             NotFound => StatusCode::NOT_FOUND,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Unauthorized | InvalidApiKey => StatusCode::UNAUTHORIZED,
+            Forbidden => StatusCode::FORBIDDEN,
             Conflict => StatusCode::CONFLICT,
             Overloaded | KeyInFlightLimit => StatusCode::TOO_MANY_REQUESTS,
             QueueTimeout | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable
@@ -213,7 +217,7 @@ impl FailReason {
             DecodeBroken           => c(Some(D), true,  true,  None),
             // Not a leg's doing: the request itself, the router, or the client.
             InvalidRequest | PayloadTooLarge | RequestBodyTimeout | UnsupportedMediaType
-            | NotFound | MethodNotAllowed | Unauthorized | InvalidApiKey | KeyInFlightLimit
+            | NotFound | MethodNotAllowed | Unauthorized | Forbidden | InvalidApiKey | KeyInFlightLimit
             | Conflict | Overloaded | QueueTimeout
             | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable | RequestTimeout
             | ClientDisconnected | Internal => c(None, false, false, None),

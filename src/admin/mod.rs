@@ -15,7 +15,9 @@
 //! | POST | `/remove_worker?url=` | SGLang router's call (drains, then removes) |
 //! | GET | `/list_workers` | SGLang router's call: `{"urls": [...]}` |
 //!
-//! Worker ids are `prefill-<n>` / `decode-<n>` ([`view`]). Auth: a bearer token
+//! Requests a browser sends (an `Origin` or `Sec-Fetch-*` header, a `Host` that is not an IP,
+//! `localhost` or an `admin.allowed_hosts` name, a non-JSON mutation) are refused first
+//! ([`guard`]). Worker ids are `prefill-<n>` / `decode-<n>` ([`view`]). Auth: a bearer token
 //! ([`token`]) on every path but `/metrics`, checked by a tower layer
 //! (`tower_http::validate_request`) in front of the API service.
 //!
@@ -25,6 +27,7 @@
 //! open ones finish their request and close.
 
 mod api;
+pub mod guard;
 pub mod token;
 pub mod view;
 
@@ -121,9 +124,13 @@ async fn accept_loop(
     token: Arc<AdminToken>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let live = fleet.live().clone();
     let api = Arc::new(api::Api { fleet });
-    // The tower stack: the token check, then the API.
+    // The tower stack: refuse what a browser sends, then the token check, then the API.
     let stack = ServiceBuilder::new()
+        .layer(ValidateRequestHeaderLayer::custom(guard::BrowserGuard(
+            live,
+        )))
         .layer(ValidateRequestHeaderLayer::custom(token::RequireToken(
             token,
         )))

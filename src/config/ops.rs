@@ -86,6 +86,9 @@ pub struct AdminConfig {
     /// How long `DELETE /workers/{id}` (and a worker removed by reload or discovery) waits
     /// for its requests in flight before the worker is dropped anyway.
     pub remove_drain_secs: u64,
+    /// Names (besides IP literals and `localhost`) the admin listener accepts as `Host`,
+    /// e.g. a Service's DNS name; any other Host is refused (DNS rebinding).
+    pub allowed_hosts: Vec<String>,
 }
 
 impl Default for AdminConfig {
@@ -97,6 +100,7 @@ impl Default for AdminConfig {
             api_key: None,
             api_key_file: None,
             remove_drain_secs: 300,
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -172,6 +176,16 @@ pub(super) fn validate(cfg: &super::Config) -> Result<(), ConfigError> {
         0,
         super::DAY,
     )?;
+    if let Some(h) = a.allowed_hosts.iter().find(|h| {
+        h.is_empty()
+            || !h
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
+    }) {
+        return Err(invalid(format!(
+            "admin.allowed_hosts: {h:?} is not a host name (letters, digits, '-' and '.')"
+        )));
+    }
     if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         return Err(invalid("admin.api_key must not be empty".to_string()));
     }

@@ -1,4 +1,5 @@
-//! One client connection: its protocol sniffed from the first bytes, its place under
+//! One client connection: its protocol sniffed from the first bytes (read once, under one
+//! deadline, then replayed to hyper), its place under
 //! `server.max_connections`, an idle timer for HTTP/2, and its graceful end on drain.
 //!
 //! Invariants:
@@ -22,7 +23,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
@@ -107,31 +108,92 @@ pub enum Sniffed {
     Nothing,
 }
 
-/// Waits (up to `within`) for the first bytes and tells HTTP/2 prior knowledge from HTTP/1
-/// by the preface, without consuming anything.
-pub async fn sniff(stream: &TcpStream, within: Duration) -> Sniffed {
+/// Reads (up to `within`, one deadline for all of it) the first bytes, at most the
+/// preface's length, and tells HTTP/2 prior knowledge from HTTP/1 by the preface. The bytes
+/// read are returned in a [`Prefixed`] stream that replays them, so hyper sees the
+/// connection whole.
+///
+/// Each read waits for new bytes: a client that sends a prefix of the preface and stalls
+/// costs one wake-up per segment it sends, never a timer loop (peeking would find the
+/// socket readable again and again while the prefix sits unread in it).
+pub async fn sniff<S: AsyncRead + Unpin>(
+    mut stream: S,
+    within: Duration,
+) -> (Sniffed, Prefixed<S>) {
     let deadline = tokio::time::Instant::now() + within;
-    let mut buf = [0u8; H2_PREFACE.len()];
-    loop {
-        let n = match tokio::time::timeout_at(deadline, stream.peek(&mut buf)).await {
-            Ok(Ok(n)) if n > 0 => n,
-            _ => return Sniffed::Nothing,
-        };
-        if !H2_PREFACE.starts_with(&buf[..n]) {
-            return Sniffed::Http1;
+    let mut head = [0u8; H2_PREFACE.len()];
+    let mut got = 0;
+    let sniffed = loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut head[got..])).await {
+            Ok(Ok(n)) if n > 0 => got += n,
+            _ => break Sniffed::Nothing,
         }
-        if n == H2_PREFACE.len() {
-            return Sniffed::H2;
+        if !H2_PREFACE.starts_with(&head[..got]) {
+            break Sniffed::Http1;
         }
-        // A prefix of the preface so far: wait for more (peek returns at once while the
-        // socket holds data, so wait for readability first).
-        if tokio::time::timeout_at(deadline, stream.readable())
-            .await
-            .is_err()
-        {
-            return Sniffed::Nothing;
+        if got == H2_PREFACE.len() {
+            break Sniffed::H2;
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    let prefixed = Prefixed {
+        head,
+        pos: 0,
+        len: got,
+        inner: stream,
+    };
+    (sniffed, prefixed)
+}
+
+/// A stream whose first bytes were already read by [`sniff`]: reads give them back first,
+/// then read the stream; writes go straight to it (vectored writes included).
+#[derive(Debug)]
+pub struct Prefixed<S> {
+    head: [u8; H2_PREFACE.len()],
+    pos: usize,
+    len: usize,
+    inner: S,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = &mut *self;
+        if this.pos < this.len {
+            let n = (this.len - this.pos).min(buf.remaining());
+            buf.put_slice(&this.head[this.pos..this.pos + n]);
+            this.pos += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -258,6 +320,92 @@ mod tests {
         let t0 = tokio::time::Instant::now();
         a.idle_for(idle).await;
         assert_eq!(t0.elapsed(), idle, "idle counts from the last stream's end");
+    }
+
+    /// A client that sends `parts` one read at a time, then stalls (never ready again);
+    /// counts how often it is read.
+    struct Client {
+        parts: Vec<&'static [u8]>,
+        reads: Arc<AtomicUsize>,
+    }
+
+    impl AsyncRead for Client {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            self.reads.fetch_add(1, Ordering::Relaxed);
+            if self.parts.is_empty() {
+                return Poll::Pending;
+            }
+            let part = self.parts.remove(0);
+            let n = part.len().min(buf.remaining());
+            buf.put_slice(&part[..n]);
+            if n < part.len() {
+                self.parts.insert(0, &part[n..]);
+            }
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    async fn sniff_parts(parts: Vec<&'static [u8]>) -> (Sniffed, Vec<u8>, usize) {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let client = Client {
+            parts,
+            reads: reads.clone(),
+        };
+        let (sniffed, mut prefixed) = sniff(client, Duration::from_secs(10)).await;
+        // What the prefix replays (the stalled client adds nothing after it).
+        let mut replay = vec![0u8; 64];
+        let n = match tokio::time::timeout(Duration::from_millis(1), prefixed.read(&mut replay))
+            .await
+        {
+            Ok(r) => r.expect("read"),
+            Err(_) => 0,
+        };
+        replay.truncate(n);
+        (sniffed, replay, reads.load(Ordering::Relaxed))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_partial_preface_is_read_once_then_waited_on() {
+        // One byte of the preface, then silence for the whole header deadline: one read
+        // that got the byte, one that parked, one more as the deadline fires (the timeout
+        // polls its future first); no timer loop (the old peek-and-sleep sniff looked at
+        // the socket every millisecond, 10,000 times here).
+        let (sniffed, replay, reads) = sniff_parts(vec![b"P"]).await;
+        assert_eq!(sniffed, Sniffed::Nothing);
+        assert_eq!(replay, b"P");
+        assert_eq!(reads, 3, "one read per arrival, then a parked wait");
+    }
+
+    /// (what the client sends, read by read; the verdict; what the prefix replays)
+    type Case = (Vec<&'static [u8]>, Sniffed, &'static [u8]);
+
+    #[tokio::test(start_paused = true)]
+    async fn sniff_tells_protocols_apart_and_replays_what_it_read() {
+        let cases: &[Case] = &[
+            (
+                vec![b"GET / HTTP/1.1\r\n"],
+                Sniffed::Http1,
+                b"GET / HTTP/1.1",
+            ),
+            (vec![b"P", b"OST /g"], Sniffed::Http1, b"POST /g"),
+            (vec![b"PRI * HTTP/2.0"], Sniffed::H2, b"PRI * HTTP/2.0"),
+            (
+                vec![b"PR", b"I * HT", b"TP/2.0"],
+                Sniffed::H2,
+                b"PRI * HTTP/2.0",
+            ),
+            (vec![b"PRI * H"], Sniffed::Nothing, b"PRI * H"),
+            (vec![], Sniffed::Nothing, b""),
+        ];
+        for (parts, want, replay_want) in cases {
+            let (sniffed, replay, _) = sniff_parts(parts.clone()).await;
+            assert_eq!(sniffed, *want, "{parts:?}");
+            assert_eq!(replay, *replay_want, "{parts:?}");
+        }
     }
 
     #[test]

@@ -156,8 +156,8 @@ async fn serve(
     // HTTP/1 from h2c): a connection that sends nothing at all is closed here, after the
     // same time, or when shutdown begins (a client's pool may hold connections it never
     // used).
-    let sniffed = tokio::select! {
-        s = conn::sniff(&stream, first_byte_within) => s,
+    let (sniffed, stream) = tokio::select! {
+        s = conn::sniff(stream, first_byte_within) => s,
         _ = stop.changed() => return,
     };
     let activity = match sniffed {

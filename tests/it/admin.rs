@@ -637,3 +637,127 @@ async fn an_exposed_admin_listener_needs_a_token() {
     .await;
     assert!(matches!(r, Err(StartError::Admin(m)) if m.contains("admin.api_key_file")));
 }
+
+/// Sends one raw HTTP/1.1 request (exactly these header lines) and returns the status.
+async fn raw_status(addr: std::net::SocketAddr, head: &str, body: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let req = format!(
+        "{head}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .expect("answer in time")
+        .expect("read");
+    let text = String::from_utf8_lossy(&out);
+    text.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status: {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_web_page_cannot_reach_the_admin_api() {
+    // No token (loopback): the case a web page on the operator's machine would exploit.
+    let env = start_with_admin(
+        vec![fast_engine(EngineConfig::prefill(1))],
+        vec![fast_engine(EngineConfig::decode(1))],
+        |c| c.admin.allowed_hosts = vec!["pdgate-admin.ops.svc".to_string()],
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let addr = env.router.admin.as_ref().expect("admin").local_addr();
+    let rogue = format!("http://127.0.0.1:{}", addr.port() ^ 1);
+    let add_q = format!("/add_worker?url={rogue}&worker_type=decode");
+    let add_json = format!(r#"{{"role":"decode","url":"{rogue}"}}"#);
+    let ip = format!("host: 127.0.0.1:{}\r\n", addr.port());
+    // (request line + headers, body, status)
+    let table: Vec<(String, String, u16)> = vec![
+        // What browsers send: refused on every route, mutations included.
+        (
+            format!("POST {add_q} HTTP/1.1\r\n{ip}origin: https://evil.example\r\n"),
+            String::new(),
+            403,
+        ),
+        (
+            format!(
+                "POST /workers HTTP/1.1\r\n{ip}origin: null\r\ncontent-type: application/json\r\n"
+            ),
+            add_json.clone(),
+            403,
+        ),
+        (
+            format!("GET /workers HTTP/1.1\r\n{ip}sec-fetch-site: cross-site\r\n"),
+            String::new(),
+            403,
+        ),
+        (
+            format!("GET /metrics HTTP/1.1\r\n{ip}origin: https://evil.example\r\n"),
+            String::new(),
+            403,
+        ),
+        // DNS rebinding: the page's own name as Host.
+        (
+            format!(
+                "POST {add_q} HTTP/1.1\r\nhost: rebind.evil.example:{}\r\n",
+                addr.port()
+            ),
+            String::new(),
+            403,
+        ),
+        (
+            "GET /workers HTTP/1.1\r\nhost: evil.example\r\n".to_string(),
+            String::new(),
+            403,
+        ),
+        // A form's simple request (no preflight): not JSON.
+        (
+            format!("POST /workers HTTP/1.1\r\n{ip}content-type: text/plain\r\n"),
+            add_json.clone(),
+            415,
+        ),
+        (
+            format!("POST /workers HTTP/1.1\r\n{ip}"),
+            add_json.clone(),
+            415,
+        ),
+        // Tools: served.
+        (format!("GET /workers HTTP/1.1\r\n{ip}"), String::new(), 200),
+        (
+            format!(
+                "GET /metrics HTTP/1.1\r\nhost: localhost:{}\r\n",
+                addr.port()
+            ),
+            String::new(),
+            200,
+        ),
+        (
+            format!(
+                "GET /list_workers HTTP/1.1\r\nhost: pdgate-admin.ops.svc:{}\r\n",
+                addr.port()
+            ),
+            String::new(),
+            200,
+        ),
+    ];
+    for (head, body, want) in &table {
+        assert_eq!(raw_status(addr, head, body).await, *want, "{head}");
+    }
+    // Nothing a refused request asked for happened.
+    let (st, _, b) = env.admin("GET", "/list_workers", None, "").await;
+    assert_eq!(st, 200);
+    assert!(
+        !String::from_utf8_lossy(&b).contains(&rogue),
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    // SGLang's query-string call from a tool still works (no content type, IP Host).
+    let st = raw_status(addr, &format!("POST {add_q} HTTP/1.1\r\n{ip}"), "").await;
+    assert!(
+        st != 403 && st != 415,
+        "SGLang's add_worker from a tool passes the guard: {st}"
+    );
+}
