@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! # a comment; blank lines are skipped
-//! sk-raw-key-1                          # a raw key (id: first 8 hex digits of its SHA-256)
+//! sk-raw-key-1                          # a raw key (id: line-3, its line number)
 //! sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
 //! team-a: sk-raw-key-2                  # a named key (id: team-a)
 //! team-b: sha256:<64 hex digits>        # a named, hashed key
@@ -17,8 +17,11 @@
 //!
 //! Invariants:
 //! - A key is never stored, logged or put in a metric: only its SHA-256 is kept, and a
-//!   request is known by its key id (the name, or the first 8 hex digits of the digest —
-//!   the same for a raw line and its `sha256:` form). Errors about the file name lines.
+//!   request is known by its key id: the name, or `line-N` for an unnamed key (its line in
+//!   the file). Nothing derived from the key alone is shown: an id made of the digest's
+//!   first bits, on `/metrics` or in logs, would let anyone who reads them confirm offline
+//!   guesses of a weak key. Name keys for ids that survive edits of the file. Errors about
+//!   the file name lines.
 //! - Lookup does not leak the key through timing: the presented key is hashed, and the
 //!   digest is looked up in a hash map of digests. What the map's comparisons could leak is
 //!   how many leading bytes of the *digest* matched, which tells an attacker nothing they
@@ -261,9 +264,10 @@ pub fn hex(bytes: &[u8]) -> String {
     s
 }
 
-/// The id of an unnamed key: the first 8 hex digits of its digest.
-pub fn digest_id(d: &KeyDigest) -> String {
-    hex(&d[..4])
+/// The id of an unnamed key: its line in the keys file (never anything derived from the
+/// key, see the module docs).
+pub fn line_id(line: usize) -> String {
+    format!("line-{line}")
 }
 
 /// One line of the keys file.
@@ -339,7 +343,7 @@ fn parse_keys(text: &str) -> Result<Vec<ParsedKey>, String> {
         }
         let id: Arc<str> = match name {
             Some(name) => Arc::from(name),
-            None => Arc::from(digest_id(&d)),
+            None => Arc::from(line_id(n)),
         };
         out.push(ParsedKey { id, digest: d });
     }
@@ -372,15 +376,7 @@ mod tests {
         );
         let keys = parse_keys(&text).unwrap();
         let ids: Vec<&str> = keys.iter().map(|k| &*k.id).collect();
-        assert_eq!(
-            ids,
-            vec![
-                digest_id(&digest(b"sk-one")).as_str(),
-                &hashed[..8],
-                "team-a",
-                "team-b"
-            ]
-        );
+        assert_eq!(ids, vec!["line-3", "line-4", "team-a", "team-b"]);
         assert_eq!(keys[1].digest, digest(b"sk-two"), "hex in either case");
         assert_eq!(keys[3].digest, digest(b"sk-four"));
     }
@@ -441,7 +437,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!(
             "pdgate-auth-{}-{}",
             std::process::id(),
-            digest_id(&digest(text.as_bytes()))
+            hex(&digest(text.as_bytes())[..4])
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let f = dir.join("keys");

@@ -96,15 +96,6 @@ impl Fleet {
     }
 
     fn add_inner(&self, spec: WorkerSpec, runtime: bool) -> Result<WorkerId, FleetError> {
-        if spec.source != WorkerSource::Static {
-            if let Some(id) = self.pool.find(spec.role, &spec.url) {
-                return Err(FleetError::Exists {
-                    role: spec.role,
-                    url: spec.url.to_string(),
-                    id,
-                });
-            }
-        }
         let WorkerSpec {
             role,
             url,
@@ -112,8 +103,21 @@ impl Fleet {
             bootstrap_host,
             source,
         } = spec;
-        tracing::info!(role = %role, worker = %url, source = source.label(), "worker added");
-        let id = self.pool.add_worker_from(role, url.clone(), None, source);
+        let label = source.label();
+        // Run-time sources (admin API, discovery) may race to add one URL: the check and
+        // the insert are one step under the pool's writer lock.
+        let id = if source != WorkerSource::Static {
+            self.pool
+                .add_worker_unique(role, url.clone(), source)
+                .map_err(|id| FleetError::Exists {
+                    role,
+                    url: url.to_string(),
+                    id,
+                })?
+        } else {
+            self.pool.add_worker_from(role, url.clone(), None, source)
+        };
+        tracing::info!(role = %role, worker = %url, source = label, "worker added");
         if role == Role::Prefill {
             crate::bootstrap::tracker::spawn(
                 self.pool.clone(),

@@ -79,7 +79,20 @@ pub fn parse_base_url(s: &str) -> Result<BaseUrl, UrlError> {
     if host.is_empty() {
         return Err(UrlError::MissingHost);
     }
-    Ok(BaseUrl::new(host, auth.port_u16().unwrap_or(80)))
+    Ok(BaseUrl::new(
+        &canonical_host(host),
+        auth.port_u16().unwrap_or(80),
+    ))
+}
+
+/// One spelling per host, so that one engine is one worker however its URL was written:
+/// IP addresses in their standard form, names in lower case without a trailing dot
+/// (`http://Engine.NS.:80` and `http://engine.ns` are the same worker).
+fn canonical_host(host: &str) -> String {
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return ip.to_string();
+    }
+    host.trim_end_matches('.').to_ascii_lowercase()
 }
 
 /// Why an engine URL was refused (`http://host[:port][/]` only).

@@ -116,7 +116,7 @@ impl AdminConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct AuthConfig {
     /// One key per line: `KEY`, `sha256:<64 hex>`, or either after a name (`team-a: KEY`,
-    /// the key id in logs and metrics; else the first 8 hex digits of the key's SHA-256);
+    /// the key id in logs and metrics; else `line-N`, its line in the file);
     /// `#` starts a comment. Clients send `Authorization: Bearer KEY` (or `x-api-key`).
     /// Unset: no client auth.
     pub api_keys_file: Option<PathBuf>,

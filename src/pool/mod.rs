@@ -430,36 +430,27 @@ impl Pool {
         source: WorkerSource,
     ) -> WorkerId {
         let mut id = WorkerId(0);
-        self.update_master(|m| {
-            let next = &mut m.next[role_index(role)];
-            id = WorkerId(*next);
-            *next = next.saturating_add(1);
-            let (lost_tx, _) = watch::channel(LostEpochs::default());
-            m.workers.push(WorkerState {
-                id,
-                role,
-                source: Arc::new(source),
-                draining: false,
-                stop: CancellationToken::new(),
-                conns: Arc::new(HostConns::new(&url)),
-                url,
-                healthy: false,
-                health_checked: false,
-                dp_size: None,
-                loads: new_loads(1),
-                engine_load: new_loads(1),
-                bootstrap,
-                layout: None,
-                ranks: Vec::new(),
-                ranks_checked_at: Vec::new(),
-                lost_tx,
-                info: None,
-                breaker: Arc::new(Breaker::default()),
-                refused: None,
-                probes: Arc::new(RankProbes::new(1)),
-            });
-        });
+        self.update_master(|m| id = m.insert(role, url, bootstrap, source));
         id
+    }
+
+    /// Adds a worker unless its role already has one at `url`, in one step under the
+    /// writer lock (two callers adding one URL at once add it once): `Err` holds the
+    /// existing worker's id.
+    pub fn add_worker_unique(
+        &self,
+        role: Role,
+        url: BaseUrl,
+        source: WorkerSource,
+    ) -> Result<WorkerId, WorkerId> {
+        let mut res = Err(WorkerId(0));
+        self.update_master(|m| {
+            res = match m.workers.iter().find(|w| w.role == role && w.url == url) {
+                Some(w) => Err(w.id),
+                None => Ok(m.insert(role, url, None, source)),
+            };
+        });
+        res
     }
 
     /// Removes a worker and cancels its background tasks; its requests in flight keep
@@ -556,6 +547,46 @@ impl Pool {
         f(&mut m);
         let version = self.snap.load().version + 1;
         self.snap.store(Arc::new(build(&m.workers, version)));
+    }
+}
+
+impl Master {
+    /// Appends a new worker with the next id of its role.
+    fn insert(
+        &mut self,
+        role: Role,
+        url: BaseUrl,
+        bootstrap: Option<BootstrapInfo>,
+        source: WorkerSource,
+    ) -> WorkerId {
+        let next = &mut self.next[role_index(role)];
+        let id = WorkerId(*next);
+        *next = next.saturating_add(1);
+        let (lost_tx, _) = watch::channel(LostEpochs::default());
+        self.workers.push(WorkerState {
+            id,
+            role,
+            source: Arc::new(source),
+            draining: false,
+            stop: CancellationToken::new(),
+            conns: Arc::new(HostConns::new(&url)),
+            url,
+            healthy: false,
+            health_checked: false,
+            dp_size: None,
+            loads: new_loads(1),
+            engine_load: new_loads(1),
+            bootstrap,
+            layout: None,
+            ranks: Vec::new(),
+            ranks_checked_at: Vec::new(),
+            lost_tx,
+            info: None,
+            breaker: Arc::new(Breaker::default()),
+            refused: None,
+            probes: Arc::new(RankProbes::new(1)),
+        });
+        id
     }
 }
 

@@ -47,7 +47,9 @@ pub struct Slot(Arc<Registry>);
 impl Drop for Slot {
     fn drop(&mut self) {
         let left = self.0.open.fetch_sub(1, Ordering::AcqRel) - 1;
-        metrics::gauge!("pdgate_open_connections").set(left as f64);
+        // Increments and decrements commute: threads racing here cannot leave a stale
+        // value behind, as two racing `set`s could.
+        metrics::gauge!("pdgate_open_connections").decrement(1.0);
         if left == 0 {
             self.0.emptied.notify_waiters();
         }
@@ -57,14 +59,12 @@ impl Drop for Slot {
 impl Registry {
     /// A place for a new connection, or `None` at the limit (0 = no limit).
     pub fn enter(self: &Arc<Self>, max: usize) -> Option<Slot> {
-        let now = self
-            .open
+        self.open
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (max == 0 || n < max).then_some(n + 1)
             })
-            .ok()?
-            + 1;
-        metrics::gauge!("pdgate_open_connections").set(now as f64);
+            .ok()?;
+        metrics::gauge!("pdgate_open_connections").increment(1.0);
         Some(Slot(self.clone()))
     }
 
@@ -84,9 +84,25 @@ impl Registry {
     }
 }
 
-/// Answers a connection beyond the limit and closes it (bounded: one second to write).
-pub async fn refuse(mut stream: TcpStream, max: usize) {
+/// Refusals being written at once; past it a connection beyond the limit is closed
+/// without an answer, so a flood of connections cannot pile up tasks.
+pub const MAX_REFUSALS_IN_FLIGHT: usize = 64;
+
+/// Answers a connection beyond the limit and closes it (bounded: one second to write, and
+/// at most [`MAX_REFUSALS_IN_FLIGHT`] at once, counted by `refusals`).
+pub fn refuse(stream: TcpStream, max: usize, refusals: &Arc<tokio::sync::Semaphore>) {
     metrics::counter!("pdgate_connections_rejected_total").increment(1);
+    let Ok(permit) = refusals.clone().try_acquire_owned() else {
+        drop(stream);
+        return;
+    };
+    tokio::spawn(async move {
+        let _permit = permit;
+        write_refusal(stream, max).await;
+    });
+}
+
+async fn write_refusal(mut stream: TcpStream, max: usize) {
     let answer = Failure::new(
         FailReason::TooManyConnections,
         format!("the router serves at most {max} connections at once (server.max_connections)"),

@@ -97,6 +97,7 @@ async fn accept_loop(
         .keep_alive(true);
     builder.http2().timer(TokioTimer::new());
     let registry = Arc::new(conn::Registry::default());
+    let refusals = Arc::new(tokio::sync::Semaphore::new(conn::MAX_REFUSALS_IN_FLIGHT));
     let (max, idle) = {
         let d = app.dispatcher.load();
         (d.cfg.server.max_connections, d.cfg.server.idle_timeout())
@@ -115,7 +116,7 @@ async fn accept_loop(
                 };
                 let _ = stream.set_nodelay(true);
                 let Some(slot) = registry.enter(max) else {
-                    tokio::spawn(conn::refuse(stream, max));
+                    conn::refuse(stream, max, &refusals);
                     continue;
                 };
                 let app = app.clone();

@@ -101,6 +101,7 @@ pub const OPEN_CONNECTIONS: &str = "pdgate_open_connections";
 pub const CONNECTIONS_REJECTED: &str = "pdgate_connections_rejected_total";
 pub const STALE_RETRIES: &str = "pdgate_upstream_stale_retries_total";
 pub const LEG_ABORTS: &str = "pdgate_leg_aborts_total";
+pub const LEG_ABORTS_DROPPED: &str = "pdgate_leg_aborts_dropped_total";
 pub const LAYOUT_MISMATCHES: &str = "pdgate_layout_mismatches";
 pub const BREAKER_TRANSITIONS: &str = "pdgate_breaker_transitions_total";
 pub const BREAKER_EJECTION_CAPPED: &str = "pdgate_breaker_ejection_capped_total";
@@ -170,7 +171,7 @@ use Kind::{Counter as C, Gauge as G};
 /// Every series pdgate exports.
 pub static SERIES: &[Series] = &[
     s(CLIENT_REQUESTS, C, Unit::Count, &["key", "outcome"],
-        "PD requests by client key id (the name in auth.api_keys_file, or the first 8 hex digits of the key's SHA-256; never the key) and outcome; only with client keys."),
+        "PD requests by client key id (the name in auth.api_keys_file, or line-N for an unnamed key; never the key or anything derived from it) and outcome; only with client keys."),
     s(REQUESTS, C, Unit::Count, &["route", "outcome"],
         "PD requests by route and outcome (ok, or the failure reason: the error type clients see), counted when the response ends."),
     histogram(REQUEST_DURATION, &["route", "outcome"], LATENCY_BUCKETS,
@@ -197,6 +198,8 @@ pub static SERIES: &[Series] = &[
         "Legs re-sent on a new connection because the engine had closed the kept-alive one before reading them."),
     s(LEG_ABORTS, C, Unit::Count, &[],
         "abort_request calls sent to engines for cancelled legs."),
+    s(LEG_ABORTS_DROPPED, C, Unit::Count, &[],
+        "abort_request calls not sent because too many were in flight (the leg's connection was still closed)."),
     s(LAYOUT_MISMATCHES, G, Unit::Count, &[],
         "Prefill/decode pairs whose engines disagree on page size or KV dtype (see the log)."),
     s(BREAKER_TRANSITIONS, C, Unit::Count, &["role", "to"],

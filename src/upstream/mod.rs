@@ -36,12 +36,19 @@ pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 /// Largest body a background call reads (server info, routes, health).
 const SMALL_BODY_LIMIT: usize = 4 * 1024 * 1024;
 
+/// `POST /abort_request` calls in flight at once; past it an abort is dropped and counted
+/// (`pdgate_leg_aborts_dropped_total`): the leg's connection is closed anyway, so the
+/// engine still sees the client gone, and a storm of cancellations cannot pile up tasks.
+pub const MAX_ABORTS_IN_FLIGHT: usize = 256;
+
 /// Shared clients plus the settings legs need.
 #[derive(Clone)]
 pub struct Upstream(Arc<UpstreamInner>);
 
 pub struct UpstreamInner {
     pub client: HttpClient,
+    /// `POST /abort_request` calls in flight, bounded by [`MAX_ABORTS_IN_FLIGHT`].
+    aborts: Arc<tokio::sync::Semaphore>,
     pub auth: Option<http::HeaderValue>,
     pub forward_authorization: bool,
     pub legs: LegSettings,
@@ -86,6 +93,7 @@ impl Upstream {
             .and_then(|k| http::HeaderValue::try_from(format!("Bearer {k}")).ok());
         Upstream(Arc::new(UpstreamInner {
             client,
+            aborts: Arc::new(tokio::sync::Semaphore::new(MAX_ABORTS_IN_FLIGHT)),
             auth,
             forward_authorization: cfg.forward_authorization,
             legs: LegSettings {
@@ -100,6 +108,7 @@ impl Upstream {
     pub fn with_leg_settings(&self, legs: LegSettings) -> Upstream {
         Upstream(Arc::new(UpstreamInner {
             client: self.client.clone(),
+            aborts: self.aborts.clone(),
             auth: self.auth.clone(),
             forward_authorization: self.forward_authorization,
             legs,
@@ -164,9 +173,13 @@ impl Upstream {
     }
 
     /// Fire-and-forget `POST /abort_request {"rid": rid}`: best effort, never awaited by
-    /// the request path.
+    /// the request path, at most [`MAX_ABORTS_IN_FLIGHT`] at once.
     pub fn abort(&self, base: &BaseUrl, rid: &str) {
         let Ok(uri) = base.uri("/abort_request") else {
+            return;
+        };
+        let Ok(permit) = self.aborts.clone().try_acquire_owned() else {
+            metrics::counter!("pdgate_leg_aborts_dropped_total").increment(1);
             return;
         };
         let body = serde_json::json!({ "rid": rid, "abort_all": false }).to_string();
@@ -174,6 +187,7 @@ impl Upstream {
         let rid = rid.to_string();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
+                let _permit = permit;
                 let r = this
                     .call(
                         Method::POST,
@@ -198,7 +212,21 @@ mod tests {
     #[test]
     fn base_urls() {
         type Want = Result<(&'static str, &'static str, u16), fn(&UrlError) -> bool>;
-        let cases: [(&str, Want); 10] = [
+        let cases: [(&str, Want); 14] = [
+            // One engine, one spelling: case, default port, trailing dot, IPv6 forms.
+            (
+                "http://Engine.NS.:80",
+                Ok(("http://engine.ns:80", "engine.ns", 80)),
+            ),
+            ("http://HOST", Ok(("http://host:80", "host", 80))),
+            (
+                "http://[0:0::1]:8000",
+                Ok(("http://[::1]:8000", "::1", 8000)),
+            ),
+            (
+                "http://[FE80::1]:1",
+                Ok(("http://[fe80::1]:1", "fe80::1", 1)),
+            ),
             (
                 "http://10.0.0.1:30000",
                 Ok(("http://10.0.0.1:30000", "10.0.0.1", 30000)),

@@ -232,3 +232,56 @@ async fn drain_and_undrain() {
     env.router.fleet.undrain(Role::Decode, id).expect("undrain");
     assert_eq!(env.router.pool.load().routable_ranks(Role::Decode), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_url_added_at_once_from_many_threads_is_one_worker() {
+    let env = common::start_pair().await;
+    let extra = pdgate_sim::spawn(fast_engine(EngineConfig::decode(1)))
+        .await
+        .expect("engine");
+    let port: u16 = extra
+        .url()
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port");
+    // One engine spelled four ways (host case, trailing slash, trailing dot, default
+    // path), added by 16 tasks on 4 threads at once: one worker.
+    let spellings = [
+        format!("http://localhost:{port}"),
+        format!("http://LocalHost:{port}/"),
+        format!("http://localhost.:{port}"),
+        format!("http://LOCALHOST:{port}"),
+    ];
+    let barrier = Arc::new(tokio::sync::Barrier::new(16));
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let fleet = env.router.fleet.clone();
+            let url = spellings[i % spellings.len()].clone();
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                fleet.add(decode_spec(&url, WorkerSource::Admin))
+            })
+        })
+        .collect();
+    let mut added = Vec::new();
+    let mut exists = 0;
+    for t in tasks {
+        match t.await.expect("task") {
+            Ok(id) => added.push(id),
+            Err(FleetError::Exists { .. }) => exists += 1,
+            Err(e) => panic!("unexpected: {e}"),
+        }
+    }
+    assert_eq!(added.len(), 1, "added {added:?}");
+    assert_eq!(exists, 15);
+    let snap = env.router.pool.load();
+    let same: Vec<_> = snap
+        .workers(Role::Decode)
+        .iter()
+        .filter(|w| w.url.port() == port)
+        .map(|w| w.url.to_string())
+        .collect();
+    assert_eq!(same, vec![format!("http://localhost:{port}")]);
+}
