@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::LiveConfig;
-use crate::pool::{Pool, WorkerSource};
+use crate::pool::{DrainBy, Pool, WorkerSource};
 use crate::types::{Role, WorkerId};
 use crate::upstream::{BaseUrl, Upstream};
 
@@ -153,21 +153,29 @@ impl Fleet {
         Ok(id)
     }
 
-    /// Takes a worker out of rotation; its requests in flight finish.
+    /// An operator takes a worker out of rotation; its requests in flight finish.
     pub fn drain(&self, role: Role, id: WorkerId) -> Result<(), FleetError> {
-        self.set_draining(role, id, true)
+        self.set_drain(role, id, DrainBy::Operator, true)
     }
 
-    /// Puts a drained worker back in rotation (when healthy).
+    /// Undoes an operator's drain: back in rotation when healthy and no other reason to
+    /// drain holds (an unready pod, a removal).
     pub fn undrain(&self, role: Role, id: WorkerId) -> Result<(), FleetError> {
-        self.set_draining(role, id, false)
+        self.set_drain(role, id, DrainBy::Operator, false)
     }
 
-    fn set_draining(&self, role: Role, id: WorkerId, on: bool) -> Result<(), FleetError> {
-        if !self.pool.set_draining(role, id, on) {
+    /// Sets or clears one reason to drain (discovery uses [`DrainBy::Unready`]).
+    pub fn set_drain(
+        &self,
+        role: Role,
+        id: WorkerId,
+        by: DrainBy,
+        on: bool,
+    ) -> Result<(), FleetError> {
+        if !self.pool.set_drain(role, id, by, on) {
             return Err(FleetError::NotFound { role, id });
         }
-        tracing::info!(role = %role, worker = id.0, draining = on, "worker drain");
+        tracing::info!(role = %role, worker = id.0, draining = on, by = ?by, "worker drain");
         Ok(())
     }
 
@@ -179,10 +187,14 @@ impl Fleet {
         id: WorkerId,
         within: Duration,
     ) -> Result<tokio::task::JoinHandle<Removed>, FleetError> {
-        self.set_draining(role, id, true)?;
+        self.set_drain(role, id, DrainBy::Leaving, true)?;
         let pool = self.pool.clone();
         Ok(tokio::spawn(async move {
-            let deadline = tokio::time::Instant::now() + within;
+            // `within` may come from outside (a pod's grace period): never overflow.
+            let now = tokio::time::Instant::now();
+            let deadline = now
+                .checked_add(within)
+                .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365));
             let how = loop {
                 let busy = match pool.load().worker(role, id) {
                     None => break Removed::AlreadyGone,

@@ -122,13 +122,14 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
         let Ok(url) = parse_base_url(url) else {
             continue;
         };
-        // The oldest static worker at that URL that is not already leaving.
+        // The oldest static worker at that URL that is not already leaving (drained by an
+        // operator or not: it is removed all the same).
         let id = router
             .pool
             .load()
             .workers(role)
             .iter()
-            .find(|w| *w.source == WorkerSource::Static && w.url == url && !w.draining)
+            .find(|w| *w.source == WorkerSource::Static && w.url == url && !w.leaving)
             .map(|w| w.id);
         if let Some(id) = id {
             if router.fleet.remove(role, id, within).is_ok() {

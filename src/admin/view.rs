@@ -92,6 +92,7 @@ pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
         "healthy": w.healthy,
         "health_checked": learnt.health_checked,
         "draining": w.draining,
+        "leaving": w.leaving,
         "routable": !routable.is_empty(),
         "breaker": w.breaker.state().label(),
         "refused": w.refused,

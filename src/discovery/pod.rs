@@ -169,11 +169,16 @@ fn secs(v: Option<i64>) -> Option<Duration> {
     v.map(|s| Duration::from_secs(s.max(0).unsigned_abs()))
 }
 
-/// The grace period of a terminating pod.
+/// The longest grace period taken from a pod (a day): the API server accepts any `i64`,
+/// and a pod's numbers are read, not trusted.
+pub const MAX_GRACE: Duration = Duration::from_secs(86_400);
+
+/// The grace period of a terminating pod, at most [`MAX_GRACE`].
 fn grace(pod: &Pod, default: Duration) -> Duration {
     secs(pod.metadata.deletion_grace_period_seconds)
         .or_else(|| secs(pod.spec.as_ref()?.termination_grace_period_seconds))
         .unwrap_or(default)
+        .min(MAX_GRACE)
 }
 
 fn is_ready(pod: &Pod) -> bool {

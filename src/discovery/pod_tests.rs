@@ -217,6 +217,16 @@ fn pods_map_to_workers_by_the_rules() {
             },
         ),
         (
+            "terminating with a huge grace period: bounded to a day",
+            |v| {
+                v["metadata"]["deletionTimestamp"] = json!("2025-01-01T00:00:00Z");
+                v["metadata"]["deletionGracePeriodSeconds"] = json!(i64::MAX);
+            },
+            D,
+            settings(),
+            PodState::Terminating { grace: MAX_GRACE },
+        ),
+        (
             "terminating with no grace period: the default",
             |v| v["metadata"]["deletionTimestamp"] = json!("2025-01-01T00:00:00Z"),
             P,

@@ -28,7 +28,7 @@ use tokio::sync::Notify;
 use super::metrics::{Stats, PODS, WORKERS};
 use super::pod::{classify, pod_ref, Endpoint, Matched, PodSettings, PodState, STATE_LABELS};
 use crate::fleet::{Fleet, FleetError, WorkerSpec};
-use crate::pool::{PodRef, WorkerSource};
+use crate::pool::{DrainBy, PodRef, WorkerSource};
 use crate::types::{Role, WorkerId};
 
 /// A worker discovery added for a pod.
@@ -139,14 +139,18 @@ impl Reconciler {
                 Some(PodState::Ready(ep)) if *ep == t.ep => {
                     if t.drained {
                         t.drained = false;
-                        let _ = self.fleet.undrain(t.ep.role, t.id);
+                        let _ = self
+                            .fleet
+                            .set_drain(t.ep.role, t.id, DrainBy::Unready, false);
                     }
                     None
                 }
                 Some(PodState::NotReady(ep)) if *ep == t.ep => {
                     if !t.drained {
                         t.drained = true;
-                        let _ = self.fleet.drain(t.ep.role, t.id);
+                        let _ = self
+                            .fleet
+                            .set_drain(t.ep.role, t.id, DrainBy::Unready, true);
                     }
                     None
                 }

@@ -11,6 +11,10 @@
 //! - A worker that is not healthy is probed every `min(interval, unhealthy_interval)`, so a
 //!   restarted engine is back within a few seconds whatever the healthy interval is
 //!   (Envoy's `unhealthy_interval`).
+//! - The server info is read again whenever the engine comes back after being down (a
+//!   restart may change its DP size or role); an engine whose `disaggregation_mode` is not
+//!   its role, or whose DP size is past the bound, is refused (out of rotation, named in
+//!   `/readiness`) until a later read admits it.
 //! - Health probes on PD engines use a fake bootstrap (spec R10), so for prefills this is
 //!   combined with the bootstrap tracker's readiness in the pool.
 
@@ -85,6 +89,25 @@ pub fn next_check_in(cfg: &HealthConfig, healthy: bool) -> Duration {
     }
 }
 
+/// Whether an engine's server info lets it serve as `role`: `Ok` with its DP size (when it
+/// reports one), or why it is refused: a DP size past the bound, or a
+/// `disaggregation_mode` other than its role (an engine that does not report one is
+/// taken at its word).
+pub fn admit_info(role: Role, info: &crate::engine::ServerInfo) -> Result<Option<u32>, String> {
+    if let Some(mode) = info.disaggregation_mode.as_deref() {
+        if mode != role.as_str() {
+            return Err(format!(
+                "the engine reports disaggregation_mode {mode}, but it was added as a {role}"
+            ));
+        }
+    }
+    match info.dp_size.filter(|d| *d >= 1).map(client::checked_dp) {
+        Some(Err(e)) => Err(e.to_string()),
+        Some(Ok(dp)) => Ok(Some(dp)),
+        None => Ok(None),
+    }
+}
+
 /// Starts the health checker of one worker (and its server-info reader); it ends when the
 /// worker leaves the pool. Each check reads the health settings of the live config.
 ///
@@ -114,15 +137,23 @@ pub fn spawn(
             if good && !have_info {
                 if let Ok(info) = client::server_info(&up, &url, bcfg.http_timeout()).await {
                     have_info = true;
-                    let dp = info.dp_size.filter(|d| *d >= 1).map(client::checked_dp);
+                    let verdict = admit_info(role, &info);
                     pool.update_worker(role, id, |w| {
-                        match dp {
-                            Some(Err(e)) => {
-                                tracing::error!(role = %role, worker = %w.url, error = %e, "worker refused");
-                                w.refused = Some(e.to_string());
+                        match &verdict {
+                            Err(why) => {
+                                if w.refused.as_deref() != Some(why.as_str()) {
+                                    tracing::error!(role = %role, worker = %w.url, error = %why, "worker refused");
+                                }
+                                w.refused = Some(why.clone());
                             }
-                            Some(Ok(dp)) if role == Role::Decode => w.dp_size = Some(dp),
-                            _ => {}
+                            Ok(dp) => {
+                                if w.refused.take().is_some() {
+                                    tracing::info!(role = %role, worker = %w.url, "worker no longer refused");
+                                }
+                                if let (Some(dp), Role::Decode) = (dp, role) {
+                                    w.dp_size = Some(*dp);
+                                }
+                            }
                         }
                         w.info = Some(info);
                     });
@@ -153,6 +184,12 @@ pub fn spawn(
                 Verdict::Down => false,
                 Verdict::Keep => healthy,
             };
+            // An engine that failed a check may come back as another engine (a restart
+            // with another --dp-size or role): its server info is read again at its next
+            // good check.
+            if !good {
+                have_info = false;
+            }
             tokio::time::sleep(next_check_in(&cfg, healthy)).await;
         }
     });
@@ -161,6 +198,45 @@ pub fn spawn(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::ServerInfo;
+
+    #[test]
+    fn server_info_admits_or_refuses() {
+        let info = |mode: Option<&str>, dp: Option<u32>| ServerInfo {
+            disaggregation_mode: mode.map(str::to_string),
+            dp_size: dp,
+            ..ServerInfo::default()
+        };
+        let table = [
+            (Role::Prefill, info(Some("prefill"), Some(4)), Ok(Some(4))),
+            (Role::Decode, info(Some("decode"), None), Ok(None)),
+            (Role::Decode, info(None, Some(2)), Ok(Some(2))),
+            (Role::Decode, info(Some("decode"), Some(0)), Ok(None)),
+            (
+                Role::Prefill,
+                info(Some("decode"), Some(1)),
+                Err("disaggregation_mode decode"),
+            ),
+            (
+                Role::Decode,
+                info(Some("null"), Some(1)),
+                Err("disaggregation_mode null"),
+            ),
+            (
+                Role::Decode,
+                info(Some("decode"), Some(100_000)),
+                Err("dp_size"),
+            ),
+        ];
+        for (role, i, want) in table {
+            let got = admit_info(role, &i);
+            match (&got, want) {
+                (Ok(a), Ok(b)) => assert_eq!(*a, b, "{role} {i:?}"),
+                (Err(e), Err(part)) => assert!(e.contains(part), "{role} {i:?}: {e}"),
+                _ => panic!("{role} {i:?}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
 
     /// SGLang router's defaults, which operators copy when they swap routers.
     fn sglang_flags() -> HealthConfig {

@@ -182,6 +182,33 @@ pub struct PodRef {
     pub uid: String,
 }
 
+/// Why a worker takes no new requests. Each reason is set and cleared by its own owner,
+/// so one never undoes another: a pod's readiness coming back does not undo an operator's
+/// drain, and an operator's undrain does not put an unready pod back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Drain {
+    /// An operator drained it (admin API).
+    pub operator: bool,
+    /// Its pod is not ready (discovery).
+    pub unready: bool,
+    /// It is being removed.
+    pub leaving: bool,
+}
+
+impl Drain {
+    pub fn any(self) -> bool {
+        self.operator || self.unready || self.leaving
+    }
+}
+
+/// Who sets a [`Drain`] reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainBy {
+    Operator,
+    Unready,
+    Leaving,
+}
+
 /// Mutable state of one worker, owned by the writer.
 #[derive(Debug)]
 pub struct WorkerState {
@@ -189,8 +216,8 @@ pub struct WorkerState {
     pub role: Role,
     pub url: BaseUrl,
     pub source: Arc<WorkerSource>,
-    /// Takes no new request; requests in flight finish.
-    pub draining: bool,
+    /// Takes no new request while any reason holds; requests in flight finish.
+    pub drain: Drain,
     /// Cancelled when the worker leaves the pool: ends its background tasks.
     pub stop: CancellationToken,
     pub healthy: bool,
@@ -243,7 +270,10 @@ pub struct WorkerView {
     pub role: Role,
     pub url: BaseUrl,
     pub source: Arc<WorkerSource>,
+    /// Out of rotation for one of [`Drain`]'s reasons.
     pub draining: bool,
+    /// Being removed (drains, then leaves the pool).
+    pub leaving: bool,
     pub healthy: bool,
     pub dp_size: Option<u32>,
     pub loads: Arc<[AtomicU64]>,
@@ -467,12 +497,17 @@ impl Pool {
         found
     }
 
-    /// Marks a worker draining (no new requests) or not; false if unknown.
-    pub fn set_draining(&self, role: Role, id: WorkerId, draining: bool) -> bool {
+    /// Sets or clears one reason for a worker to drain (no new requests while any holds);
+    /// false if unknown.
+    pub fn set_drain(&self, role: Role, id: WorkerId, by: DrainBy, on: bool) -> bool {
         let mut found = false;
         self.update_worker(role, id, |w| {
             found = true;
-            w.draining = draining;
+            match by {
+                DrainBy::Operator => w.drain.operator = on,
+                DrainBy::Unready => w.drain.unready = on,
+                DrainBy::Leaving => w.drain.leaving = on,
+            }
         });
         found
     }
@@ -567,7 +602,7 @@ impl Master {
             id,
             role,
             source: Arc::new(source),
-            draining: false,
+            drain: Drain::default(),
             stop: CancellationToken::new(),
             conns: Arc::new(HostConns::new(&url)),
             url,
@@ -614,7 +649,8 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             role: w.role,
             url: w.url.clone(),
             source: w.source.clone(),
-            draining: w.draining,
+            draining: w.drain.any(),
+            leaving: w.drain.leaving,
             healthy: w.healthy,
             dp_size: w.dp_size,
             loads: w.loads.clone(),
@@ -630,7 +666,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             probes: w.probes.clone(),
         };
         // Out of rotation whatever its health: breaker open, refused, or draining.
-        let out = w.breaker.state() == BreakerState::Open || w.refused.is_some() || w.draining;
+        let out = w.breaker.state() == BreakerState::Open || w.refused.is_some() || w.drain.any();
         match w.role {
             Role::Prefill => {
                 if w.healthy && !out && w.layout.is_some() {

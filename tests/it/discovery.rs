@@ -552,3 +552,66 @@ async fn a_malformed_selector_refuses_the_start_naming_it() {
         assert!(err.to_string().contains(want), "{err}");
     }
 }
+
+#[tokio::test]
+async fn a_readiness_flap_does_not_undo_an_operators_drain() {
+    let s = setup(vec![], |_| {}).await;
+    let p = engine(Role::Prefill).await;
+    let d0 = engine(Role::Decode).await;
+    let mut pp = fake_kube::pod("prefill-0", PREFILL, p.addr().port());
+    pp.metadata.annotations = Some(
+        [(
+            "sglang.ai/bootstrap-port".to_string(),
+            p.bootstrap_port().expect("bootstrap").to_string(),
+        )]
+        .into(),
+    );
+    s.kube.create(NS, pp);
+    s.kube
+        .create(NS, fake_kube::pod("decode-0", DECODE, d0.addr().port()));
+    s.env.wait_routable(1, 1).await;
+    let id = s
+        .env
+        .router
+        .pool
+        .load()
+        .workers(Role::Decode)
+        .iter()
+        .find(|w| matches!(&*w.source, WorkerSource::Discovered(p) if p.name == "decode-0"))
+        .expect("decode-0")
+        .id;
+    // The operator drains it; then its pod goes unready and ready again.
+    s.env.router.fleet.drain(Role::Decode, id).expect("drain");
+    let base = s.disc.stats().reconciles;
+    s.kube
+        .update(NS, "decode-0", |p| fake_kube::set_ready(p, false));
+    wait_stats(&s.disc, "the unready pass", |st| st.reconciles > base).await;
+    let base = s.disc.stats().reconciles;
+    s.kube
+        .update(NS, "decode-0", |p| fake_kube::set_ready(p, true));
+    wait_stats(&s.disc, "the ready pass", |st| st.reconciles > base).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let snap = s.env.router.pool.load();
+    let w = snap.worker(Role::Decode, id).expect("still there");
+    assert!(w.draining, "the operator's drain holds through the flap");
+    assert_eq!(snap.routable_ranks(Role::Decode), 0);
+    drop(snap);
+    // The operator's undrain brings it back (the pod is ready).
+    s.env
+        .router
+        .fleet
+        .undrain(Role::Decode, id)
+        .expect("undrain");
+    s.env.wait_routable(1, 1).await;
+    // And an operator's undrain does not bring back an unready pod.
+    s.kube
+        .update(NS, "decode-0", |p| fake_kube::set_ready(p, false));
+    s.env.wait_routable(1, 0).await;
+    s.env
+        .router
+        .fleet
+        .undrain(Role::Decode, id)
+        .expect("undrain");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(s.env.router.pool.load().routable_ranks(Role::Decode), 0);
+}

@@ -285,3 +285,81 @@ async fn one_url_added_at_once_from_many_threads_is_one_worker() {
         .collect();
     assert_eq!(same, vec![format!("http://localhost:{port}")]);
 }
+
+#[tokio::test]
+async fn a_removal_with_an_endless_deadline_still_removes() {
+    // A pod can carry any grace period; a deadline past the clock's range must not
+    // panic the removal task and leave a zombie worker.
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1), EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 2).await;
+    let id = env.router.pool.load().workers(Role::Decode)[0].id;
+    let done = env
+        .router
+        .fleet
+        .remove(Role::Decode, id, Duration::MAX)
+        .expect("removing");
+    let how = tokio::time::timeout(Duration::from_secs(10), done)
+        .await
+        .expect("in time")
+        .expect("the task did not panic");
+    assert_eq!(how, Removed::Drained);
+    assert!(env.router.pool.load().worker(Role::Decode, id).is_none());
+}
+
+/// Starts an engine on `port`, retrying while the previous one there lets go of it.
+async fn spawn_on(mut cfg: EngineConfig, port: u16) -> pdgate_sim::SimEngine {
+    cfg.port = port;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match pdgate_sim::spawn(fast_engine(cfg.clone())).await {
+            Ok(e) => return e,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("port {port}: {e}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_engine_that_comes_back_as_another_engine_is_read_again() {
+    let env = common::start_pair().await;
+    let first = pdgate_sim::spawn(fast_engine(EngineConfig::decode(1)))
+        .await
+        .expect("engine");
+    let port = first.addr().port();
+    env.router
+        .fleet
+        .add(decode_spec(&first.url(), WorkerSource::Admin))
+        .expect("added");
+    env.wait_routable(1, 2).await;
+    // Restarted with another --dp-size: its ranks follow.
+    first.shutdown();
+    env.wait_routable(1, 1).await;
+    let second = spawn_on(EngineConfig::decode(2), port).await;
+    env.wait_routable(1, 3).await;
+    // Restarted as a prefill: refused, named in the view, and out of rotation.
+    second.shutdown();
+    env.wait_routable(1, 1).await;
+    let third = spawn_on(EngineConfig::prefill(1), port).await;
+    env.wait_pool("the engine refused for its role", |s| {
+        s.workers(Role::Decode).iter().any(|w| {
+            w.url.port() == port
+                && w.refused
+                    .as_deref()
+                    .is_some_and(|r| r.contains("disaggregation_mode prefill"))
+        })
+    })
+    .await;
+    assert_eq!(env.router.pool.load().routable_ranks(Role::Decode), 1);
+    // Back as a decode: admitted again.
+    third.shutdown();
+    let _fourth = spawn_on(EngineConfig::decode(1), port).await;
+    env.wait_routable(1, 2).await;
+}

@@ -323,3 +323,36 @@ async fn sighup_and_the_file_watch_reload_the_binary() {
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn a_static_worker_drained_by_an_operator_is_still_removed_by_a_reload() {
+    let env = start_as_is(
+        vec![fast_engine(EngineConfig::prefill(1))],
+        vec![
+            fast_engine(EngineConfig::decode(1)),
+            fast_engine(EngineConfig::decode(1)),
+        ],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 2).await;
+    let mut next = current(&env);
+    let gone = next.decode.remove(0);
+    let url = pdgate::url::parse_base_url(&gone.url).expect("url");
+    let id = env
+        .router
+        .pool
+        .load()
+        .workers(Role::Decode)
+        .iter()
+        .find(|w| w.url == url)
+        .expect("listed")
+        .id;
+    env.router.fleet.drain(Role::Decode, id).expect("drain");
+    let applied = pdgate::reload::apply(&env.router, next).expect("valid");
+    assert_eq!((applied.added, applied.removed), (0, 1));
+    env.wait_pool("the drained, removed decode is gone", |s| {
+        s.workers(Role::Decode).iter().all(|w| w.url != url)
+    })
+    .await;
+}
