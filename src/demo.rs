@@ -23,10 +23,18 @@ pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send 
     let cluster = SimCluster::spawn(&prefill, &decode).await?;
     let mut cfg = Config::default();
     cfg.server.port = args.port;
-    // The demo has no admin listener: its `/metrics` is on the front door.
+    // The demo's `/metrics` is on the front door too; its admin listener (worker detail,
+    // `/readiness` with every worker) is on a free loopback port, without a token.
     cfg.server.public_metrics = true;
     cfg.add_workers(cluster.prefill_endpoints(), cluster.decode_urls());
-    let router = pdgate::router::start(cfg, None, RngSource::Os).await?;
+    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let router = pdgate::router::start_with(
+        cfg,
+        None,
+        pdgate::router::AdminListener::Bound(admin),
+        RngSource::Os,
+    )
+    .await?;
     // Wait (bounded) until both pools are routable, so the printed commands work at once.
     for _ in 0..100 {
         let s = router.pool.load();
@@ -36,7 +44,8 @@ pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send 
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     let url = router.url();
-    println!("pdgate demo: router on {url}");
+    let admin = router.admin_url().unwrap_or_default();
+    println!("pdgate demo: router on {url}, admin API on {admin}");
     for p in &cluster.prefills {
         println!(
             "  prefill {} (DP 2, bootstrap port {})",
@@ -56,12 +65,13 @@ Try:
     -d '{{"model":"sim-model","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":8,"stream":true}}'
   curl -s {url}/generate -H 'Content-Type: application/json' \
     -d '{{"text":"The capital of France is","sampling_params":{{"max_new_tokens":8}}}}'
-  curl -s {url}/readiness
+  curl -s {url}/readiness                 # status and counts
+  curl -s {admin}/readiness               # every worker, its health and each DP rank's bootstrap state
   curl -s {url}/metrics | grep pdgate_
 Ctrl-C stops everything."#
     );
     tokio::signal::ctrl_c().await?;
-    router.server.shutdown().await;
+    router.shutdown().await;
     drop(cluster);
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! Hot reload: a new config file applied to a running router without a restart, on SIGHUP
-//! (and, with `reload.watch_ms`, when the file's contents change).
+//! (and, with `reload.watch_ms`, when the file's contents change), and whenever a secret
+//! file it names (client keys, admin token) changes (`reload.secrets_watch_ms`, 2 s).
 //!
 //! What reloads: policies, timeouts, retry, breaker and admission settings, health and
 //! bootstrap settings, the contract mode, `log.access`, the static worker lists (added
@@ -181,10 +182,44 @@ fn minus<T: PartialEq + Clone>(a: &[T], b: &[T]) -> Vec<T> {
         .collect()
 }
 
-/// Reloads on SIGHUP, and when `watch` is set and the file's contents changed, until the
-/// router shuts down (the task is dropped with the runtime).
+/// What the watch compares between two looks: the config file's bytes (when watched) and
+/// each secret file's bytes.
+#[derive(PartialEq)]
+struct Watched {
+    config: Option<Vec<u8>>,
+    secrets: Vec<Option<Vec<u8>>>,
+}
+
+/// The secret files the running config names (re-read each look: a reload may name
+/// others).
+fn secret_files(cfg: &Config) -> Vec<PathBuf> {
+    cfg.auth
+        .api_keys_file
+        .iter()
+        .chain(cfg.admin.api_key_file.iter())
+        .cloned()
+        .collect()
+}
+
+fn look(config: Option<&PathBuf>, secrets: &[PathBuf]) -> Watched {
+    Watched {
+        config: config.and_then(|f| std::fs::read(f).ok()),
+        secrets: secrets.iter().map(|f| std::fs::read(f).ok()).collect(),
+    }
+}
+
+/// Reloads on SIGHUP; when `watch` is set, when the config file's contents changed; and
+/// when a secret file the running config names (client keys, admin token) changed, looked
+/// at every `reload.secrets_watch_ms` (a rotated Kubernetes Secret needs no signal). Runs
+/// until the router shuts down (the task is dropped with the runtime).
 pub fn spawn(router: Arc<Router>, source: Source, file: Option<PathBuf>, watch: Option<Duration>) {
-    tokio::spawn(async move {
+    tokio::spawn(async move { run(&router, source, file, watch).await });
+}
+
+/// The loop [`spawn`] runs; it never returns.
+pub async fn run(router: &Router, source: Source, file: Option<PathBuf>, watch: Option<Duration>) {
+    let secrets_every = router.fleet.live().load().reload.secrets_watch();
+    {
         #[cfg(unix)]
         let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
             Ok(s) => Some(s),
@@ -193,7 +228,13 @@ pub fn spawn(router: Arc<Router>, source: Source, file: Option<PathBuf>, watch: 
                 None
             }
         };
-        let mut last = file.as_ref().and_then(|f| std::fs::read(f).ok());
+        let watched_file = file.as_ref().filter(|_| watch.is_some());
+        let every = match (watch.filter(|_| file.is_some()), secrets_every) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let secrets = || secret_files(&router.fleet.live().load());
+        let mut last = look(watched_file, &secrets());
         loop {
             let hup_fut = async {
                 #[cfg(unix)]
@@ -204,29 +245,38 @@ pub fn spawn(router: Arc<Router>, source: Source, file: Option<PathBuf>, watch: 
                 std::future::pending::<&'static str>().await
             };
             let watch_fut = async {
-                match (watch, &file) {
-                    (Some(every), Some(_)) => {
+                match every {
+                    Some(every) => {
                         tokio::time::sleep(every).await;
                         "watch"
                     }
-                    _ => std::future::pending().await,
+                    None => std::future::pending().await,
                 }
             };
             let why = tokio::select! {
                 w = hup_fut => w,
                 w = watch_fut => w,
             };
+            let now = look(watched_file, &secrets());
             if why == "watch" {
-                let now = file.as_ref().and_then(|f| std::fs::read(f).ok());
                 if now == last {
                     continue;
                 }
+                let secret = now.secrets != last.secrets;
                 last = now;
+                tracing::info!(
+                    trigger = if secret { "secret file" } else { "config file" },
+                    "reloading the config"
+                );
+            } else {
+                last = now;
+                tracing::info!(trigger = why, "reloading the config");
             }
-            tracing::info!(trigger = why, "reloading the config");
             match source() {
                 Ok(cfg) => {
-                    let _ = apply(&router, cfg);
+                    let _ = apply(router, cfg);
+                    // The files a new config names are what the next look compares.
+                    last = look(watched_file, &secrets());
                 }
                 Err(e) => {
                     crate::telemetry::config_reloaded(false);
@@ -234,7 +284,7 @@ pub fn spawn(router: Arc<Router>, source: Source, file: Option<PathBuf>, watch: 
                 }
             }
         }
-    });
+    }
 }
 
 #[cfg(test)]

@@ -38,6 +38,7 @@ pub struct Api {
 
 enum Route {
     Metrics,
+    Readiness,
     Workers,
     Worker(String),
     Drain(String),
@@ -56,6 +57,7 @@ fn route(path: &str) -> Option<(Route, &'static [Method])> {
     let segs: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
     Some(match segs.as_slice() {
         ["metrics"] => (Route::Metrics, GET),
+        ["readiness"] => (Route::Readiness, GET),
         ["workers"] => (Route::Workers, WORKERS),
         ["workers", id] => (Route::Worker((*id).to_string()), WORKER),
         ["workers", id, "drain"] => (Route::Drain((*id).to_string()), POST),
@@ -192,6 +194,7 @@ impl Api {
             }
             Route::Workers if req.method() == Method::POST => self.add(&read_body(req).await?),
             Route::Workers => Ok(self.list()),
+            Route::Readiness => Ok(self.readiness()),
             Route::Worker(id) if req.method() == Method::DELETE => {
                 let wait = matches!(params.get("wait").map(String::as_str), Some("true" | "1"));
                 self.delete(&id, wait).await
@@ -237,14 +240,38 @@ impl Api {
         Ok((role, wid, worker_json(&snap, w, &self.learnt(role, wid))))
     }
 
-    fn list(&self) -> Response<RespBody> {
-        let snap = self.fleet.pool().load_full();
-        let workers: Vec<Value> = snap
-            .prefills
+    fn workers_json(&self, snap: &crate::pool::Snapshot) -> Vec<Value> {
+        snap.prefills
             .iter()
             .chain(snap.decodes.iter())
-            .map(|w| worker_json(&snap, w, &self.learnt(w.role, w.id)))
-            .collect();
+            .map(|w| worker_json(snap, w, &self.learnt(w.role, w.id)))
+            .collect()
+    }
+
+    /// The front door's `/readiness` with the detail it leaves out: every worker, its
+    /// URL, pod, health, ranks and why it is out of rotation.
+    fn readiness(&self) -> Response<RespBody> {
+        let snap = self.fleet.pool().load_full();
+        let ready = !snap.prefill_routable.is_empty() && !snap.decode_routable.is_empty();
+        let status = if ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
+        json_response(
+            status,
+            &json!({
+                "ready": ready,
+                "routable_prefill_ranks": snap.routable_ranks(Role::Prefill),
+                "routable_decode_ranks": snap.routable_ranks(Role::Decode),
+                "workers": self.workers_json(&snap),
+            }),
+        )
+    }
+
+    fn list(&self) -> Response<RespBody> {
+        let snap = self.fleet.pool().load_full();
+        let workers = self.workers_json(&snap);
         json_response(
             StatusCode::OK,
             &json!({
@@ -550,6 +577,7 @@ mod tests {
     fn routes_and_their_methods() {
         let table = [
             ("/metrics", true),
+            ("/readiness", true),
             ("/workers", true),
             ("/workers/", true),
             ("/workers/prefill-1", true),

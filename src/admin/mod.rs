@@ -4,6 +4,7 @@
 //! | method | path | what |
 //! |---|---|---|
 //! | GET | `/metrics` | Prometheus text; **no token needed** |
+//! | GET | `/readiness` | ready or not, routable ranks, and every worker (the front door's `/readiness` has counts only) |
 //! | GET | `/workers` | every worker: source, health, breaker, DP ranks with bootstrap state, in flight |
 //! | POST | `/workers` | add one: `{"role": "prefill"\|"decode", "url", "bootstrap_port"?, "bootstrap_host"?}` → 201 |
 //! | GET | `/workers/{id}` | one worker |

@@ -125,17 +125,34 @@ pub struct AuthConfig {
 }
 
 /// `[reload]`: applying a changed config without a restart (SIGHUP always does).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ReloadConfig {
     /// Also reload when the config file's contents change, checked this often (0 = only on
     /// SIGHUP).
     pub watch_ms: u64,
+    /// Reload when a secret file (`auth.api_keys_file`, `admin.api_key_file`) changes,
+    /// checked this often (0 = only on SIGHUP or a config change). A rotated or revoked
+    /// key takes effect within this interval of the file changing on disk (with a
+    /// Kubernetes Secret volume, add the kubelet's sync delay, about a minute).
+    pub secrets_watch_ms: u64,
+}
+
+impl Default for ReloadConfig {
+    fn default() -> Self {
+        ReloadConfig {
+            watch_ms: 0,
+            secrets_watch_ms: 2_000,
+        }
+    }
 }
 
 impl ReloadConfig {
     pub fn watch(&self) -> Option<Duration> {
         (self.watch_ms > 0).then(|| Duration::from_millis(self.watch_ms))
+    }
+    pub fn secrets_watch(&self) -> Option<Duration> {
+        (self.secrets_watch_ms > 0).then(|| Duration::from_millis(self.secrets_watch_ms))
     }
 }
 
@@ -197,6 +214,14 @@ pub(super) fn validate(cfg: &super::Config) -> Result<(), ConfigError> {
     )?;
     if cfg.reload.watch_ms != 0 {
         range("reload.watch_ms", cfg.reload.watch_ms, 50, 3_600_000)?;
+    }
+    if cfg.reload.secrets_watch_ms != 0 {
+        range(
+            "reload.secrets_watch_ms",
+            cfg.reload.secrets_watch_ms,
+            50,
+            3_600_000,
+        )?;
     }
     Ok(())
 }

@@ -367,36 +367,23 @@ impl App {
         let draining = self.draining.load(Ordering::SeqCst);
         let ready =
             !draining && !snap.prefill_routable.is_empty() && !snap.decode_routable.is_empty();
-        let workers: Vec<serde_json::Value> = snap
-            .prefills
-            .iter()
-            .chain(snap.decodes.iter())
-            .map(|w| {
-                serde_json::json!({
-                    "role": w.role.as_str(),
-                    "url": w.url.as_str(),
-                    "healthy": w.healthy,
-                    "dp_size": w.effective_dp(),
-                    "bootstrap": w.bootstrap.as_ref().map(|b| b.url.as_str()),
-                    "ranks": w.ranks.iter().map(|r| r.label()).collect::<Vec<_>>(),
-                    "refused": w.refused,
-                    "draining": w.draining,
-                    "source": w.source.label(),
-                    "pod": match &*w.source {
-                        crate::pool::WorkerSource::Discovered(p) => serde_json::json!({
-                            "namespace": p.namespace, "name": p.name, "uid": p.uid,
-                        }),
-                        _ => serde_json::Value::Null,
-                    },
-                })
+        // Counts only: the client port never lists internal topology (URLs, pods, engine
+        // messages). The admin listener's `/readiness` has the detail.
+        let count = |ws: &[crate::pool::WorkerView]| {
+            serde_json::json!({
+                "workers": ws.len(),
+                "healthy": ws.iter().filter(|w| w.healthy).count(),
+                "draining": ws.iter().filter(|w| w.draining).count(),
+                "refused": ws.iter().filter(|w| w.refused.is_some()).count(),
             })
-            .collect();
+        };
         let body = serde_json::json!({
             "ready": ready,
             "draining": draining,
             "routable_prefill_ranks": snap.routable_ranks(Role::Prefill),
             "routable_decode_ranks": snap.routable_ranks(Role::Decode),
-            "workers": workers,
+            "prefill": count(&snap.prefills),
+            "decode": count(&snap.decodes),
         });
         let status = if ready {
             StatusCode::OK

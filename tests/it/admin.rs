@@ -761,3 +761,37 @@ async fn a_web_page_cannot_reach_the_admin_api() {
         "SGLang's add_worker from a tool passes the guard: {st}"
     );
 }
+
+#[tokio::test]
+async fn readiness_detail_is_on_the_admin_listener_only() {
+    let env = env_with_token().await;
+    env.wait_routable(2, 1).await;
+    let prefill_url = env.cluster.prefills[0].url();
+    // The admin listener: every worker with its URL (token needed, like every route but
+    // /metrics).
+    let (st, _, _) = env.admin("GET", "/readiness", None, "").await;
+    assert_eq!(st, 401);
+    let (st, _, b) = env.admin("GET", "/readiness", Some(TOKEN), "").await;
+    assert_eq!(st, 200);
+    let v = json(&b);
+    assert_eq!(v["ready"], true);
+    assert_eq!(v["routable_prefill_ranks"], 2, "{v}");
+    let workers = v["workers"].as_array().expect("workers");
+    assert_eq!(workers.len(), 2);
+    assert!(
+        workers.iter().any(|w| w["url"] == prefill_url.as_str()),
+        "{v}"
+    );
+    // The front door: status and counts, nothing internal.
+    let resp = env.send("GET", "/readiness", &[], "").await;
+    assert_eq!(resp.status(), 200);
+    let b = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    let v = json(&b);
+    assert_eq!(v["ready"], true);
+    assert_eq!(v["prefill"]["workers"], 1, "{v}");
+    assert_eq!(v["decode"]["healthy"], 1, "{v}");
+    assert!(!String::from_utf8_lossy(&b).contains(&prefill_url), "{v}");
+}

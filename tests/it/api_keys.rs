@@ -321,3 +321,54 @@ async fn a_client_key_never_reaches_an_engine() {
         }
     }
 }
+
+/// Polls (bounded: 10 s) until a request with `key` gets `want`.
+async fn until_status(env: &Env, key: &str, want: u16) {
+    let auth = format!("Bearer {key}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (st, _, _) = post_with(env, "/generate", &[("authorization", &auth)], GEN).await;
+        if st == want {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{key}: still {st}, not {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_rotated_keys_file_takes_effect_without_a_signal() {
+    let file = keys_file("rotate", "team-a: sk-old\n");
+    let mut cfg_seen = None;
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            c.auth.api_keys_file = Some(file.clone());
+            c.reload.secrets_watch_ms = 100;
+            cfg_seen = Some(c.clone());
+        },
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let cfg = cfg_seen.expect("config");
+    // The config itself never changes; only the Secret's file does.
+    let source: pdgate::reload::Source = Box::new(move || Ok(cfg.clone()));
+    let watcher = pdgate::reload::run(&env.router, source, None, None);
+    let rotate = async {
+        until_status(&env, "sk-old", 200).await;
+        // Rotated the way a Kubernetes Secret volume does it: a new file swapped in.
+        let tmp = file.with_extension("new");
+        std::fs::write(&tmp, "team-a: sk-new\n").expect("write");
+        std::fs::rename(&tmp, &file).expect("swap");
+        until_status(&env, "sk-new", 200).await;
+        until_status(&env, "sk-old", 401).await;
+    };
+    tokio::select! {
+        _ = watcher => panic!("the watch loop ended"),
+        _ = rotate => {}
+    }
+}

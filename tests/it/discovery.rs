@@ -124,7 +124,7 @@ async fn pods_become_workers_and_follow_their_pods() {
     s.env.wait_routable(1, 1).await;
     common::expect_ok(&s.env, true, 3).await;
 
-    // /readiness names each discovered worker's pod.
+    // The front door's /readiness counts workers and lists none of them (no URL, no pod).
     let resp = s.env.send("GET", "/readiness", &[], "").await;
     assert_eq!(resp.status(), 200);
     let body = http_body_util::BodyExt::collect(resp.into_body())
@@ -132,20 +132,29 @@ async fn pods_become_workers_and_follow_their_pods() {
         .expect("body")
         .to_bytes();
     let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
-    let pf = v["workers"]
-        .as_array()
-        .expect("workers")
-        .iter()
-        .find(|w| w["role"] == "prefill")
-        .expect("the prefill");
-    assert_eq!(pf["source"], "discovered");
-    assert_eq!(pf["pod"]["name"], "prefill-0");
-    assert_eq!(pf["pod"]["namespace"], NS);
-    assert_eq!(pf["pod"]["uid"], p_uid.as_str());
-    assert_eq!(
-        pf["bootstrap"],
-        p.bootstrap_url().expect("bootstrap url").as_str()
+    assert_eq!(v["prefill"]["workers"], 1, "{v}");
+    assert!(v.get("workers").is_none(), "{v}");
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        !text.contains("prefill-0") && !text.contains(&p.url()),
+        "internal topology on the client port: {text}"
     );
+    // The pool (what the admin listener's /readiness shows) names each discovered pod.
+    let snap = s.env.router.pool.load();
+    let pf = &snap.workers(Role::Prefill)[0];
+    let WorkerSource::Discovered(pod) = &*pf.source else {
+        panic!("the prefill is discovered");
+    };
+    assert_eq!(
+        (pod.name.as_str(), pod.namespace.as_str()),
+        ("prefill-0", NS)
+    );
+    assert_eq!(pod.uid, p_uid);
+    assert_eq!(
+        pf.bootstrap.as_ref().map(|b| b.url.to_string()),
+        p.bootstrap_url()
+    );
+    drop(snap);
 
     // Not ready: drained at once; ready again: back, same worker.
     let before = by_pod(&s.env.router.pool.load(), "decode-0").expect("decode-0");

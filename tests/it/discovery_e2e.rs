@@ -27,6 +27,7 @@ const BODY: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":12},"s
 struct Pdgate {
     child: Child,
     url: String,
+    admin: String,
     logs: Arc<Mutex<Vec<Value>>>,
 }
 
@@ -71,26 +72,46 @@ fn pdgate(kubeconfig: &std::path::Path, config: &std::path::Path) -> Pdgate {
     let url = rx
         .recv_timeout(Duration::from_secs(20))
         .expect("pdgate never said it listens");
-    Pdgate { child, url, logs }
+    // The admin listener's url (its /readiness has the worker detail); bounded wait.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let admin = loop {
+        let found = logs
+            .lock()
+            .expect("logs")
+            .iter()
+            .find(|v| v["fields"]["message"] == "admin API listening")
+            .and_then(|v| v["fields"]["url"].as_str().map(str::to_string));
+        if let Some(a) = found {
+            break a;
+        }
+        assert!(std::time::Instant::now() < deadline, "no admin listener");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Pdgate {
+        child,
+        url,
+        admin,
+        logs,
+    }
 }
 
 impl Pdgate {
     async fn readiness(&self) -> Value {
         let r = common::client()
-            .get(format!("{}/readiness", self.url).parse().expect("uri"))
+            .get(format!("{}/readiness", self.admin).parse().expect("uri"))
             .await
             .expect("readiness");
         let b = r.into_body().collect().await.expect("body").to_bytes();
         serde_json::from_slice(&b).expect("json")
     }
 
-    /// The `/readiness` entry of pod `name`, if listed.
+    /// The admin listener's `/readiness` entry of pod `name`, if listed.
     async fn worker(&self, name: &str) -> Option<Value> {
         let r = self.readiness().await;
         r["workers"]
             .as_array()?
             .iter()
-            .find(|w| w["pod"]["name"] == name)
+            .find(|w| w["source"]["pod"] == name)
             .cloned()
     }
 
@@ -129,13 +150,13 @@ impl Pdgate {
 fn listed(r: &Value, name: &str) -> bool {
     r["workers"]
         .as_array()
-        .is_some_and(|ws| ws.iter().any(|w| w["pod"]["name"] == name))
+        .is_some_and(|ws| ws.iter().any(|w| w["source"]["pod"] == name))
 }
 
 fn draining(r: &Value, name: &str) -> bool {
     r["workers"].as_array().is_some_and(|ws| {
         ws.iter()
-            .any(|w| w["pod"]["name"] == name && w["draining"] == true)
+            .any(|w| w["source"]["pod"] == name && w["draining"] == true)
     })
 }
 
