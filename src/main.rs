@@ -14,7 +14,10 @@ use pdgate::telemetry::access;
 /// The main log (text or JSON, filtered by `log.level` or `RUST_LOG`) and, with
 /// `log.access`, the access log: one JSON object per line on stdout, whatever the main
 /// format, never filtered by the main log's level (see `pdgate::telemetry::access`).
-fn init_logs(cfg: &LogConfig) {
+/// Logs (and the access log) go through one bounded, non-blocking writer: a dedicated
+/// thread writes stdout, and when the pipe is slow lines are dropped and counted instead of
+/// stalling the runtime. The guard flushes what is buffered when dropped (at exit).
+fn init_logs(cfg: &LogConfig) -> tracing_appender::non_blocking::WorkerGuard {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
@@ -24,15 +27,37 @@ fn init_logs(cfg: &LogConfig) {
     if let Ok(d) = access::EXCLUDE.parse() {
         filter = filter.add_directive(d);
     }
+    let (out, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(cfg.buffer_lines)
+        .thread_name("pdgate-log")
+        .finish(std::io::stdout());
+    let dropped = out.error_counter();
     let main = match cfg.format {
-        LogFormat::Json => tracing_subscriber::fmt::layer().json().boxed(),
-        LogFormat::Text => tracing_subscriber::fmt::layer().boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_writer(out.clone())
+            .boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(out.clone())
+            .boxed(),
     };
-    let access = cfg.access.then(|| access::layer(std::io::stdout));
+    let access = cfg.access.then(|| access::layer(out));
     tracing_subscriber::registry()
         .with(main.with_filter(filter))
         .with(access)
         .init();
+    // The drop count, published where the metrics are (read once a second).
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            loop {
+                metrics::counter!(pdgate::telemetry::LOG_LINES_DROPPED)
+                    .absolute(dropped.dropped_lines() as u64);
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        });
+    }
+    guard
 }
 
 async fn wait_for_signal() {
@@ -178,7 +203,7 @@ fn main() -> std::process::ExitCode {
     let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = rt.block_on(async {
         match (command, serve_cfg) {
             (_, Some(cfg)) => {
-                init_logs(&cfg.log);
+                let _logs = init_logs(&cfg.log);
                 let watch = cfg.reload.watch();
                 let router = std::sync::Arc::new(
                     pdgate::router::start_with(
@@ -198,11 +223,11 @@ fn main() -> std::process::ExitCode {
                 Ok(())
             }
             (Some(Command::Sim(args)), None) => {
-                init_logs(&LogConfig::default());
+                let _logs = init_logs(&LogConfig::default());
                 pdgate_sim::cli::run(args).await
             }
             (Some(Command::Demo(args)), None) => {
-                init_logs(&LogConfig::default());
+                let _logs = init_logs(&LogConfig::default());
                 demo::run(args).await
             }
             _ => Err("no command".into()),

@@ -160,6 +160,7 @@ fn keep_restart_only(old: &Config, new: &mut Config, changed: &mut Vec<&'static 
     keep!(upstream, "upstream");
     keep!(log.format, "log.format");
     keep!(log.level, "log.level");
+    keep!(log.buffer_lines, "log.buffer_lines");
     for s in changed.iter() {
         tracing::warn!(section = s, "changed in the config file, but takes effect only at a restart; the running value is kept");
     }

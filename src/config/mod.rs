@@ -476,6 +476,9 @@ pub struct LogConfig {
     pub level: String,
     /// One JSON line per request on the `pdgate::access` target.
     pub access: bool,
+    /// Log lines that may wait for a slow stdout; past it lines are dropped and counted
+    /// (`pdgate_log_lines_dropped_total`) so that logging never blocks a request.
+    pub buffer_lines: usize,
 }
 
 impl Default for LogConfig {
@@ -484,6 +487,7 @@ impl Default for LogConfig {
             format: LogFormat::Text,
             level: "info".to_string(),
             access: false,
+            buffer_lines: 65_536,
         }
     }
 }
@@ -580,6 +584,7 @@ impl Config {
         )?;
         range("server.drain_secs", s.drain_secs, 0, DAY)?;
         range("server.listen_backlog", s.listen_backlog, 1, 65_535)?;
+        range("log.buffer_lines", self.log.buffer_lines, 1, 16_777_216)?;
         range("server.worker_threads", s.worker_threads, 0, 1024)?;
         range("server.max_connections", s.max_connections, 0, 1 << 24)?;
         range("server.idle_timeout_secs", s.idle_timeout_secs, 1, DAY)?;

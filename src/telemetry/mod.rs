@@ -102,6 +102,7 @@ pub const CONNECTIONS_REJECTED: &str = "pdgate_connections_rejected_total";
 pub const STALE_RETRIES: &str = "pdgate_upstream_stale_retries_total";
 pub const LEG_ABORTS: &str = "pdgate_leg_aborts_total";
 pub const LEG_ABORTS_DROPPED: &str = "pdgate_leg_aborts_dropped_total";
+pub const LOG_LINES_DROPPED: &str = "pdgate_log_lines_dropped_total";
 pub const LAYOUT_MISMATCHES: &str = "pdgate_layout_mismatches";
 pub const BREAKER_TRANSITIONS: &str = "pdgate_breaker_transitions_total";
 pub const BREAKER_EJECTION_CAPPED: &str = "pdgate_breaker_ejection_capped_total";
@@ -198,6 +199,8 @@ pub static SERIES: &[Series] = &[
         "Legs re-sent on a new connection because the engine had closed the kept-alive one before reading them."),
     s(LEG_ABORTS, C, Unit::Count, &[],
         "abort_request calls sent to engines for cancelled legs."),
+    s(LOG_LINES_DROPPED, C, Unit::Count, &[],
+        "Log and access-log lines dropped because stdout could not keep up (the writer never blocks a request)."),
     s(LEG_ABORTS_DROPPED, C, Unit::Count, &[],
         "abort_request calls not sent because too many were in flight (the leg's connection was still closed)."),
     s(LAYOUT_MISMATCHES, G, Unit::Count, &[],

@@ -487,3 +487,118 @@ async fn the_binary_writes_json_lines_under_a_text_log() {
     assert_eq!(bad["status"], 400);
     assert_eq!(bad["fail_reason"], "invalid_request");
 }
+
+/// A stdout nobody reads must not stall requests: the log writer drops and counts lines
+/// once its buffer is full, rather than block the runtime on a full pipe.
+#[tokio::test]
+async fn a_stalled_stdout_drops_log_lines_and_never_blocks_requests() {
+    let cluster = pdgate_sim::SimCluster::spawn(
+        &[common::fast_engine(EngineConfig::prefill(1))],
+        &[common::fast_engine(EngineConfig::decode(1))],
+    )
+    .await
+    .unwrap();
+    let p = &cluster.prefills[0];
+    let dir = std::env::temp_dir().join(format!("pdgate-log-stall-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("pdgate.toml");
+    std::fs::write(
+        &cfg,
+        "[log]\nformat = \"json\"\naccess = true\nbuffer_lines = 16\n[health]\ninterval_secs = 0.05\n",
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pdgate"))
+        .args(["serve", "--port", "0", "--admin-port", "0", "--config"])
+        .arg(&cfg)
+        .args([
+            "--prefill",
+            &p.url(),
+            &p.bootstrap_port().unwrap().to_string(),
+        ])
+        .args(["--decode", &cluster.decodes[0].url()])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("pdgate binary");
+    // Read until both listeners are up, then stop reading (the pipe stays open).
+    let stdout = child.stdout.take().unwrap();
+    let (url, admin, _pipe) = tokio::task::spawn_blocking(move || {
+        let mut r = BufReader::new(stdout);
+        let (mut url, mut admin) = (None, None);
+        let mut line = String::new();
+        while url.is_none() || admin.is_none() {
+            line.clear();
+            if r.read_line(&mut line).unwrap_or(0) == 0 {
+                break;
+            }
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                let u = v["fields"]["url"].as_str().map(str::to_string);
+                match v["fields"]["message"].as_str() {
+                    Some("pdgate listening") => url = u,
+                    Some("admin API listening") => admin = u,
+                    _ => {}
+                }
+            }
+        }
+        (url.expect("front door url"), admin.expect("admin url"), r)
+    })
+    .await
+    .unwrap();
+    let client = common::client();
+    let send = |uri: String, body: Option<&'static str>| {
+        let client = client.clone();
+        async move {
+            let req = match body {
+                Some(b) => http::Request::post(uri)
+                    .header("content-type", "application/json")
+                    .body(http_body_util::Full::new(bytes::Bytes::from(b))),
+                None => {
+                    http::Request::get(uri).body(http_body_util::Full::new(bytes::Bytes::new()))
+                }
+            }
+            .unwrap();
+            let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+                .await
+                .expect("answered: logging must not block the router")
+                .expect("response");
+            let status = resp.status();
+            let body = resp.into_body().collect().await.expect("body").to_bytes();
+            (status, body)
+        }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while send(format!("{url}/readiness"), None).await.0 != 200 {
+        assert!(tokio::time::Instant::now() < deadline, "router never ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Each request writes an access-log line (~0.5 KB): far more than the pipe (64 KiB)
+    // and the 16-line buffer hold.
+    for i in 0..250 {
+        let (st, _) = send(format!("{url}/generate"), Some(GEN)).await;
+        assert_eq!(st, 200, "request {i}");
+    }
+    // The drops are counted (published once a second).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, body) = send(format!("{admin}/metrics"), None).await;
+        let text = String::from_utf8_lossy(&body).to_string();
+        let dropped = text
+            .lines()
+            .find(|l| l.starts_with("pdgate_log_lines_dropped_total"))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if dropped > 0.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no dropped log line counted"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
