@@ -86,6 +86,10 @@ pub struct ServeArgs {
     /// Namespace to watch (default: the pod's own); `*` watches all namespaces.
     #[arg(long)]
     pub service_discovery_namespace: Option<String>,
+    /// With `--service-discovery-namespace '*'`: the namespaces whose pods may become
+    /// workers (comma-separated; `*` for any). Required there.
+    #[arg(long, value_delimiter = ',', value_name = "NAMESPACES")]
+    pub service_discovery_allowed_namespaces: Vec<String>,
     /// The engines' HTTP port (default 80) when no container port has `--service-discovery-port-name`.
     #[arg(long)]
     pub service_discovery_port: Option<u16>,
@@ -237,6 +241,14 @@ impl ServeArgs {
         }
         if !self.decode_selector.is_empty() {
             d.decode_selector = Some(self.decode_selector.join(","));
+        }
+        if !self.service_discovery_allowed_namespaces.is_empty() {
+            d.allowed_namespaces = self
+                .service_discovery_allowed_namespaces
+                .iter()
+                .map(|n| n.trim().to_string())
+                .filter(|n| !n.is_empty())
+                .collect();
         }
         match self.service_discovery_namespace.as_deref() {
             Some("*") => {

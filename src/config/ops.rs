@@ -24,8 +24,14 @@ pub struct DiscoveryConfig {
     /// Namespace to watch. Unset: the pod's own (the service-account namespace file), else
     /// `default`.
     pub namespace: Option<String>,
-    /// Watch every namespace (needs the ClusterRole variant of the RBAC).
+    /// Watch every namespace (needs the ClusterRole variant of the RBAC, and
+    /// `allowed_namespaces`).
     pub all_namespaces: bool,
+    /// With `all_namespaces`: the namespaces whose pods may become workers (`["*"]` for
+    /// any). Whoever can create a pod with matching labels in a watched namespace can put
+    /// an engine in the fleet (a decode receives every prompt), so cluster-wide discovery
+    /// names the namespaces it trusts.
+    pub allowed_namespaces: Vec<String>,
     /// The engine's HTTP port when no container port is named `port_name`.
     pub port: u16,
     /// A container port name to take the engine's port from (e.g. `http`), when the pod has
@@ -34,7 +40,8 @@ pub struct DiscoveryConfig {
     /// Annotation holding a prefill pod's bootstrap port; without it, the engine's
     /// `/server_info` tells (as for static workers).
     pub bootstrap_port_annotation: String,
-    /// Full relist and reconcile at least this often, whatever the watch says.
+    /// Reconcile the workers with the watched pods at least this often (from the watch's
+    /// store: no LIST; pods are listed only when the watch starts over).
     pub resync_secs: u64,
     /// Longest a terminating pod's worker is drained when the pod has no grace period.
     pub default_grace_secs: u64,
@@ -48,6 +55,7 @@ impl Default for DiscoveryConfig {
             decode_selector: None,
             namespace: None,
             all_namespaces: false,
+            allowed_namespaces: Vec::new(),
             port: 80,
             port_name: None,
             bootstrap_port_annotation: "sglang.ai/bootstrap-port".to_string(),
@@ -170,6 +178,15 @@ pub(super) fn validate(cfg: &super::Config) -> Result<(), ConfigError> {
         if d.all_namespaces && d.namespace.is_some() {
             return Err(invalid(
                 "discovery.namespace and discovery.all_namespaces exclude each other".to_string(),
+            ));
+        }
+        if d.all_namespaces && d.allowed_namespaces.is_empty() {
+            return Err(invalid(
+                "discovery.all_namespaces needs discovery.allowed_namespaces \
+                 (--service-discovery-allowed-namespaces): the namespaces whose pods may \
+                 become workers, or [\"*\"] for any; a pod with matching labels in any \
+                 namespace would otherwise receive prompts"
+                    .to_string(),
             ));
         }
     }

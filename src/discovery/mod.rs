@@ -176,6 +176,11 @@ pub fn plan(cfg: &DiscoveryConfig) -> Result<Plan, DiscoveryError> {
         namespace: cfg.namespace.clone().filter(|n| !n.trim().is_empty()),
         all_namespaces: cfg.all_namespaces,
         pod: PodSettings {
+            namespaces: if cfg.all_namespaces {
+                cfg.allowed_namespaces.clone()
+            } else {
+                Vec::new()
+            },
             port: cfg.port,
             port_name: cfg.port_name.clone().filter(|n| !n.trim().is_empty()),
             bootstrap_annotation: cfg.bootstrap_port_annotation.trim().to_string(),
@@ -293,7 +298,6 @@ fn start(plan: Plan, client: kube::Client, fleet: Arc<Fleet>) -> Discovery {
             role: *role,
             api: api.clone(),
             selector: selector.to_string(),
-            resync: plan.resync,
             roles: roles.clone(),
         };
         tokio::spawn(watch::run(
@@ -305,7 +309,14 @@ fn start(plan: Plan, client: kube::Client, fleet: Arc<Fleet>) -> Discovery {
         ));
     }
     let rec = reconcile::Reconciler::new(fleet, plan.pod.clone(), stats.clone(), wake.clone());
-    tokio::spawn(reconcile_loop(rec, stores, wake, roles, stop.clone()));
+    tokio::spawn(reconcile_loop(
+        rec,
+        stores,
+        wake,
+        roles,
+        plan.resync,
+        stop.clone(),
+    ));
     Discovery { stop, stats, scope }
 }
 
@@ -314,6 +325,7 @@ async fn reconcile_loop(
     stores: Arc<watch::Stores>,
     wake: Arc<Notify>,
     roles: Vec<Role>,
+    resync: Duration,
     stop: CancellationToken,
 ) {
     let mut pending = false;
@@ -322,7 +334,10 @@ async fn reconcile_loop(
             if pending {
                 tokio::time::sleep(RETRY).await;
             } else {
-                std::future::pending::<()>().await;
+                // Reconcile from the store at least every `resync` (no LIST): whatever a
+                // pass could not finish, or a worker that changed under it, is looked at
+                // again.
+                tokio::time::sleep(resync).await;
             }
         };
         tokio::select! {

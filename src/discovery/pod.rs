@@ -26,6 +26,8 @@ use crate::url::{parse_base_url, BaseUrl};
 /// How pods become endpoints (from `[discovery]`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodSettings {
+    /// Namespaces whose pods may become workers; empty or `*` among them: any.
+    pub namespaces: Vec<String>,
     pub port: u16,
     pub port_name: Option<String>,
     pub bootstrap_annotation: String,
@@ -63,6 +65,8 @@ pub enum Ignored {
     BadAnnotation(String),
     /// Matched no selector (a pod the API server should not have sent).
     NoSelector,
+    /// In a namespace that `discovery.allowed_namespaces` does not list.
+    NamespaceNotAllowed(String),
 }
 
 impl Ignored {
@@ -75,6 +79,7 @@ impl Ignored {
             Ignored::NoPort(_) => "no_port",
             Ignored::BadAnnotation(_) => "bad_annotation",
             Ignored::NoSelector => "no_selector",
+            Ignored::NamespaceNotAllowed(_) => "namespace_not_allowed",
         }
     }
 
@@ -84,6 +89,7 @@ impl Ignored {
         matches!(
             self,
             Ignored::BothSelectors
+                | Ignored::NamespaceNotAllowed(_)
                 | Ignored::BadIp(_)
                 | Ignored::NoPort(_)
                 | Ignored::BadAnnotation(_)
@@ -108,6 +114,10 @@ impl std::fmt::Display for Ignored {
                 )
             }
             Ignored::NoSelector => f.write_str("matches no selector"),
+            Ignored::NamespaceNotAllowed(ns) => write!(
+                f,
+                "its namespace {ns:?} is not in discovery.allowed_namespaces"
+            ),
         }
     }
 }
@@ -151,6 +161,7 @@ pub const STATE_LABELS: &[&str] = &[
     "no_port",
     "bad_annotation",
     "no_selector",
+    "namespace_not_allowed",
     "url_taken",
 ];
 
@@ -259,6 +270,12 @@ fn endpoint(pod: &Pod, role: Role, ip: &str, s: &PodSettings) -> Result<Endpoint
 
 /// What `pod` means, given the selectors it matched.
 pub fn classify(pod: &Pod, matched: Matched, s: &PodSettings) -> PodState {
+    if !s.namespaces.is_empty() && !s.namespaces.iter().any(|n| n == "*") {
+        let ns = pod.metadata.namespace.as_deref().unwrap_or("");
+        if !s.namespaces.iter().any(|n| n == ns) {
+            return PodState::Ignored(Ignored::NamespaceNotAllowed(ns.to_string()));
+        }
+    }
     let role = match (matched.prefill, matched.decode) {
         (true, true) => return PodState::Ignored(Ignored::BothSelectors),
         (true, false) => Role::Prefill,

@@ -6,6 +6,7 @@ use serde_json::{json, Value};
 
 fn settings() -> PodSettings {
     PodSettings {
+        namespaces: Vec::new(),
         port: 30000,
         port_name: Some("http".into()),
         bootstrap_annotation: "sglang.ai/bootstrap-port".into(),
@@ -217,6 +218,26 @@ fn pods_map_to_workers_by_the_rules() {
             },
         ),
         (
+            "cluster-wide: a namespace not allowed is ignored, whatever its state",
+            no_change,
+            D,
+            PodSettings {
+                namespaces: vec!["llm-a".into(), "llm-b".into()],
+                ..settings()
+            },
+            PodState::Ignored(Ignored::NamespaceNotAllowed("llm".into())),
+        ),
+        (
+            "cluster-wide: an allowed namespace maps as usual",
+            no_change,
+            D,
+            PodSettings {
+                namespaces: vec!["llm".into()],
+                ..settings()
+            },
+            PodState::Ready(ep(Role::Decode, "http://10.0.0.7:8000", None)),
+        ),
+        (
             "terminating with a huge grace period: bounded to a day",
             |v| {
                 v["metadata"]["deletionTimestamp"] = json!("2025-01-01T00:00:00Z");
@@ -304,6 +325,10 @@ fn reasons_read_as_sentences() {
         (Ignored::NoIp, "no IP"),
         (Ignored::BadAnnotation("x".into()), "\"x\" is not a port"),
         (Ignored::NoPort("why".into()), "no usable port: why"),
+        (
+            Ignored::NamespaceNotAllowed("team-x".into()),
+            "\"team-x\" is not in discovery.allowed_namespaces",
+        ),
     ];
     for (i, want) in cases {
         assert!(i.to_string().contains(want), "{i:?}");

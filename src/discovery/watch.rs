@@ -7,15 +7,16 @@
 //!   `InitDone`); a LIST or watch error leaves it as it was, so errors never remove
 //!   workers. Errors are logged, counted, and the stream backs off (kube's default
 //!   backoff: 0.8 s doubling to 30 s, with jitter).
-//! - Every `resync` the watch is started over: a fresh LIST replaces the store, which
-//!   removes a pod whose deletion the watch missed, even if the watch itself looked fine.
+//! - The store follows the watch alone: a LIST happens at start and when the watch must
+//!   start over (410 Gone, a broken stream), never on a timer, so a replica's cost on the
+//!   API server does not grow with the cluster's pod count every minute. (The reconciler
+//!   re-reads the store on its own timer, `discovery.resync_secs`.)
 //! - A store is `synced` after its first complete LIST; the reconciler waits for every
 //!   role's store to be synced, so that a pod matching both selectors is never added as
 //!   one role before the other role's LIST shows it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -137,7 +138,6 @@ pub struct RoleWatch {
     pub role: Role,
     pub api: Api<Pod>,
     pub selector: String,
-    pub resync: Duration,
     pub roles: Vec<Role>,
 }
 
@@ -154,16 +154,10 @@ pub async fn run(
     loop {
         let stream = watcher::watcher(w.api.clone(), cfg.clone()).default_backoff();
         tokio::pin!(stream);
-        let resync = tokio::time::sleep(w.resync);
-        tokio::pin!(resync);
         let mut inits = 0u32;
         loop {
             let ev = tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = &mut resync => {
-                    tracing::debug!(role = %role, "discovery resync: listing pods again");
-                    break;
-                }
                 ev = stream.next() => ev,
             };
             match ev {

@@ -436,7 +436,7 @@ async fn watch_faults_never_remove_workers_and_recovery_catches_up() {
 }
 
 #[tokio::test]
-async fn the_periodic_relist_removes_a_pod_the_watch_never_reported() {
+async fn the_periodic_pass_reconciles_from_the_store_without_listing() {
     let s = setup(vec![], |d| d.resync_secs = 1).await;
     let p = engine(Role::Prefill).await;
     let d0 = engine(Role::Decode).await;
@@ -445,14 +445,28 @@ async fn the_periodic_relist_removes_a_pod_the_watch_never_reported() {
     s.kube
         .create(NS, fake_kube::pod("decode-0", DECODE, d0.addr().port()));
     s.env.wait_routable(1, 1).await;
-    let lists = s.disc.stats().lists;
-    s.kube.delete_unseen(NS, "decode-0");
-    s.env
-        .wait_pool("decode-0 removed by the relist", |sn| {
-            by_pod(sn, "decode-0").is_none()
-        })
-        .await;
-    assert!(s.disc.stats().lists > lists);
+    let before = s.disc.stats();
+    let lists_sent = s
+        .kube
+        .requests()
+        .iter()
+        .filter(|r| !r.contains("watch="))
+        .count();
+    // Several resync periods with nothing changing: the reconciler passes over the store,
+    // and nothing is listed again (the cost on the API server does not grow with time).
+    wait_stats(&s.disc, "two periodic passes", |st| {
+        st.reconciles >= before.reconciles + 2
+    })
+    .await;
+    assert_eq!(s.disc.stats().lists, before.lists, "no LIST on a timer");
+    let lists_now = s
+        .kube
+        .requests()
+        .iter()
+        .filter(|r| !r.contains("watch="))
+        .count();
+    assert_eq!(lists_now, lists_sent, "{:?}", s.kube.requests());
+    assert_eq!(discovered(&s.env.router.pool.load()), 2);
 }
 
 #[tokio::test]
@@ -521,6 +535,7 @@ async fn the_namespace_defaults_and_all_namespaces() {
     let all = setup(vec![], |d| {
         d.namespace = None;
         d.all_namespaces = true;
+        d.allowed_namespaces = vec!["other".into(), NS.into()];
     })
     .await;
     assert_eq!(all.disc.scope(), "*");
@@ -530,7 +545,19 @@ async fn the_namespace_defaults_and_all_namespaces() {
     );
     all.kube
         .create(NS, fake_kube::pod("decode-0", DECODE, d.addr().port()));
+    // A matching pod in a namespace not allowed never becomes a worker.
+    let rogue = engine(Role::Decode).await;
+    all.kube.create(
+        "untrusted",
+        fake_kube::pod("decode-rogue", DECODE, rogue.addr().port()),
+    );
     all.env.wait_routable(1, 1).await;
+    wait_stats(&all.disc, "a pass with the rogue pod", |st| {
+        st.reconciles >= 2
+    })
+    .await;
+    assert_eq!(discovered(&all.env.router.pool.load()), 2);
+    assert!(by_pod(&all.env.router.pool.load(), "decode-rogue").is_none());
     assert!(all
         .kube
         .requests()
