@@ -467,6 +467,16 @@ async fn the_periodic_pass_reconciles_from_the_store_without_listing() {
         .count();
     assert_eq!(lists_now, lists_sent, "{:?}", s.kube.requests());
     assert_eq!(discovered(&s.env.router.pool.load()), 2);
+    // An event lost on the way (an API server never does this within a watch) is caught
+    // when the watch must start over: 410 Gone, a fresh LIST, the pod gone.
+    s.kube.delete_unseen(NS, "decode-0");
+    s.kube.expire();
+    s.env
+        .wait_pool("decode-0 removed by the relist after 410", |sn| {
+            by_pod(sn, "decode-0").is_none()
+        })
+        .await;
+    assert!(s.disc.stats().lists > before.lists);
 }
 
 #[tokio::test]
