@@ -376,6 +376,7 @@ impl App {
                     "role": w.role.as_str(),
                     "url": w.url.as_str(),
                     "healthy": w.healthy,
+                    "breaker": w.breaker.state().label(),
                     "dp_size": w.effective_dp(),
                     "bootstrap": w.bootstrap.as_ref().map(|b| b.url.as_str()),
                     "ranks": w.ranks.iter().map(|r| r.label()).collect::<Vec<_>>(),
