@@ -13,7 +13,7 @@ use crate::support::common;
 
 use std::time::{Duration, Instant};
 
-use common::{assert_retried, fast_engine, start, start_as_is, Env, GEN};
+use common::{attempts_seen, fast_engine, start, start_as_is, Env, GEN};
 use futures_util::StreamExt;
 use http_body_util::BodyExt;
 use pdgate::pool::BreakerState;
@@ -93,7 +93,7 @@ async fn hung_prefill_costs_latency_not_errors_and_is_ejected() {
         "a request was stuck: {worst:?} (normal {normal:?})"
     );
     assert_eq!(breaker(&env, Role::Prefill, 0), BreakerState::Stalled);
-    assert_retried(&env.cluster.prefills[0], &env.cluster.prefills[1], 'p');
+    assert_some_retried(&env.cluster.prefills[0], &env.cluster.prefills[1], 'p');
 
     // Out of rotation: nothing more reaches it.
     let before = requests(&env.cluster.prefills[0]);
@@ -186,6 +186,24 @@ async fn learned_slow_long_prompts_are_not_stalls() {
     }
 }
 
+/// Some requests were retried from `failing` to `other` (a second attempt on `other` whose
+/// first attempt went to `failing`), and every second attempt on `other` was one of those.
+fn assert_some_retried(failing: &SimEngine, other: &SimEngine, side: char) {
+    let retried = attempts_seen(other, side, 1);
+    let first = attempts_seen(failing, side, 0);
+    assert!(
+        !retried.is_empty(),
+        "nothing was retried: {:?}",
+        other.recent_rids()
+    );
+    for id in &retried {
+        assert!(
+            first.contains(id),
+            "{id} was not first sent to the failing engine"
+        );
+    }
+}
+
 /// Rids of second or later attempts an engine saw.
 fn attempts_after_first(e: &SimEngine) -> Vec<String> {
     e.recent_rids()
@@ -270,7 +288,7 @@ async fn one_stuck_request_never_ejects_its_worker() {
         }
     }
     assert!(stranded, "no request reached prefill 0");
-    assert_retried(p0, &env.cluster.prefills[1], 'p');
+    assert_some_retried(p0, &env.cluster.prefills[1], 'p');
     let before = requests(p0);
     all_ok(&load(&env, 20, 4, GEN).await);
     assert!(requests(p0) > before, "prefill 0 still takes requests");
@@ -350,6 +368,6 @@ async fn decode_hung_before_its_first_byte_is_retried_on_the_other_decode() {
         "{:?}",
         slowest(&hit)
     );
-    assert_retried(&env.cluster.decodes[0], &env.cluster.decodes[1], 'd');
+    assert_some_retried(&env.cluster.decodes[0], &env.cluster.decodes[1], 'd');
     assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Stalled);
 }
