@@ -53,24 +53,22 @@ fn stamp(at: Instant) -> u64 {
 
 /// The prefill leg, timed: an answer that came back well is a sample of its worker's rank
 /// and marks the worker as progressing.
-pub(super) fn timed_prefill<F>(
+pub(super) async fn timed_prefill<F>(
     leg: F,
     progress: Arc<WorkerProgress>,
     rank: DpRank,
     size: u32,
-) -> impl Future<Output = Result<PrefillDone, Failure>> + Send + 'static
+) -> Result<PrefillDone, Failure>
 where
     F: Future<Output = Result<PrefillDone, Failure>> + Send + 'static,
 {
-    async move {
-        let start = Instant::now();
-        let r = leg.await;
-        if r.is_ok() {
-            progress.record(Kind::Prefill, rank, start.elapsed(), size);
-            progress.completed(stamp(start));
-        }
-        r
+    let start = Instant::now();
+    let r = leg.await;
+    if r.is_ok() {
+        progress.record(Kind::Prefill, rank, start.elapsed(), size);
+        progress.completed(stamp(start));
     }
+    r
 }
 
 /// Which leg the watch is timing.

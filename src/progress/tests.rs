@@ -25,14 +25,22 @@ fn learned(samples: &[(u64, u32)]) -> WorkerProgress {
     w
 }
 
+/// (what, own samples, peer samples, size, deadline).
+type DeadlineCase = (
+    &'static str,
+    Vec<(u64, u32)>,
+    Vec<(u64, u32)>,
+    u32,
+    Duration,
+);
+
 #[test]
 fn deadline_table() {
     let l = lim();
     let fast = vec![(20, 100); 8];
     let slow_long = vec![(2000, 4000); 8];
     #[rustfmt::skip]
-    let cases: Vec<(&str, Vec<(u64, u32)>, Vec<(u64, u32)>, u32, Duration)> = vec![
-        // (what, own samples, peer samples, size, deadline)
+    let cases: Vec<DeadlineCase> = vec![
         ("nothing learned: the ceiling", vec![], vec![], 100, l.ceiling),
         ("too few samples count as nothing", vec![(20, 100); 2], vec![(20, 100); 2], 100, l.ceiling),
         ("own and peers count together", vec![(20, 100); 3], vec![(20, 100); 2], 100, l.floor),
