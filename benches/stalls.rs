@@ -6,9 +6,10 @@
 //! Each case: two prefills and one decode (or one prefill and two decodes) from the
 //! simulator, prefill 20 ms, decode 4 tokens; 20 warm-up requests; then the fault is set on
 //! one engine and N requests are sent open loop at 10 requests/s (the setup). It
-//! reports the latency of the requests sent after the fault (p50, p99, max), the client
-//! errors, the retries, and how many requests the hung engine received in the second half
-//! of the run (after detection it should get none).
+//! reports the latency of the requests sent after the fault (p50, p99, max, how many took
+//! over 250 ms), the client errors, the requests retried, and how many requests the hung
+//! engine received in the second half of the run (after detection only its probes: one
+//! after 1 s, then 2 s, 4 s, ... later).
 //!
 //! Run: `cargo bench --bench stalls` (`PDGATE_BENCH_QUICK=1`: N = 20 instead of 60).
 //! A measurement, not a test: nothing here asserts on a time.
@@ -60,6 +61,7 @@ struct Row {
     lat_ms: Vec<f64>,
     errors: usize,
     retried: usize,
+    slow: usize,
     late_to_hung: u64,
 }
 
@@ -83,14 +85,15 @@ async fn post(client: &HttpClient, url: &str) -> (u16, Duration) {
     (st, t.elapsed())
 }
 
-fn retries(e: &SimEngine) -> usize {
+/// The request ids an engine saw a second (or later) attempt of.
+fn retried_ids(e: &SimEngine) -> Vec<String> {
     e.recent_rids()
         .iter()
-        .filter(|r| {
-            r.rsplit_once('-')
-                .is_some_and(|(_, t)| !t.starts_with("00"))
+        .filter_map(|r| {
+            let (head, tail) = r.rsplit_once('-')?;
+            (!tail.starts_with("00")).then(|| head.to_string())
         })
-        .count()
+        .collect()
 }
 
 async fn case(fault: Fault, detect: bool, n: usize) -> Row {
@@ -154,6 +157,7 @@ async fn case(fault: Fault, detect: bool, n: usize) -> Row {
         lat_ms: Vec::new(),
         errors: 0,
         retried: 0,
+        slow: 0,
         late_to_hung,
     };
     for t in tasks {
@@ -163,7 +167,9 @@ async fn case(fault: Fault, detect: bool, n: usize) -> Row {
         }
         row.lat_ms.push(took.as_secs_f64() * 1000.0);
     }
-    row.retried = cluster.engines().map(retries).sum::<usize>();
+    let ids: std::collections::BTreeSet<String> = cluster.engines().flat_map(retried_ids).collect();
+    row.retried = ids.len();
+    row.slow = row.lat_ms.iter().filter(|ms| **ms > 250.0).count();
     row.lat_ms.sort_by(f64::total_cmp);
     row
 }
@@ -194,16 +200,17 @@ fn main() {
         }
     }
     println!("N = {n} requests at 10/s after the fault (prefill 20 ms, 4 tokens)\n");
-    println!("| fault | stall detection | p50 ms | p99 ms | max ms | client errors | legs retried | requests to the hung engine, 2nd half |");
-    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    println!("| fault | stall detection | p50 ms | p99 ms | max ms | > 250 ms | client errors | requests retried | requests to the hung engine, 2nd half |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         println!(
-            "| {} | {} | {:.0} | {:.0} | {:.0} | {} | {} | {} |",
+            "| {} | {} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} |",
             r.fault,
             if r.detect { "on" } else { "off" },
             pct(&r.lat_ms, 0.5),
             pct(&r.lat_ms, 0.99),
             pct(&r.lat_ms, 1.0),
+            r.slow,
             r.errors,
             r.retried,
             r.late_to_hung
