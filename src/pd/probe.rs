@@ -8,8 +8,10 @@
 //!
 //! Invariants:
 //! - One probe task per stalled worker: it is started by the transition into
-//!   [`BreakerState::Stalled`] (which only one caller wins) and ends when the worker is
-//!   re-admitted, leaves the stalled state otherwise, or leaves the pool.
+//!   [`BreakerState::Stalled`] (which only one caller wins) holding the worker's
+//!   [`ProbeClaim`] (so a worker re-admitted and stalled again before an old task noticed
+//!   does not get a second one), and ends when the worker is re-admitted, leaves the
+//!   stalled state otherwise, or leaves the pool.
 //! - Bounded: one probe in flight per worker, each within `progress.probe_timeout_ms`, the
 //!   wait between them doubling from `probe_interval_ms` up to `probe_max_interval_ms`.
 //! - A probe is not a client request: no request metrics, no access line.
@@ -25,6 +27,7 @@ use super::{Dispatcher, ReqCtx};
 use crate::error::{FailReason, Failure};
 use crate::policy::{self, PickCtx};
 use crate::pool::{BreakerState, RankReadiness, Snapshot};
+use crate::progress::ProbeClaim;
 use crate::types::{Pair, RequestId, Role, Target, WorkerId};
 
 /// The probe: one token, greedy, a fixed short prompt.
@@ -46,9 +49,10 @@ impl Dispatcher {
     }
 
     /// Starts the probe task of a worker that just became stalled.
-    pub(super) fn spawn_probe(&self, role: Role, worker: WorkerId) {
+    pub(super) fn spawn_probe(&self, role: Role, worker: WorkerId, claim: ProbeClaim) {
         let d = self.for_task();
         self.pool.spawn_task(role, worker, async move {
+            let _claim = claim;
             d.probe_until_readmitted(role, worker).await
         });
     }

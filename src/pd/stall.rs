@@ -234,7 +234,9 @@ impl Dispatcher {
         let p = &self.cfg.progress;
         tracing::warn!(role = %role, worker = %w.url, stalls = n, "leg stalled");
         if n >= p.eject_after_stalls && self.pool.eject_stalled(role, worker, &self.cfg.breaker) {
-            self.spawn_probe(role, worker);
+            if let Some(claim) = w.progress.claim_probe() {
+                self.spawn_probe(role, worker, claim);
+            }
         }
     }
 

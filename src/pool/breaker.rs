@@ -417,4 +417,35 @@ mod tests {
             "a pool of one is never emptied by passive signals"
         );
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn stalled_stays_out_until_a_success_and_respects_the_cap() {
+        let pool = pool(2);
+        let c = cfg();
+        let w = WorkerId(0);
+        assert!(pool.eject_stalled(Role::Decode, w, &c));
+        assert!(!pool.eject_stalled(Role::Decode, w, &c), "already out");
+        assert_eq!(pool.load().decode_routable.len(), 1);
+        assert_eq!(
+            pool.breaker(Role::Decode, w).unwrap().state().label(),
+            "stalled"
+        );
+        // No timer brings it back, and failures keep it where it is.
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        pool.report_failure(Role::Decode, w, FailReason::DecodeStatus, &c);
+        assert_eq!(
+            pool.breaker(Role::Decode, w).unwrap().state(),
+            BreakerState::Stalled
+        );
+        // The ejection cap holds for stalls too: the other half stays.
+        assert!(!pool.eject_stalled(Role::Decode, WorkerId(1), &c));
+        assert_eq!(pool.load().decode_routable.len(), 1);
+        // A success (a probe through a real pair) re-admits it.
+        pool.report_success(Role::Decode, w);
+        assert_eq!(
+            pool.breaker(Role::Decode, w).unwrap().state(),
+            BreakerState::Closed
+        );
+        assert_eq!(pool.load().decode_routable.len(), 2);
+    }
 }

@@ -33,8 +33,8 @@
 //! - A worker's stall count is reset by any completion on it, so one stuck request on a
 //!   worker that keeps completing others never adds up to an ejection.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::LazyLock;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 /// Slots per window: the most samples a window holds (the configured window is at most this).
@@ -148,6 +148,8 @@ pub struct WorkerProgress {
     mark: AtomicU64,
     /// Stalls declared on this worker since its last completion.
     stalls: AtomicU32,
+    /// A re-admission probe of this worker is running (at most one at a time).
+    probing: AtomicBool,
 }
 
 impl std::fmt::Debug for WorkerProgress {
@@ -166,7 +168,16 @@ impl WorkerProgress {
             ranks: (0..dp.max(1)).map(|_| RankWindows::default()).collect(),
             mark: AtomicU64::new(0),
             stalls: AtomicU32::new(0),
+            probing: AtomicBool::new(false),
         }
+    }
+
+    /// Claims the worker's one probe; `None` while another runs. Freed when dropped.
+    pub fn claim_probe(self: &Arc<Self>) -> Option<ProbeClaim> {
+        self.probing
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| ProbeClaim(Arc::clone(self)))
     }
 
     /// A leg of `kind` on `rank` took `took` for a request of `size`.
@@ -212,6 +223,16 @@ impl WorkerProgress {
             .iter()
             .map(|r| r.of(kind).project(size, window))
             .fold(Estimate::default(), Estimate::join)
+    }
+}
+
+/// The one probe of a worker, held by its probe task.
+#[derive(Debug)]
+pub struct ProbeClaim(Arc<WorkerProgress>);
+
+impl Drop for ProbeClaim {
+    fn drop(&mut self) {
+        self.0.probing.store(false, Ordering::Release);
     }
 }
 

@@ -198,3 +198,12 @@ fn stamps_are_monotonic_and_never_zero() {
     assert!(a >= 1);
     assert_eq!(b - a, 3000);
 }
+
+#[test]
+fn one_probe_at_a_time() {
+    let w = std::sync::Arc::new(WorkerProgress::new(1));
+    let claim = w.claim_probe().expect("the first claim");
+    assert!(w.claim_probe().is_none(), "a second probe waits");
+    drop(claim);
+    assert!(w.claim_probe().is_some(), "freed with its claim");
+}
