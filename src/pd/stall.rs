@@ -1,6 +1,7 @@
 //! Stall detection on the request path (the rule and the learning are
 //! [`crate::progress`]'s): before the client has seen a byte, a prefill leg or a decode's
-//! first event that makes no progress past its learned deadline, while its peers do, ends
+//! first event that makes no progress past its learned deadline, while its peers do (or
+//! twice past it while they are idle), ends
 //! the attempt as `PrefillStalled` / `DecodeStalled` — both legs are dropped (their cancel
 //! guards send `/abort_request`), and the dispatcher retries with a fresh pair and fresh
 //! rooms without the stalled worker. A worker that stalls `eject_after_stalls` times with
@@ -182,7 +183,7 @@ impl StallWatch {
             .workers(role)
             .iter()
             .filter(|w| w.id != me)
-            .map(|w| &*w.progress);
+            .map(|w| (&*w.progress, w.in_flight_total() > 0));
         let peers = Peers::gather(peers, kind, size, self.started_stamp, lim.window);
         let (own, lim) = self.own();
         match progress::judge(elapsed, own, &peers, &lim) {
@@ -255,7 +256,7 @@ impl Dispatcher {
             .decodes
             .iter()
             .filter(|w| w.id != worker)
-            .map(|w| &*w.progress);
+            .map(|w| (&*w.progress, true));
         let peers = Peers::gather(peers, Kind::Gap, 1, u64::MAX, lim.window);
         progress::deadline(own, peers.estimate, &lim)
     }

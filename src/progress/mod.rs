@@ -18,9 +18,11 @@
 //! the recent samples of its own worker and rank *and* of its peers (a sample of `t` for a
 //! size `n` projects to `t × max(1, size/n)`: never scaled down, since a short prompt can
 //! queue behind a long one), clamped to `[floor, ceiling]`; with fewer than `min_samples`
-//! samples on both sides together it is the ceiling. A leg past its deadline is stalled only when a
-//! peer completed a leg that *started after* it: if every peer is slow too (all slowed 5×
-//! at once), nothing is declared and the leg is looked at again later.
+//! samples on both sides together it is the ceiling. A leg past its deadline is stalled when
+//! a peer completed a leg that *started after* it, or, when every peer is idle (no traffic
+//! to compare with), once it is [`IDLE_PEERS_FACTOR`] times past it; while peers are busy
+//! and none of them finishes a later leg first (all slowed 5× at once), nothing is declared
+//! and the leg is looked at again later. A worker with no peer never stalls.
 //!
 //! Invariants:
 //! - Pure and time-injected: times are microsecond stamps ([`stamp`]) and durations passed
@@ -236,30 +238,41 @@ impl Drop for ProbeClaim {
     }
 }
 
-/// What the peers of a worker say: their samples together, and whether one of them
-/// completed a leg that started after the leg being judged.
+/// What the peers of a worker say: their samples together, whether one of them completed
+/// a leg that started after the leg being judged, and whether they are all idle (no leg in
+/// flight: nobody else is slow, there is simply no traffic to compare with).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Peers {
     pub estimate: Estimate,
     pub progressed: bool,
+    pub idle: bool,
 }
 
 impl Peers {
+    /// `peers`: each peer's progress and whether it has a leg in flight.
     pub fn gather<'a>(
-        peers: impl IntoIterator<Item = &'a WorkerProgress>,
+        peers: impl IntoIterator<Item = (&'a WorkerProgress, bool)>,
         kind: Kind,
         size: u32,
         started: u64,
         window: u32,
     ) -> Peers {
         let mut p = Peers::default();
-        for w in peers {
+        let (mut any, mut busy) = (false, false);
+        for (w, in_flight) in peers {
+            any = true;
+            busy |= in_flight;
             p.estimate = p.estimate.join(w.estimate_all(kind, size, window));
             p.progressed |= w.progressed_since(started);
         }
+        p.idle = any && !busy;
         p
     }
 }
+
+/// With every peer idle, a leg is stalled at this many times its deadline (no peer can show
+/// progress, and none is slow either).
+pub const IDLE_PEERS_FACTOR: u32 = 2;
 
 /// The deadline from what the worker's own rank and its peers learned together (see the
 /// module docs): the ceiling until they hold `min_samples` samples between them.
@@ -295,11 +308,22 @@ pub fn judge(elapsed: Duration, own: Estimate, peers: &Peers, lim: &Limits) -> V
     if elapsed < d {
         return Verdict::LookAgainAt(d);
     }
-    if !peers.progressed {
-        // Slow for everyone: not a stall; look again a floor later.
-        return Verdict::LookAgainAt(elapsed + lim.floor.max(Duration::from_millis(1)));
+    if peers.progressed {
+        return Verdict::Stalled { deadline: d };
     }
-    Verdict::Stalled { deadline: d }
+    let idle_bound = d.saturating_mul(IDLE_PEERS_FACTOR);
+    if peers.idle && elapsed >= idle_bound {
+        return Verdict::Stalled {
+            deadline: idle_bound,
+        };
+    }
+    // Slow for everyone (or not long enough with idle peers): look again a floor later.
+    let next = elapsed + lim.floor.max(Duration::from_millis(1));
+    Verdict::LookAgainAt(if peers.idle {
+        next.min(idle_bound)
+    } else {
+        next
+    })
 }
 
 static EPOCH: LazyLock<Instant> = LazyLock::new(|| {

@@ -95,10 +95,17 @@ fn verdict_table() {
     let moving = Peers {
         estimate: peer_est,
         progressed: true,
+        idle: false,
     };
     let still = Peers {
         estimate: peer_est,
         progressed: false,
+        idle: false,
+    };
+    let idle = Peers {
+        estimate: peer_est,
+        progressed: false,
+        idle: true,
     };
     #[rustfmt::skip]
     let cases: Vec<(&str, Duration, Peers, Verdict)> = vec![
@@ -106,6 +113,8 @@ fn verdict_table() {
         ("past it, peers progressing: stalled", ms(600), moving, Verdict::Stalled { deadline: l.floor }),
         ("past it, nobody progressing: slow for everyone", ms(600), still, Verdict::LookAgainAt(ms(1100))),
         ("far past it, still nobody", ms(9000), still, Verdict::LookAgainAt(ms(9500))),
+        ("idle peers: not yet at twice the deadline", ms(600), idle, Verdict::LookAgainAt(ms(1000))),
+        ("idle peers: stalled at twice the deadline", ms(1000), idle, Verdict::Stalled { deadline: ms(1000) }),
     ];
     for (what, elapsed, peers, want) in cases {
         assert_eq!(judge(elapsed, own, &peers, &l), want, "{what}");
@@ -129,7 +138,7 @@ fn everyone_slowing_down_is_not_a_stall() {
     let t0 = 10_000_000u64; // the judged leg on `a` starts here, after the slowdown
     let own = a.estimate(Kind::Prefill, 0, 100, l.window);
     // At 700 ms: past 600 ms, but `b` completed nothing started after t0.
-    let peers = Peers::gather([&b], Kind::Prefill, 100, t0, l.window);
+    let peers = Peers::gather([(&b, true)], Kind::Prefill, 100, t0, l.window);
     assert!(matches!(
         judge(ms(700), own, &peers, &l),
         Verdict::LookAgainAt(_)
@@ -137,7 +146,7 @@ fn everyone_slowing_down_is_not_a_stall() {
     // `b`'s leg started 10 ms after t0 completes after 1 s (5x): its sample comes first.
     b.record(Kind::Prefill, 0, ms(1000), 100);
     b.completed(t0 + 10_000);
-    let peers = Peers::gather([&b], Kind::Prefill, 100, t0, l.window);
+    let peers = Peers::gather([(&b, true)], Kind::Prefill, 100, t0, l.window);
     assert!(peers.progressed);
     assert_eq!(
         judge(ms(1005), own, &peers, &l),
@@ -147,7 +156,7 @@ fn everyone_slowing_down_is_not_a_stall() {
     // A hung worker: `b` keeps completing fast legs started after t0.
     let (a, b) = (learned(&[(20, 100); 8]), learned(&[(20, 100); 8]));
     b.completed(t0 + 30_000);
-    let peers = Peers::gather([&b], Kind::Prefill, 100, t0, l.window);
+    let peers = Peers::gather([(&b, true)], Kind::Prefill, 100, t0, l.window);
     let own = a.estimate(Kind::Prefill, 0, 100, l.window);
     assert_eq!(
         judge(ms(500), own, &peers, &l),
@@ -206,4 +215,22 @@ fn one_probe_at_a_time() {
     assert!(w.claim_probe().is_none(), "a second probe waits");
     drop(claim);
     assert!(w.claim_probe().is_some(), "freed with its claim");
+}
+
+#[test]
+fn peers_are_idle_only_when_there_are_some_and_none_is_busy() {
+    let (a, b) = (WorkerProgress::new(1), WorkerProgress::new(1));
+    let g = |peers: Vec<(&WorkerProgress, bool)>| Peers::gather(peers, Kind::Prefill, 1, 0, 16);
+    assert!(
+        !g(vec![]).idle,
+        "no peer: never idle (a pool of one never stalls)"
+    );
+    assert!(g(vec![(&a, false), (&b, false)]).idle);
+    assert!(!g(vec![(&a, false), (&b, true)]).idle);
+    let l = lim();
+    let none = g(vec![]);
+    assert!(matches!(
+        judge(ms(60_000), Estimate::default(), &none, &l),
+        Verdict::LookAgainAt(_)
+    ));
 }
