@@ -13,7 +13,7 @@ use crate::support::common;
 
 use std::time::{Duration, Instant};
 
-use common::{attempts_seen, fast_engine, start, start_as_is, Env, GEN};
+use common::{attempts_seen, fast_engine, start, start_as_is, Env, GEN, GEN_STREAM};
 use futures_util::StreamExt;
 use http_body_util::BodyExt;
 use pdgate::pool::BreakerState;
@@ -370,4 +370,30 @@ async fn decode_hung_before_its_first_byte_is_retried_on_the_other_decode() {
     );
     assert_some_retried(&env.cluster.decodes[0], &env.cluster.decodes[1], 'd');
     assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Stalled);
+}
+
+/// The relay's bound on a decode's inter-event gaps is learned from streams that ended
+/// well: the ceiling before any, the floor once a fleet of 1 ms gaps was seen (for each
+/// decode, from its own streams and its peer's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_gap_bound_is_learned_from_streams() {
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1), EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 2).await;
+    let d = env.router.server.dispatcher();
+    let p = &d.cfg.progress;
+    let (floor, ceiling) = (
+        Duration::from_millis(p.gap_floor_ms),
+        Duration::from_millis(p.gap_ceiling_ms),
+    );
+    assert_eq!(d.decode_gap_deadline(WorkerId(0), 0), ceiling);
+    let streams = load(&env, 12, 2, GEN_STREAM).await;
+    all_ok(&streams);
+    for id in 0..2 {
+        assert_eq!(d.decode_gap_deadline(WorkerId(id), 0), floor, "decode {id}");
+    }
 }
