@@ -136,11 +136,14 @@ where
     let (mut head, mut decode_body) = head.into_parts();
 
     // With return_logprob the prefill's answer is needed before decode's first bytes.
-    if req.return_logprob && progress.done.is_none() {
-        // Bounded by the prefill's own deadline and the request's.
-        match (&mut prefill).await {
-            Ok(done) => progress.completed(done),
-            Err(f) => return Err(failed(f)),
+    while req.return_logprob && progress.done.is_none() {
+        // Bounded by the prefill's own deadline and the request's, and watched for stalls.
+        tokio::select! {
+            r = &mut prefill => match r {
+                Ok(done) => progress.completed(done),
+                Err(f) => return Err(failed(f)),
+            },
+            _ = progress.look.as_mut(), if watching => progress.look(d).map_err(failed)?,
         }
     }
     let logprobs = progress
