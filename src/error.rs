@@ -40,12 +40,14 @@ pub enum FailReason {
     PrefillAborted,
     PrefillTimeout,
     PrefillLost,
+    PrefillStalled,
     KvTransferFailed,
     DecodeConnect,
     DecodeStatus,
     DecodeRejected,
     DecodeAborted,
     DecodeFirstByteTimeout,
+    DecodeStalled,
     DecodeIdleTimeout,
     DecodeBroken,
     RequestTimeout,
@@ -54,7 +56,7 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 36] = [
+    pub const ALL: [FailReason; 38] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
         FailReason::RequestBodyTimeout,
@@ -80,12 +82,14 @@ impl FailReason {
         FailReason::PrefillAborted,
         FailReason::PrefillTimeout,
         FailReason::PrefillLost,
+        FailReason::PrefillStalled,
         FailReason::KvTransferFailed,
         FailReason::DecodeConnect,
         FailReason::DecodeStatus,
         FailReason::DecodeRejected,
         FailReason::DecodeAborted,
         FailReason::DecodeFirstByteTimeout,
+        FailReason::DecodeStalled,
         FailReason::DecodeIdleTimeout,
         FailReason::DecodeBroken,
         FailReason::RequestTimeout,
@@ -122,12 +126,14 @@ impl FailReason {
             PrefillAborted => "prefill_aborted",
             PrefillTimeout => "prefill_timeout",
             PrefillLost => "prefill_lost",
+            PrefillStalled => "prefill_stalled",
             KvTransferFailed => "kv_transfer_failed",
             DecodeConnect => "decode_connect",
             DecodeStatus => "decode_status",
             DecodeRejected => "decode_rejected",
             DecodeAborted => "decode_aborted",
             DecodeFirstByteTimeout => "decode_first_byte_timeout",
+            DecodeStalled => "decode_stalled",
             DecodeIdleTimeout => "decode_idle_timeout",
             DecodeBroken => "decode_broken",
             RequestTimeout => "request_timeout",
@@ -163,9 +169,12 @@ impl FailReason {
             | DecodeConnect | DecodeStatus | DecodeAborted | DecodeBroken => {
                 StatusCode::BAD_GATEWAY
             }
-            PrefillTimeout | DecodeFirstByteTimeout | DecodeIdleTimeout | RequestTimeout => {
-                StatusCode::GATEWAY_TIMEOUT
-            }
+            PrefillTimeout
+            | PrefillStalled
+            | DecodeFirstByteTimeout
+            | DecodeStalled
+            | DecodeIdleTimeout
+            | RequestTimeout => StatusCode::GATEWAY_TIMEOUT,
             ClientDisconnected => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
             Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -205,6 +214,11 @@ impl FailReason {
             // sent to it before its breaker opens.
             PrefillTimeout         => c(Some(P), true,  true,  None),
             PrefillLost            => c(Some(P), true,  true,  None),
+            // No progress past the learned deadline while peers progressed (see
+            // `crate::progress`): retried elsewhere; not counted by the failure breaker,
+            // which a stuck request on a healthy engine must not open — stalls have their
+            // own count and their own ejection (`progress.eject_after_stalls`).
+            PrefillStalled         => c(Some(P), false, true,  None),
             // Decode says the KV never came: the prefill's fault, in decode's answer.
             KvTransferFailed       => c(Some(P), true,  true,  Some(D)),
             DecodeConnect          => c(Some(D), true,  true,  None),
@@ -212,6 +226,7 @@ impl FailReason {
             DecodeRejected         => c(Some(D), false, false, Some(D)),
             DecodeAborted          => c(Some(D), true,  true,  Some(D)),
             DecodeFirstByteTimeout => c(Some(D), true,  true,  None),
+            DecodeStalled          => c(Some(D), false, true,  None),
             // Only after bytes reached the client: never retried.
             DecodeIdleTimeout      => c(Some(D), true,  false, None),
             DecodeBroken           => c(Some(D), true,  true,  None),
@@ -223,6 +238,11 @@ impl FailReason {
             | ClientDisconnected | Internal => c(None, false, false, None),
         };
         row
+    }
+
+    /// A leg that stopped making progress (stall detection's own reasons).
+    pub fn is_stall(self) -> bool {
+        matches!(self, FailReason::PrefillStalled | FailReason::DecodeStalled)
     }
 
     /// Whether the failure is the fault of the worker serving the leg it names (and so
@@ -466,8 +486,10 @@ mod tests {
             BootstrapNotReady,
             PrefillConnect,
             PrefillTimeout,
+            PrefillStalled,
             KvTransferFailed,
             DecodeFirstByteTimeout,
+            DecodeStalled,
             DecodeBroken,
         ] {
             assert!(r.retryable(), "{r:?}");

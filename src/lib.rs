@@ -28,6 +28,7 @@ pub mod health;
 pub mod pd;
 pub mod policy;
 pub mod pool;
+pub mod progress;
 pub mod reload;
 pub mod router;
 pub mod server;

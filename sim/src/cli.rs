@@ -134,6 +134,12 @@ pub struct SimArgs {
     /// cleared (`POST /sim/faults {"decode_hold": false}`).
     #[arg(long)]
     pub decode_hold: bool,
+    /// Fault: decode pulls the KV, then never sends a first byte.
+    #[arg(long)]
+    pub decode_hang: bool,
+    /// Fault: every compute time of the engine multiplied by this (0, 1: none).
+    #[arg(long, default_value_t = 0)]
+    pub slowdown: u32,
 }
 
 fn secs(s: f64) -> Duration {
@@ -157,6 +163,8 @@ impl SimArgs {
             decode_extra_ttft_ms: self.decode_extra_ttft_ms,
             prefill_answer_delay_ms: self.prefill_answer_delay_ms,
             decode_hold: self.decode_hold,
+            decode_hang: self.decode_hang,
+            slowdown: self.slowdown,
         }
     }
 

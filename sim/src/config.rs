@@ -57,9 +57,20 @@ pub struct Faults {
     /// lookup (a stalled scheduler: held, not failed); clearing it lets them all go on.
     /// Tests use it to keep requests in flight exactly until they release them.
     pub decode_hold: bool,
+    /// Decode pulls the KV (its prefill answers), then never sends a first byte, while
+    /// its health stays fine (a stalled decode).
+    pub decode_hang: bool,
+    /// Every compute time of this engine (prefill time, time to first token, inter-token
+    /// latency) multiplied by this (0 and 1: none), e.g. 5 for an engine 5x slower.
+    pub slowdown: u32,
 }
 
 impl Faults {
+    /// `d` under the slowdown fault.
+    pub fn slowed(&self, d: Duration) -> Duration {
+        d.saturating_mul(self.slowdown.max(1))
+    }
+
     /// Whether the prefill DP rank `rank` should be registered in the bootstrap table.
     pub fn rank_registered(&self, rank: u32) -> bool {
         !self.register_none && !self.unregistered_ranks.contains(&rank)
@@ -94,6 +105,9 @@ pub struct EngineConfig {
     pub max_total_num_tokens: u64,
     /// Prefill compute time per request.
     pub prefill_delay: Duration,
+    /// Prefill compute time per prompt token, on top of `prefill_delay` (long prompts
+    /// take longer).
+    pub prefill_per_token: Duration,
     /// Decode: time to first token after the KV arrived.
     pub ttft: Duration,
     /// Decode: inter-token latency.
@@ -141,6 +155,7 @@ impl Default for EngineConfig {
             context_length: 32768,
             max_total_num_tokens: 1_000_000,
             prefill_delay: Duration::from_millis(5),
+            prefill_per_token: Duration::ZERO,
             ttft: Duration::from_millis(5),
             itl: Duration::from_millis(2),
             default_output_tokens: 16,
@@ -179,6 +194,12 @@ impl EngineConfig {
     /// DP size, at least 1.
     pub fn dp(&self) -> u32 {
         self.dp_size.max(1)
+    }
+
+    /// The prefill's compute time for a prompt of `tokens`, under `faults`.
+    pub fn prefill_time(&self, tokens: u32, faults: &Faults) -> Duration {
+        let per_token = self.prefill_per_token.saturating_mul(tokens);
+        faults.slowed(self.prefill_delay.saturating_add(per_token))
     }
 
     /// Whether the prefill places rooms by `room % dp`.

@@ -124,12 +124,17 @@ pub(crate) async fn prepare(
         r = pipeline => r?,
         lost = heartbeat(engine, &addr) => return Err(handshake_failure(inst, room, &lost)),
     }
-    let extra = engine.faults_tx.borrow().decode_extra_ttft_ms;
+    let faults = engine.faults();
+    if faults.decode_hang {
+        tracing::info!(addr = %engine.addr, room, "sim: decode hangs before its first token");
+        std::future::pending::<()>().await;
+    }
+    let extra = faults.decode_extra_ttft_ms;
     Ok(Plan {
         tokens: inst.max_tokens,
-        ttft: engine.cfg.ttft.saturating_add(Duration::from_millis(extra)),
-        itl: engine.cfg.itl,
-        die_after: engine.faults_tx.borrow().decode_die_mid_stream_after,
+        ttft: faults.slowed(engine.cfg.ttft.saturating_add(Duration::from_millis(extra))),
+        itl: faults.slowed(engine.cfg.itl),
+        die_after: faults.decode_die_mid_stream_after,
     })
 }
 

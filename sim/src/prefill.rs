@@ -152,8 +152,9 @@ pub(crate) async fn prepare(
         .prefill_arrive(room, rank, inst.host.clone(), inst.port);
     tracker.running();
     tracker.add_tokens(u64::from(inst.prompt_tokens));
-    if !engine.cfg.prefill_delay.is_zero() {
-        tokio::time::sleep(engine.cfg.prefill_delay).await;
+    let compute = engine.cfg.prefill_time(inst.prompt_tokens, &faults);
+    if !compute.is_zero() {
+        tokio::time::sleep(compute).await;
     }
     tracker.waiting();
     let left = engine

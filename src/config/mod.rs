@@ -15,6 +15,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 mod ops;
+mod progress;
 
 /// The config as it is now: swapped whole on reload, read by background tasks at each step
 /// (a health check reads `load().health` before each probe).
@@ -26,6 +27,7 @@ pub fn live(cfg: Config) -> LiveConfig {
 }
 
 pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, ReloadConfig};
+pub use progress::ProgressConfig;
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +66,7 @@ pub struct Config {
     pub admin: AdminConfig,
     pub auth: AuthConfig,
     pub reload: ReloadConfig,
+    pub progress: ProgressConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -701,6 +704,7 @@ impl Config {
         if self.log.level.trim().is_empty() {
             return Err(invalid("log.level must not be empty".to_string()));
         }
+        progress::validate(&self.progress)?;
         ops::validate(self)
     }
 }

@@ -123,6 +123,22 @@ fn values_that_would_panic_are_refused_with_key_value_and_range() {
             |c| c.timeouts.decode_first_byte_secs = 600,
             "timeouts.decode_first_byte_secs = 600 must be below timeouts.request_secs = 600",
         ),
+        (
+            |c| c.progress.eject_after_stalls = 1,
+            "progress.eject_after_stalls = 1 is out of range (allowed: 2..=1000)",
+        ),
+        (
+            |c| c.progress.window = 65,
+            "progress.window = 65 is out of range (allowed: 1..=64)",
+        ),
+        (
+            |c| c.progress.multiplier = f64::NAN,
+            "progress.multiplier = NaN is out of range",
+        ),
+        (
+            |c| c.progress.prefill_floor_ms = 40_000,
+            "progress.prefill_floor_ms = 40000 must not be above progress.prefill_ceiling_ms = 30000",
+        ),
     ];
     for (tweak, want) in cases {
         let mut cfg = Config::default();

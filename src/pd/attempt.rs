@@ -109,6 +109,8 @@ pub(super) struct LegsInFlight<D> {
     pub decode: D,
     pub decode_cancel: LegCancel,
     pub decode_load: LoadGuard,
+    /// Stall detection until decode's first event.
+    pub stall: super::stall::StallWatch,
 }
 
 /// What the decode leg's send resolves to.
@@ -209,7 +211,7 @@ impl Dispatcher {
 
     /// Stage 2: a prefill rank whose view is older than the freshness bound is re-checked
     /// now, briefly (one check per rank at a time; see `bootstrap::preflight`).
-    async fn preflight(&self, c: &ChosenPair<'_>) -> Result<(), AttemptFailure> {
+    pub(super) async fn preflight(&self, c: &ChosenPair<'_>) -> Result<(), AttemptFailure> {
         let bcfg = &self.cfg.bootstrap;
         let rank = c.pair.prefill.rank;
         let checked = c.prefill.ranks_checked_at.get(rank as usize).copied();
@@ -247,7 +249,7 @@ impl Dispatcher {
     /// Stage 3: rooms and ranks under the contract, both legs written and sent together.
     /// The prefill leg is polled by whoever holds the returned [`PrefillWatch`]; the decode
     /// leg by whoever polls `decode`.
-    fn send_legs(
+    pub(super) fn send_legs(
         &self,
         req: &ParsedRequest,
         ctx: &ReqCtx,
@@ -294,12 +296,18 @@ impl Dispatcher {
             decode = %c.decode.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
 
         let timeouts = &self.cfg.timeouts;
-        let prefill_leg: PrefillFuture = Box::pin(legs::run_prefill(
-            self.up.clone(),
-            c.prefill.conns.clone(),
-            prefill_req,
-            timeouts.prefill(),
-            self.cfg.upstream.max_answer_bytes,
+        let size = req.prompt_size();
+        let prefill_leg: PrefillFuture = Box::pin(super::stall::timed_prefill(
+            legs::run_prefill(
+                self.up.clone(),
+                c.prefill.conns.clone(),
+                prefill_req,
+                timeouts.prefill(),
+                self.cfg.upstream.max_answer_bytes,
+            ),
+            c.prefill.progress.clone(),
+            pt.rank,
+            size,
         ));
         let prefill = PrefillWatch::new(
             prefill_leg,
@@ -316,6 +324,13 @@ impl Dispatcher {
             decode: async move { up.send_leg(&conns, &decode_req).await },
             decode_cancel: LegCancel::new(&self.up, &c.decode.url, rid_d),
             decode_load: LoadGuard::new(c.decode, dt.rank),
+            stall: super::stall::StallWatch::new(
+                &self.cfg.progress,
+                c.pair,
+                c.prefill,
+                c.decode,
+                size,
+            ),
         }
     }
 }

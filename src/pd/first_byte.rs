@@ -26,6 +26,7 @@ use super::legs::{self, PrefillDone};
 use super::logprobs::PrefillLogprobs;
 use super::request::ParsedRequest;
 use super::sse::{Scan, SseScanner};
+use super::stall::StallWatch;
 use super::Dispatcher;
 use crate::error::{FailReason, Failure};
 use crate::types::Role;
@@ -38,6 +39,9 @@ struct PrefillProgress<'t> {
     first_byte: Pin<&'t mut Sleep>,
     first_byte_within: std::time::Duration,
     first_byte_secs: u64,
+    /// Stall detection ([`super::stall`]): the watch and its next look, on the stack too.
+    stall: StallWatch,
+    look: Pin<&'t mut Sleep>,
 }
 
 impl PrefillProgress<'_> {
@@ -46,6 +50,17 @@ impl PrefillProgress<'_> {
         self.done = Some(d);
         let due = tokio::time::Instant::now() + self.first_byte_within;
         self.first_byte.as_mut().reset(due);
+        if self.stall.enabled() {
+            let at = self.stall.prefill_done();
+            self.look.as_mut().reset(at);
+        }
+    }
+
+    /// A stall look is due: re-armed for the next, or the stall that ends the attempt.
+    fn look(&mut self, d: &Dispatcher) -> Result<(), Failure> {
+        let at = self.stall.look(d)?;
+        self.look.as_mut().reset(at);
+        Ok(())
     }
 
     fn first_byte_timeout(&self) -> Failure {
@@ -76,16 +91,22 @@ where
         decode,
         mut decode_cancel,
         decode_load,
+        mut stall,
     } = legs;
     let failed = |f: Failure| AttemptFailure::on(&pair, f);
     let timeouts = &d.cfg.timeouts;
     let first_byte = tokio::time::sleep(timeouts.decode_first_byte());
     tokio::pin!(first_byte);
+    let look = tokio::time::sleep_until(stall.start());
+    tokio::pin!(look);
+    let watching = stall.enabled();
     let mut progress = PrefillProgress {
         done: None,
         first_byte,
         first_byte_within: timeouts.decode_first_byte(),
         first_byte_secs: timeouts.decode_first_byte_secs,
+        stall,
+        look,
     };
 
     // Decode's answer head, while the prefill runs.
@@ -103,6 +124,7 @@ where
             _ = progress.first_byte.as_mut(), if progress.done.is_some() => {
                 return Err(failed(progress.first_byte_timeout()));
             }
+            _ = progress.look.as_mut(), if watching => progress.look(d).map_err(failed)?,
         }
     };
     let status = head.status();
@@ -114,11 +136,14 @@ where
     let (mut head, mut decode_body) = head.into_parts();
 
     // With return_logprob the prefill's answer is needed before decode's first bytes.
-    if req.return_logprob && progress.done.is_none() {
-        // Bounded by the prefill's own deadline and the request's.
-        match (&mut prefill).await {
-            Ok(done) => progress.completed(done),
-            Err(f) => return Err(failed(f)),
+    while req.return_logprob && progress.done.is_none() {
+        // Bounded by the prefill's own deadline and the request's, and watched for stalls.
+        tokio::select! {
+            r = &mut prefill => match r {
+                Ok(done) => progress.completed(done),
+                Err(f) => return Err(failed(f)),
+            },
+            _ = progress.look.as_mut(), if watching => progress.look(d).map_err(failed)?,
         }
     }
     let logprobs = progress
@@ -135,6 +160,7 @@ where
     let mut sse = (req.stream && is_sse).then(|| SseScanner::new(logprobs.clone(), limit));
 
     let first = first_bytes(
+        d,
         &mut prefill,
         &mut progress,
         &mut decode_body,
@@ -152,6 +178,7 @@ where
             return Err(failed(f));
         }
     };
+    progress.stall.first_byte();
     if ended {
         decode_cancel.disarm();
         if let Some(s) = sse.as_mut() {
@@ -189,6 +216,7 @@ where
                 cfg: d.cfg.breaker.clone(),
                 prefill: pair.prefill.worker,
                 decode: pair.decode.worker,
+                gaps: Some((progress.stall.decode_progress(), pair.decode.rank)),
             },
         },
     })
@@ -197,6 +225,7 @@ where
 /// Reads decode's body until its first bytes (its first whole event when streaming; all of
 /// it when `read_whole`), while watching the prefill and the first-byte deadline.
 async fn first_bytes(
+    d: &Dispatcher,
     prefill: &mut PrefillWatch,
     progress: &mut PrefillProgress<'_>,
     decode_body: &mut LegBody,
@@ -235,6 +264,7 @@ async fn first_bytes(
             _ = progress.first_byte.as_mut(), if progress.done.is_some() => {
                 return Err(progress.first_byte_timeout());
             }
+            _ = progress.look.as_mut(), if progress.stall.enabled() => progress.look(d)?,
         }
     }
 }

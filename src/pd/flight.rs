@@ -172,6 +172,9 @@ pub struct Passive {
     pub cfg: crate::config::BreakerConfig,
     pub prefill: crate::types::WorkerId,
     pub decode: crate::types::WorkerId,
+    /// Where a stream that ended well teaches its largest inter-event gap (stall
+    /// detection): the decode's progress and rank.
+    pub gaps: Option<(std::sync::Arc<crate::progress::WorkerProgress>, DpRank)>,
 }
 
 pub struct PdBodyParts {
@@ -219,6 +222,9 @@ impl PdBody {
             pw.detach(self.slot.take());
         }
         self.record.finish(Outcome::Ok);
+        if let (Some((p, rank)), Some(gap)) = (&self.passive.gaps, self.record.max_gap()) {
+            p.record(crate::progress::Kind::Gap, *rank, gap, 1);
+        }
         self.sse
             .as_mut()
             .map(SseScanner::finish)

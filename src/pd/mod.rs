@@ -18,10 +18,12 @@ mod first_byte;
 pub mod flight;
 pub mod legs;
 pub mod logprobs;
+mod probe;
 pub mod record;
 pub mod request;
 pub mod room;
 pub mod sse;
+mod stall;
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -225,6 +227,9 @@ impl Dispatcher {
                     if let Some((role, w)) = blame {
                         self.pool
                             .report_failure(role, w, f.reason, &self.cfg.breaker);
+                        if f.reason.is_stall() {
+                            self.on_stall(role, w);
+                        }
                         match role {
                             Role::Prefill => exclude_p.push(w),
                             Role::Decode => exclude_d.push(w),

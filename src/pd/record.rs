@@ -99,6 +99,8 @@ pub struct RequestRecord {
     attempts: u32,
     ttft: Option<Duration>,
     last_event: Option<Instant>,
+    /// The largest gap between two events relayed (stall detection learns it).
+    max_gap: Option<Duration>,
     access: bool,
 }
 
@@ -118,8 +120,14 @@ impl RequestRecord {
             attempts: 0,
             ttft: None,
             last_event: None,
+            max_gap: None,
             access,
         }
+    }
+
+    /// The largest gap between two relayed events (none before the second event).
+    pub fn max_gap(&self) -> Option<Duration> {
+        self.max_gap
     }
 
     pub fn id(&self) -> RequestId {
@@ -169,8 +177,11 @@ impl RequestRecord {
                 }
             }
             Some(prev) => {
+                let gap = now.saturating_duration_since(prev);
+                if self.max_gap.is_none_or(|m| gap > m) {
+                    self.max_gap = Some(gap);
+                }
                 if let Some(s) = series {
-                    let gap = now.saturating_duration_since(prev);
                     s.inter_event().record(gap.as_secs_f64());
                 }
             }

@@ -154,6 +154,14 @@ impl ParsedRequest {
         })
     }
 
+    /// The request's size for stall detection: the byte length of the prompt's raw JSON
+    /// (text, ids or messages; no tokenizer on the request path), at least 1.
+    pub fn prompt_size(&self) -> u32 {
+        self.prompt
+            .as_ref()
+            .map_or(1, |r| r.len().clamp(1, u32::MAX as usize) as u32)
+    }
+
     /// Whether the bootstrap fields go as lists (one entry per instance).
     pub fn is_multi(&self) -> bool {
         self.batch.is_some() || self.n > 1

@@ -37,6 +37,9 @@ pub enum BreakerState {
     Closed,
     Open,
     HalfOpen,
+    /// Out of rotation for lack of progress (see `crate::progress`): no timer brings it
+    /// back, only a leg that succeeds on it (a probe through a real pair).
+    Stalled,
 }
 
 impl BreakerState {
@@ -44,6 +47,7 @@ impl BreakerState {
         match v {
             1 => BreakerState::Open,
             2 => BreakerState::HalfOpen,
+            3 => BreakerState::Stalled,
             _ => BreakerState::Closed,
         }
     }
@@ -52,6 +56,7 @@ impl BreakerState {
             BreakerState::Closed => 0,
             BreakerState::Open => 1,
             BreakerState::HalfOpen => 2,
+            BreakerState::Stalled => 3,
         }
     }
     pub fn label(self) -> &'static str {
@@ -59,7 +64,12 @@ impl BreakerState {
             BreakerState::Closed => "closed",
             BreakerState::Open => "open",
             BreakerState::HalfOpen => "half_open",
+            BreakerState::Stalled => "stalled",
         }
+    }
+    /// Out of rotation (open, or stalled).
+    pub fn is_out(self) -> bool {
+        matches!(self, BreakerState::Open | BreakerState::Stalled)
     }
 }
 
@@ -141,10 +151,44 @@ impl Pool {
             return;
         };
         b.consecutive.store(0, Ordering::Relaxed);
-        if b.state() == BreakerState::HalfOpen {
+        if matches!(b.state(), BreakerState::HalfOpen | BreakerState::Stalled) {
             b.reopens.store(0, Ordering::Relaxed);
             self.set_breaker(role, id, &b, BreakerState::Closed);
         }
+    }
+
+    /// Takes `id` out of rotation for lack of progress, within the ejection cap. True when
+    /// this call moved it there (the caller starts its probe); false when it was already
+    /// out, or the cap keeps it in.
+    pub fn eject_stalled(&self, role: Role, id: WorkerId, cfg: &BreakerConfig) -> bool {
+        let Some(b) = self.breaker(role, id) else {
+            return false;
+        };
+        if b.state() != BreakerState::Closed && b.state() != BreakerState::HalfOpen {
+            return false;
+        }
+        if !self.may_eject(role, cfg) {
+            tracing::warn!(role = %role, worker = %id, "stalled worker kept in rotation: the ejection cap is reached");
+            metrics::counter!(telemetry::BREAKER_EJECTION_CAPPED, "role" => role.as_str())
+                .increment(1);
+            return false;
+        }
+        let from = b.state.load(Ordering::Acquire);
+        if b.state
+            .compare_exchange(
+                from,
+                BreakerState::Stalled.as_u8(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_err()
+        {
+            return false;
+        }
+        tracing::warn!(role = %role, worker = %id, "worker stalled: out of rotation until a probe through a real pair succeeds");
+        metrics::counter!(telemetry::BREAKER_TRANSITIONS, "role" => role.as_str(), "to" => BreakerState::Stalled.label()).increment(1);
+        self.update_worker(role, id, |_| {});
+        true
     }
 
     /// A leg on `id` failed for `reason`.
@@ -372,5 +416,36 @@ mod tests {
             1,
             "a pool of one is never emptied by passive signals"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stalled_stays_out_until_a_success_and_respects_the_cap() {
+        let pool = pool(2);
+        let c = cfg();
+        let w = WorkerId(0);
+        assert!(pool.eject_stalled(Role::Decode, w, &c));
+        assert!(!pool.eject_stalled(Role::Decode, w, &c), "already out");
+        assert_eq!(pool.load().decode_routable.len(), 1);
+        assert_eq!(
+            pool.breaker(Role::Decode, w).unwrap().state().label(),
+            "stalled"
+        );
+        // No timer brings it back, and failures keep it where it is.
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        pool.report_failure(Role::Decode, w, FailReason::DecodeStatus, &c);
+        assert_eq!(
+            pool.breaker(Role::Decode, w).unwrap().state(),
+            BreakerState::Stalled
+        );
+        // The ejection cap holds for stalls too: the other half stays.
+        assert!(!pool.eject_stalled(Role::Decode, WorkerId(1), &c));
+        assert_eq!(pool.load().decode_routable.len(), 1);
+        // A success (a probe through a real pair) re-admits it.
+        pool.report_success(Role::Decode, w);
+        assert_eq!(
+            pool.breaker(Role::Decode, w).unwrap().state(),
+            BreakerState::Closed
+        );
+        assert_eq!(pool.load().decode_routable.len(), 2);
     }
 }

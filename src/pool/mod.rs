@@ -32,6 +32,7 @@ pub use breaker::{Breaker, BreakerState, TrialGuard};
 use tokio::sync::watch;
 
 use crate::engine::{Layout, ServerInfo};
+use crate::progress::WorkerProgress;
 use crate::types::{DpRank, Role, WorkerId};
 use crate::upstream::{BaseUrl, HostConns};
 
@@ -246,6 +247,8 @@ pub struct WorkerState {
     pub refused: Option<String>,
     /// Request-path rank checks in flight (prefill only).
     pub probes: Arc<RankProbes>,
+    /// Learned leg times and progress (stall detection), per DP rank.
+    pub progress: Arc<WorkerProgress>,
 }
 
 /// Loss counters of one prefill, in one channel so that a request in flight waits on a
@@ -287,6 +290,7 @@ pub struct WorkerView {
     pub conns: Arc<HostConns>,
     pub refused: Option<String>,
     pub probes: Arc<RankProbes>,
+    pub progress: Arc<WorkerProgress>,
 }
 
 impl WorkerView {
@@ -554,6 +558,7 @@ impl Pool {
                     w.loads = new_loads(dp);
                     w.engine_load = new_loads(dp);
                     w.probes = Arc::new(RankProbes::new(dp));
+                    w.progress = Arc::new(WorkerProgress::new(dp));
                 }
             }
         });
@@ -620,6 +625,7 @@ impl Master {
             breaker: Arc::new(Breaker::default()),
             refused: None,
             probes: Arc::new(RankProbes::new(1)),
+            progress: Arc::new(WorkerProgress::new(1)),
         });
         id
     }
@@ -664,9 +670,10 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             conns: w.conns.clone(),
             refused: w.refused.clone(),
             probes: w.probes.clone(),
+            progress: w.progress.clone(),
         };
         // Out of rotation whatever its health: breaker open, refused, or draining.
-        let out = w.breaker.state() == BreakerState::Open || w.refused.is_some() || w.drain.any();
+        let out = w.breaker.state().is_out() || w.refused.is_some() || w.drain.any();
         match w.role {
             Role::Prefill => {
                 if w.healthy && !out && w.layout.is_some() {

@@ -13,10 +13,11 @@ use crate::types::Role;
 
 use super::{BreakerState, Pool, Snapshot};
 
-const BREAKER_STATES: [BreakerState; 3] = [
+const BREAKER_STATES: [BreakerState; 4] = [
     BreakerState::Closed,
     BreakerState::Open,
     BreakerState::HalfOpen,
+    BreakerState::Stalled,
 ];
 
 const RANK_STATES: [&str; 4] = ["unknown", "bootstrapping", "ready", "failed"];

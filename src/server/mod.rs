@@ -66,6 +66,11 @@ impl Server {
     }
 
     /// Applies a reloaded config to the request path (see [`App::reconfigure`]).
+    /// The dispatcher requests start with now (e.g. for its learned stall bounds).
+    pub fn dispatcher(&self) -> Arc<crate::pd::Dispatcher> {
+        self.app.dispatcher.load_full()
+    }
+
     pub fn reconfigure(&self, cfg: Arc<crate::config::Config>) {
         self.app.reconfigure(cfg);
     }

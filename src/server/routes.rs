@@ -375,6 +375,7 @@ impl App {
                 "healthy": ws.iter().filter(|w| w.healthy).count(),
                 "draining": ws.iter().filter(|w| w.draining).count(),
                 "refused": ws.iter().filter(|w| w.refused.is_some()).count(),
+                "ejected": ws.iter().filter(|w| w.breaker.state().is_out()).count(),
             })
         };
         let body = serde_json::json!({

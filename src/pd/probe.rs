@@ -1,0 +1,215 @@
+//! Re-admitting a stalled worker: a one-token `/generate` through a *real* pair (the
+//! stalled worker and a routable partner of the other role), sent by the normal attempt
+//! stages (rooms, bootstrap fields, both legs, decode's answer read to its end).
+//!
+//! Why not `/health_generate`: SGLang's runs with a fake bootstrap and never exercises the
+//! KV path, which is exactly what a stalled engine has lost. Why not `/health`: it stays
+//! fine on an engine stuck in the KV transfer.
+//!
+//! Invariants:
+//! - One probe task per stalled worker: it is started by the transition into
+//!   [`BreakerState::Stalled`] (which only one caller wins) holding the worker's
+//!   [`ProbeClaim`] (so a worker re-admitted and stalled again before an old task noticed
+//!   does not get a second one), and ends when the worker is re-admitted, leaves the
+//!   stalled state otherwise, or leaves the pool.
+//! - Bounded: one probe in flight per worker, each within `progress.probe_timeout_ms`, the
+//!   wait between them doubling from `probe_interval_ms` up to `probe_max_interval_ms`.
+//! - A probe is not a client request: no request metrics, no access line.
+
+use bytes::Bytes;
+use http::HeaderValue;
+use http_body_util::BodyExt;
+
+use super::attempt::ChosenPair;
+use super::record::{RequestRecord, Route};
+use super::request::{self, ApiRoute};
+use super::{Dispatcher, ReqCtx};
+use crate::error::{FailReason, Failure};
+use crate::policy::{self, PickCtx};
+use crate::pool::{BreakerState, RankReadiness, Snapshot};
+use crate::progress::ProbeClaim;
+use crate::types::{Pair, RequestId, Role, Target, WorkerId};
+
+/// The probe: one token, greedy, a fixed short prompt.
+const PROBE_BODY: &[u8] =
+    br#"{"text":"pdgate stall probe","sampling_params":{"max_new_tokens":1,"temperature":0}}"#;
+
+impl Dispatcher {
+    /// A copy for a background task (same pool, clients, policies and config).
+    fn for_task(&self) -> Dispatcher {
+        Dispatcher {
+            pool: self.pool.clone(),
+            up: self.up.clone(),
+            cfg: self.cfg.clone(),
+            prefill_policy: self.prefill_policy.clone(),
+            decode_policy: self.decode_policy.clone(),
+            budget: self.budget.clone(),
+            rng: self.rng.clone(),
+        }
+    }
+
+    /// Starts the probe task of a worker that just became stalled.
+    pub(super) fn spawn_probe(&self, role: Role, worker: WorkerId, claim: ProbeClaim) {
+        let d = self.for_task();
+        self.pool.spawn_task(role, worker, async move {
+            let _claim = claim;
+            d.probe_until_readmitted(role, worker).await
+        });
+    }
+
+    async fn probe_until_readmitted(self, role: Role, worker: WorkerId) {
+        let p = self.cfg.progress.clone();
+        let mut wait = p.probe_interval();
+        loop {
+            tokio::time::sleep(wait).await;
+            let state = self
+                .pool
+                .load()
+                .worker(role, worker)
+                .map(|w| (w.breaker.state(), w.healthy, w.url.clone()));
+            let Some((state, healthy, url)) = state else {
+                return;
+            };
+            if state != BreakerState::Stalled {
+                return;
+            }
+            let outcome = if healthy {
+                match tokio::time::timeout(p.probe_timeout(), self.probe_once(role, worker)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(Failure::new(
+                        FailReason::RequestTimeout,
+                        format!("no answer within {} ms", p.probe_timeout_ms),
+                    )),
+                }
+            } else {
+                Err(Failure::new(FailReason::Internal, "not healthy"))
+            };
+            match outcome {
+                Ok(()) => {
+                    if let Some(w) = self.pool.load().worker(role, worker) {
+                        w.progress.clear_stalls();
+                    }
+                    self.pool.report_success(role, worker);
+                    tracing::info!(role = %role, worker = %url, "stalled worker re-admitted: a probe through a real pair succeeded");
+                    return;
+                }
+                Err(f) => {
+                    tracing::info!(role = %role, worker = %url, error = %f, next_ms = wait.as_millis() as u64, "stall probe failed");
+                    wait = (wait * 2).min(p.probe_max_interval().max(p.probe_interval()));
+                }
+            }
+        }
+    }
+
+    /// One probe: the attempt stages on a pair made of the stalled worker and a partner
+    /// the policy picks, then decode's answer read to its end.
+    async fn probe_once(&self, role: Role, worker: WorkerId) -> Result<(), Failure> {
+        let req = request::parse(ApiRoute::Generate, Bytes::from_static(PROBE_BODY))?;
+        let id = RequestId::random();
+        let request_id = HeaderValue::from_str(id.as_str())
+            .map_err(|e| Failure::new(FailReason::Internal, e.to_string()))?;
+        let ctx = ReqCtx {
+            id,
+            request_id: request_id.clone(),
+            forward: Vec::new(),
+            slot: None,
+        };
+        let snap = self.pool.load_full();
+        let chosen = self.choose_probe_pair(&snap, role, worker)?;
+        self.preflight(&chosen).await.map_err(|af| af.failure)?;
+        let legs = self.send_legs(&req, &ctx, 0, &chosen);
+        let ready = super::first_byte::wait_first_bytes(self, &req, legs)
+            .await
+            .map_err(|af| af.failure)?;
+        drop(chosen);
+        let record = RequestRecord::new(id, Route::Other("stall_probe"), &request_id, false);
+        let resp = ready.into_response(record, &request_id, None);
+        let body = resp.into_body().collect().await.map_err(|e| {
+            Failure::new(
+                FailReason::DecodeBroken,
+                format!("probe answer broke off: {e}"),
+            )
+        })?;
+        let body = body.to_bytes();
+        if let Some(abort) = super::legs::abort_in_json(&body) {
+            return Err(Failure::new(FailReason::DecodeAborted, abort));
+        }
+        Ok(())
+    }
+
+    fn choose_probe_pair<'s>(
+        &self,
+        snap: &'s Snapshot,
+        role: Role,
+        worker: WorkerId,
+    ) -> Result<ChosenPair<'s>, Failure> {
+        let gone = || Failure::new(FailReason::Internal, "the stalled worker left the pool");
+        let me = snap.worker(role, worker).ok_or_else(gone)?;
+        let rank = match role {
+            Role::Prefill => me
+                .ranks
+                .iter()
+                .position(|r| *r == RankReadiness::Ready)
+                .ok_or_else(|| {
+                    Failure::new(
+                        FailReason::BootstrapNotReady,
+                        "no rank of the stalled prefill is ready",
+                    )
+                })? as u32,
+            Role::Decode => 0,
+        };
+        let own = Target { worker, rank };
+        let other = match role {
+            Role::Prefill => Role::Decode,
+            Role::Decode => Role::Prefill,
+        };
+        let policy = match other {
+            Role::Prefill => self.prefill_policy.as_ref(),
+            Role::Decode => self.decode_policy.as_ref(),
+        };
+        let ctx = PickCtx {
+            exclude: &[],
+            prefix_hash: None,
+        };
+        let partner = self
+            .rng
+            .with(|rng| policy::select(policy, snap, other, &ctx, rng))
+            .ok_or_else(|| {
+                Failure::new(
+                    FailReason::NoDecodeAvailable,
+                    "no routable partner for the probe",
+                )
+            })?;
+        let pair = match role {
+            Role::Prefill => Pair {
+                prefill: own,
+                decode: partner.target,
+            },
+            Role::Decode => Pair {
+                prefill: partner.target,
+                decode: own,
+            },
+        };
+        let (Some(prefill), Some(decode)) = (
+            snap.worker(Role::Prefill, pair.prefill.worker),
+            snap.worker(Role::Decode, pair.decode.worker),
+        ) else {
+            return Err(gone());
+        };
+        let (Some(bootstrap), Some(layout)) = (prefill.bootstrap.as_ref(), prefill.layout.as_ref())
+        else {
+            return Err(Failure::new(
+                FailReason::BootstrapNotReady,
+                "prefill layout unknown",
+            ));
+        };
+        Ok(ChosenPair {
+            pair,
+            prefill,
+            decode,
+            bootstrap,
+            layout,
+            _trials: (None, partner.trial),
+        })
+    }
+}
