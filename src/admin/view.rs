@@ -109,17 +109,13 @@ pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
 
 const REDACTED: &str = "<redacted>";
 
-/// Whether a config key holds a secret: `api_key` and `*_api_key`, and anything naming a
-/// token, secret or password — but not a path to one (`*_file`).
+/// Whether a config key holds a secret: `api_key` and `*_api_key`, and a key whose last
+/// word names a token, secret or password (`session_token`) — but not a path to one
+/// (`*_file`), nor a setting that only mentions one (`first_token_ceiling_ms`,
+/// `secrets_watch_ms`).
 fn secret_key(k: &str) -> bool {
-    if k.ends_with("_file") || k.ends_with("_path") {
-        return false;
-    }
-    k == "api_key"
-        || k.ends_with("_api_key")
-        || ["token", "secret", "password"]
-            .iter()
-            .any(|s| k.contains(s))
+    let last = k.rsplit('_').next().unwrap_or(k);
+    k == "api_key" || k.ends_with("_api_key") || ["token", "secret", "password"].contains(&last)
 }
 
 /// Replaces every secret in a config's JSON with `"<redacted>"` (unset ones stay `null`,
@@ -178,7 +174,13 @@ mod tests {
         let mut v = serde_json::to_value(&cfg).unwrap();
         redact(&mut v);
         let text = v.to_string();
-        assert!(!text.contains("secret"), "{text}");
+        assert!(
+            !text.contains("admin-secret") && !text.contains("engine-secret"),
+            "{text}"
+        );
+        // Settings that only mention a secret or a token are shown.
+        assert_eq!(v["reload"]["secrets_watch_ms"], 2000, "{text}");
+        assert!(v["progress"]["first_token_floor_ms"].is_number(), "{text}");
         assert_eq!(v["admin"]["api_key"], REDACTED);
         assert_eq!(v["upstream"]["api_key"], REDACTED);
         assert_eq!(v["admin"]["api_key_file"], Value::Null);
