@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+mod capacity;
 mod ops;
 
 /// The config as it is now: swapped whole on reload, read by background tasks at each step
@@ -25,6 +26,7 @@ pub fn live(cfg: Config) -> LiveConfig {
     std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(cfg))
 }
 
+pub use capacity::CapacityConfig;
 pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, ReloadConfig};
 
 /// Why a configuration was refused.
@@ -57,6 +59,7 @@ pub struct Config {
     pub health: HealthConfig,
     pub breaker: BreakerConfig,
     pub admission: AdmissionConfig,
+    pub capacity: CapacityConfig,
     pub bootstrap: BootstrapConfig,
     pub upstream: UpstreamConfig,
     pub log: LogConfig,
@@ -696,6 +699,7 @@ impl Config {
         if self.log.level.trim().is_empty() {
             return Err(invalid("log.level must not be empty".to_string()));
         }
+        self.capacity.validate()?;
         ops::validate(self)
     }
 }

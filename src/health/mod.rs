@@ -14,6 +14,7 @@
 //! - Health probes on PD engines use a fake bootstrap (spec R10), so for prefills this is
 //!   combined with the bootstrap tracker's readiness in the pool.
 
+pub mod capacity;
 pub mod load;
 
 use std::sync::Arc;
@@ -115,6 +116,7 @@ pub fn spawn(
                 if let Ok(info) = client::server_info(&up, &url, bcfg.http_timeout()).await {
                     have_info = true;
                     let dp = info.dp_size.filter(|d| *d >= 1).map(client::checked_dp);
+                    let caps = info.max_running_per_dp.clone();
                     pool.update_worker(role, id, |w| {
                         match dp {
                             Some(Err(e)) => {
@@ -126,6 +128,9 @@ pub fn spawn(
                         }
                         w.info = Some(info);
                     });
+                    if role == Role::Decode {
+                        capacity::seed(&pool, role, id, &caps);
+                    }
                     pool.warn_mismatches();
                 }
             }
