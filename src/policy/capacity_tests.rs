@@ -47,7 +47,8 @@ fn report(busy: u64, tokens: Option<u64>) -> Reported {
 fn the_decode_rank_follows_tokens_in_flight_where_reported() {
     // (rank 0: engine busy, tokens; rank 1: the same; pdgate's own in flight on rank 0;
     // the rank picked)
-    let table: &[((u64, Option<u64>), (u64, Option<u64>), usize, DpRank)] = &[
+    type Rank = (u64, Option<u64>);
+    let table: &[(Rank, Rank, usize, DpRank)] = &[
         // Tokens reported: fewer tokens wins, whatever the request counts.
         ((1, Some(9000)), (3, Some(500)), 0, 1),
         ((3, Some(500)), (1, Some(9000)), 0, 0),

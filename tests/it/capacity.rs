@@ -232,3 +232,37 @@ async fn two_replicas_stay_within_the_stated_overshoot() {
         r.shutdown().await;
     }
 }
+
+#[tokio::test]
+async fn the_simulator_reports_its_cap_only_when_it_has_one() {
+    use crate::support::sim_support::get;
+    // (cap, what /server_info's internal_states and /v1/loads report per rank)
+    let table = [
+        (Some(3u32), serde_json::json!(3)),
+        (None, serde_json::Value::Null),
+    ];
+    for (cap, want) in table {
+        let mut d = EngineConfig::decode(2);
+        d.max_running_requests = cap;
+        let e = pdgate_sim::spawn(d).await.expect("sim");
+        let info = get(&format!("{}/server_info", e.url())).await.json();
+        let loads = get(&format!("{}/v1/loads", e.url())).await.json();
+        for rank in 0..2 {
+            let s = &info["internal_states"][rank];
+            assert_eq!(
+                s["effective_max_running_requests_per_dp"], want,
+                "{cap:?} {s}"
+            );
+            let l = &loads["loads"][rank];
+            assert_eq!(l["max_running_requests"], want, "{cap:?} {l}");
+            for key in [
+                "num_running_reqs",
+                "num_waiting_reqs",
+                "num_used_tokens",
+                "max_total_num_tokens",
+            ] {
+                assert!(l[key].is_u64(), "{key} in {l}");
+            }
+        }
+    }
+}
