@@ -36,6 +36,7 @@ impl Dispatcher {
         Need {
             limits,
             tokens: req.kv_tokens_estimate(),
+            slots: req.instances() as u64,
         }
     }
 }

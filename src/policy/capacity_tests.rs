@@ -31,6 +31,7 @@ fn need(override_per_rank: u64) -> Need {
             kv_bound: true,
         },
         tokens: 10,
+        slots: 1,
     }
 }
 

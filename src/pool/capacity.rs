@@ -20,7 +20,9 @@
 //! - `own_live`: every reservation this replica holds (a floor: a failed poll or an
 //!   engine that reports nothing leaves pdgate's own count).
 //!
-//! A reservation is refused when `occupancy ≥ capacity`. The check and the increment of
+//! A request takes one slot per prompt instance (a batch or `n > 1` runs each instance as
+//! a request of its own on the engine). A reservation is refused when it would take the
+//! occupancy past the capacity, unless the rank holds nothing. The check and the increment of
 //! `own_live`/`new_live` are one compare-and-swap on a packed word, so two requests of
 //! this replica never both take the last slot. Other replicas' reservations reach this
 //! replica only through the engine's figure: between two polls, each of `R` replicas
@@ -59,6 +61,21 @@ pub struct Need {
     pub limits: Limits,
     /// Estimated KV tokens the request holds (prompt + max new tokens).
     pub tokens: u64,
+    /// Running slots it takes: one per prompt instance (a batch or `n > 1` runs each
+    /// instance as its own request on the engine); 0 counts as 1.
+    pub slots: u64,
+}
+
+impl Need {
+    fn slots(&self) -> u64 {
+        self.slots.max(1)
+    }
+}
+
+/// Whether `slots` more fit under `cap` at `occupancy` (0 = no limit). A rank that holds
+/// nothing takes any request, even one larger than the capacity: waiting would not help.
+fn fits(cap: u64, occupancy: u64, slots: u64) -> bool {
+    cap == 0 || occupancy == 0 || occupancy.saturating_add(slots) <= cap
 }
 
 const LOW: u64 = 0xFFFF_FFFF;
@@ -158,7 +175,7 @@ impl RankCapacity {
     pub fn has_room(&self, need: &Need) -> bool {
         let occ = self.occupancy();
         let cap = self.limit(&need.limits);
-        (cap == 0 || occ < cap) && self.kv_fits(need, occ)
+        fits(cap, occ, need.slots()) && self.kv_fits(need, occ)
     }
 
     /// Stores one poll's figures and starts a new window (see the module docs). A figure
@@ -236,6 +253,7 @@ pub struct Reservation {
     rank: usize,
     epoch: u64,
     tokens: u64,
+    slots: u64,
     signal: Arc<CapacitySignal>,
 }
 
@@ -251,13 +269,14 @@ impl Reservation {
         let r = ranks.get(rank as usize)?;
         let cap = r.limit(&need.limits);
         let epoch = r.epoch.load(Ordering::Acquire);
+        let k = need.slots().min(LOW >> 1);
         let mut cur = r.reqs.load(Ordering::Acquire);
         loop {
             let occ = r.occupancy_of(cur);
-            if (cap > 0 && occ >= cap) || !r.kv_fits(need, occ) {
+            if !fits(cap, occ, k) || !r.kv_fits(need, occ) {
                 return None;
             }
-            let next = cur.saturating_add((1 << 32) + 1);
+            let next = cur.saturating_add((k << 32) + k);
             match r
                 .reqs
                 .compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire)
@@ -273,6 +292,7 @@ impl Reservation {
             rank: rank as usize,
             epoch,
             tokens: need.tokens,
+            slots: k,
             signal: signal.clone(),
         })
     }
@@ -287,17 +307,17 @@ impl Drop for Reservation {
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
                     let (own, new) = (p >> 32, p & LOW);
                     let new = if same_window {
-                        new.saturating_sub(1)
+                        new.saturating_sub(self.slots)
                     } else {
                         new
                     };
-                    Some((own.saturating_sub(1) << 32) | new)
+                    Some((own.saturating_sub(self.slots) << 32) | new)
                 });
             sub(&r.own_tokens, self.tokens);
             if same_window {
                 sub(&r.new_tokens, self.tokens);
             } else {
-                r.released_old.fetch_add(1, Ordering::Relaxed);
+                r.released_old.fetch_add(self.slots, Ordering::Relaxed);
                 r.released_old_tokens
                     .fetch_add(self.tokens, Ordering::Relaxed);
             }

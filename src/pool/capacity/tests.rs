@@ -9,6 +9,7 @@ fn need(override_per_rank: u64, tokens: u64) -> Need {
             kv_bound: true,
         },
         tokens,
+        slots: 1,
     }
 }
 
@@ -104,6 +105,7 @@ fn kv_tokens_bound_admission_unless_the_rank_is_empty() {
             ..need(0, 0).limits
         },
         tokens: 101,
+        slots: 1,
     };
     assert!(r.has_room(&off), "the KV bound is off");
     let fits = take(&ranks, &need(0, 100), &sig).expect("900 + 100 fits");
@@ -167,5 +169,35 @@ proptest! {
         held.clear();
         prop_assert_eq!(ranks[0].own(), 0);
         prop_assert_eq!(ranks[0].tokens(), None);
+    }
+}
+
+#[test]
+fn a_batch_takes_one_slot_per_instance() {
+    let ranks = new_ranks(1);
+    let sig = Arc::new(CapacitySignal::default());
+    let batch = |slots| Need {
+        slots,
+        ..need(4, 1)
+    };
+    // (held before, slots asked, admitted)
+    let table = [
+        (0, 3, true),
+        (3, 1, true),
+        (3, 2, false),
+        (0, 9, true),
+        (1, 4, false),
+    ];
+    for (before, slots, want) in table {
+        let held: Vec<_> = (0..before)
+            .map(|_| take(&ranks, &need(4, 1), &sig).expect("room"))
+            .collect();
+        let got = take(&ranks, &batch(slots), &sig);
+        assert_eq!(got.is_some(), want, "{before} held, {slots} asked");
+        if got.is_some() {
+            assert_eq!(ranks[0].own(), before + slots);
+        }
+        drop((held, got));
+        assert_eq!(ranks[0].own(), 0);
     }
 }
