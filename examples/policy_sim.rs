@@ -248,6 +248,7 @@ fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: b
                 let ctx = PickCtx {
                     exclude: &[],
                     prefix_hash: Some(c.key),
+                    need: None,
                 };
                 let Some(target) = select(r.policy.as_ref(), &r.snap, Role::Decode, &ctx, &mut rng)
                     .map(|p| p.target)
@@ -379,6 +380,7 @@ fn pick_cost() {
                 let ctx = PickCtx {
                     exclude: &[],
                     prefix_hash: Some(k.wrapping_mul(0x9e37_79b9)),
+                    need: None,
                 };
                 if let Some(t) = select(r.policy.as_ref(), &r.snap, Role::Decode, &ctx, &mut rng)
                     .map(|p| p.target)

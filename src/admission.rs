@@ -16,6 +16,11 @@
 //! and nobody in flight is cut. Switching between no limit (0) and a limit swaps the
 //! semaphore: requests admitted before keep their old slot.
 //!
+//! The same queue (its bound and its timeout) holds requests waiting for a decode slot
+//! (`pool::capacity`): [`Admission::enqueue`] counts such a request in the queue without
+//! a semaphore, and `pd` waits on the pool's capacity signal under the returned
+//! [`Queued`]'s deadline.
+//!
 //! Gauges (handles registered once): `pdgate_in_flight_requests` counts the PD requests
 //! admitted whose response has not ended (also when `max_in_flight` is 0, i.e. no limit),
 //! `pdgate_admission_queue` those waiting for a slot. Both are moved by drop guards, so
@@ -200,6 +205,59 @@ impl Admission {
                 ))
             }
         }
+    }
+}
+
+/// A request counted in the wait queue for something other than the in-flight cap (a
+/// decode slot), from [`Admission::enqueue`]; leaves the queue when dropped.
+pub struct Queued<'a> {
+    _w: Waiting<'a>,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+}
+
+impl Queued<'_> {
+    /// Waits for `wake` until the queue deadline (from joining the queue); a timeout
+    /// answers 503 with `Retry-After`, like a wait for the in-flight cap.
+    pub async fn wait<F: std::future::Future>(&self, wake: F, what: &str) -> Result<(), Failure> {
+        match tokio::time::timeout_at(self.deadline, wake).await {
+            Ok(_) => Ok(()),
+            Err(_) => {
+                metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => "capacity_timeout")
+                    .increment(1);
+                Err(Failure::new(
+                    FailReason::QueueTimeout,
+                    format!(
+                        "{what} within the queue timeout of {} ms",
+                        self.timeout.as_millis()
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+impl Admission {
+    /// Joins the wait queue (bounded by `max_queue`, with `queue_timeout_ms` from now)
+    /// without a slot to wait for; a full queue answers 429 with `Retry-After`.
+    pub fn enqueue(&self, what: &str) -> Result<Queued<'_>, Failure> {
+        let max_queue = self.max_queue.load(Ordering::Relaxed);
+        let timeout = Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed));
+        if self.waiting.fetch_add(1, Ordering::AcqRel) >= max_queue {
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
+            metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => "capacity_queue_full")
+                .increment(1);
+            return Err(Failure::new(
+                FailReason::Overloaded,
+                format!("{what} and the wait queue is full"),
+            ));
+        }
+        self.queued.increment(1.0);
+        Ok(Queued {
+            _w: Waiting(&self.waiting, &self.queued),
+            deadline: tokio::time::Instant::now() + timeout,
+            timeout,
+        })
     }
 }
 

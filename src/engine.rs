@@ -54,4 +54,41 @@ pub struct ServerInfo {
     /// (what `modulo` contract mode needs).
     #[serde(default)]
     pub load_balance_method: Option<String>,
+    /// Per DP rank, the requests it runs at once
+    /// (`internal_states[i].effective_max_running_requests_per_dp`; `None` where not
+    /// reported). Read leniently: an unexpected shape yields an empty list, never a
+    /// refused `/server_info`.
+    #[serde(
+        default,
+        rename = "internal_states",
+        deserialize_with = "max_running_per_dp"
+    )]
+    pub max_running_per_dp: Vec<Option<u64>>,
+}
+
+/// A count from JSON: a non-negative integer, or a finite non-negative float rounded.
+fn count(v: &serde_json::Value) -> Option<u64> {
+    v.as_u64().or_else(|| {
+        v.as_f64()
+            .filter(|f| f.is_finite() && *f >= 0.0)
+            .map(|f| f.round() as u64)
+    })
+}
+
+fn max_running_per_dp<'de, D>(d: D) -> Result<Vec<Option<u64>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let v = serde_json::Value::deserialize(d)?;
+    let Some(list) = v.as_array() else {
+        return Ok(Vec::new());
+    };
+    Ok(list
+        .iter()
+        .take(MAX_DP_SIZE as usize)
+        .map(|e| {
+            e.get("effective_max_running_requests_per_dp")
+                .and_then(count)
+        })
+        .collect())
 }

@@ -94,6 +94,9 @@ pub struct SimArgs {
     /// Decode: failed rank lookups hang until the waiting timeout (pre-#24772).
     #[arg(long)]
     pub legacy_bootstrap_bug: bool,
+    /// Decode: requests each DP rank runs at once; more queue in the engine.
+    #[arg(long)]
+    pub max_running_requests: Option<u32>,
     /// Fault: engines start down.
     #[arg(long)]
     pub down: bool,
@@ -175,6 +178,7 @@ impl SimArgs {
             dp_size,
             host: self.host.clone(),
             legacy_bootstrap_bug: self.legacy_bootstrap_bug,
+            max_running_requests: self.max_running_requests,
             faults: self.faults(),
             ..Default::default()
         };

@@ -133,6 +133,12 @@ pub struct EngineConfig {
     /// Decode: emulate engines without SGLang PR #24772: a failed rank lookup
     /// hangs until `waiting_timeout` instead of failing at once.
     pub legacy_bootstrap_bug: bool,
+    /// Decode: requests each DP rank runs at once (SGLang's `max_running_requests`
+    /// per DP rank). Requests beyond it queue inside the engine before their KV transfer
+    /// starts (so a prefill's `bootstrap_timeout` can run out, as with SGLang). Reported
+    /// in `/server_info` (`internal_states[i].effective_max_running_requests_per_dp`) and
+    /// `/v1/loads` (`max_running_requests` per entry). `None`: no limit, not reported.
+    pub max_running_requests: Option<u32>,
     /// Faults active from the start.
     pub faults: Faults,
 }
@@ -167,6 +173,7 @@ impl Default for EngineConfig {
             heartbeat_max_failures: 2,
             room_entry_ttl: Duration::from_secs(120),
             legacy_bootstrap_bug: false,
+            max_running_requests: None,
             faults: Faults::default(),
         }
     }

@@ -13,6 +13,9 @@
 //! bootstrap `/health` every `heartbeat_interval`; `heartbeat_max_failures` in
 //! a row fail the request and drop the address from the caches. The
 //! `decode_hold` fault parks a request before the first step until cleared.
+//! With `max_running_requests`, a request waits for a running slot on its DP
+//! rank before its KV pull starts (SGLang's decode queue), so a prefill's
+//! `bootstrap_timeout` can expire meanwhile.
 //!
 //! Invariants: failure texts are SGLang's; nothing here retries what SGLang
 //! does not retry, except reconnecting a cut rank connection while the
@@ -79,7 +82,8 @@ pub(crate) async fn prepare(
     let Some(room) = inst.room else {
         return Err(missing_room(&inst.rid));
     };
-    tracker.set_rank(own.unwrap_or_else(|| engine.next_rr()));
+    let my_rank = own.unwrap_or_else(|| engine.next_rr());
+    tracker.set_rank(my_rank);
     tracker.waiting();
     tracker.add_tokens(u64::from(inst.prompt_tokens));
     if faults.decode_hold {
@@ -118,6 +122,7 @@ pub(crate) async fn prepare(
     let pipeline = async {
         let rank = resolve_rank(req, &addr, room, &info).await;
         let rank_addr = rank_endpoint(engine, inst, &addr, room, rank).await?;
+        running_slot(engine, my_rank, tracker).await;
         pull_kv(engine, inst, &rank_addr, room).await
     };
     tokio::select! {
@@ -136,6 +141,17 @@ pub(crate) async fn prepare(
         itl: faults.slowed(engine.cfg.itl),
         die_after: faults.decode_die_mid_stream_after,
     })
+}
+
+/// Waits for a running slot on `rank` (SGLang's decode keeps a request in its queue, KV
+/// transfer not started, until the rank has room under `max_running_requests`); the
+/// tracker holds it until the instance ends.
+async fn running_slot(engine: &Arc<Engine>, rank: u32, tracker: &Tracker) {
+    let permit = match engine.running_slots.get(rank as usize) {
+        Some(sem) => Arc::clone(sem).acquire_owned().await.ok(),
+        None => None,
+    };
+    tracker.hold_slot(permit);
 }
 
 /// The cached sentinel answer for `addr`, fetching it (shared) if needed.

@@ -196,7 +196,14 @@ pub(crate) async fn spawn_in(
         Some((b, _)) => Some(b.local_addr()?.port()),
         None => None,
     };
+    let running_slots = match (cfg.role, cfg.max_running_requests) {
+        (Role::Decode, Some(n)) => (0..dp)
+            .map(|_| Arc::new(tokio::sync::Semaphore::new(n as usize)))
+            .collect(),
+        _ => Vec::new(),
+    };
     let engine = Arc::new(Engine {
+        running_slots,
         cfg,
         faults_tx,
         shutdown_tx,

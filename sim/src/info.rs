@@ -25,17 +25,22 @@ fn now_f64() -> f64 {
 pub(crate) fn server_info(engine: &Engine) -> Value {
     let cfg = &engine.cfg;
     let loads = engine.stats.loads();
+    let cap = max_running(engine);
     let internal: Vec<Value> = loads
         .iter()
         .enumerate()
         .map(|(rank, l)| {
-            json!({
+            let mut v = json!({
                 "dp_rank": rank,
                 "last_gen_throughput": 0.0,
                 "num_running_reqs": l.running,
                 "num_waiting_reqs": l.waiting,
                 "memory_usage": {"token_capacity": cfg.max_total_num_tokens},
-            })
+            });
+            if let (Some(cap), Some(o)) = (cap, v.as_object_mut()) {
+                o.insert("effective_max_running_requests_per_dp".into(), json!(cap));
+            }
+            v
         })
         .collect();
     json!({
@@ -60,6 +65,13 @@ pub(crate) fn server_info(engine: &Engine) -> Value {
         "internal_states": internal,
         "version": "0.5.23-sim",
     })
+}
+
+/// The decode's running cap per DP rank, when it has one (reported only then).
+fn max_running(engine: &Engine) -> Option<u32> {
+    (engine.cfg.role == crate::config::Role::Decode)
+        .then_some(engine.cfg.max_running_requests)
+        .flatten()
 }
 
 /// `GET /model_info`.
@@ -101,6 +113,7 @@ pub(crate) fn loads(engine: &Engine, query: Option<&str>) -> Value {
     let only = query_param(query, "dp_rank").and_then(|r| r.parse::<usize>().ok());
     let ts = now_f64();
     let max = cfg.max_total_num_tokens;
+    let cap = max_running(engine);
     let entries: Vec<Value> = engine
         .stats
         .loads()
@@ -126,7 +139,7 @@ pub(crate) fn loads(engine: &Engine, query: Option<&str>) -> Value {
                 "gen_throughput": 0.0,
                 "cache_hit_rate": 0.0,
                 "utilization": usage,
-                "max_running_requests": 1024,
+                "max_running_requests": cap,
                 "disaggregation": {
                     "mode": cfg.role.as_str(),
                     "prefill_prealloc_queue_reqs": if prefill { l.waiting } else { 0 },

@@ -55,6 +55,9 @@ pub(crate) struct Engine {
     pub started_rids: RidLog,
     /// The rids named by `POST /abort_request` ([`crate::SimEngine::recent_abort_rids`]).
     pub abort_rids: RidLog,
+    /// Decode with `max_running_requests`: one semaphore of that many running slots per
+    /// DP rank (empty: no limit).
+    pub running_slots: Vec<Arc<tokio::sync::Semaphore>>,
 }
 
 /// How many rids a [`RidLog`] keeps (bounded: benches run long).

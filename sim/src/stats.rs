@@ -46,6 +46,18 @@ pub struct StatsSnapshot {
     /// lets a test see that a decode reached the rendezvous before its prefill leg.
     #[serde(default)]
     pub kv_waiting_decodes: u64,
+    /// Decode: the most request instances that held a running slot at once (admitted
+    /// past the engine's queue: KV transfer and generation), over the engine's life and
+    /// all its DP ranks; what `max_running_requests` bounds per rank.
+    #[serde(default)]
+    pub peak_running: u64,
+    /// The most request instances present at once (queued or running; `held_now`'s
+    /// peak): a router that respects the engine's capacity keeps it at the cap.
+    #[serde(default)]
+    pub peak_held: u64,
+    /// Decode: the same peak per DP rank.
+    #[serde(default)]
+    pub peak_running_per_rank: Vec<u64>,
 }
 
 impl StatsSnapshot {
@@ -75,6 +87,20 @@ impl StatsSnapshot {
         self.violation_bootstrap_mismatch += other.violation_bootstrap_mismatch;
         self.abort_requests_received += other.abort_requests_received;
         self.kv_waiting_decodes += other.kv_waiting_decodes;
+        // Peaks of different engines add up to a bound on their joint peak.
+        self.peak_running += other.peak_running;
+        self.peak_held += other.peak_held;
+        if self.peak_running_per_rank.len() < other.peak_running_per_rank.len() {
+            self.peak_running_per_rank
+                .resize(other.peak_running_per_rank.len(), 0);
+        }
+        for (acc, v) in self
+            .peak_running_per_rank
+            .iter_mut()
+            .zip(&other.peak_running_per_rank)
+        {
+            *acc += v;
+        }
     }
 }
 
@@ -99,6 +125,9 @@ struct RankLoad {
     running: AtomicU64,
     waiting: AtomicU64,
     tokens: AtomicU64,
+    /// Instances holding a running slot now, and the most at once.
+    slots: AtomicU64,
+    peak: AtomicU64,
 }
 
 /// Live counters of one engine.
@@ -120,6 +149,10 @@ pub(crate) struct Stats {
     pub(crate) kv_waiting_decodes: AtomicU64,
     /// Mirror of `Faults::down`, read by guards dropped on a cut connection.
     pub(crate) engine_down: AtomicBool,
+    /// Instances holding a running slot now (all ranks), and the most at once.
+    slots: AtomicU64,
+    peak: AtomicU64,
+    peak_held: AtomicU64,
 }
 
 /// Load of one DP rank for `/v1/loads` and `/get_load`.
@@ -149,6 +182,9 @@ impl Stats {
             abort_requests_received: AtomicU64::new(0),
             kv_waiting_decodes: AtomicU64::new(0),
             engine_down: AtomicBool::new(false),
+            slots: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+            peak_held: AtomicU64::new(0),
         })
     }
 
@@ -175,6 +211,13 @@ impl Stats {
             abort_requests_received: self.abort_requests_received.load(Ordering::Relaxed),
             violation_bootstrap_mismatch: bootstrap_mismatch,
             kv_waiting_decodes: self.kv_waiting_decodes.load(Ordering::Relaxed),
+            peak_running: self.peak.load(Ordering::Relaxed),
+            peak_held: self.peak_held.load(Ordering::Relaxed),
+            peak_running_per_rank: self
+                .loads
+                .iter()
+                .map(|l| l.peak.load(Ordering::Relaxed))
+                .collect(),
         }
     }
 
@@ -206,13 +249,15 @@ impl Stats {
     /// Starts tracking one request instance.
     pub(crate) fn begin(self: &Arc<Self>) -> InstanceGuard {
         self.requests_total.fetch_add(1, Ordering::Relaxed);
-        self.held_now.fetch_add(1, Ordering::Relaxed);
+        let held = self.held_now.fetch_add(1, Ordering::AcqRel) + 1;
+        self.peak_held.fetch_max(held, Ordering::AcqRel);
         InstanceGuard {
             stats: Arc::clone(self),
             outcome: None,
             rank: None,
             phase: Phase::None,
             tokens: 0,
+            slot: None,
         }
     }
 
@@ -242,9 +287,26 @@ pub(crate) struct InstanceGuard {
     rank: Option<usize>,
     phase: Phase,
     tokens: u64,
+    /// The running slot the instance holds (decode), and whether it counts in `slots`.
+    slot: Option<Option<tokio::sync::OwnedSemaphorePermit>>,
 }
 
 impl InstanceGuard {
+    /// The instance holds a running slot (`permit` when the engine caps its ranks) until
+    /// it ends; counted in the peaks. Needs the rank set first.
+    pub(crate) fn hold_slot(&mut self, permit: Option<tokio::sync::OwnedSemaphorePermit>) {
+        if self.slot.is_some() {
+            return;
+        }
+        let now = self.stats.slots.fetch_add(1, Ordering::AcqRel) + 1;
+        self.stats.peak.fetch_max(now, Ordering::AcqRel);
+        if let Some(l) = self.load() {
+            let now = l.slots.fetch_add(1, Ordering::AcqRel) + 1;
+            l.peak.fetch_max(now, Ordering::AcqRel);
+        }
+        self.slot = Some(permit);
+    }
+
     /// Records the DP rank that handles the instance (once).
     pub(crate) fn set_rank(&mut self, rank: u32) {
         if self.rank.is_some() {
@@ -310,6 +372,12 @@ impl InstanceGuard {
 
 impl Drop for InstanceGuard {
     fn drop(&mut self) {
+        if self.slot.take().is_some() {
+            self.stats.slots.fetch_sub(1, Ordering::AcqRel);
+            if let Some(l) = self.load() {
+                l.slots.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
         self.leave_phase();
         if let Some(l) = self.load() {
             l.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
@@ -350,5 +418,9 @@ impl Tracker {
 
     pub(crate) fn finish(&self, outcome: Outcome) {
         self.with(|g| g.finish(outcome));
+    }
+
+    pub(crate) fn hold_slot(&self, permit: Option<tokio::sync::OwnedSemaphorePermit>) {
+        self.with(|g| g.hold_slot(permit));
     }
 }

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+mod capacity;
 mod ops;
 mod progress;
 
@@ -26,6 +27,7 @@ pub fn live(cfg: Config) -> LiveConfig {
     std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(cfg))
 }
 
+pub use capacity::CapacityConfig;
 pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, ReloadConfig};
 pub use progress::ProgressConfig;
 
@@ -59,6 +61,7 @@ pub struct Config {
     pub health: HealthConfig,
     pub breaker: BreakerConfig,
     pub admission: AdmissionConfig,
+    pub capacity: CapacityConfig,
     pub bootstrap: BootstrapConfig,
     pub upstream: UpstreamConfig,
     pub log: LogConfig,
@@ -705,6 +708,7 @@ impl Config {
             return Err(invalid("log.level must not be empty".to_string()));
         }
         progress::validate(&self.progress)?;
+        self.capacity.validate()?;
         ops::validate(self)
     }
 }

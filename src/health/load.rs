@@ -1,6 +1,7 @@
 //! The engine load poller: one task per worker that reads the engine's own load and
 //! stores running + waiting requests per DP rank into the worker's `engine_load` atomics,
-//! which load-aware policies add to pdgate's in-flight count (see `policy::load`).
+//! which load-aware policies add to pdgate's in-flight count (see `policy::load`). For a
+//! decode, the same body also feeds its capacity state (`super::capacity`).
 //!
 //! Why: pdgate's in-flight counters only see this replica's requests; the engine sees
 //! every replica's, plus its queues. SGLang reported load in three generations (spec
@@ -148,7 +149,8 @@ pub fn per_rank(report: &Report, dp: usize) -> Vec<u64> {
 
 /// What one endpoint said.
 enum Answer {
-    Usable(Report),
+    /// The report and the body it came from (the capacity figures are read from it too).
+    Usable(Report, bytes::Bytes),
     /// Connection failed or timed out: says nothing about the generation.
     Unreachable,
     /// Answered, but not with a load report (404, error body, unknown shape).
@@ -158,7 +160,7 @@ enum Answer {
 async fn ask(up: &Upstream, url: &BaseUrl, g: Generation, timeout: Duration) -> Answer {
     match up.get(url, g.path(), timeout).await {
         Ok((status, body)) if status.is_success() => match parse(&body) {
-            Some(r) => Answer::Usable(r),
+            Some(r) => Answer::Usable(r, body),
             None => Answer::NotThisOne,
         },
         Ok(_) => Answer::NotThisOne,
@@ -174,10 +176,20 @@ pub async fn poll_once(
     gen: &mut Generation,
     timeout: Duration,
 ) -> Option<Report> {
+    poll_once_body(up, url, gen, timeout).await.map(|(r, _)| r)
+}
+
+/// [`poll_once`], also returning the body the report came from.
+pub async fn poll_once_body(
+    up: &Upstream,
+    url: &BaseUrl,
+    gen: &mut Generation,
+    timeout: Duration,
+) -> Option<(Report, bytes::Bytes)> {
     let known = *gen;
     if known != Generation::Unknown {
         match ask(up, url, known, timeout).await {
-            Answer::Usable(r) => return Some(r),
+            Answer::Usable(r, b) => return Some((r, b)),
             Answer::Unreachable => return None,
             Answer::NotThisOne => {}
         }
@@ -186,10 +198,10 @@ pub async fn poll_once(
         if g == known {
             continue;
         }
-        if let Answer::Usable(r) = ask(up, url, g, timeout).await {
+        if let Answer::Usable(r, b) = ask(up, url, g, timeout).await {
             tracing::debug!(worker = %url, endpoint = g.path(), "engine load endpoint");
             *gen = g;
-            return Some(r);
+            return Some((r, b));
         }
     }
     *gen = Generation::Unknown;
@@ -229,12 +241,16 @@ pub fn spawn(
         loop {
             tick.tick().await;
             let healthy = pool.load().worker(role, id).is_some_and(|w| w.healthy);
-            let report = if healthy {
-                poll_once(&up, &url, &mut gen, timeout).await
+            let answer = if healthy {
+                poll_once_body(&up, &url, &mut gen, timeout).await
             } else {
                 None
             };
-            store(&pool, role, id, report.as_ref());
+            store(&pool, role, id, answer.as_ref().map(|(r, _)| r));
+            if role == Role::Decode {
+                let figures = answer.as_ref().map(|(_, b)| super::capacity::parse(b));
+                super::capacity::store(&pool, role, id, figures.as_deref());
+            }
         }
     });
 }

@@ -18,6 +18,7 @@
 //! - Health probes on PD engines use a fake bootstrap (spec R10), so for prefills this is
 //!   combined with the bootstrap tracker's readiness in the pool.
 
+pub mod capacity;
 pub mod load;
 
 use std::sync::Arc;
@@ -138,6 +139,7 @@ pub fn spawn(
                 if let Ok(info) = client::server_info(&up, &url, bcfg.http_timeout()).await {
                     have_info = true;
                     let verdict = admit_info(role, &info);
+                    let caps = info.max_running_per_dp.clone();
                     pool.update_worker(role, id, |w| {
                         match &verdict {
                             Err(why) => {
@@ -157,6 +159,9 @@ pub fn spawn(
                         }
                         w.info = Some(info);
                     });
+                    if role == Role::Decode {
+                        capacity::seed(&pool, role, id, &caps);
+                    }
                     pool.warn_mismatches();
                 }
             }

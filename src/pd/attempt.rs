@@ -1,7 +1,9 @@
 //! One attempt, stage by stage (see ARCHITECTURE.md, "A request's life"):
 //!
 //! 1. [`Dispatcher::choose_pair`]: a prefill (worker, rank) and a decode (worker, rank) from
-//!    one pool snapshot, holding the half-open trials of the workers picked;
+//!    one pool snapshot, holding the half-open trials of the workers picked, and a slot
+//!    reserved on the decode rank (at capacity, the request waits in the admission queue
+//!    first: [`super::capacity`]);
 //! 2. [`Dispatcher::preflight`]: a stale view of the prefill rank is re-checked;
 //! 3. [`Dispatcher::send_legs`]: rooms under the contract, both legs written and sent
 //!    together;
@@ -30,9 +32,10 @@ use crate::bootstrap::{preflight, Layout};
 use crate::config::ContractMode;
 use crate::error::{FailReason, Failure};
 use crate::policy::{self, PickCtx};
+use crate::pool::capacity::Need;
 use crate::pool::{
-    BootstrapInfo, LoadGuard, PreflightOutcome, RankFailure, RankReadiness, Snapshot, TrialGuard,
-    WorkerView,
+    BootstrapInfo, LoadGuard, PreflightOutcome, RankFailure, RankReadiness, Reservation, Snapshot,
+    TrialGuard, WorkerView,
 };
 use crate::types::{Pair, Role, WorkerId};
 use crate::upstream::{LegBody, LegError, LegRequest};
@@ -126,15 +129,52 @@ impl Dispatcher {
         exclude_d: &[WorkerId],
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
-        let snap = self.pool.load_full();
-        let chosen = self.choose_pair(&snap, req, exclude_p, exclude_d)?;
+        let need = self.capacity_need(req);
+        let mut queued = None;
+        let mut snap;
+        let (chosen, slot) = loop {
+            // Waiting: listen for a freed slot before looking, so no release is missed.
+            let mut wake = queued
+                .as_ref()
+                .map(|q: &super::capacity::Queue<'_>| q.wake());
+            if let Some(w) = wake.as_mut() {
+                w.as_mut().enable();
+            }
+            snap = self.pool.load_full();
+            let full = match self.choose_pair(&snap, req, exclude_p, exclude_d, Some(need)) {
+                Ok(c) => match Reservation::try_take(
+                    &c.decode.capacity,
+                    c.pair.decode.rank,
+                    &need,
+                    self.pool.capacity_signal(),
+                ) {
+                    Some(r) => break (c, Some(r)),
+                    None if c.pair.decode.rank as usize >= c.decode.capacity.len() => {
+                        break (c, None)
+                    }
+                    None => super::capacity::full_failure(),
+                },
+                Err(af) if super::capacity::is_full(&af) => af,
+                Err(af) => return Err(af),
+            };
+            // At capacity: join the admission queue once (then look again, listening), or
+            // wait for a wake-up under the queue's deadline.
+            if queued.is_none() {
+                drop(wake);
+                queued = Some(super::capacity::Queue::join(self, ctx, full)?);
+                continue;
+            }
+            if let (Some(q), Some(w)) = (&queued, wake) {
+                q.wait(w).await.map_err(AttemptFailure::unblamed)?;
+            }
+        };
         *trace = LegTrace {
             prefill: Some((chosen.prefill.url.clone(), chosen.pair.prefill.rank)),
             decode: Some((chosen.decode.url.clone(), chosen.pair.decode.rank)),
             room: None,
         };
         self.preflight(&chosen).await?;
-        let legs = self.send_legs(req, ctx, attempt_no, &chosen);
+        let legs = self.send_legs(req, ctx, attempt_no, &chosen, slot);
         trace.room = legs.room;
         super::first_byte::wait_first_bytes(self, req, legs).await
     }
@@ -146,6 +186,7 @@ impl Dispatcher {
         req: &ParsedRequest,
         exclude_p: &[WorkerId],
         exclude_d: &[WorkerId],
+        need: Option<Need>,
     ) -> Result<ChosenPair<'s>, AttemptFailure> {
         let prefix_hash = if self.prefill_policy.wants_prefix() || self.decode_policy.wants_prefix()
         {
@@ -157,10 +198,12 @@ impl Dispatcher {
             let pctx = PickCtx {
                 exclude: exclude_p,
                 prefix_hash,
+                need: None,
             };
             let dctx = PickCtx {
                 exclude: exclude_d,
                 prefix_hash,
+                need,
             };
             let policy = self.prefill_policy.as_ref();
             let p = policy::select(policy, snap, Role::Prefill, &pctx, rng);
@@ -173,6 +216,9 @@ impl Dispatcher {
             return Err(AttemptFailure::unblamed(Failure::new(reason, msg)));
         };
         let Some(decode_pick) = decode_pick else {
+            if need.is_some() && super::capacity::any_routable(snap, exclude_d) {
+                return Err(super::capacity::full_failure());
+            }
             let msg = if snap.decodes.is_empty() {
                 "no decode workers are configured"
             } else {
@@ -255,6 +301,7 @@ impl Dispatcher {
         ctx: &ReqCtx,
         attempt_no: u32,
         c: &ChosenPair<'_>,
+        slot: Option<Reservation>,
     ) -> LegsInFlight<impl Future<Output = DecodeHead> + Send + 'static> {
         let (pt, dt) = (c.pair.prefill, c.pair.decode);
         let mut rooms = Vec::new();
@@ -323,7 +370,7 @@ impl Dispatcher {
             prefill,
             decode: async move { up.send_leg(&conns, &decode_req).await },
             decode_cancel: LegCancel::new(&self.up, &c.decode.url, rid_d),
-            decode_load: LoadGuard::new(c.decode, dt.rank),
+            decode_load: LoadGuard::new(c.decode, dt.rank).with_reservation(slot),
             stall: super::stall::StallWatch::new(
                 &self.cfg.progress,
                 c.pair,

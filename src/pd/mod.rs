@@ -14,6 +14,7 @@
 //! 5. The request path takes no lock: it reads one pool snapshot per attempt.
 
 mod attempt;
+mod capacity;
 mod first_byte;
 pub mod flight;
 pub mod legs;
@@ -110,6 +111,9 @@ pub struct ReqCtx {
     /// Held by the response body (or a prefill leg left running after it); an error
     /// answered before the first byte releases it when the dispatch returns.
     pub slot: Option<AdmissionSlot>,
+    /// The admission queue a request at decode capacity waits in (`None`: it is
+    /// answered 429 at once).
+    pub queue: Option<Arc<crate::admission::Admission>>,
 }
 
 /// Everything the request path needs. Immutable: a config reload builds a new one with

@@ -113,11 +113,14 @@ impl Dispatcher {
             request_id: request_id.clone(),
             forward: Vec::new(),
             slot: None,
+            // A probe is one 1-token request per stalled worker: it takes no decode slot
+            // and never waits in the admission queue.
+            queue: None,
         };
         let snap = self.pool.load_full();
         let chosen = self.choose_probe_pair(&snap, role, worker)?;
         self.preflight(&chosen).await.map_err(|af| af.failure)?;
-        let legs = self.send_legs(&req, &ctx, 0, &chosen);
+        let legs = self.send_legs(&req, &ctx, 0, &chosen, None);
         let ready = super::first_byte::wait_first_bytes(self, &req, legs)
             .await
             .map_err(|af| af.failure)?;
@@ -170,6 +173,7 @@ impl Dispatcher {
         let ctx = PickCtx {
             exclude: &[],
             prefix_hash: None,
+            need: None,
         };
         let partner = self
             .rng

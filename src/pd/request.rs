@@ -611,6 +611,8 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
     Ok(req)
 }
 
+mod size;
+
 #[cfg(test)]
 mod tests;
 

@@ -265,6 +265,7 @@ mod tests {
         let ctx = PickCtx {
             exclude: &[],
             prefix_hash: Some(key),
+            need: None,
         };
         p.pick(c, &ctx, &mut rng)
     }

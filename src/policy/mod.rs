@@ -4,6 +4,12 @@
 //! deterministic under a seeded generator. Kinds: `random`, `round_robin`, `power_of_two`
 //! (load-aware) and `cache_aware` (prefix affinity with bounded loads); see POLICIES.md.
 //!
+//! Decode capacity (`pool::capacity`): with `PickCtx::need` set, a worker is a candidate
+//! only while one of its routable ranks has room for the request, and the rank is picked
+//! among those, by outstanding work: the KV tokens in flight where the engine reports
+//! them (its last poll corrected by this replica's reservations since), then requests in
+//! flight, then the engine's reported load. Without token figures the order is as before.
+//!
 //! Invariant: [`select`] only ever returns a (worker, rank) listed routable in the snapshot,
 //! never a worker in `ctx.exclude` (workers that already failed this request), and never a
 //! worker whose circuit is half-open with its one trial already taken. A pick of a
@@ -18,6 +24,7 @@ mod round_robin;
 use rand::{Rng, RngCore};
 
 use crate::config::{PolicyConfig, PolicyKind};
+use crate::pool::capacity::Need;
 use crate::pool::{BreakerState, Routable, Snapshot, TrialGuard, WorkerView};
 use crate::types::{DpRank, Role, Target, WorkerId};
 
@@ -33,6 +40,9 @@ pub struct PickCtx<'a> {
     pub exclude: &'a [WorkerId],
     /// Hash of the prompt's prefix (see `pd::request::ParsedRequest::prefix_hash`).
     pub prefix_hash: Option<u64>,
+    /// What the request needs of a decode rank (decode picks only; `None`: capacity is
+    /// not checked).
+    pub need: Option<Need>,
 }
 
 /// One eligible worker as a policy sees it.
@@ -120,6 +130,11 @@ pub fn select(
         .filter(|c| {
             !(c.worker.breaker.state() == BreakerState::HalfOpen && c.worker.breaker.trial_taken())
         })
+        .filter(|c| {
+            c.ranks
+                .iter()
+                .any(|k| has_room(c.worker, *k, ctx.need.as_ref()))
+        })
         .collect();
     while !cands.is_empty() {
         let i = policy.pick(&cands, ctx, rng).min(cands.len() - 1);
@@ -136,19 +151,51 @@ pub fn select(
         }
         let target = Target {
             worker: c.worker.id,
-            rank: least_loaded_rank(c, rng),
+            rank: rank_for(c, ctx.need.as_ref(), rng),
         };
         return Some(Pick { target, trial });
     }
     None
 }
 
+/// Whether `rank` of `w` has room for `need` (always, without a need).
+fn has_room(w: &WorkerView, rank: DpRank, need: Option<&Need>) -> bool {
+    match (need, w.capacity(rank)) {
+        (Some(n), Some(c)) => c.has_room(n),
+        _ => true,
+    }
+}
+
 /// The routable rank with the fewest requests in flight (then engine load), random among ties.
 pub fn least_loaded_rank(c: &Candidate<'_>, rng: &mut dyn RngCore) -> DpRank {
-    let load = |k: DpRank| (c.worker.in_flight(k), c.worker.engine_load(k));
-    let best = c.ranks.iter().map(|k| load(*k)).min().unwrap_or((0, 0));
+    rank_for(c, None, rng)
+}
+
+/// Among the routable ranks with room for `need`, the one with the least outstanding work:
+/// KV tokens in flight (0 where the engine reports none), then requests in flight, then
+/// the engine's load; random among ties.
+pub fn rank_for(c: &Candidate<'_>, need: Option<&Need>, rng: &mut dyn RngCore) -> DpRank {
+    let w = c.worker;
+    let load = |k: DpRank| {
+        let tokens = w.capacity(k).and_then(|r| r.tokens()).unwrap_or(0);
+        (tokens, w.in_flight(k), w.engine_load(k))
+    };
+    let open = |k: &DpRank| has_room(w, *k, need);
+    let best = c
+        .ranks
+        .iter()
+        .copied()
+        .filter(|k| open(k))
+        .map(load)
+        .min()
+        .unwrap_or((0, 0, 0));
     // Two passes over the (few) ranks instead of collecting the ties.
-    let ties = || c.ranks.iter().copied().filter(|k| load(*k) == best);
+    let ties = || {
+        c.ranks
+            .iter()
+            .copied()
+            .filter(|k| open(k) && load(*k) == best)
+    };
     match ties().count() {
         0 => c.ranks.first().copied().unwrap_or(0),
         1 => ties().next().unwrap_or(0),
@@ -193,7 +240,7 @@ mod tests {
                 .collect();
             let exclude = [WorkerId(excl)];
             let prefix_hash = (seed % 3 != 0).then_some(seed);
-            let ctx = PickCtx { exclude: &exclude, prefix_hash };
+            let ctx = PickCtx { exclude: &exclude, prefix_hash, need: None };
             for kind in ALL_KINDS {
                 let p = build(kind);
                 prop_assert_eq!(p.wants_prefix(), kind == PolicyKind::CacheAware);
@@ -231,6 +278,7 @@ mod tests {
             let ctx = PickCtx {
                 exclude: &[],
                 prefix_hash: Some(7),
+                need: None,
             };
             assert!(select(p.as_ref(), &snap, Role::Decode, &ctx, &mut rng).is_some());
         }
@@ -263,3 +311,6 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod capacity_tests;

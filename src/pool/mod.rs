@@ -25,10 +25,12 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use tokio_util::sync::CancellationToken;
 
 pub mod breaker;
+pub mod capacity;
 pub mod mismatch;
 mod series;
 
 pub use breaker::{Breaker, BreakerState, TrialGuard};
+pub use capacity::{CapacitySignal, RankCapacity, Reservation};
 use tokio::sync::watch;
 
 use crate::engine::{Layout, ServerInfo};
@@ -228,6 +230,9 @@ pub struct WorkerState {
     /// Engine-reported load per DP rank (requests running + waiting, from `/v1/loads`
     /// or `/get_load`); all 0 while not polled. Written by the load poller in place.
     pub engine_load: Arc<[AtomicU64]>,
+    /// Capacity per DP rank (decode): the engine's figures, written in place by the load
+    /// poller and the health checker, and this replica's reservations (`capacity`).
+    pub capacity: Arc<[RankCapacity]>,
     /// Prefill only.
     pub bootstrap: Option<BootstrapInfo>,
     pub layout: Option<Layout>,
@@ -281,6 +286,7 @@ pub struct WorkerView {
     pub dp_size: Option<u32>,
     pub loads: Arc<[AtomicU64]>,
     pub engine_load: Arc<[AtomicU64]>,
+    pub capacity: Arc<[RankCapacity]>,
     pub bootstrap: Option<BootstrapInfo>,
     pub layout: Option<Layout>,
     pub ranks: Vec<RankReadiness>,
@@ -323,6 +329,11 @@ impl WorkerView {
         self.engine_load
             .get(rank as usize)
             .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    /// The capacity state of `rank`.
+    pub fn capacity(&self, rank: DpRank) -> Option<&RankCapacity> {
+        self.capacity.get(rank as usize)
     }
 }
 
@@ -382,11 +393,13 @@ impl Snapshot {
     }
 }
 
-/// Holds one in-flight unit on a (worker, rank) until dropped.
+/// Holds one in-flight unit on a (worker, rank) until dropped, and with it the decode
+/// slot reserved for the request, if any (see [`capacity`]).
 #[derive(Debug)]
 pub struct LoadGuard {
     loads: Arc<[AtomicU64]>,
     rank: usize,
+    reservation: Option<Reservation>,
 }
 
 impl LoadGuard {
@@ -398,7 +411,14 @@ impl LoadGuard {
         LoadGuard {
             loads: view.loads.clone(),
             rank,
+            reservation: None,
         }
+    }
+
+    /// The guard, also holding a decode slot until it drops.
+    pub fn with_reservation(mut self, r: Option<Reservation>) -> LoadGuard {
+        self.reservation = r;
+        self
     }
 }
 
@@ -414,6 +434,7 @@ impl Drop for LoadGuard {
 pub struct Pool {
     snap: ArcSwap<Snapshot>,
     master: Mutex<Master>,
+    capacity: Arc<CapacitySignal>,
 }
 
 #[derive(Default)]
@@ -432,7 +453,13 @@ impl Pool {
         Pool {
             snap: ArcSwap::from_pointee(Snapshot::default()),
             master: Mutex::new(Master::default()),
+            capacity: Arc::new(CapacitySignal::default()),
         }
+    }
+
+    /// Wakes requests waiting for a decode slot (see [`capacity`]).
+    pub fn capacity_signal(&self) -> &Arc<CapacitySignal> {
+        &self.capacity
     }
 
     /// The current snapshot (lock-free).
@@ -557,6 +584,7 @@ impl Pool {
                 if w.loads.len() != dp as usize {
                     w.loads = new_loads(dp);
                     w.engine_load = new_loads(dp);
+                    w.capacity = capacity::new_ranks(dp);
                     w.probes = Arc::new(RankProbes::new(dp));
                     w.progress = Arc::new(WorkerProgress::new(dp));
                 }
@@ -587,6 +615,8 @@ impl Pool {
         f(&mut m);
         let version = self.snap.load().version + 1;
         self.snap.store(Arc::new(build(&m.workers, version)));
+        // A worker may have joined or come back: requests waiting for a slot look again.
+        self.capacity.wake();
     }
 }
 
@@ -616,6 +646,7 @@ impl Master {
             dp_size: None,
             loads: new_loads(1),
             engine_load: new_loads(1),
+            capacity: capacity::new_ranks(1),
             bootstrap,
             layout: None,
             ranks: Vec::new(),
@@ -661,6 +692,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             dp_size: w.dp_size,
             loads: w.loads.clone(),
             engine_load: w.engine_load.clone(),
+            capacity: w.capacity.clone(),
             bootstrap: w.bootstrap.clone(),
             layout: w.layout.clone(),
             ranks: w.ranks.clone(),

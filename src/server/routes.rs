@@ -51,7 +51,7 @@ pub struct App {
     /// Swapped whole by a config reload; each request loads it once.
     pub dispatcher: ArcSwap<Dispatcher>,
     pub draining: AtomicBool,
-    admission: Admission,
+    admission: Arc<Admission>,
     /// Client API keys (reloaded in place by whoever holds the `Arc`).
     keys: std::sync::Arc<ClientKeys>,
 }
@@ -164,7 +164,7 @@ fn json_response(
 impl App {
     pub fn new(dispatcher: Dispatcher, keys: std::sync::Arc<ClientKeys>) -> App {
         App {
-            admission: Admission::new(&dispatcher.cfg.admission),
+            admission: Arc::new(Admission::new(&dispatcher.cfg.admission)),
             dispatcher: ArcSwap::from_pointee(dispatcher),
             draining: AtomicBool::new(false),
             keys,
@@ -358,6 +358,7 @@ impl App {
             request_id: rid_header,
             forward,
             slot,
+            queue: Some(self.admission.clone()),
         };
         d.dispatch(parsed, ctx, rec).await
     }

@@ -190,7 +190,7 @@ pub static SERIES: &[Series] = &[
     s(ADMISSION_QUEUE, G, Unit::Count, &[],
         "PD requests waiting for an admission slot (admission.max_in_flight reached)."),
     s(ADMISSION_REJECTED, C, Unit::Count, &["reason"],
-        "PD requests shed by admission: queue_full (429) or queue_timeout (503)."),
+        "PD requests shed by admission: queue_full (429) or queue_timeout (503) waiting for the in-flight cap; capacity_queue_full, capacity_timeout waiting for a decode slot."),
     s(OPEN_CONNECTIONS, G, Unit::Count, &[],
         "Client connections open on the front door."),
     s(CONNECTIONS_REJECTED, C, Unit::Count, &[],

@@ -9,6 +9,7 @@ mod admin;
 mod api_keys;
 mod bootstrap_tracking;
 mod breaker_trials;
+mod capacity;
 mod chaos;
 mod check;
 mod check_discovery;

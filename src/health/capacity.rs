@@ -1,0 +1,153 @@
+//! The capacity half of the engine load poll: from the same `/v1/loads` (or `/get_load`)
+//! body the load poller reads, each decode DP rank's running window (running + waiting),
+//! its capacity (`max_running_requests` per entry) and its KV figures (`num_used_tokens`,
+//! `num_total_tokens`, `max_total_num_tokens`), stored in place into the worker's
+//! [`crate::pool::RankCapacity`] atomics; and the capacity `/server_info` reports
+//! (`internal_states[i].effective_max_running_requests_per_dp`), read once at start.
+//!
+//! Why here: the poller owns the engine's figures (one writer per worker, off the request
+//! path); `policy` reads them and the request path reserves against them
+//! (`pool::capacity`).
+//!
+//! Invariants: parsing never panics (unknown shapes and bad numbers are ignored); a poll
+//! that failed, or a worker that is unhealthy, stores "nothing reported" (the running
+//! window falls back to pdgate's own reservations; a learned capacity is kept); every
+//! store wakes the requests waiting for a slot, since the window may have opened.
+//! The top-level `max_running_requests` of `/server_info` is the engine-wide flag (often
+//! null) and is not used.
+
+use serde_json::Value;
+
+use crate::pool::capacity::Reported;
+use crate::pool::Pool;
+use crate::types::{Role, WorkerId};
+
+fn count(v: Option<&Value>) -> Option<u64> {
+    let v = v?;
+    v.as_u64().or_else(|| {
+        v.as_f64()
+            .filter(|f| f.is_finite() && *f >= 0.0)
+            .map(|f| f.round() as u64)
+    })
+}
+
+fn entry(e: &Value) -> Reported {
+    let waiting = count(e.get("num_waiting_reqs"));
+    let busy = match count(e.get("num_running_reqs")) {
+        Some(r) => Some(r.saturating_add(waiting.unwrap_or(0))),
+        // Mid generation: num_reqs is running + waiting already.
+        None => count(e.get("num_reqs")),
+    };
+    // Outstanding KV: used + pending where reported (newest), else used, else the mid
+    // generation's num_tokens.
+    let tokens = count(e.get("num_total_tokens"))
+        .or_else(|| count(e.get("num_used_tokens")))
+        .or_else(|| count(e.get("num_tokens")));
+    Reported {
+        busy,
+        max_running: count(e.get("max_running_requests")).filter(|c| *c > 0),
+        tokens,
+        max_tokens: count(e.get("max_total_num_tokens")).filter(|c| *c > 0),
+    }
+}
+
+/// Per-rank figures of a load body (`{"loads": [...]}`, a bare list, or one entry); empty
+/// when the body has none (e.g. the old `{"load": n}`).
+pub fn parse(body: &[u8]) -> Vec<(usize, Reported)> {
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return Vec::new();
+    };
+    let list = match &v {
+        Value::Array(a) => a.as_slice(),
+        Value::Object(o) => match o.get("loads") {
+            Some(Value::Array(a)) => a.as_slice(),
+            _ if o.contains_key("num_running_reqs") || o.contains_key("num_reqs") => {
+                std::slice::from_ref(&v)
+            }
+            _ => return Vec::new(),
+        },
+        _ => return Vec::new(),
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let rank = count(e.get("dp_rank"))
+                .and_then(|r| usize::try_from(r).ok())
+                .unwrap_or(i);
+            (rank, entry(e))
+        })
+        .collect()
+}
+
+/// Stores one poll's figures (`None`: the poll failed) into the worker's ranks.
+pub fn store(pool: &Pool, role: Role, id: WorkerId, figures: Option<&[(usize, Reported)]>) {
+    let snap = pool.load();
+    let Some(view) = snap.worker(role, id) else {
+        return;
+    };
+    for (r, cap) in view.capacity.iter().enumerate() {
+        let rep = figures
+            .and_then(|f| f.iter().find(|(k, _)| *k == r))
+            .map(|(_, rep)| *rep)
+            .unwrap_or_default();
+        cap.observe(&rep);
+    }
+    pool.capacity_signal().wake();
+}
+
+/// Seeds each rank's capacity from `/server_info`'s `internal_states`.
+pub fn seed(pool: &Pool, role: Role, id: WorkerId, per_dp: &[Option<u64>]) {
+    let snap = pool.load();
+    let Some(view) = snap.worker(role, id) else {
+        return;
+    };
+    for (cap, c) in view.capacity.iter().zip(per_dp) {
+        if let Some(c) = c {
+            cap.set_engine_cap(*c);
+        }
+    }
+    pool.capacity_signal().wake();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_every_generation_s_capacity_figures() {
+        let r = |busy, max_running, tokens, max_tokens| Reported {
+            busy,
+            max_running,
+            tokens,
+            max_tokens,
+        };
+        let table: &[(&str, Vec<(usize, Reported)>)] = &[
+            (
+                r#"{"loads": [{"dp_rank": 1, "num_running_reqs": 3, "num_waiting_reqs": 2, "num_used_tokens": 90, "num_total_tokens": 100, "max_total_num_tokens": 1000, "max_running_requests": 8},
+                              {"dp_rank": 0, "num_running_reqs": 0, "max_running_requests": null}]}"#,
+                vec![
+                    (1, r(Some(5), Some(8), Some(100), Some(1000))),
+                    (0, r(Some(0), None, None, None)),
+                ],
+            ),
+            (
+                r#"[{"num_reqs": 4, "num_tokens": 7}]"#,
+                vec![(0, r(Some(4), None, Some(7), None))],
+            ),
+            (
+                r#"{"dp_rank": 2, "num_running_reqs": 1.0, "max_running_requests": 0}"#,
+                vec![(2, r(Some(1), None, None, None))],
+            ),
+            (r#"{"load": 9}"#, vec![]),
+            (r#"{"loads": "x"}"#, vec![]),
+            ("<html>", vec![]),
+            (
+                r#"[{"num_running_reqs": -3, "max_running_requests": "4"}]"#,
+                vec![(0, r(None, None, None, None))],
+            ),
+        ];
+        for (body, want) in table {
+            assert_eq!(&parse(body.as_bytes()), want, "{body}");
+        }
+    }
+}

@@ -1,0 +1,341 @@
+//! Decode capacity per (worker, DP rank): how many requests the engine runs at once, how
+//! many it runs now as far as this replica can tell, and the reservations that keep
+//! pdgate from sending more. Engine state, like load: it lives beside the snapshot (atomics
+//! shared by every snapshot the worker appears in), the load poller and the health
+//! checker write what the engine reports, `policy` reads it, and the request path takes a
+//! [`Reservation`] before either leg is sent.
+//!
+//! What a rank holds, as this replica estimates it (its *occupancy*):
+//!
+//! ```text
+//! occupancy = max(engine_busy + new_live − released_old, own_live)
+//! ```
+//!
+//! - `engine_busy`: running + waiting requests the engine reported at the last poll
+//!   (every replica's requests, one poll old);
+//! - `new_live`: this replica's reservations taken since that poll and still held (the
+//!   engine's figure cannot contain them yet);
+//! - `released_old`: reservations taken before that poll and released since (the
+//!   engine's figure still counts them);
+//! - `own_live`: every reservation this replica holds (a floor: a failed poll or an
+//!   engine that reports nothing leaves pdgate's own count).
+//!
+//! A request takes one slot per prompt instance (a batch or `n > 1` runs each instance as
+//! a request of its own on the engine). A reservation is refused when it would take the
+//! occupancy past the capacity, unless the rank holds nothing. The check and the increment of
+//! `own_live`/`new_live` are one compare-and-swap on a packed word, so two requests of
+//! this replica never both take the last slot. Other replicas' reservations reach this
+//! replica only through the engine's figure: between two polls, each of `R` replicas
+//! may admit up to `capacity` requests the others cannot see, so the engine may hold up
+//! to `capacity + (R − 1) × (requests each replica admits per poll interval)` — bounded
+//! by `R × capacity` in the worst case, and close to `capacity` when polls are frequent
+//! against the admission rate. The engine queues any excess itself (as it would without
+//! pdgate). The same window, counted in KV tokens, bounds a request by the engine's KV
+//! room: `prompt + max_new_tokens` must fit into `max_total_num_tokens` minus what is in
+//! use (unless the rank holds nothing of this replica's, where waiting cannot help).
+//!
+//! Invariants: lock-free (atomics only); a [`Reservation`] gives back exactly what it took
+//! when dropped (the response body ended, or the attempt failed), whatever the epoch;
+//! waiters are woken through [`CapacitySignal`] only when some wait, so a release costs
+//! two atomics and a load when nobody waits.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+
+/// How a rank's capacity is decided (from `[capacity]`), per request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// Requests per decode DP rank set by config; 0 = none (use the engine's figure).
+    pub override_per_rank: u64,
+    /// Whether the engine's reported capacity counts.
+    pub learn_from_engine: bool,
+    /// Whether KV tokens bound admission too.
+    pub kv_bound: bool,
+}
+
+/// What one request needs of a decode rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Need {
+    pub limits: Limits,
+    /// Estimated KV tokens the request holds (prompt + max new tokens).
+    pub tokens: u64,
+    /// Running slots it takes: one per prompt instance (a batch or `n > 1` runs each
+    /// instance as its own request on the engine); 0 counts as 1.
+    pub slots: u64,
+}
+
+impl Need {
+    fn slots(&self) -> u64 {
+        self.slots.max(1)
+    }
+}
+
+/// Whether `slots` more fit under `cap` at `occupancy` (0 = no limit). A rank that holds
+/// nothing takes any request, even one larger than the capacity: waiting would not help.
+fn fits(cap: u64, occupancy: u64, slots: u64) -> bool {
+    cap == 0 || occupancy == 0 || occupancy.saturating_add(slots) <= cap
+}
+
+const LOW: u64 = 0xFFFF_FFFF;
+
+/// What the engine said about one rank at one poll (`None`: not reported).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reported {
+    /// Running + waiting requests.
+    pub busy: Option<u64>,
+    /// Requests the rank runs at once.
+    pub max_running: Option<u64>,
+    /// KV tokens in use (or used + pending, where reported).
+    pub tokens: Option<u64>,
+    /// The rank's KV capacity in tokens.
+    pub max_tokens: Option<u64>,
+}
+
+/// One decode DP rank's capacity state.
+#[derive(Debug, Default)]
+pub struct RankCapacity {
+    /// Capacity the engine reported (0 = unknown).
+    engine_cap: AtomicU64,
+    /// Running + waiting at the last poll.
+    engine_busy: AtomicU64,
+    /// KV tokens in use at the last poll, and the KV capacity (0 = not reported).
+    engine_tokens: AtomicU64,
+    engine_max_tokens: AtomicU64,
+    /// Bumped at every poll.
+    epoch: AtomicU64,
+    /// `own_live << 32 | new_live`.
+    reqs: AtomicU64,
+    released_old: AtomicU64,
+    own_tokens: AtomicU64,
+    new_tokens: AtomicU64,
+    released_old_tokens: AtomicU64,
+}
+
+impl RankCapacity {
+    /// The capacity that applies (0 = unlimited).
+    pub fn limit(&self, l: &Limits) -> u64 {
+        if l.override_per_rank > 0 {
+            l.override_per_rank
+        } else if l.learn_from_engine {
+            self.engine_cap.load(Ordering::Relaxed)
+        } else {
+            0
+        }
+    }
+
+    /// The engine-reported capacity (0 = unknown).
+    pub fn engine_cap(&self) -> u64 {
+        self.engine_cap.load(Ordering::Relaxed)
+    }
+
+    fn occupancy_of(&self, packed: u64) -> u64 {
+        let (own, new) = (packed >> 32, packed & LOW);
+        let busy = self.engine_busy.load(Ordering::Relaxed);
+        let old = self.released_old.load(Ordering::Relaxed);
+        busy.saturating_add(new).saturating_sub(old).max(own)
+    }
+
+    /// Requests the rank holds as this replica estimates it (see the module docs).
+    pub fn occupancy(&self) -> u64 {
+        self.occupancy_of(self.reqs.load(Ordering::Acquire))
+    }
+
+    /// This replica's reservations on the rank.
+    pub fn own(&self) -> u64 {
+        self.reqs.load(Ordering::Relaxed) >> 32
+    }
+
+    /// KV tokens the rank holds (engine's figure, corrected by this replica's
+    /// reservations since), when the engine reports tokens; else `None`.
+    pub fn tokens(&self) -> Option<u64> {
+        if self.engine_max_tokens.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let t = self.engine_tokens.load(Ordering::Relaxed);
+        let new = self.new_tokens.load(Ordering::Relaxed);
+        let old = self.released_old_tokens.load(Ordering::Relaxed);
+        let own = self.own_tokens.load(Ordering::Relaxed);
+        Some(t.saturating_add(new).saturating_sub(old).max(own))
+    }
+
+    fn kv_fits(&self, need: &Need, occupancy: u64) -> bool {
+        if !need.limits.kv_bound || occupancy == 0 {
+            return true;
+        }
+        let max = self.engine_max_tokens.load(Ordering::Relaxed);
+        match self.tokens() {
+            Some(used) if max > 0 => used.saturating_add(need.tokens) <= max,
+            _ => true,
+        }
+    }
+
+    /// Whether a request with `need` would be admitted now (no reservation taken).
+    pub fn has_room(&self, need: &Need) -> bool {
+        let occ = self.occupancy();
+        let cap = self.limit(&need.limits);
+        fits(cap, occ, need.slots()) && self.kv_fits(need, occ)
+    }
+
+    /// Stores one poll's figures and starts a new window (see the module docs). A figure
+    /// not reported leaves the capacity as it was and the load at 0.
+    pub fn observe(&self, r: &Reported) {
+        if let Some(cap) = r.max_running.filter(|c| *c > 0) {
+            self.engine_cap.store(cap, Ordering::Relaxed);
+        }
+        self.engine_max_tokens
+            .store(r.max_tokens.unwrap_or(0), Ordering::Relaxed);
+        self.engine_tokens
+            .store(r.tokens.unwrap_or(0), Ordering::Relaxed);
+        self.engine_busy
+            .store(r.busy.unwrap_or(0), Ordering::Relaxed);
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        let _ = self
+            .reqs
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p & !LOW));
+        self.released_old.store(0, Ordering::Relaxed);
+        self.new_tokens.store(0, Ordering::Relaxed);
+        self.released_old_tokens.store(0, Ordering::Relaxed);
+    }
+
+    /// Sets the capacity the engine reported outside a poll (`/server_info`).
+    pub fn set_engine_cap(&self, cap: u64) {
+        if cap > 0 {
+            self.engine_cap.store(cap, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Wakes requests waiting for a decode slot when one may have freed (a reservation
+/// released, a poll stored, a worker joined). Shared by the whole pool.
+#[derive(Debug, Default)]
+pub struct CapacitySignal {
+    notify: Notify,
+    waiters: AtomicUsize,
+}
+
+impl CapacitySignal {
+    /// Wakes every waiter, if any (the check keeps the common release lock-free).
+    pub fn wake(&self) {
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            self.notify.notify_waiters();
+        }
+    }
+
+    /// Counts the caller as a waiter until the returned guard drops.
+    pub fn waiter(self: &Arc<Self>) -> Waiter {
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        Waiter(self.clone())
+    }
+}
+
+/// A request waiting for a decode slot (see [`CapacitySignal::waiter`]).
+pub struct Waiter(Arc<CapacitySignal>);
+
+impl Waiter {
+    /// A wake-up future; `enable` it before re-checking capacity so no release is missed.
+    pub fn notified(&self) -> tokio::sync::futures::Notified<'_> {
+        self.0.notify.notified()
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One decode slot held on a (worker, rank) until dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    ranks: Arc<[RankCapacity]>,
+    rank: usize,
+    epoch: u64,
+    tokens: u64,
+    slots: u64,
+    signal: Arc<CapacitySignal>,
+}
+
+impl Reservation {
+    /// Takes a slot on `rank` if the rank has room for `need` (one CAS); `None` when it
+    /// is full. A rank outside the array (a DP change raced the pick) is not limited.
+    pub fn try_take(
+        ranks: &Arc<[RankCapacity]>,
+        rank: u32,
+        need: &Need,
+        signal: &Arc<CapacitySignal>,
+    ) -> Option<Reservation> {
+        let r = ranks.get(rank as usize)?;
+        let cap = r.limit(&need.limits);
+        let epoch = r.epoch.load(Ordering::Acquire);
+        let k = need.slots().min(LOW >> 1);
+        let mut cur = r.reqs.load(Ordering::Acquire);
+        loop {
+            let occ = r.occupancy_of(cur);
+            if !fits(cap, occ, k) || !r.kv_fits(need, occ) {
+                return None;
+            }
+            let next = cur.saturating_add((k << 32) + k);
+            match r
+                .reqs
+                .compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+        r.own_tokens.fetch_add(need.tokens, Ordering::Relaxed);
+        r.new_tokens.fetch_add(need.tokens, Ordering::Relaxed);
+        Some(Reservation {
+            ranks: ranks.clone(),
+            rank: rank as usize,
+            epoch,
+            tokens: need.tokens,
+            slots: k,
+            signal: signal.clone(),
+        })
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(r) = self.ranks.get(self.rank) {
+            let same_window = r.epoch.load(Ordering::Acquire) == self.epoch;
+            let _ = r
+                .reqs
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+                    let (own, new) = (p >> 32, p & LOW);
+                    let new = if same_window {
+                        new.saturating_sub(self.slots)
+                    } else {
+                        new
+                    };
+                    Some((own.saturating_sub(self.slots) << 32) | new)
+                });
+            sub(&r.own_tokens, self.tokens);
+            if same_window {
+                sub(&r.new_tokens, self.tokens);
+            } else {
+                r.released_old.fetch_add(self.slots, Ordering::Relaxed);
+                r.released_old_tokens
+                    .fetch_add(self.tokens, Ordering::Relaxed);
+            }
+        }
+        self.signal.wake();
+    }
+}
+
+fn sub(a: &AtomicU64, n: u64) {
+    let _ = a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_sub(n))
+    });
+}
+
+/// A fresh capacity array for `dp` ranks.
+pub fn new_ranks(dp: u32) -> Arc<[RankCapacity]> {
+    (0..dp.max(1)).map(|_| RankCapacity::default()).collect()
+}
+
+#[cfg(test)]
+mod tests;

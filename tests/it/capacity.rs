@@ -1,0 +1,280 @@
+//! Decode capacity end to end (issue 17, item 3): a decode's running window learned from
+//! the engine (or set by config) is never exceeded; requests beyond it wait in pdgate's
+//! admission queue (bounded, with its deadline) instead of in the engine while the
+//! prefill's bootstrap clock runs out; two replicas stay within the stated overshoot.
+//! The simulator enforces its own cap (`max_running_requests`), reports it, and counts
+//! the most requests it held at once (`peak_held`: queued or running).
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use http::StatusCode;
+use pdgate::config::Config;
+use pdgate::pd::RngSource;
+use pdgate::types::{Role, WorkerId};
+use pdgate_sim::{EngineConfig, SimCluster};
+
+use crate::support::common::{add_sim_workers, client, fast_config, fast_engine, start_as_is, Env};
+
+const CAP: u32 = 4;
+
+/// A decode that runs `CAP` requests per rank, 10 tokens 15 ms apart (about 0.2 s a
+/// request), behind a prefill whose bootstrap clock gives a decode 1 s to start pulling:
+/// forty requests queued in the engine would outlive it.
+fn engines() -> (Vec<EngineConfig>, Vec<EngineConfig>) {
+    let mut p = fast_engine(EngineConfig::prefill(1));
+    p.bootstrap_timeout = Duration::from_secs(1);
+    let mut d = fast_engine(EngineConfig::decode(1));
+    d.max_running_requests = Some(CAP);
+    d.itl = Duration::from_millis(15);
+    (vec![p], vec![d])
+}
+
+const BODY: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":10}}"#;
+
+fn tweak(cfg: &mut Config) {
+    cfg.policy.load_poll_interval_ms = 20;
+}
+
+/// Waits until the router learned the decode's capacity from the engine.
+async fn learned(pool: &pdgate::pool::Pool, want: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let cap = pool
+            .load()
+            .worker(Role::Decode, WorkerId(0))
+            .and_then(|w| w.capacity(0).map(|c| c.engine_cap()));
+        if cap == Some(want) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "capacity never learned: {cap:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends `n` requests at once to `url`; their statuses.
+async fn burst(url: &str, n: usize) -> Vec<StatusCode> {
+    let c = client();
+    let calls = (0..n).map(|_| {
+        let req = http::Request::post(format!("{url}/generate"))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                BODY.as_bytes(),
+            )))
+            .expect("request");
+        let c = c.clone();
+        async move {
+            let resp = tokio::time::timeout(Duration::from_secs(20), c.request(req))
+                .await
+                .expect("answered in time")
+                .expect("answered");
+            let status = resp.status();
+            let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+            status
+        }
+    });
+    join_all(calls).await
+}
+
+async fn env_with(tweak_more: impl FnOnce(&mut Config)) -> Env {
+    let (p, d) = engines();
+    let env = start_as_is(p, d, |c| {
+        tweak(c);
+        tweak_more(c);
+    })
+    .await;
+    env.wait_routable(1, 1).await;
+    env
+}
+
+#[tokio::test]
+async fn a_decode_at_capacity_never_runs_more_than_it_can() {
+    let env = env_with(|_| {}).await;
+    learned(&env.router.pool, u64::from(CAP)).await;
+    let statuses = burst(&env.router.url(), 40).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    let s = env.settled_stats().await;
+    let d = env.cluster.decodes[0].stats();
+    assert!(
+        d.peak_held <= u64::from(CAP),
+        "the decode held {} at once",
+        d.peak_held
+    );
+    assert!(d.peak_running <= u64::from(CAP));
+    assert_eq!(d.ok, 40, "every request ran on the decode once");
+    assert_eq!(s.failed, 0, "no leg failed (no bootstrap timeout): {s:?}");
+}
+
+#[tokio::test]
+async fn without_the_cap_the_engine_queues_what_it_cannot_run() {
+    // The same burst with capacity ignored: the decode holds more than it runs, which is
+    // what the test above proves pdgate prevents.
+    // Queued in the engine, the last requests outlive the prefill's 1 s bootstrap clock
+    // and fail, as with SGLang (#10110).
+    let env = env_with(|c| c.capacity.learn_from_engine = false).await;
+    let statuses = burst(&env.router.url(), 40).await;
+    env.settled_stats().await;
+    let d = env.cluster.decodes[0].stats();
+    assert!(d.peak_held > u64::from(CAP), "peak {}", d.peak_held);
+    assert!(
+        d.peak_running <= u64::from(CAP),
+        "the simulator enforces its cap"
+    );
+    let failed = statuses.iter().filter(|s| **s != StatusCode::OK).count();
+    assert!(
+        failed > 0,
+        "no request outlived the bootstrap clock: {statuses:?}"
+    );
+    eprintln!(
+        "without the cap: {failed} of 40 failed, the decode held {} at once",
+        d.peak_held
+    );
+}
+
+#[tokio::test]
+async fn a_config_override_wins_over_the_engine_figure() {
+    let env = env_with(|c| c.capacity.decode_max_running_per_rank = 2).await;
+    learned(&env.router.pool, u64::from(CAP)).await;
+    let statuses = burst(&env.router.url(), 16).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    env.settled_stats().await;
+    let d = env.cluster.decodes[0].stats();
+    assert!(
+        d.peak_held <= 2,
+        "the override (2) bounds the decode: {}",
+        d.peak_held
+    );
+}
+
+/// Holds the one decode slot with a long stream, then checks what a second request gets.
+async fn second_request_while_full(
+    max_queue: usize,
+    queue_timeout_ms: u64,
+) -> (StatusCode, http::HeaderMap, u64) {
+    let (p, mut d) = engines();
+    d[0].itl = Duration::from_millis(20);
+    let env = start_as_is(p, d, |c| {
+        tweak(c);
+        c.capacity.decode_max_running_per_rank = 1;
+        c.admission.max_queue = max_queue;
+        c.admission.queue_timeout_ms = queue_timeout_ms;
+    })
+    .await;
+    env.wait_routable(1, 1).await;
+    // 100 tokens 20 ms apart: the slot is held for about 2 s.
+    let long = env
+        .post_streaming(
+            "/generate",
+            r#"{"text":"hi","sampling_params":{"max_new_tokens":100},"stream":true}"#,
+        )
+        .await;
+    assert_eq!(long.status(), StatusCode::OK);
+    let before = env.cluster.prefills[0].stats().requests_total;
+    let (status, headers, _) = env.post("/generate", BODY).await;
+    let dispatched = env.cluster.prefills[0].stats().requests_total - before;
+    drop(long);
+    (status, headers, dispatched)
+}
+
+#[tokio::test]
+async fn a_full_queue_answers_429_and_dispatches_nothing() {
+    let (status, headers, dispatched) = second_request_while_full(0, 10_000).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(headers.contains_key(http::header::RETRY_AFTER));
+    assert_eq!(dispatched, 0, "no leg was sent");
+}
+
+#[tokio::test]
+async fn an_expired_wait_answers_503_and_dispatches_nothing() {
+    let (status, headers, dispatched) = second_request_while_full(8, 150).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(headers.contains_key(http::header::RETRY_AFTER));
+    assert_eq!(dispatched, 0, "no leg was sent");
+}
+
+#[tokio::test]
+async fn two_replicas_stay_within_the_stated_overshoot() {
+    let (p, d) = engines();
+    let cluster = SimCluster::spawn(&p, &d).await.expect("sim cluster");
+    let mut routers = Vec::new();
+    for seed in 1..=2u64 {
+        let mut cfg = fast_config();
+        add_sim_workers(&mut cfg, &cluster);
+        tweak(&mut cfg);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let r = pdgate::router::start_with(
+            cfg,
+            Some(l),
+            pdgate::router::AdminListener::Off,
+            RngSource::Seeded(seed.into()),
+        )
+        .await
+        .expect("router");
+        learned(&r.pool, u64::from(CAP)).await;
+        routers.push(r);
+    }
+    let (a, b) = (routers[0].url(), routers[1].url());
+    let (sa, sb) = tokio::join!(burst(&a, 20), burst(&b, 20));
+    assert!(
+        sa.iter().chain(&sb).all(|s| *s == StatusCode::OK),
+        "{sa:?} {sb:?}"
+    );
+    let peak = cluster.decodes[0].stats().peak_held;
+    eprintln!("two replicas, cap {CAP}: the decode held at most {peak} at once");
+    // The bound README states: cap + (replicas - 1) x min(cap, requests one replica
+    // admits per poll interval) <= cap x replicas.
+    let replicas = routers.len() as u64;
+    let bound = u64::from(CAP) + (replicas - 1) * u64::from(CAP);
+    assert!(
+        peak <= bound,
+        "the decode held {peak} at once; bound {bound}"
+    );
+    for r in &routers {
+        r.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn the_simulator_reports_its_cap_only_when_it_has_one() {
+    use crate::support::sim_support::get;
+    // (cap, what /server_info's internal_states and /v1/loads report per rank)
+    let table = [
+        (Some(3u32), serde_json::json!(3)),
+        (None, serde_json::Value::Null),
+    ];
+    for (cap, want) in table {
+        let mut d = EngineConfig::decode(2);
+        d.max_running_requests = cap;
+        let e = pdgate_sim::spawn(d).await.expect("sim");
+        let info = get(&format!("{}/server_info", e.url())).await.json();
+        let loads = get(&format!("{}/v1/loads", e.url())).await.json();
+        for rank in 0..2 {
+            let s = &info["internal_states"][rank];
+            assert_eq!(
+                s["effective_max_running_requests_per_dp"], want,
+                "{cap:?} {s}"
+            );
+            let l = &loads["loads"][rank];
+            assert_eq!(l["max_running_requests"], want, "{cap:?} {l}");
+            for key in [
+                "num_running_reqs",
+                "num_waiting_reqs",
+                "num_used_tokens",
+                "max_total_num_tokens",
+            ] {
+                assert!(l[key].is_u64(), "{key} in {l}");
+            }
+        }
+    }
+}
