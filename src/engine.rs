@@ -54,4 +54,8 @@ pub struct ServerInfo {
     /// (what `modulo` contract mode needs).
     #[serde(default)]
     pub load_balance_method: Option<String>,
+    /// SGLang's `--incremental-streaming-output`: `/generate` streams what is new in each
+    /// event instead of the whole text so far.
+    #[serde(default)]
+    pub incremental_streaming_output: Option<bool>,
 }

@@ -94,6 +94,10 @@ pub struct SimArgs {
     /// Decode: failed rank lookups hang until the waiting timeout (pre-#24772).
     #[arg(long)]
     pub legacy_bootstrap_bug: bool,
+    /// `/generate` streams only what is new in each event (SGLang's
+    /// `--incremental-streaming-output`).
+    #[arg(long)]
+    pub incremental_streaming_output: bool,
     /// Fault: engines start down.
     #[arg(long)]
     pub down: bool,
@@ -167,6 +171,7 @@ impl SimArgs {
             dp_size,
             host: self.host.clone(),
             legacy_bootstrap_bug: self.legacy_bootstrap_bug,
+            incremental_streaming_output: self.incremental_streaming_output,
             faults: self.faults(),
             ..Default::default()
         };

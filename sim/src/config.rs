@@ -119,6 +119,9 @@ pub struct EngineConfig {
     /// Decode: emulate engines without SGLang PR #24772: a failed rank lookup
     /// hangs until `waiting_timeout` instead of failing at once.
     pub legacy_bootstrap_bug: bool,
+    /// SGLang's `--incremental-streaming-output`: a streamed `/generate` event holds only
+    /// its new text and ids (default: the whole answer so far).
+    pub incremental_streaming_output: bool,
     /// Faults active from the start.
     pub faults: Faults,
 }
@@ -152,6 +155,7 @@ impl Default for EngineConfig {
             heartbeat_max_failures: 2,
             room_entry_ttl: Duration::from_secs(120),
             legacy_bootstrap_bug: false,
+            incremental_streaming_output: false,
             faults: Faults::default(),
         }
     }

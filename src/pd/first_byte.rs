@@ -175,6 +175,7 @@ where
     };
     Ok(Ready {
         pair,
+        decode_incremental: false,
         head,
         body: PdBodyParts {
             first: Bytes::from(first),

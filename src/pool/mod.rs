@@ -257,6 +257,9 @@ pub struct WorkerView {
     pub conns: Arc<HostConns>,
     pub refused: Option<String>,
     pub probes: Arc<RankProbes>,
+    /// The engine streams `/generate` incrementally (`/server_info`
+    /// `incremental_streaming_output`), not SGLang's default cumulative text.
+    pub incremental_stream: bool,
 }
 
 impl WorkerView {
@@ -597,6 +600,11 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             conns: w.conns.clone(),
             refused: w.refused.clone(),
             probes: w.probes.clone(),
+            incremental_stream: w
+                .info
+                .as_ref()
+                .and_then(|i| i.incremental_streaming_output)
+                .unwrap_or(false),
         };
         // Out of rotation whatever its health: breaker open, refused, or draining.
         let out = w.breaker.state() == BreakerState::Open || w.refused.is_some() || w.draining;

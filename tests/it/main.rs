@@ -38,6 +38,7 @@ mod sim_cli;
 mod sim_faults;
 mod sim_pd;
 mod stale_connection;
+mod stream_moves;
 mod upstream_leg_errors;
 mod upstream_legs;
 
