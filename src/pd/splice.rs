@@ -446,11 +446,12 @@ impl Tracker {
             {
                 let total = n + self.base.completion_tokens;
                 let prompt = self.prompt_tokens.unwrap_or(0);
-                *u = serde_json::json!({
-                    "prompt_tokens": prompt,
-                    "completion_tokens": total,
-                    "total_tokens": prompt + total,
-                });
+                // The engine's usage object, with the counts of the whole answer.
+                if let Some(u) = u.as_object_mut() {
+                    u.insert("prompt_tokens".into(), prompt.into());
+                    u.insert("completion_tokens".into(), total.into());
+                    u.insert("total_tokens".into(), (prompt + total).into());
+                }
             }
         } else {
             o.remove("usage");

@@ -494,11 +494,20 @@ async fn a_killed_decode_process_loses_no_stream() {
         .spawn()
         .expect("pdgate sim");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let ready = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
-        .await
-        .expect("READY in time")
-        .expect("stdout")
-        .expect("a READY line");
+    let ready = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .expect("stdout")
+                .expect("a READY line");
+            if line.starts_with("READY") {
+                return line;
+            }
+        }
+    })
+    .await
+    .expect("READY in time");
     let url = ready.split_whitespace().nth(2).expect("url").to_string();
     let mut cfg = fast_config();
     cfg.add_workers(
@@ -547,4 +556,11 @@ async fn a_killed_decode_process_loses_no_stream() {
         assert_eq!(a.usage, whole.usage);
     }
     let _ = child.wait().await;
+    // The streams on the killed process were continued on the other decode.
+    let follow_ups = env.cluster.decodes[0]
+        .recent_generate_bodies()
+        .iter()
+        .filter(|(_, b)| b["continue_final_message"] == true)
+        .count();
+    assert!(follow_ups >= 1, "no stream was moved off the killed decode");
 }
