@@ -10,6 +10,9 @@
 //!   request's admission slot until it ends.
 //! - After the first byte reached the client a failure is never retried: a streamed
 //!   response ends with one JSON error event and `data: [DONE]`; a non-streamed one is cut.
+//!   The one exception is a continuable stream whose decode died or stalled: it is moved to
+//!   a new pair and continued exactly ([`super::moves`]), or else ends the same way.
+//! - A stream that cannot move pays nothing for moves: no mover, no per-event parsing.
 //! - The decode body is never buffered: each frame is forwarded when it arrives (an SSE
 //!   stream at event granularity, see [`super::sse`]).
 //! - The request's record rides in the body: a stream's first event relayed is its time to
@@ -164,6 +167,8 @@ pub struct PdBody {
     mover: Option<Box<super::moves::Mover>>,
     /// A move under way, and why it was made.
     moving: Option<(super::moves::MoveFuture, &'static str)>,
+    /// The move failed: its failure is not the current pair's to report.
+    moved_failed: bool,
     last_data: tokio::time::Instant,
     record: RequestRecord,
     passive: Passive,
@@ -208,6 +213,7 @@ impl PdBody {
             stream_idle,
             mover,
             moving: None,
+            moved_failed: false,
             pending: (!p.first.is_empty()).then_some(p.first),
             decode: Some(p.decode),
             decode_cancel: p.decode_cancel,
@@ -247,7 +253,10 @@ impl PdBody {
         tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "request failed after streaming began");
         record::failed(f.reason, Phase::Streaming);
         self.record.fail(f.reason);
-        if let Some(role) = f.reason.leg() {
+        // A failed move reported its own legs' failures; the dead pair was reported when
+        // the move began.
+        let reported = std::mem::take(&mut self.moved_failed);
+        if let Some(role) = f.reason.leg().filter(|_| !reported) {
             let id = match role {
                 crate::types::Role::Prefill => self.passive.prefill,
                 crate::types::Role::Decode => self.passive.decode,
@@ -401,6 +410,7 @@ impl Body for PdBody {
                 Poll::Ready(Err(f)) => {
                     this.moving = None;
                     super::moves::count(route, why, super::moves::MoveOutcome::Failed);
+                    this.moved_failed = true;
                     return this.fail(f, Bytes::new());
                 }
             }
