@@ -194,9 +194,43 @@ fn bench_sse(c: &mut Criterion) {
     g.finish();
 }
 
+/// A continuable stream's per-event cost after the scanner: pdgate's account of what was
+/// sent (`pd::splice`). A chat chunk with the per-chunk usage pdgate asked for (parsed, and
+/// the usage cut out for the client), and a cumulative `/generate` event (only kept).
+fn bench_tracked(c: &mut Criterion) {
+    use pdgate::pd::continuation::Plan;
+    use pdgate::pd::splice::{GenerateMode, Tracker};
+    let mut g = c.benchmark_group("stream_account");
+    let plan = |route| Plan {
+        route,
+        limit: Some(1 << 40),
+        uses_ids: false,
+        client_usage: false,
+        client_continuous_usage: false,
+    };
+    let chat: &[u8] = b"data: {\"id\":\"2a1d8c0b6b6c4e0f9d2a3b4c5d6e7f80\",\"object\":\"chat.completion.chunk\",\"created\":1760000000,\"model\":\"sim-model\",\"choices\":[{\"index\":0,\"delta\":{\"role\":null,\"content\":\" Paris\",\"reasoning_content\":null,\"tool_calls\":null},\"logprobs\":null,\"finish_reason\":null,\"matched_stop\":null}],\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":7,\"total_tokens\":27}}\n\n";
+    g.throughput(Throughput::Bytes(chat.len() as u64));
+    g.bench_function("chat_event_usage_cut", |b| {
+        let mut t = Tracker::new(plan(ApiRoute::ChatCompletions), GenerateMode::Cumulative);
+        let chunk = Bytes::from_static(chat);
+        b.iter(|| black_box(t.relay(black_box(chunk.clone())).len()))
+    });
+    let text = " word".repeat(200);
+    let gen = Bytes::from(format!(
+        "data: {{\"text\":\"{text}\",\"output_ids\":[{}],\"meta_info\":{{\"id\":\"x\",\"finish_reason\":null,\"prompt_tokens\":9,\"completion_tokens\":200}}}}\n\n",
+        vec!["1234"; 200].join(",")
+    ));
+    g.throughput(Throughput::Bytes(gen.len() as u64));
+    g.bench_function("generate_cumulative_event", |b| {
+        let mut t = Tracker::new(plan(ApiRoute::Generate), GenerateMode::Cumulative);
+        b.iter(|| black_box(t.relay(black_box(gen.clone())).len()))
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_parse, bench_write_leg, bench_rooms, bench_sse
+    targets = bench_parse, bench_write_leg, bench_rooms, bench_sse, bench_tracked
 }
 criterion_main!(benches);

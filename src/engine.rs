@@ -54,6 +54,10 @@ pub struct ServerInfo {
     /// (what `modulo` contract mode needs).
     #[serde(default)]
     pub load_balance_method: Option<String>,
+    /// SGLang's `--incremental-streaming-output`: `/generate` streams what is new in each
+    /// event instead of the whole text so far.
+    #[serde(default)]
+    pub incremental_streaming_output: Option<bool>,
     /// Per DP rank, the requests it runs at once
     /// (`internal_states[i].effective_max_running_requests_per_dp`; `None` where not
     /// reported). Read leniently: an unexpected shape yields an empty list, never a

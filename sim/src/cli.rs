@@ -97,6 +97,10 @@ pub struct SimArgs {
     /// Decode: requests each DP rank runs at once; more queue in the engine.
     #[arg(long)]
     pub max_running_requests: Option<u32>,
+    /// `/generate` streams only what is new in each event (SGLang's
+    /// `--incremental-streaming-output`).
+    #[arg(long)]
+    pub incremental_streaming_output: bool,
     /// Fault: engines start down.
     #[arg(long)]
     pub down: bool,
@@ -179,6 +183,7 @@ impl SimArgs {
             host: self.host.clone(),
             legacy_bootstrap_bug: self.legacy_bootstrap_bug,
             max_running_requests: self.max_running_requests,
+            incremental_streaming_output: self.incremental_streaming_output,
             faults: self.faults(),
             ..Default::default()
         };

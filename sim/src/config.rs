@@ -139,6 +139,9 @@ pub struct EngineConfig {
     /// in `/server_info` (`internal_states[i].effective_max_running_requests_per_dp`) and
     /// `/v1/loads` (`max_running_requests` per entry). `None`: no limit, not reported.
     pub max_running_requests: Option<u32>,
+    /// SGLang's `--incremental-streaming-output`: a streamed `/generate` event holds only
+    /// its new text and ids (default: the whole answer so far).
+    pub incremental_streaming_output: bool,
     /// Faults active from the start.
     pub faults: Faults,
 }
@@ -174,6 +177,7 @@ impl Default for EngineConfig {
             room_entry_ttl: Duration::from_secs(120),
             legacy_bootstrap_bug: false,
             max_running_requests: None,
+            incremental_streaming_output: false,
             faults: Faults::default(),
         }
     }

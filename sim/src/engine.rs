@@ -119,6 +119,16 @@ impl SimEngine {
         self.engine.started_rids.list()
     }
 
+    /// The last [`RECENT_RIDS`](crate::RECENT_RIDS) generate requests this engine received,
+    /// oldest first: (path, body as received). Tests check what a router sent.
+    pub fn recent_generate_bodies(&self) -> Vec<(String, serde_json::Value)> {
+        self.engine
+            .bodies
+            .lock()
+            .map(|b| b.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// The rids named by the last [`RECENT_RIDS`](crate::RECENT_RIDS) `POST /abort_request` calls, in arrival
     /// order, matched or not (`abort_requests_received` counts them all).
     pub fn recent_abort_rids(&self) -> Vec<String> {
@@ -216,6 +226,7 @@ pub(crate) async fn spawn_in(
         decode: DecodeState::default(),
         last_headers: std::sync::Mutex::new(Vec::new()),
         started_rids: RidLog::default(),
+        bodies: std::sync::Mutex::new(std::collections::VecDeque::new()),
         abort_rids: RidLog::default(),
     });
     let gate = |down_if: fn(&Faults) -> bool| Gate {

@@ -57,6 +57,7 @@ pub(crate) fn server_info(engine: &Engine) -> Value {
         "pp_size": 1,
         "enable_dp_attention": true,
         "load_balance_method": if cfg.role == crate::config::Role::Prefill { cfg.load_balance_method.as_str() } else { "round_robin" },
+        "incremental_streaming_output": cfg.incremental_streaming_output,
         "page_size": cfg.page_size,
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "context_length": cfg.context_length,

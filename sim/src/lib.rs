@@ -50,6 +50,7 @@ mod run;
 mod shapes;
 mod state;
 mod stats;
+mod tokens;
 
 pub use cluster::SimCluster;
 pub use config::{EngineConfig, Faults, Role, MAX_OUTPUT_TOKENS};

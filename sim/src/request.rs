@@ -17,6 +17,7 @@
 use serde_json::{Map, Value};
 
 use crate::config::{EngineConfig, MAX_OUTPUT_TOKENS};
+use crate::tokens::Context;
 
 /// Which HTTP API a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +28,14 @@ pub(crate) enum Api {
 }
 
 impl Api {
+    pub(crate) fn path(self) -> &'static str {
+        match self {
+            Api::Generate => "/generate",
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+        }
+    }
+
     pub(crate) fn from_path(path: &str) -> Option<Api> {
         match path {
             "/generate" => Some(Api::Generate),
@@ -74,6 +83,26 @@ pub(crate) struct Instance {
     pub prompt_tokens: u32,
     pub prompt_ids: Vec<i64>,
     pub max_tokens: u32,
+    /// The answer this instance gives, token by token (text, id), drawn from its context
+    /// as received ([`crate::tokens`]).
+    pub answer: Vec<(&'static str, i64)>,
+}
+
+impl Instance {
+    /// Text of answer tokens `from..to`.
+    pub(crate) fn text(&self, from: u32, to: u32) -> String {
+        self.slice(from, to).iter().map(|t| t.0).collect()
+    }
+
+    /// Ids of answer tokens `from..to`.
+    pub(crate) fn ids(&self, from: u32, to: u32) -> Vec<i64> {
+        self.slice(from, to).iter().map(|t| t.1).collect()
+    }
+
+    fn slice(&self, from: u32, to: u32) -> &[(&'static str, i64)] {
+        let to = (to as usize).min(self.answer.len());
+        self.answer.get((from as usize).min(to)..to).unwrap_or(&[])
+    }
 }
 
 /// A parsed generate request.
@@ -82,6 +111,8 @@ pub(crate) struct ParsedRequest {
     pub api: Api,
     pub stream: bool,
     pub include_usage: bool,
+    /// `stream_options.continuous_usage_stats`: usage on every chunk.
+    pub continuous_usage: bool,
     pub return_logprob: bool,
     pub model: String,
     pub routed_dp_rank: Option<i64>,
@@ -97,6 +128,7 @@ pub(crate) struct ParsedRequest {
 struct Prompt {
     tokens: u32,
     ids: Vec<i64>,
+    ctx: Context,
 }
 
 fn words(s: &str) -> u32 {
@@ -112,6 +144,7 @@ fn ids_prompt(list: &[Value]) -> Option<Prompt> {
     let ids = ids?;
     Some(Prompt {
         tokens: ids.len() as u32,
+        ctx: Context::ids(&ids),
         ids,
     })
 }
@@ -121,6 +154,7 @@ fn text_prompt(s: &str) -> Prompt {
     Prompt {
         tokens,
         ids: synthetic(tokens),
+        ctx: Context::text(s),
     }
 }
 
@@ -178,9 +212,14 @@ pub(crate) fn parse(
                     .filter(|v| !v.is_null())
                     .or_else(|| m.get("max_tokens"));
                 let n = m.get("n").and_then(Value::as_u64).unwrap_or(1).max(1) as usize;
+                let cont = m
+                    .get("continue_final_message")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
                 let p = Prompt {
                     tokens: tokens.max(1),
                     ids: synthetic(tokens.max(1)),
+                    ctx: Context::text(&crate::tokens::render_chat(msgs, cont)),
                 };
                 (
                     vec![p],
@@ -243,6 +282,11 @@ pub(crate) fn parse(
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    let continuous_usage = m
+        .get("stream_options")
+        .and_then(|o| o.get("continuous_usage_stats"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let return_logprob = match m.get("return_logprob") {
         Some(Value::Bool(b)) => *b,
         Some(Value::Array(a)) => a.iter().any(|v| v.as_bool() == Some(true)),
@@ -257,6 +301,10 @@ pub(crate) fn parse(
         .map(|k| {
             let i = k % batch;
             let p = &prompts[i];
+            let max_tokens = per_prompt_max
+                .get(i)
+                .copied()
+                .unwrap_or(cfg.default_output_tokens);
             Instance {
                 index: k,
                 rid: rids[k].clone(),
@@ -265,10 +313,8 @@ pub(crate) fn parse(
                 port: ports[k],
                 prompt_tokens: p.tokens,
                 prompt_ids: p.ids.clone(),
-                max_tokens: per_prompt_max
-                    .get(i)
-                    .copied()
-                    .unwrap_or(cfg.default_output_tokens),
+                max_tokens,
+                answer: p.ctx.generate(max_tokens),
             }
         })
         .collect();
@@ -276,6 +322,7 @@ pub(crate) fn parse(
         api,
         stream,
         include_usage,
+        continuous_usage,
         return_logprob,
         model,
         routed_dp_rank: routed,

@@ -68,6 +68,15 @@ pub(crate) async fn handle_generate(
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let body = http::read_body(req.into_body()).await?;
+    if let (Ok(v), Ok(mut log)) = (
+        serde_json::from_slice::<serde_json::Value>(&body),
+        engine.bodies.lock(),
+    ) {
+        if log.len() >= crate::state::RECENT_RIDS {
+            log.pop_front();
+        }
+        log.push_back((api.path().to_string(), v));
+    }
     let parsed = match request::parse(api, &body, dp_header.as_deref(), &engine.cfg) {
         Ok(p) => Arc::new(p),
         Err(e) => {
@@ -97,6 +106,7 @@ async fn non_stream(engine: Arc<Engine>, parsed: Arc<ParsedRequest>) -> Result<R
         req: &parsed,
         created: now_secs(),
         logprobs: logprob_mode(&engine),
+        incremental: engine.cfg.incremental_streaming_output && parsed.stream,
     };
     let results = join_all(
         parsed
@@ -122,7 +132,7 @@ async fn non_stream(engine: Arc<Engine>, parsed: Arc<ParsedRequest>) -> Result<R
                 .instances
                 .iter()
                 .zip(&results)
-                .map(|(inst, r)| ctx.generate_obj(inst, r.tokens, true, r.failure.as_ref()))
+                .map(|(inst, r)| ctx.generate_obj(inst, 0, r.tokens, true, r.failure.as_ref()))
                 .collect();
             if parsed.is_batch {
                 serde_json::Value::Array(objs)
@@ -148,6 +158,7 @@ async fn stream_task(engine: Arc<Engine>, parsed: Arc<ParsedRequest>, tx: ChunkT
         req: &parsed,
         created: now_secs(),
         logprobs: logprob_mode(&engine),
+        incremental: engine.cfg.incremental_streaming_output && parsed.stream,
     };
     let work = async {
         let results = join_all(
@@ -283,7 +294,9 @@ async fn generate(
         }
         return Ok(Generated::Done);
     }
-    if streaming_openai && ctx.req.api == Api::Chat && !send(ctx.role_chunk(inst), &mut sent).await
+    if streaming_openai
+        && ctx.req.api == Api::Chat
+        && !send(ctx.with_usage(ctx.role_chunk(inst), inst, 0), &mut sent).await
     {
         return Ok(Generated::Died);
     }
@@ -306,9 +319,10 @@ async fn generate(
         tracker.add_tokens(1);
         if tx.is_some() {
             let chunk = if ctx.req.api == Api::Generate {
-                ctx.generate_obj(inst, k + 1, k + 1 == plan.tokens, None)
+                let from = if ctx.incremental { k } else { 0 };
+                ctx.generate_obj(inst, from, k + 1, k + 1 == plan.tokens, None)
             } else {
-                ctx.token_chunk(inst, k)
+                ctx.with_usage(ctx.token_chunk(inst, k), inst, k + 1)
             };
             if !send(chunk, &mut sent).await {
                 return Ok(Generated::Died);
@@ -317,9 +331,9 @@ async fn generate(
     }
     if tx.is_some() {
         let last = if ctx.req.api == Api::Generate {
-            (plan.tokens == 0).then(|| ctx.generate_obj(inst, 0, true, None))
+            (plan.tokens == 0).then(|| ctx.generate_obj(inst, 0, 0, true, None))
         } else {
-            Some(ctx.finish_chunk(inst, false))
+            Some(ctx.with_usage(ctx.finish_chunk(inst, false), inst, plan.tokens))
         };
         if let Some(v) = last {
             if !send(v, &mut sent).await {

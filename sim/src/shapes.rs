@@ -69,25 +69,6 @@ impl Failure {
     }
 }
 
-const WORDS: [&str; 12] = [
-    " the", " quick", " sim", " engine", " says", " hello", " to", " the", " router", " and",
-    " moves", " on",
-];
-
-/// Text and id of output token `k`.
-pub(crate) fn token(k: u32) -> (&'static str, i64) {
-    (WORDS[k as usize % WORDS.len()], 2000 + i64::from(k % 5000))
-}
-
-/// Text of the first `n` output tokens.
-pub(crate) fn text_upto(n: u32) -> String {
-    (0..n).map(|k| token(k).0).collect()
-}
-
-fn ids_upto(n: u32) -> Vec<i64> {
-    (0..n).map(|k| token(k).1).collect()
-}
-
 /// `HTTPStatus(code).name`.
 pub(crate) fn status_name(code: u16) -> String {
     match code {
@@ -122,6 +103,9 @@ pub(crate) struct Ctx<'a> {
     pub req: &'a ParsedRequest,
     pub created: u64,
     pub logprobs: Logprobs,
+    /// A streamed `/generate` sends only what is new in each event
+    /// (`--incremental-streaming-output`).
+    pub incremental: bool,
 }
 
 impl Ctx<'_> {
@@ -139,6 +123,7 @@ impl Ctx<'_> {
     pub(crate) fn generate_obj(
         &self,
         inst: &Instance,
+        from: u32,
         tokens: u32,
         finished: bool,
         failure: Option<&Failure>,
@@ -156,8 +141,10 @@ impl Ctx<'_> {
             "cached_tokens": 0,
         });
         if self.req.return_logprob {
-            let out: Vec<Value> = (0..tokens)
-                .map(|k| json!([-0.125, token(k).1, null]))
+            let out: Vec<Value> = inst
+                .ids(from, tokens)
+                .into_iter()
+                .map(|id| json!([-0.125, id, null]))
                 .collect();
             match self.logprobs {
                 Logprobs::Prefill => {
@@ -184,8 +171,7 @@ impl Ctx<'_> {
                 }
             }
         }
-        let mut obj =
-            json!({"text": text_upto(tokens), "output_ids": ids_upto(tokens), "meta_info": meta});
+        let mut obj = json!({"text": inst.text(from, tokens), "output_ids": inst.ids(from, tokens), "meta_info": meta});
         if self.req.is_batch && self.req.stream {
             obj["index"] = json!(inst.index);
         }
@@ -219,14 +205,14 @@ impl Ctx<'_> {
                 match self.req.api {
                     Api::Chat => json!({
                         "index": inst.index,
-                        "message": {"role": "assistant", "content": text_upto(*tokens), "reasoning_content": null, "tool_calls": null},
+                        "message": {"role": "assistant", "content": inst.text(0, *tokens), "reasoning_content": null, "tool_calls": null},
                         "logprobs": null,
                         "finish_reason": reason,
                         "matched_stop": null,
                     }),
                     _ => json!({
                         "index": inst.index,
-                        "text": text_upto(*tokens),
+                        "text": inst.text(0, *tokens),
                         "logprobs": null,
                         "finish_reason": reason,
                         "matched_stop": null,
@@ -272,7 +258,7 @@ impl Ctx<'_> {
     /// OpenAI, prefill: the single chunk of a one-token answer (role, token
     /// and finish reason together).
     pub(crate) fn single_chunk(&self, inst: &Instance) -> Value {
-        let text = token(0).0;
+        let text = inst.text(0, 1);
         match self.req.api {
             Api::Chat => self.chunk(json!({"index": inst.index, "delta": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length", "matched_stop": null})),
             _ => self.chunk(json!({"index": inst.index, "text": text, "logprobs": null, "finish_reason": "length", "matched_stop": null})),
@@ -281,7 +267,7 @@ impl Ctx<'_> {
 
     /// OpenAI: the chunk carrying output token `k`.
     pub(crate) fn token_chunk(&self, inst: &Instance, k: u32) -> Value {
-        let text = token(k).0;
+        let text = inst.text(k, k + 1);
         match self.req.api {
             Api::Chat => self.chunk(json!({"index": inst.index, "delta": {"content": text}, "logprobs": null, "finish_reason": null})),
             _ => self.chunk(json!({"index": inst.index, "text": text, "logprobs": null, "finish_reason": null})),
@@ -295,6 +281,15 @@ impl Ctx<'_> {
             Api::Chat => self.chunk(json!({"index": inst.index, "delta": {}, "logprobs": null, "finish_reason": reason, "matched_stop": null})),
             _ => self.chunk(json!({"index": inst.index, "text": "", "logprobs": null, "finish_reason": reason, "matched_stop": null})),
         }
+    }
+
+    /// `v` with the usage so far when the client asked for usage on every chunk
+    /// (`stream_options.continuous_usage_stats`).
+    pub(crate) fn with_usage(&self, mut v: Value, inst: &Instance, completion: u32) -> Value {
+        if self.req.continuous_usage {
+            v["usage"] = self.usage(inst.prompt_tokens, completion);
+        }
+        v
     }
 
     /// OpenAI `stream_options.include_usage` chunk.
@@ -320,7 +315,10 @@ impl Ctx<'_> {
             (Api::Generate, Some(400)) if f.validation => json!({"error": {
                 "message": f.message, "type": "invalid_request_error", "code": 400, "retryable": false
             }}),
-            (Api::Generate, _) => self.generate_obj(inst, tokens, true, Some(f)),
+            (Api::Generate, _) => {
+                let from = if self.incremental { tokens } else { 0 };
+                self.generate_obj(inst, from, tokens, true, Some(f))
+            }
             (_, None) => self.finish_chunk(inst, true),
             (_, Some(code)) => {
                 let err_type = if f.validation {

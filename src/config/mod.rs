@@ -282,6 +282,13 @@ pub struct RetryConfig {
     pub budget_ratio: f64,
     /// Retries always allowed, as a reserve that refills with requests.
     pub budget_min_reserve: u32,
+    /// Times one stream may be moved to another decode after its decode died or stalled
+    /// mid-stream (0: never; each move spends the retry budget).
+    pub max_stream_moves: u32,
+    /// A decode that sent tokens and then nothing for this long is taken for stalled and
+    /// its stream moved (only streams that can still move; others wait for
+    /// `timeouts.stream_idle_secs`).
+    pub mid_stream_gap_ceiling_ms: u64,
 }
 
 impl Default for RetryConfig {
@@ -290,6 +297,8 @@ impl Default for RetryConfig {
             max_retries: 2,
             budget_ratio: 0.2,
             budget_min_reserve: 100,
+            max_stream_moves: 1,
+            mid_stream_gap_ceiling_ms: 10_000,
         }
     }
 }
@@ -605,6 +614,13 @@ impl Config {
         range("timeouts.stream_idle_secs", t.stream_idle_secs, 1, DAY)?;
         range("timeouts.request_secs", t.request_secs, 1, 7 * DAY)?;
         range("retry.max_retries", r.max_retries, 0, 16)?;
+        range("retry.max_stream_moves", r.max_stream_moves, 0, 8)?;
+        range(
+            "retry.mid_stream_gap_ceiling_ms",
+            r.mid_stream_gap_ceiling_ms,
+            10,
+            3_600_000,
+        )?;
         range_f("retry.budget_ratio", r.budget_ratio, 0.0, 10.0)?;
         range(
             "retry.budget_min_reserve",

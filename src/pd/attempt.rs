@@ -68,6 +68,9 @@ impl AttemptFailure {
 /// An attempt whose decode produced its first bytes.
 pub struct Ready {
     pub pair: Pair,
+    /// The decode streams `/generate` incrementally (its `/server_info`
+    /// `incremental_streaming_output`), not SGLang's default cumulative text.
+    pub decode_incremental: bool,
     pub(super) head: http::response::Parts,
     pub(super) body: PdBodyParts,
 }
@@ -78,12 +81,14 @@ impl Ready {
         mut record: RequestRecord,
         request_id: &HeaderValue,
         slot: Option<super::AdmissionSlot>,
+        mover: Option<Box<super::moves::Mover>>,
     ) -> Response<RespBody> {
         let mut head = self.head;
         record.set_status(head.status);
         head.headers
             .insert(crate::types::REQUEST_ID, request_id.clone());
-        Response::from_parts(head, PdBody::new(self.body, record, slot).boxed_unsync())
+        let body = PdBody::new(self.body, record, slot, mover);
+        Response::from_parts(head, body.boxed_unsync())
     }
 }
 
@@ -176,7 +181,10 @@ impl Dispatcher {
         self.preflight(&chosen).await?;
         let legs = self.send_legs(req, ctx, attempt_no, &chosen, slot);
         trace.room = legs.room;
-        super::first_byte::wait_first_bytes(self, req, legs).await
+        let incremental = chosen.decode.incremental_stream;
+        let mut ready = super::first_byte::wait_first_bytes(self, req, legs).await?;
+        ready.decode_incremental = incremental;
+        Ok(ready)
     }
 
     /// Stage 1: the policies pick a prefill and a decode target in one snapshot.

@@ -202,6 +202,7 @@ where
     };
     Ok(Ready {
         pair,
+        decode_incremental: false,
         head,
         body: PdBodyParts {
             first: Bytes::from(first),

@@ -10,6 +10,9 @@
 //!   request's admission slot until it ends.
 //! - After the first byte reached the client a failure is never retried: a streamed
 //!   response ends with one JSON error event and `data: [DONE]`; a non-streamed one is cut.
+//!   The one exception is a continuable stream whose decode died or stalled: it is moved to
+//!   a new pair and continued exactly ([`super::moves`]), or else ends the same way.
+//! - A stream that cannot move pays nothing for moves: no mover, no per-event parsing.
 //! - The decode body is never buffered: each frame is forwarded when it arrives (an SSE
 //!   stream at event granularity, see [`super::sse`]).
 //! - The request's record rides in the body: a stream's first event relayed is its time to
@@ -33,7 +36,7 @@ use super::sse::{Scan, SseScanner};
 use crate::body::BoxError;
 use crate::error::{FailReason, Failure};
 use crate::pool::{LoadGuard, LostEpochs};
-use crate::types::DpRank;
+use crate::types::{DpRank, Role};
 
 type LostFuture = Pin<Box<dyn Future<Output = &'static str> + Send>>;
 
@@ -157,6 +160,15 @@ pub struct PdBody {
     /// early), so that a frame costs a clock read, not a timer-wheel update.
     idle: Pin<Box<Sleep>>,
     idle_for: Duration,
+    /// `timeouts.stream_idle`: the bound once no move is left (`idle_for` is the shorter
+    /// mid-stream gap while a stall can still be moved).
+    stream_idle: Duration,
+    /// A continuable stream's account and its way to another decode ([`super::moves`]).
+    mover: Option<Box<super::moves::Mover>>,
+    /// A move under way, and why it was made.
+    moving: Option<(super::moves::MoveFuture, &'static str)>,
+    /// The move failed: its failure is not the current pair's to report.
+    moved_failed: bool,
     last_data: tokio::time::Instant,
     record: RequestRecord,
     passive: Passive,
@@ -177,6 +189,13 @@ pub struct Passive {
     pub gaps: Option<(std::sync::Arc<crate::progress::WorkerProgress>, DpRank)>,
 }
 
+impl Passive {
+    /// The decode's rank, where stall detection follows it.
+    fn gap_rank(&self) -> Option<DpRank> {
+        self.gaps.as_ref().map(|(_, r)| *r)
+    }
+}
+
 pub struct PdBodyParts {
     pub first: Bytes,
     pub decode: LegBody,
@@ -193,16 +212,26 @@ impl PdBody {
         p: PdBodyParts,
         record: RequestRecord,
         slot: Option<super::AdmissionSlot>,
+        mover: Option<Box<super::moves::Mover>>,
     ) -> PdBody {
+        let stream_idle = p.idle_for;
+        let idle_for = mover
+            .as_ref()
+            .and_then(|m| m.gap(p.passive.decode, p.passive.gap_rank()))
+            .map_or(stream_idle, |g| g.min(stream_idle));
         PdBody {
+            stream_idle,
+            mover,
+            moving: None,
+            moved_failed: false,
             pending: (!p.first.is_empty()).then_some(p.first),
             decode: Some(p.decode),
             decode_cancel: p.decode_cancel,
             _decode_guard: p.decode_guard,
             sse: p.sse,
             prefill: p.prefill,
-            idle: Box::pin(tokio::time::sleep(p.idle_for)),
-            idle_for: p.idle_for,
+            idle: Box::pin(tokio::time::sleep(idle_for)),
+            idle_for,
             last_data: tokio::time::Instant::now(),
             record,
             passive: p.passive,
@@ -237,7 +266,10 @@ impl PdBody {
         tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "request failed after streaming began");
         record::failed(f.reason, Phase::Streaming);
         self.record.fail(f.reason);
-        if let Some(role) = f.reason.leg() {
+        // A failed move reported its own legs' failures; the dead pair was reported when
+        // the move began.
+        let reported = std::mem::take(&mut self.moved_failed);
+        if let Some(role) = f.reason.leg().filter(|_| !reported) {
             let id = match role {
                 crate::types::Role::Prefill => self.passive.prefill,
                 crate::types::Role::Decode => self.passive.decode,
@@ -264,6 +296,95 @@ impl PdBody {
     }
 }
 
+impl PdBody {
+    /// Forwarded events pass the mover's account (and its rewrite after a move).
+    fn relay(&mut self, b: Bytes) -> Bytes {
+        match self.mover.as_mut() {
+            Some(m) if !b.is_empty() => m.tracker.relay(b),
+            _ => b,
+        }
+    }
+
+    /// The decode failed mid-stream: move the stream to another decode if it can be
+    /// continued, else end it with `f`. `before` (whole events ahead of the failure) is
+    /// forwarded first either way.
+    fn fail_or_move(
+        &mut self,
+        f: Failure,
+        before: Bytes,
+        why: &'static str,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let before = self.relay(before);
+        if self.try_move(&f, why).is_err() {
+            return self.fail(f, before);
+        }
+        if !before.is_empty() {
+            self.record.event_sent(tokio::time::Instant::now());
+            return Poll::Ready(Some(Ok(Frame::data(before))));
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+
+    /// Starts moving the stream off its decode after `f`; `Err` (logged and counted) when
+    /// it cannot be moved. Nothing is ended here.
+    fn try_move(&mut self, f: &Failure, why: &'static str) -> Result<(), ()> {
+        let Some(m) = self.mover.as_mut() else {
+            return Err(());
+        };
+        let route = m.route();
+        let dead = self.passive.decode;
+        match m.start(dead) {
+            Ok(fut) => {
+                tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "decode failed mid-stream; moving the stream to another decode");
+                self.passive
+                    .pool
+                    .report_failure(Role::Decode, dead, f.reason, &self.passive.cfg);
+                if f.reason.coupling().reported_by == Some(Role::Decode) {
+                    self.decode_cancel.disarm();
+                }
+                // The dead decode's leg and anything left of its prefill end here.
+                self.decode = None;
+                self.prefill = None;
+                self.moving = Some((fut, why));
+                Ok(())
+            }
+            Err(refused) => {
+                tracing::info!(request_id = %self.record.id(), reason = why, refused = %refused, "stream not moved");
+                super::moves::count(route, why, super::moves::MoveOutcome::Refused);
+                Err(())
+            }
+        }
+    }
+
+    /// The move's new pair streams now: its parts replace the dead decode's.
+    fn install(&mut self, ready: super::attempt::Ready, trace: super::record::LegTrace) {
+        let p = ready.body;
+        if let Some(m) = self.mover.as_mut() {
+            m.moved_to(ready.decode_incremental);
+        }
+        self.decode = Some(p.decode);
+        self.decode_cancel = p.decode_cancel;
+        self._decode_guard = p.decode_guard;
+        self.sse = p.sse;
+        self.prefill = p.prefill;
+        self.passive = p.passive;
+        self.pending = (!p.first.is_empty()).then_some(p.first);
+        self.record.legs = trace;
+        self.record.moved();
+        self.last_data = tokio::time::Instant::now();
+        let (decode, rank) = (self.passive.decode, self.passive.gap_rank());
+        self.idle_for = self
+            .mover
+            .as_ref()
+            .and_then(|m| m.gap(decode, rank))
+            .map_or(self.stream_idle, |g| g.min(self.stream_idle));
+        let due = self.last_data + self.idle_for;
+        self.idle.as_mut().reset(due);
+    }
+}
+
 /// A failure carried as a body error (cuts a non-streamed response).
 #[derive(Debug)]
 pub struct FailureError(pub Failure);
@@ -286,18 +407,41 @@ impl Body for PdBody {
         if this.done {
             return Poll::Ready(None);
         }
-        if let Some(b) = this.pending.take() {
-            if this.sse.is_some() {
-                this.record.event_sent(tokio::time::Instant::now());
-            }
-            // The whole answer may have come with the first bytes (a non-streamed answer
-            // with a Content-Length, after which hyper stops polling this body).
-            let b = if this.decode.as_ref().is_some_and(Body::is_end_stream) {
-                join(b, this.end_ok())
-            } else {
-                b
+        if let Some((fut, why)) = this.moving.as_mut() {
+            let why = *why;
+            let route = this.record.route();
+            let route = match route {
+                record::Route::Api(r) => r,
+                record::Route::Other(_) => super::request::ApiRoute::Generate,
             };
-            return Poll::Ready(Some(Ok(Frame::data(b))));
+            match fut.as_mut().poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok((ready, trace))) => {
+                    this.moving = None;
+                    super::moves::count(route, why, super::moves::MoveOutcome::Moved);
+                    this.install(ready, trace);
+                }
+                Poll::Ready(Err(f)) => {
+                    this.moving = None;
+                    super::moves::count(route, why, super::moves::MoveOutcome::Failed);
+                    this.moved_failed = true;
+                    return this.fail(f, Bytes::new());
+                }
+            }
+        }
+        if let Some(b) = this.pending.take() {
+            let b = this.relay(b);
+            let at_end = this.decode.as_ref().is_some_and(Body::is_end_stream);
+            // A continued stream's first event may be one the client already had (dropped).
+            if !b.is_empty() || at_end {
+                if this.sse.is_some() {
+                    this.record.event_sent(tokio::time::Instant::now());
+                }
+                // The whole answer may have come with the first bytes (a non-streamed
+                // answer with a Content-Length, after which hyper stops polling this body).
+                let b = if at_end { join(b, this.end_ok()) } else { b };
+                return Poll::Ready(Some(Ok(Frame::data(b))));
+            }
         }
         if let Some(pw) = this.prefill.as_mut() {
             if let Poll::Ready(r) = Pin::new(pw).poll(cx) {
@@ -321,10 +465,11 @@ impl Body for PdBody {
                     let out = match this.sse.as_mut() {
                         None => data,
                         Some(sse) => match sse.push(data) {
-                            Scan::Forward(b) => b,
+                            Scan::Forward(b) => this.relay(b),
                             Scan::Abort { before, abort } => {
                                 let f = super::legs::decode_abort_failure(&abort);
-                                return this.fail(f, before);
+                                let why = f.reason.as_str();
+                                return this.fail_or_move(f, before, why, cx);
                             }
                             Scan::Broken { message } => {
                                 let f = Failure::new(FailReason::DecodeBroken, message);
@@ -357,7 +502,7 @@ impl Body for PdBody {
                             crate::upstream::error_chain(&e)
                         ),
                     );
-                    return this.fail(f, Bytes::new());
+                    return this.fail_or_move(f, Bytes::new(), "decode_broken", cx);
                 }
                 Poll::Ready(None) => {
                     let tail = this.end_ok();
@@ -380,6 +525,23 @@ impl Body for PdBody {
                 FailReason::DecodeIdleTimeout,
                 format!("decode sent nothing for {}s", this.idle_for.as_secs_f64()),
             );
+            if this.idle_for < this.stream_idle {
+                // Silent past the mid-stream gap: a stall, moved if it can be; if not, the
+                // stream waits on for the full idle bound.
+                let (decode, rank) = (this.passive.decode, this.passive.gap_rank());
+                if this
+                    .mover
+                    .as_ref()
+                    .is_some_and(|m| m.gap(decode, rank).is_some())
+                    && this.try_move(&f, "stalled").is_ok()
+                {
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                this.idle_for = this.stream_idle;
+                this.idle.as_mut().reset(this.last_data + this.stream_idle);
+                continue;
+            }
             return this.fail(f, Bytes::new());
         }
         Poll::Pending

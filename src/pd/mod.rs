@@ -15,14 +15,17 @@
 
 mod attempt;
 mod capacity;
+pub mod continuation;
 mod first_byte;
 pub mod flight;
 pub mod legs;
 pub mod logprobs;
+pub mod moves;
 mod probe;
 pub mod record;
 pub mod request;
 pub mod room;
+pub mod splice;
 pub mod sse;
 mod stall;
 
@@ -182,8 +185,8 @@ impl Dispatcher {
     /// once by [`Failure::into_response`]. `record` (the request's account since it
     /// arrived) ends up on the response's body.
     pub async fn dispatch(
-        &self,
-        req: ParsedRequest,
+        self: &Arc<Self>,
+        mut req: ParsedRequest,
         mut ctx: ReqCtx,
         mut record: RequestRecord,
     ) -> Response<RespBody> {
@@ -192,6 +195,10 @@ impl Dispatcher {
             tracing::info!(request_id = %ctx.id, fields = ?req.replaced, "client-supplied PD fields replaced by pdgate's own");
         }
         self.budget.deposit();
+        let plan = moves::plan_for(self, &req);
+        if let Some(p) = &plan {
+            moves::prepare_legs(&mut req, p);
+        }
         let deadline = tokio::time::Instant::now() + self.cfg.timeouts.request();
         let mut exclude_p: Vec<WorkerId> = Vec::new();
         let mut exclude_d: Vec<WorkerId> = Vec::new();
@@ -219,7 +226,19 @@ impl Dispatcher {
                         .report_success(Role::Prefill, ready.pair.prefill.worker);
                     self.pool
                         .report_success(Role::Decode, ready.pair.decode.worker);
-                    return ready.into_response(record, &ctx.request_id, ctx.slot.take());
+                    let slot = ctx.slot.take();
+                    let mover = match plan {
+                        Some(p) if ready.body.sse.is_some() => Some(Box::new(moves::Mover::new(
+                            self.clone(),
+                            req,
+                            &ctx,
+                            p,
+                            ready.decode_incremental,
+                            attempt_no + 1,
+                        ))),
+                        _ => None,
+                    };
+                    return ready.into_response(record, &ctx.request_id, slot, mover);
                 }
                 Err(af) => {
                     let f = &af.failure;

@@ -126,7 +126,7 @@ impl Dispatcher {
             .map_err(|af| af.failure)?;
         drop(chosen);
         let record = RequestRecord::new(id, Route::Other("stall_probe"), &request_id, false);
-        let resp = ready.into_response(record, &request_id, None);
+        let resp = ready.into_response(record, &request_id, None, None);
         let body = resp.into_body().collect().await.map_err(|e| {
             Failure::new(
                 FailReason::DecodeBroken,

@@ -97,6 +97,8 @@ pub struct RequestRecord {
     /// Filled by each attempt as it picks its pair and rooms.
     pub legs: LegTrace,
     attempts: u32,
+    /// Times the stream was moved to another decode.
+    moves: u32,
     ttft: Option<Duration>,
     last_event: Option<Instant>,
     /// The largest gap between two events relayed (stall detection learns it).
@@ -118,6 +120,7 @@ impl RequestRecord {
             outcome: None,
             legs: LegTrace::default(),
             attempts: 0,
+            moves: 0,
             ttft: None,
             last_event: None,
             max_gap: None,
@@ -145,6 +148,11 @@ impl RequestRecord {
     /// Attempt `n` (1 = the first) is being dispatched.
     pub fn set_attempts(&mut self, n: u32) {
         self.attempts = n;
+    }
+
+    /// The stream was moved to another decode (its legs are now the new pair's).
+    pub fn moved(&mut self) {
+        self.moves += 1;
     }
 
     /// The response head's status (kept if a status was already set).
@@ -228,6 +236,7 @@ impl RequestRecord {
             decode_rank: self.legs.decode.as_ref().map(|(_, r)| *r),
             room: self.legs.room.map(|r| r.to_string()),
             attempts: self.attempts,
+            moves: self.moves,
             ttft_ms: self.ttft.map(access::millis),
             duration_ms: access::millis(took),
             key_id: self.key_id.as_deref(),

@@ -98,6 +98,9 @@ pub struct ParsedRequest {
     /// `prompt` or `messages`).
     prompt: Option<Range<usize>>,
     prefix_hash: OnceLock<Option<u64>>,
+    /// A top-level member the legs carry instead of the client's (`stream_options` on a
+    /// continuable OpenAI stream, see `pd::continuation`).
+    leg_override: Option<(&'static str, Box<str>)>,
 }
 
 /// How many bytes of a prompt's raw JSON form its affinity key.
@@ -162,6 +165,34 @@ impl ParsedRequest {
             .map_or(1, |r| r.len().clamp(1, u32::MAX as usize) as u32)
     }
 
+    /// The client's top-level members in order: the key (unescaped) and its raw JSON value.
+    /// PD keys and `stream` are not among them.
+    pub fn members(&self) -> impl Iterator<Item = (Cow<'_, str>, &str)> + '_ {
+        self.fields
+            .iter()
+            .map(|f| (self.key_of(f), self.raw(f.value.clone())))
+    }
+
+    fn key_of(&self, f: &Field) -> Cow<'_, str> {
+        match &f.key_json {
+            KeyJson::Span(r) => Cow::Borrowed(self.raw(r.start + 1..r.end - 1)),
+            KeyJson::Escaped(k) => {
+                Cow::Owned(serde_json::from_str::<String>(k).unwrap_or_default())
+            }
+        }
+    }
+
+    fn raw(&self, r: Range<usize>) -> &str {
+        // The body was checked to be UTF-8 and every range sits on JSON token bounds.
+        std::str::from_utf8(&self.body[r]).unwrap_or("null")
+    }
+
+    /// The legs carry `raw` as the value of `key` instead of the client's member (added
+    /// when the client had none). The client's value stays readable in [`Self::members`].
+    pub fn override_on_legs(&mut self, key: &'static str, raw: String) {
+        self.leg_override = Some((key, raw.into_boxed_str()));
+    }
+
     /// Whether the bootstrap fields go as lists (one entry per instance).
     pub fn is_multi(&self) -> bool {
         self.batch.is_some() || self.n > 1
@@ -198,12 +229,22 @@ impl ParsedRequest {
     fn write_shared(&self, out: &mut Vec<u8>, leg: &LegFields<'_>) {
         out.push(b'{');
         for f in &self.fields {
+            if let Some((k, _)) = &self.leg_override {
+                if self.key_of(f) == *k {
+                    continue;
+                }
+            }
             match &f.key_json {
                 KeyJson::Span(r) => out.extend_from_slice(&self.body[r.clone()]),
                 KeyJson::Escaped(k) => out.extend_from_slice(k.as_bytes()),
             }
             out.push(b':');
             out.extend_from_slice(&self.body[f.value.clone()]);
+            out.push(b',');
+        }
+        if let Some((k, v)) = &self.leg_override {
+            push_key(out, k);
+            out.extend_from_slice(v.as_bytes());
             out.push(b',');
         }
         let multi = self.is_multi();
@@ -601,6 +642,7 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
         replaced,
         prompt,
         prefix_hash: OnceLock::new(),
+        leg_override: None,
     };
     if req.instances() > MAX_INSTANCES {
         return Err(invalid(format!(

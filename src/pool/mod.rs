@@ -297,6 +297,9 @@ pub struct WorkerView {
     pub refused: Option<String>,
     pub probes: Arc<RankProbes>,
     pub progress: Arc<WorkerProgress>,
+    /// The engine streams `/generate` incrementally (`/server_info`
+    /// `incremental_streaming_output`), not SGLang's default cumulative text.
+    pub incremental_stream: bool,
 }
 
 impl WorkerView {
@@ -703,6 +706,11 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             refused: w.refused.clone(),
             probes: w.probes.clone(),
             progress: w.progress.clone(),
+            incremental_stream: w
+                .info
+                .as_ref()
+                .and_then(|i| i.incremental_streaming_output)
+                .unwrap_or(false),
         };
         // Out of rotation whatever its health: breaker open, refused, or draining.
         let out = w.breaker.state().is_out() || w.refused.is_some() || w.drain.any();

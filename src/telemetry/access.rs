@@ -59,6 +59,9 @@ pub struct AccessLine<'a> {
     pub room: Option<String>,
     /// Attempts dispatched (0: rejected before dispatch).
     pub attempts: u32,
+    /// Times the stream was moved to another decode mid-stream (its prefill, decode and
+    /// room are then the last pair's).
+    pub moves: u32,
     /// Streams: arrival to the first event relayed.
     pub ttft_ms: Option<f64>,
     /// Arrival to the end of the response body.
@@ -183,6 +186,7 @@ mod tests {
                 decode_rank: None,
                 room: Some(u64::MAX.to_string()),
                 attempts: 1,
+                moves: 0,
                 ttft_ms: Some(1.5),
                 duration_ms: 2.25,
                 key_id: None,

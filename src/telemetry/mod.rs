@@ -94,6 +94,7 @@ pub const TIME_TO_FIRST_TOKEN: &str = "pdgate_time_to_first_token_seconds";
 pub const INTER_EVENT: &str = "pdgate_stream_inter_event_seconds";
 pub const REQUEST_FAILURES: &str = "pdgate_request_failures_total";
 pub const RETRIES: &str = "pdgate_retries_total";
+pub const STREAM_MOVES: &str = "pdgate_stream_moves_total";
 pub const IN_FLIGHT: &str = "pdgate_in_flight_requests";
 pub const ADMISSION_QUEUE: &str = "pdgate_admission_queue";
 pub const ADMISSION_REJECTED: &str = "pdgate_admission_rejected_total";
@@ -185,6 +186,8 @@ pub static SERIES: &[Series] = &[
         "Failures by reason: phase=before_first_byte counts failed attempts (retried when possible), phase=streaming streams that failed after the client saw bytes."),
     s(RETRIES, C, Unit::Count, &["reason"],
         "Attempts retried with a fresh pair, by the reason the previous attempt failed."),
+    s(STREAM_MOVES, C, Unit::Count, &["route", "reason", "outcome"],
+        "Live streams moved to another decode after theirs died or stalled mid-stream: moved, refused (cannot be continued exactly, or no move left), failed (the follow-up failed)."),
     s(IN_FLIGHT, G, Unit::Count, &[],
         "PD requests admitted whose response has not ended (including prefill legs still answering after it)."),
     s(ADMISSION_QUEUE, G, Unit::Count, &[],

@@ -40,6 +40,7 @@ mod sim_faults;
 mod sim_pd;
 mod stale_connection;
 mod stalls;
+mod stream_moves;
 mod upstream_leg_errors;
 mod upstream_legs;
 

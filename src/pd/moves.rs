@@ -1,0 +1,228 @@
+//! Moving a live stream to another decode: when the decode of a continuable stream dies or
+//! stalls after the client has seen tokens, the relay ([`super::flight::PdBody`]) asks the
+//! [`Mover`] for a follow-up on a fresh (prefill, decode) pair, and splices its stream onto
+//! what the client already has ([`super::splice`]).
+//!
+//! Invariants:
+//! - A move is an attempt like any other (choose_pair, preflight, send_legs,
+//!   wait_first_bytes), without the dead decode, with fresh rooms and rids; it spends the
+//!   retry budget, and `retry.max_stream_moves` bounds the moves of one request.
+//! - A move is made only when the answer can be continued exactly (see
+//!   [`super::continuation`]); otherwise the stream ends as before, with its error event.
+//! - The gap after which a silent decode counts as stalled comes from one place,
+//!   [`Mover::gap`] (today the configured `retry.mid_stream_gap_ceiling_ms`).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderValue;
+
+use super::attempt::Ready;
+use super::continuation::{self, Plan};
+use super::record::LegTrace;
+use super::request::{self, ApiRoute, ParsedRequest};
+use super::splice::{GenerateMode, Tracker};
+use super::{Dispatcher, ReqCtx};
+use crate::error::Failure;
+use crate::telemetry;
+use crate::types::{DpRank, RequestId, Role, WorkerId};
+
+/// A move under way: the new attempt's parts and the legs it picked.
+pub type MoveFuture = Pin<Box<dyn Future<Output = Result<(Ready, LegTrace), Failure>> + Send>>;
+
+/// What a continuable stream keeps to be moved.
+pub struct Mover {
+    d: Arc<Dispatcher>,
+    req: Arc<ParsedRequest>,
+    id: RequestId,
+    request_id: HeaderValue,
+    forward: Arc<[u8]>,
+    pub tracker: Tracker,
+    moves_left: u32,
+    next_attempt: u32,
+    exclude_d: Vec<WorkerId>,
+}
+
+/// How a move ended, for `pdgate_stream_moves_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoveOutcome {
+    /// The stream continues on a new pair.
+    Moved,
+    /// The stream could not be continued (the reason is logged).
+    Refused,
+    /// The follow-up failed before its first byte.
+    Failed,
+}
+
+impl MoveOutcome {
+    fn label(self) -> &'static str {
+        match self {
+            MoveOutcome::Moved => "moved",
+            MoveOutcome::Refused => "refused",
+            MoveOutcome::Failed => "failed",
+        }
+    }
+}
+
+/// Counts a move (rare: a plain counter lookup is fine).
+pub fn count(route: ApiRoute, reason: &'static str, outcome: MoveOutcome) {
+    metrics::counter!(telemetry::STREAM_MOVES, "route" => route.label(), "reason" => reason, "outcome" => outcome.label())
+        .increment(1);
+}
+
+/// Whether `req` gets a mover, and the plan if so: a stream the config lets move, that
+/// can be continued exactly.
+pub fn plan_for(d: &Dispatcher, req: &ParsedRequest) -> Option<Plan> {
+    if d.cfg.retry.max_stream_moves == 0 || !req.stream {
+        return None;
+    }
+    continuation::plan(req).ok()
+}
+
+/// A leg of a continuable OpenAI stream asks for per-chunk usage.
+pub fn prepare_legs(req: &mut ParsedRequest, plan: &Plan) {
+    if plan.route != ApiRoute::Generate {
+        req.override_on_legs("stream_options", continuation::LEG_STREAM_OPTIONS.into());
+    }
+}
+
+impl Mover {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        d: Arc<Dispatcher>,
+        req: ParsedRequest,
+        ctx: &ReqCtx,
+        plan: Plan,
+        incremental: bool,
+        attempts: u32,
+    ) -> Mover {
+        let mode = if incremental {
+            GenerateMode::Incremental
+        } else {
+            GenerateMode::Cumulative
+        };
+        Mover {
+            moves_left: d.cfg.retry.max_stream_moves,
+            d,
+            req: Arc::new(req),
+            id: ctx.id,
+            request_id: ctx.request_id.clone(),
+            forward: ctx.forward.as_slice().into(),
+            tracker: Tracker::new(plan, mode),
+            next_attempt: attempts,
+            exclude_d: Vec::new(),
+        }
+    }
+
+    /// The longest silence after which a decode that already sent tokens is taken for
+    /// stalled and the stream moved; `None` when no move is left. The one place the bound
+    /// comes from: a learned per-(decode, rank) bound can replace the configured ceiling
+    /// here.
+    ///
+    /// With stall detection on, the bound is what the decode's (worker, rank) and its peers
+    /// taught ([`Dispatcher::decode_gap_deadline`]: `progress.multiplier` × the largest
+    /// recent gap of streams that ended well), at most `retry.mid_stream_gap_ceiling_ms`.
+    pub fn gap(&self, decode: WorkerId, rank: Option<DpRank>) -> Option<Duration> {
+        if self.moves_left == 0 || self.tracker.stopped().is_some() {
+            return None;
+        }
+        let ceiling = Duration::from_millis(self.d.cfg.retry.mid_stream_gap_ceiling_ms);
+        Some(match rank {
+            Some(r) if self.d.cfg.progress.enabled => {
+                self.d.decode_gap_deadline(decode, r).min(ceiling)
+            }
+            _ => ceiling,
+        })
+    }
+
+    pub fn route(&self) -> ApiRoute {
+        self.req.route
+    }
+
+    /// Starts moving the stream off `dead` (whose decode just failed); `Err` says why the
+    /// stream cannot be moved.
+    pub fn start(&mut self, dead: WorkerId) -> Result<MoveFuture, String> {
+        if self.moves_left == 0 {
+            return Err("no stream moves left (retry.max_stream_moves)".into());
+        }
+        let sent = self.tracker.sent()?;
+        let body =
+            continuation::follow_up(&self.req, self.tracker.plan(), &sent).map_err(|r| r.0)?;
+        let mut follow = request::parse(self.req.route, body).map_err(|f| f.message.to_string())?;
+        prepare_legs(&mut follow, self.tracker.plan());
+        if !self.exclude_d.contains(&dead) {
+            self.exclude_d.push(dead);
+        }
+        if !self.d.has_alternative(&[], &self.exclude_d) {
+            return Err("no other decode to move to".into());
+        }
+        if !self.d.budget.try_withdraw() {
+            return Err("the retry budget is spent".into());
+        }
+        self.moves_left -= 1;
+        self.tracker.next_segment(sent);
+        let d = self.d.clone();
+        let ctx = ReqCtx {
+            id: self.id,
+            request_id: self.request_id.clone(),
+            forward: self.forward.to_vec(),
+            slot: None,
+            // A move does not wait for a decode slot: a full fleet fails the move at once
+            // and the stream ends with its error frame.
+            queue: None,
+        };
+        let mut exclude_d = self.exclude_d.clone();
+        let first = self.next_attempt;
+        let retries = d.cfg.retry.max_retries;
+        self.next_attempt += 1 + retries;
+        Ok(Box::pin(async move {
+            let mut exclude_p = Vec::new();
+            let mut n = 0;
+            loop {
+                let mut trace = LegTrace::default();
+                let r = d
+                    .attempt(&follow, &ctx, first + n, &exclude_p, &exclude_d, &mut trace)
+                    .await;
+                match r {
+                    Ok(ready) => {
+                        d.pool
+                            .report_success(Role::Prefill, ready.pair.prefill.worker);
+                        d.pool
+                            .report_success(Role::Decode, ready.pair.decode.worker);
+                        return Ok((ready, trace));
+                    }
+                    Err(af) => {
+                        let f = af.failure;
+                        tracing::warn!(request_id = %ctx.id, reason = f.reason.as_str(), error = %f.message, "stream move attempt failed");
+                        if let Some((role, w)) = af.blame.filter(|_| !f.stale_connection) {
+                            d.pool.report_failure(role, w, f.reason, &d.cfg.breaker);
+                            match role {
+                                Role::Prefill => exclude_p.push(w),
+                                Role::Decode => exclude_d.push(w),
+                            }
+                        }
+                        let again = f.reason.retryable()
+                            && n < retries
+                            && d.has_alternative(&exclude_p, &exclude_d)
+                            && d.budget.try_withdraw();
+                        if !again {
+                            return Err(f);
+                        }
+                        n += 1;
+                    }
+                }
+            }
+        }))
+    }
+
+    /// The new decode streams `/generate` incrementally (or not).
+    pub fn moved_to(&mut self, incremental: bool) {
+        self.tracker.set_source_mode(if incremental {
+            GenerateMode::Incremental
+        } else {
+            GenerateMode::Cumulative
+        });
+    }
+}

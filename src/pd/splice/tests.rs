@@ -1,0 +1,264 @@
+//! Tests of the splice: a stream cut after any event and continued by a second decode (in
+//! either `/generate` mode) reaches the client as one stream in the client's format, with
+//! the engine's counts summed; per-chunk usage the client did not ask for never shows.
+use super::*;
+use crate::pd::request::ApiRoute;
+use serde_json::json;
+
+fn plan(route: ApiRoute, limit: u64, usage: bool, continuous: bool) -> Plan {
+    Plan {
+        route,
+        limit: Some(limit),
+        uses_ids: false,
+        client_usage: usage,
+        client_continuous_usage: continuous,
+    }
+}
+
+/// A `/generate` stream of `words` (ids 100+i) from token `from`, in `mode`, as events.
+fn gen_events(
+    words: &[&str],
+    from: usize,
+    mode: GenerateMode,
+    rid: &str,
+    prompt: u64,
+) -> Vec<Bytes> {
+    (from..words.len())
+        .map(|k| {
+            let (text, ids): (String, Vec<i64>) = match mode {
+                GenerateMode::Cumulative => (
+                    words[from..=k].concat(),
+                    (from..=k).map(|i| 100 + i as i64).collect(),
+                ),
+                GenerateMode::Incremental => (words[k].to_string(), vec![100 + k as i64]),
+            };
+            let fin = if k + 1 == words.len() {
+                json!({"type": "length", "length": words.len() - from})
+            } else {
+                Value::Null
+            };
+            let v = json!({"text": text, "output_ids": ids, "meta_info": {
+                "id": rid, "prompt_tokens": prompt, "completion_tokens": k + 1 - from, "finish_reason": fin}});
+            Bytes::from(format!("data: {v}\n\n"))
+        })
+        .collect()
+}
+
+fn client_view(out: &[u8], mode: GenerateMode) -> (String, Vec<i64>, u64, Vec<Value>) {
+    let text = std::str::from_utf8(out).unwrap();
+    let evs: Vec<Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let (mut t, mut ids, mut n) = (String::new(), Vec::new(), 0);
+    for e in &evs {
+        let et = e["text"].as_str().unwrap().to_string();
+        let ei: Vec<i64> = serde_json::from_value(e["output_ids"].clone()).unwrap();
+        match mode {
+            GenerateMode::Cumulative => {
+                t = et;
+                ids = ei;
+            }
+            GenerateMode::Incremental => {
+                t.push_str(&et);
+                ids.extend(ei);
+            }
+        }
+        n = e["meta_info"]["completion_tokens"].as_u64().unwrap();
+    }
+    (t, ids, n, evs)
+}
+
+#[test]
+fn generate_streams_splice_in_every_mode_pair() {
+    use GenerateMode::*;
+    let words = [" a", " b", " c", " d", " e", " f"];
+    for client in [Cumulative, Incremental] {
+        for second in [Cumulative, Incremental] {
+            for cut in 1..words.len() {
+                let mut t = Tracker::new(plan(ApiRoute::Generate, 6, false, false), client);
+                let mut out = Vec::new();
+                for e in gen_events(&words, 0, client, "r0", 7).into_iter().take(cut) {
+                    out.extend_from_slice(&t.relay(e));
+                }
+                let sent = t.sent().expect("continuable");
+                assert_eq!(sent.completion_tokens, cut as u64);
+                assert_eq!(sent.text, words[..cut].concat());
+                t.next_segment(sent);
+                t.set_source_mode(second);
+                // The second decode's stream: its own counts, its own rid, a longer prompt.
+                for e in gen_events(&words, cut, second, "r1", 7 + cut as u64) {
+                    out.extend_from_slice(&t.relay(e));
+                }
+                out.extend_from_slice(&t.relay(Bytes::from_static(b"data: [DONE]\n\n")));
+                let (text, ids, n, evs) = client_view(&out, client);
+                let case = format!("{client:?} then {second:?}, cut {cut}");
+                assert_eq!(text, words.concat(), "{case}");
+                assert_eq!(ids, (100..106).collect::<Vec<_>>(), "{case}");
+                assert_eq!(n, 6, "{case}");
+                assert_eq!(evs.len(), 6, "{case}: one event per token");
+                assert!(
+                    evs.iter()
+                        .all(|e| e["meta_info"]["id"] == "r0"
+                            && e["meta_info"]["prompt_tokens"] == 7),
+                    "{case}"
+                );
+                let fins: Vec<&Value> = evs
+                    .iter()
+                    .map(|e| &e["meta_info"]["finish_reason"])
+                    .filter(|f| !f.is_null())
+                    .collect();
+                assert_eq!(
+                    fins,
+                    vec![&json!({"type": "length", "length": 6})],
+                    "{case}"
+                );
+                assert_eq!(String::from_utf8_lossy(&out).matches("[DONE]").count(), 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_finished_answer_is_not_continued() {
+    let words = [" a", " b"];
+    let mut t = Tracker::new(
+        plan(ApiRoute::Generate, 2, false, false),
+        GenerateMode::Cumulative,
+    );
+    for e in gen_events(&words, 0, GenerateMode::Cumulative, "r", 1) {
+        t.relay(e);
+    }
+    assert!(t.sent().is_err());
+}
+
+fn chat_chunk(
+    content: Option<&str>,
+    role: bool,
+    fin: Option<&str>,
+    usage: Option<(u64, u64)>,
+) -> Bytes {
+    let mut delta = serde_json::Map::new();
+    if role {
+        delta.insert("role".into(), json!("assistant"));
+    }
+    if let Some(c) = content {
+        delta.insert("content".into(), json!(c));
+    }
+    let mut v = json!({"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]});
+    if let Some((p, c)) = usage {
+        v["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+    }
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+fn usage_chunk(p: u64, c: u64) -> Bytes {
+    let v = json!({"id": "x", "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}});
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+#[test]
+fn chat_usage_is_hidden_unless_asked_and_summed_after_a_move() {
+    for (asked, continuous) in [(false, false), (true, false), (true, true)] {
+        let mut t = Tracker::new(
+            plan(ApiRoute::ChatCompletions, 4, asked, continuous),
+            GenerateMode::Cumulative,
+        );
+        let mut out = Vec::new();
+        out.extend_from_slice(&t.relay(chat_chunk(Some(""), true, None, Some((5, 0)))));
+        out.extend_from_slice(&t.relay(chat_chunk(Some(" a"), false, None, Some((5, 1)))));
+        // Two tokens in one chunk (speculative decoding): the engine's count says 3.
+        out.extend_from_slice(&t.relay(chat_chunk(Some(" b c"), false, None, Some((5, 3)))));
+        let sent = t.sent().unwrap();
+        assert_eq!((sent.text.as_str(), sent.completion_tokens), (" a b c", 3));
+        t.next_segment(sent);
+        let mut second = Vec::new();
+        second.extend_from_slice(&chat_chunk(Some(""), true, None, Some((9, 0))));
+        second.extend_from_slice(&chat_chunk(Some(" d"), false, None, Some((9, 1))));
+        second.extend_from_slice(&chat_chunk(None, false, Some("length"), Some((9, 1))));
+        second.extend_from_slice(&usage_chunk(9, 1));
+        second.extend_from_slice(b"data: [DONE]\n\n");
+        out.extend_from_slice(&t.relay(Bytes::from(second)));
+        let text = String::from_utf8(out).unwrap();
+        let evs: Vec<Value> = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let content: String = evs
+            .iter()
+            .filter_map(|e| e["choices"].get(0)?["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, " a b c d");
+        let roles = evs
+            .iter()
+            .filter(|e| {
+                e["choices"]
+                    .get(0)
+                    .is_some_and(|c| c["delta"].get("role").is_some())
+            })
+            .count();
+        assert_eq!(roles, 1, "one role chunk");
+        assert!(evs.iter().all(|e| e["id"] == "x"));
+        let finals: Vec<&Value> = evs.iter().filter(|e| e["choices"] == json!([])).collect();
+        let with_usage = evs
+            .iter()
+            .filter(|e| e["choices"] != json!([]) && e.get("usage").is_some())
+            .count();
+        if asked {
+            assert_eq!(finals.len(), 1);
+            assert_eq!(
+                finals[0]["usage"],
+                json!({"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9})
+            );
+        } else {
+            assert!(finals.is_empty(), "{text}");
+        }
+        assert_eq!(with_usage > 0, continuous, "{text}");
+        assert_eq!(text.matches("[DONE]").count(), 1);
+    }
+}
+
+#[test]
+fn tool_calls_and_reasoning_stop_a_move() {
+    let mut t = Tracker::new(
+        plan(ApiRoute::ChatCompletions, 9, false, false),
+        GenerateMode::Cumulative,
+    );
+    t.relay(Bytes::from_static(
+        b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0}]}}]}\n\n",
+    ));
+    assert!(t.sent().unwrap_err().contains("tool call"));
+    let mut t = Tracker::new(
+        plan(ApiRoute::ChatCompletions, 9, false, false),
+        GenerateMode::Cumulative,
+    );
+    t.relay(Bytes::from_static(
+        b"data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"hm\"}}]}\n\n",
+    ));
+    assert!(t.sent().unwrap_err().contains("reasoning"));
+}
+
+#[test]
+fn usage_is_cut_out_in_any_position() {
+    let cases: &[&[u8]] = &[
+        br#"{"usage":{"a":1},"id":"x"}"#,
+        br#"{"id":"x","usage":{"a":1}}"#,
+        br#"{"id":"x" , "usage" : {"a":1} , "z":2}"#,
+    ];
+    for c in cases {
+        #[derive(serde::Deserialize)]
+        struct U<'a> {
+            #[serde(borrow)]
+            usage: &'a RawValue,
+        }
+        let u: U<'_> = serde_json::from_slice(c).unwrap();
+        let out = without_member(c, u.usage).expect("cut");
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert!(v.get("usage").is_none());
+        assert_eq!(v["id"], "x");
+    }
+}

@@ -1,0 +1,566 @@
+//! A decode that dies mid-stream costs the client nothing but latency: the stream moves to
+//! another decode with the prompt plus what the client already received, and the client
+//! gets the uninterrupted answer. The simulator's tokens depend on the prompt it receives,
+//! so a replay from scratch, or a continuation without the partial answer, fails these
+//! tests; what each decode received is read back from the simulator.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use pdgate::config::PolicyKind;
+use pdgate_sim::{EngineConfig, Faults, SimCluster};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::support::common::*;
+
+/// One prefill, two decodes (round robin), with the given `/generate` stream modes.
+async fn fleet(incremental: [bool; 2], tweak: impl FnOnce(&mut pdgate::config::Config)) -> Env {
+    let decodes = incremental
+        .iter()
+        .map(|i| {
+            let mut d = fast_engine(EngineConfig::decode(1));
+            d.incremental_streaming_output = *i;
+            d
+        })
+        .collect();
+    let prefill = vec![fast_engine(EngineConfig::prefill(1))];
+    let env = start_with_admin(prefill, decodes, |c| {
+        c.policy.decode = PolicyKind::RoundRobin;
+        tweak(c);
+    })
+    .await;
+    env.wait_routable(1, 2).await;
+    env
+}
+
+/// The client's view of an answer.
+#[derive(Debug, Default, PartialEq)]
+struct Answer {
+    text: String,
+    ids: Vec<i64>,
+    /// Tokens, as the answer reports them (`/generate` meta_info, or OpenAI usage when
+    /// asked; else the count of token events).
+    tokens: u64,
+    /// Token texts in the order they came (one per event for the simulator).
+    pieces: Vec<String>,
+    finish_reasons: usize,
+    usage: Option<Value>,
+    /// Chunks that carried a `usage` field (other than the final usage chunk).
+    chunk_usages: usize,
+    done: usize,
+    errors: usize,
+}
+
+fn read_answer(path: &str, stream: bool, incremental: bool, body: &[u8]) -> Answer {
+    let mut a = Answer::default();
+    if !stream {
+        let v: Value = serde_json::from_slice(body).expect("json answer");
+        if path == "/generate" {
+            a.text = v["text"].as_str().unwrap_or("").to_string();
+            a.ids = serde_json::from_value(v["output_ids"].clone()).unwrap_or_default();
+            a.tokens = v["meta_info"]["completion_tokens"].as_u64().unwrap_or(0);
+        } else {
+            let c = &v["choices"][0];
+            a.text = c["message"]["content"]
+                .as_str()
+                .or(c["text"].as_str())
+                .unwrap_or("")
+                .to_string();
+            a.tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+            a.usage = Some(v["usage"].clone());
+        }
+        a.finish_reasons = 1;
+        a.done = 1;
+        return a;
+    }
+    let text = std::str::from_utf8(body).expect("utf8");
+    a.done = text.matches("data: [DONE]").count();
+    let (events, _) = sse_events(body);
+    for ev in &events {
+        if ev.get("error").is_some() {
+            a.errors += 1;
+            continue;
+        }
+        if path == "/generate" {
+            let t = ev["text"].as_str().unwrap_or("");
+            let ids: Vec<i64> =
+                serde_json::from_value(ev["output_ids"].clone()).unwrap_or_default();
+            if incremental {
+                a.pieces.push(t.to_string());
+                a.text.push_str(t);
+                a.ids.extend(ids);
+            } else {
+                a.pieces
+                    .push(t.get(a.text.len()..).unwrap_or("").to_string());
+                a.text = t.to_string();
+                a.ids = ids;
+            }
+            a.tokens = ev["meta_info"]["completion_tokens"].as_u64().unwrap_or(0);
+            if !ev["meta_info"]["finish_reason"].is_null() {
+                a.finish_reasons += 1;
+            }
+            continue;
+        }
+        let choices = ev["choices"].as_array().cloned().unwrap_or_default();
+        if choices.is_empty() {
+            a.usage = Some(ev["usage"].clone());
+            continue;
+        }
+        if ev.get("usage").is_some_and(|u| !u.is_null()) {
+            a.chunk_usages += 1;
+        }
+        for c in choices {
+            let t = c["delta"]["content"]
+                .as_str()
+                .or(c["text"].as_str())
+                .unwrap_or("");
+            if !t.is_empty() {
+                a.pieces.push(t.to_string());
+                a.text.push_str(t);
+            }
+            if !c["finish_reason"].is_null() {
+                a.finish_reasons += 1;
+            }
+        }
+    }
+    if path != "/generate" {
+        a.tokens = a
+            .usage
+            .as_ref()
+            .and_then(|u| u["completion_tokens"].as_u64())
+            .unwrap_or(a.pieces.len() as u64);
+    }
+    a
+}
+
+/// The generate bodies each decode received so far.
+fn bodies(env: &Env) -> Vec<Vec<Value>> {
+    env.cluster
+        .decodes
+        .iter()
+        .map(|d| {
+            d.recent_generate_bodies()
+                .into_iter()
+                .map(|(_, b)| b)
+                .collect()
+        })
+        .collect()
+}
+
+/// One case: a route, a request body asking for `limit` tokens.
+struct Case {
+    name: &'static str,
+    path: &'static str,
+    body: Value,
+    limit: u64,
+}
+
+fn cases(stream: bool) -> Vec<Case> {
+    let l = 12;
+    vec![
+        Case {
+            name: "generate text",
+            path: "/generate",
+            body: json!({"text": "tell me", "sampling_params": {"max_new_tokens": l, "temperature": 0}, "stream": stream}),
+            limit: l,
+        },
+        Case {
+            name: "generate input_ids",
+            path: "/generate",
+            body: json!({"input_ids": [11, 22, 33], "sampling_params": {"max_new_tokens": l}, "stream": stream}),
+            limit: l,
+        },
+        Case {
+            name: "completions",
+            path: "/v1/completions",
+            body: json!({"model": "m", "prompt": "once upon", "max_tokens": l, "stream": stream}),
+            limit: l,
+        },
+        Case {
+            name: "chat",
+            path: "/v1/chat/completions",
+            body: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": l, "stream": stream}),
+            limit: l,
+        },
+        Case {
+            name: "chat with usage",
+            path: "/v1/chat/completions",
+            body: json!({"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "max_completion_tokens": l, "stream": stream, "stream_options": {"include_usage": true}}),
+            limit: l,
+        },
+    ]
+}
+
+async fn ask(env: &Env, c: &Case, incremental: bool) -> Answer {
+    let (st, _, bytes) = env.post(c.path, &c.body.to_string()).await;
+    assert_eq!(st, 200, "{}: {}", c.name, String::from_utf8_lossy(&bytes));
+    let stream = c.body["stream"] == json!(true);
+    read_answer(c.path, stream, incremental, &bytes)
+}
+
+/// Checks a moved answer against the uninterrupted one and what the second decode got.
+fn check_moved(c: &Case, whole: &Answer, got: &Answer, follow: &Value) {
+    let n = c.name;
+    assert_eq!(
+        got.text, whole.text,
+        "{n}: the client's text is the uninterrupted answer"
+    );
+    assert_eq!(got.ids, whole.ids, "{n}: ids");
+    assert_eq!(
+        got.tokens, c.limit,
+        "{n}: exactly the asked number of tokens"
+    );
+    assert_eq!(
+        (got.done, got.finish_reasons, got.errors),
+        (1, 1, 0),
+        "{n}: {got:?}"
+    );
+    assert_eq!(got.usage, whole.usage, "{n}: usage as if uninterrupted");
+    assert_eq!(got.chunk_usages, 0, "{n}: per-chunk usage hidden");
+    // What the follow-up carried: the original prompt plus the k tokens the client had.
+    let (prefix, limit) = match c.path {
+        "/generate" if c.body.get("input_ids").is_some() => {
+            let ids: Vec<i64> = serde_json::from_value(follow["input_ids"].clone()).unwrap();
+            let orig: Vec<i64> = serde_json::from_value(c.body["input_ids"].clone()).unwrap();
+            assert_eq!(ids[..orig.len()], orig[..], "{n}");
+            let k = ids.len() - orig.len();
+            assert_eq!(
+                ids[orig.len()..],
+                whole.ids[..k],
+                "{n}: the ids the client had"
+            );
+            (
+                whole.pieces[..k].concat(),
+                follow["sampling_params"]["max_new_tokens"].clone(),
+            )
+        }
+        "/generate" => {
+            let t = follow["text"].as_str().unwrap();
+            let orig = c.body["text"].as_str().unwrap();
+            assert!(t.starts_with(orig), "{n}: {t}");
+            assert_eq!(
+                follow["sampling_params"]["temperature"], 0,
+                "{n}: other params kept"
+            );
+            (
+                t[orig.len()..].to_string(),
+                follow["sampling_params"]["max_new_tokens"].clone(),
+            )
+        }
+        "/v1/completions" => {
+            let t = follow["prompt"].as_str().unwrap();
+            let orig = c.body["prompt"].as_str().unwrap();
+            (t[orig.len()..].to_string(), follow["max_tokens"].clone())
+        }
+        _ => {
+            let msgs = follow["messages"].as_array().unwrap();
+            let orig = c.body["messages"].as_array().unwrap();
+            assert_eq!(msgs[..orig.len()], orig[..], "{n}");
+            assert_eq!(msgs.len(), orig.len() + 1, "{n}");
+            assert_eq!(msgs[orig.len()]["role"], "assistant", "{n}");
+            assert_eq!(follow["continue_final_message"], true, "{n}");
+            let lim = follow
+                .get("max_completion_tokens")
+                .cloned()
+                .unwrap_or_else(|| follow["max_tokens"].clone());
+            (
+                msgs[orig.len()]["content"].as_str().unwrap().to_string(),
+                lim,
+            )
+        }
+    };
+    assert!(
+        !prefix.is_empty(),
+        "{n}: the follow-up carried what the client had"
+    );
+    // k: how many of the answer's tokens make up the prefix.
+    let mut k = 0;
+    let mut acc = String::new();
+    while acc.len() < prefix.len() {
+        acc.push_str(&whole.pieces[k]);
+        k += 1;
+    }
+    assert_eq!(acc, prefix, "{n}: the prefix is whole tokens of the answer");
+    assert_eq!(
+        limit,
+        json!(c.limit - k as u64),
+        "{n}: the limit reduced by the tokens sent"
+    );
+    assert!(got.text.starts_with(&prefix), "{n}");
+}
+
+/// Runs every case on `env`: uninterrupted first, then with decode 0 dying after
+/// `die_after` chunks, until a request of the case was moved off it.
+async fn run_cases(env: &Env, stream: bool, incremental: bool, die_after: u32) {
+    for c in cases(stream) {
+        env.cluster.decodes[0].set_faults(Faults::default());
+        let whole = ask(env, &c, incremental).await;
+        assert_eq!(whole.tokens, c.limit, "{}: {whole:?}", c.name);
+        env.cluster.decodes[0].set_faults(Faults {
+            decode_die_mid_stream_after: Some(die_after),
+            ..Faults::default()
+        });
+        let mut moved = false;
+        for _ in 0..4 {
+            let before = bodies(env);
+            let got = ask(env, &c, incremental).await;
+            let after = bodies(env);
+            let new: Vec<&[Value]> = (0..2).map(|i| &after[i][before[i].len()..]).collect();
+            if new[0].is_empty() {
+                // Served by the healthy decode alone.
+                assert_eq!(got.text, whole.text, "{}", c.name);
+                continue;
+            }
+            assert_eq!(
+                new[1].len(),
+                1,
+                "{}: one follow-up on the other decode",
+                c.name
+            );
+            if stream {
+                check_moved(&c, &whole, &got, &new[1][0]);
+            } else {
+                // Not streamed: the client saw nothing; the request was re-run whole.
+                assert_eq!(got.text, whole.text, "{}", c.name);
+                assert_eq!(got.tokens, c.limit, "{}", c.name);
+                assert_eq!(new[1][0]["stream"], new[0][0]["stream"], "{}", c.name);
+            }
+            moved = true;
+            break;
+        }
+        assert!(moved, "{}: no request reached the dying decode", c.name);
+    }
+    env.cluster.decodes[0].set_faults(Faults::default());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_move_to_another_decode_in_cumulative_mode() {
+    let env = fleet([false, false], |_| {}).await;
+    run_cases(&env, true, false, 4).await;
+    let (_, _, metrics) = env.admin("GET", "/metrics", None, "").await;
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("pdgate_stream_moves_total{") && l.contains("outcome=\"moved\"")),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_move_in_incremental_mode() {
+    let env = fleet([true, true], |_| {}).await;
+    run_cases(&env, true, true, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streamed_requests_are_rerun_whole() {
+    let env = fleet([false, false], |_| {}).await;
+    run_cases(&env, false, false, 3).await;
+}
+
+/// Bodies that cannot be continued exactly end as before: with the error event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_cannot_be_continued_ends_with_the_error_frame() {
+    let env = fleet([false, false], |_| {}).await;
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_die_mid_stream_after: Some(2),
+        ..Faults::default()
+    });
+    let refused = [
+        (
+            "/generate",
+            json!({"text": "x", "sampling_params": {"max_new_tokens": 8, "regex": "( [a-z]+)+"}, "stream": true}),
+        ),
+        (
+            "/generate",
+            json!({"text": "x", "sampling_params": {"max_new_tokens": 8}, "return_logprob": true, "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "n": 2, "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "response_format": {"type": "json_object"}, "stream": true}),
+        ),
+    ];
+    for (path, body) in refused {
+        let mut saw_error = false;
+        for _ in 0..4 {
+            let before = bodies(&env);
+            let (st, _, bytes) = env.post(path, &body.to_string()).await;
+            assert_eq!(st, 200);
+            let after = bodies(&env);
+            if after[0].len() == before[0].len() {
+                continue;
+            }
+            let (events, done) = sse_events(&bytes);
+            assert!(done, "{}", String::from_utf8_lossy(&bytes));
+            assert_eq!(
+                events.last().unwrap()["error"]["type"],
+                "decode_broken",
+                "{body}: {}",
+                String::from_utf8_lossy(&bytes)
+            );
+            assert_eq!(after[1].len(), before[1].len(), "{body}: no follow-up");
+            saw_error = true;
+            break;
+        }
+        assert!(saw_error, "{body}: never reached the dying decode");
+    }
+}
+
+/// `retry.max_stream_moves = 0` keeps the old behaviour: the error frame.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moves_off_keeps_the_error_frame() {
+    let env = fleet([false, false], |c| c.retry.max_stream_moves = 0).await;
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_die_mid_stream_after: Some(2),
+        ..Faults::default()
+    });
+    let body = json!({"text": "x", "sampling_params": {"max_new_tokens": 8}, "stream": true});
+    let mut seen = false;
+    for _ in 0..4 {
+        let before = bodies(&env);
+        let (_, _, bytes) = env.post("/generate", &body.to_string()).await;
+        let after = bodies(&env);
+        if after[0].len() == before[0].len() {
+            continue;
+        }
+        let (events, done) = sse_events(&bytes);
+        assert!(done);
+        assert_eq!(events.last().unwrap()["error"]["type"], "decode_broken");
+        assert_eq!(after[1].len(), before[1].len(), "no follow-up");
+        seen = true;
+        break;
+    }
+    assert!(seen);
+}
+
+/// A decode that goes silent mid-stream (longer than the gap ceiling) is moved off too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_decode_is_moved_off() {
+    let env = fleet([false, false], |c| c.retry.mid_stream_gap_ceiling_ms = 300).await;
+    let c = &cases(true)[0];
+    let whole = ask(&env, c, false).await;
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_extra_itl_ms: 3000,
+        ..Faults::default()
+    });
+    let mut moved = false;
+    for _ in 0..4 {
+        let before = bodies(&env);
+        let started = std::time::Instant::now();
+        let got = ask(&env, c, false).await;
+        let after = bodies(&env);
+        if after[0].len() == before[0].len() {
+            continue;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "moved before the idle bound"
+        );
+        check_moved(c, &whole, &got, &after[1][before[1].len()]);
+        moved = true;
+        break;
+    }
+    assert!(moved);
+}
+
+/// A real decode process killed mid-stream: every stream completes, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_decode_process_loses_no_stream() {
+    let cluster = SimCluster::spawn(
+        &[fast_engine(EngineConfig::prefill(1))],
+        &[fast_engine(EngineConfig::decode(1))],
+    )
+    .await
+    .expect("cluster");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pdgate"))
+        .args([
+            "sim",
+            "--role",
+            "decode",
+            "--ttft-ms",
+            "2",
+            "--itl-ms",
+            "15",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("pdgate sim");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .expect("stdout")
+                .expect("a READY line");
+            if line.starts_with("READY") {
+                return line;
+            }
+        }
+    })
+    .await
+    .expect("READY in time");
+    let url = ready.split_whitespace().nth(2).expect("url").to_string();
+    let mut cfg = fast_config();
+    cfg.add_workers(
+        cluster.prefill_endpoints(),
+        cluster.decode_urls().chain([url]),
+    );
+    cfg.policy.decode = PolicyKind::RoundRobin;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let router = pdgate::router::start_with(
+        cfg,
+        Some(listener),
+        pdgate::router::AdminListener::Off,
+        pdgate::pd::RngSource::Seeded(1.into()),
+    )
+    .await
+    .expect("router");
+    let env = Env {
+        cluster,
+        router,
+        client: client(),
+    };
+    env.wait_routable(1, 2).await;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "long story"}], "max_tokens": 60, "stream": true, "stream_options": {"include_usage": true}}).to_string();
+    let whole = {
+        let (_, _, b) = env.post("/v1/chat/completions", &body).await;
+        read_answer("/v1/chat/completions", true, false, &b)
+    };
+    assert_eq!(whole.tokens, 60);
+    let streams: Vec<_> = (0..4)
+        .map(|_| env.post("/v1/chat/completions", &body))
+        .collect();
+    let all = futures_util::future::join_all(streams);
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        child.start_kill().expect("kill");
+    };
+    let (answers, ()) = tokio::join!(all, kill);
+    for (st, _, b) in answers {
+        assert_eq!(st, 200);
+        let a = read_answer("/v1/chat/completions", true, false, &b);
+        assert_eq!(a.text, whole.text, "{}", String::from_utf8_lossy(&b));
+        assert_eq!(
+            (a.tokens, a.done, a.finish_reasons, a.errors),
+            (60, 1, 1, 0)
+        );
+        assert_eq!(a.usage, whole.usage);
+    }
+    let _ = child.wait().await;
+    // The streams on the killed process were continued on the other decode.
+    let follow_ups = env.cluster.decodes[0]
+        .recent_generate_bodies()
+        .iter()
+        .filter(|(_, b)| b["continue_final_message"] == true)
+        .count();
+    assert!(follow_ups >= 1, "no stream was moved off the killed decode");
+}
