@@ -145,12 +145,32 @@ pub const TOO_LONG_REJECTED: &str = "400 rejected (too-long prompt, as asked)";
 /// Suffix of the outcome label of a too-long prompt answered otherwise.
 pub const TOO_LONG_OTHER: &str = " (too-long prompt)";
 
+/// Error types that mean a request was lost to an engine that stalled (before or after its
+/// first byte) or died mid-stream: what stall detection and stream moves exist to prevent.
+pub const STALL_OR_MID_STREAM: &[&str] = &[
+    "prefill_stalled",
+    "decode_stalled",
+    "prefill_timeout",
+    "decode_first_byte_timeout",
+    "decode_idle_timeout",
+    "decode_broken",
+];
+
+/// Whether an outcome label names one of [`STALL_OR_MID_STREAM`].
+pub fn lost_to_stall(label: &str) -> bool {
+    label
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .any(|w| STALL_OR_MID_STREAM.contains(&w))
+}
+
 /// What the clients saw, by outcome and phase.
 #[derive(Debug, Default, Clone)]
 pub struct Tally {
     /// Outcome label → requests per phase.
     pub by_outcome: BTreeMap<String, [u64; 3]>,
     pub total: u64,
+    /// Requests that failed because an engine stalled or died mid-stream.
+    pub lost_to_stalls: u64,
     pub late: u64,
     pub malformed: u64,
     pub unexpected: u64,
@@ -169,6 +189,9 @@ impl Tally {
     fn add(&mut self, phase: usize, d: Done) {
         self.by_outcome.entry(d.label.clone()).or_default()[phase.min(2)] += 1;
         self.total += 1;
+        if lost_to_stall(&d.label) {
+            self.lost_to_stalls += 1;
+        }
         match d.bad {
             Some(Bad::Late) => self.late += 1,
             Some(Bad::Malformed) => self.malformed += 1,

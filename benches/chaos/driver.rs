@@ -34,11 +34,13 @@ pub enum Kind {
     Decode500,
     Decode400,
     DecodeDiesMidStream,
+    DecodeHang,
+    DecodeStallsMidStream,
     SlowTtft,
     SlowItl,
 }
 
-const KINDS: [Kind; 14] = [
+const KINDS: [Kind; 16] = [
     Kind::Down,
     Kind::Kill,
     Kind::BootstrapDown,
@@ -51,6 +53,8 @@ const KINDS: [Kind; 14] = [
     Kind::Decode500,
     Kind::Decode400,
     Kind::DecodeDiesMidStream,
+    Kind::DecodeHang,
+    Kind::DecodeStallsMidStream,
     Kind::SlowTtft,
     Kind::SlowItl,
 ];
@@ -75,6 +79,8 @@ impl Kind {
             Kind::Decode500 => "decode answers 500",
             Kind::Decode400 => "decode answers 400",
             Kind::DecodeDiesMidStream => "decode dies mid-stream",
+            Kind::DecodeHang => "decode stalls before its first byte (health fine)",
+            Kind::DecodeStallsMidStream => "decode stalls mid-stream (4 s between tokens)",
             Kind::SlowTtft => "slow decode (+300 ms TTFT)",
             Kind::SlowItl => "slow decode (+50 ms ITL)",
         }
@@ -118,6 +124,10 @@ impl Kind {
             Kind::DecodeDiesMidStream => {
                 f.decode_die_mid_stream_after = Some(rng.random_range(0..3));
             }
+            Kind::DecodeHang => f.decode_hang = true,
+            // Silent for longer than the learned gap bound and than the stream idle bound:
+            // a move, or the stream's idle error.
+            Kind::DecodeStallsMidStream => f.decode_extra_itl_ms = 4000,
             Kind::SlowTtft => f.decode_extra_ttft_ms = 300,
             Kind::SlowItl => f.decode_extra_itl_ms = 50,
         }

@@ -60,6 +60,11 @@ request_secs = 8
 open_ms = 500
 max_open_ms = 1500
 
+# A moving stream waits at most 1.5 s for a routable decode (the clients' stream-gap bound
+# is stream_idle_secs + 2 s).
+[retry]
+move_wait_ms = 1500
+
 [admission]
 queue_timeout_ms = 1000
 "#;

@@ -289,6 +289,10 @@ pub struct RetryConfig {
     /// its stream moved (only streams that can still move; others wait for
     /// `timeouts.stream_idle_secs`).
     pub mid_stream_gap_ceiling_ms: u64,
+    /// How long a stream whose decode died waits for another decode to become routable
+    /// when none is (the other decode recovering, restarting or at capacity) before it
+    /// ends with its error frame. The client sees a pause, not an error.
+    pub move_wait_ms: u64,
 }
 
 impl Default for RetryConfig {
@@ -299,6 +303,7 @@ impl Default for RetryConfig {
             budget_min_reserve: 100,
             max_stream_moves: 1,
             mid_stream_gap_ceiling_ms: 10_000,
+            move_wait_ms: 3_000,
         }
     }
 }
@@ -615,6 +620,7 @@ impl Config {
         range("timeouts.request_secs", t.request_secs, 1, 7 * DAY)?;
         range("retry.max_retries", r.max_retries, 0, 16)?;
         range("retry.max_stream_moves", r.max_stream_moves, 0, 8)?;
+        range("retry.move_wait_ms", r.move_wait_ms, 0, 600_000)?;
         range(
             "retry.mid_stream_gap_ceiling_ms",
             r.mid_stream_gap_ceiling_ms,

@@ -385,6 +385,7 @@ impl Dispatcher {
                 c.prefill,
                 c.decode,
                 size,
+                req.stream,
             ),
         }
     }

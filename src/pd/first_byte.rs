@@ -99,7 +99,6 @@ where
     tokio::pin!(first_byte);
     let look = tokio::time::sleep_until(stall.start());
     tokio::pin!(look);
-    let watching = stall.enabled();
     let mut progress = PrefillProgress {
         done: None,
         first_byte,
@@ -124,7 +123,7 @@ where
             _ = progress.first_byte.as_mut(), if progress.done.is_some() => {
                 return Err(failed(progress.first_byte_timeout()));
             }
-            _ = progress.look.as_mut(), if watching => progress.look(d).map_err(failed)?,
+            _ = progress.look.as_mut(), if progress.stall.enabled() => progress.look(d).map_err(failed)?,
         }
     };
     let status = head.status();
@@ -143,7 +142,7 @@ where
                 Ok(done) => progress.completed(done),
                 Err(f) => return Err(failed(f)),
             },
-            _ = progress.look.as_mut(), if watching => progress.look(d).map_err(failed)?,
+            _ = progress.look.as_mut(), if progress.stall.enabled() => progress.look(d).map_err(failed)?,
         }
     }
     let logprobs = progress

@@ -45,6 +45,9 @@ pub struct Mover {
     exclude_d: Vec<WorkerId>,
 }
 
+/// How often a move waiting for a routable decode looks again.
+const MOVE_WAIT_POLL: Duration = Duration::from_millis(25);
+
 /// How a move ended, for `pdgate_stream_moves_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoveOutcome {
@@ -155,7 +158,11 @@ impl Mover {
         if !self.exclude_d.contains(&dead) {
             self.exclude_d.push(dead);
         }
-        if !self.d.has_alternative(&[], &self.exclude_d) {
+        // With no other decode routable now (the other one recovering, restarting, at
+        // capacity), the move waits for one up to `retry.move_wait_ms`: a pause in the
+        // stream rather than an error.
+        let wait = Duration::from_millis(self.d.cfg.retry.move_wait_ms);
+        if wait.is_zero() && !self.d.has_alternative(&[], &self.exclude_d) {
             return Err("no other decode to move to".into());
         }
         if !self.d.budget.try_withdraw() {
@@ -178,6 +185,19 @@ impl Mover {
         let retries = d.cfg.retry.max_retries;
         self.next_attempt += 1 + retries;
         Ok(Box::pin(async move {
+            let until = tokio::time::Instant::now() + wait;
+            while !d.has_alternative(&[], &exclude_d) {
+                if tokio::time::Instant::now() >= until {
+                    return Err(Failure::new(
+                        crate::error::FailReason::NoDecodeAvailable,
+                        format!(
+                            "no other decode became routable within retry.move_wait_ms ({} ms)",
+                            wait.as_millis()
+                        ),
+                    ));
+                }
+                tokio::time::sleep(MOVE_WAIT_POLL).await;
+            }
             let mut exclude_p = Vec::new();
             let mut n = 0;
             loop {

@@ -82,6 +82,11 @@ enum Phase {
 /// One attempt's stall watch, from the legs' send to decode's first event.
 pub(super) struct StallWatch {
     enabled: bool,
+    /// The client asked for a stream: decode's first event is its first token. A
+    /// non-streamed decode answers once its whole answer is made (its time grows with the
+    /// output, not the time to first token), so it is not judged against first-token
+    /// times: its decode is bounded by `timeouts.decode_first_byte_secs` alone.
+    streamed: bool,
     pair: Pair,
     size: u32,
     prefill: Arc<WorkerProgress>,
@@ -100,10 +105,12 @@ impl StallWatch {
         prefill: &WorkerView,
         decode: &WorkerView,
         size: u32,
+        streamed: bool,
     ) -> StallWatch {
         let now = Instant::now();
         StallWatch {
             enabled: cfg.enabled,
+            streamed,
             pair,
             size,
             prefill: prefill.progress.clone(),
@@ -138,6 +145,9 @@ impl StallWatch {
     /// The prefill answered: decode's first-event clock starts. Returns the first look.
     pub fn prefill_done(&mut self) -> Instant {
         self.phase = Phase::FirstToken;
+        if !self.streamed {
+            self.enabled = false;
+        }
         self.start()
     }
 
@@ -213,7 +223,7 @@ impl StallWatch {
     /// Decode's first event is in hand: a sample of its time after the prefill (when the
     /// prefill answered first), and the decode is progressing.
     pub fn first_byte(&self) {
-        if self.phase == Phase::FirstToken {
+        if self.phase == Phase::FirstToken && self.streamed {
             let rank = self.pair.decode.rank;
             self.decode
                 .record(Kind::FirstToken, rank, self.started.elapsed(), 1);

@@ -356,12 +356,14 @@ async fn decode_hung_before_its_first_byte_is_retried_on_the_other_decode() {
     )
     .await;
     env.wait_routable(1, 2).await;
-    all_ok(&load(&env, 16, 4, GEN).await);
+    // Streams: decode's first event is the first token (a non-streamed answer comes whole,
+    // and is not judged against first-token times).
+    all_ok(&load(&env, 16, 4, GEN_STREAM).await);
     env.cluster.decodes[0].set_faults(Faults {
         decode_hang: true,
         ..Faults::default()
     });
-    let hit = load(&env, 16, 4, GEN).await;
+    let hit = load(&env, 16, 4, GEN_STREAM).await;
     all_ok(&hit);
     assert!(
         slowest(&hit) < Duration::from_secs(5),
@@ -396,4 +398,38 @@ async fn decode_gap_bound_is_learned_from_streams() {
     for id in 0..2 {
         assert_eq!(d.decode_gap_deadline(WorkerId(id), 0), floor, "decode {id}");
     }
+}
+
+/// A non-streamed answer arrives whole, after every token: however long it takes past the
+/// fleet's learned time to first token, it is not a stall (no retry, no ejection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_non_streamed_answer_is_not_a_stall() {
+    let slow_tokens = |_| {
+        let mut d = fast_engine(EngineConfig::decode(1));
+        d.itl = Duration::from_millis(100);
+        d
+    };
+    let env = start_as_is(
+        vec![fast_engine(EngineConfig::prefill(1))],
+        (0..2).map(slow_tokens).collect(),
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 2).await;
+    // The fleet learns a time to first token of a few ms (floor: 500 ms).
+    all_ok(&load(&env, 12, 4, GEN_STREAM).await);
+    // 12 tokens at 100 ms: each non-streamed answer takes about 1.2 s, while streams on
+    // both decodes keep completing their first tokens in a few ms.
+    let long = r#"{"text":"hello","sampling_params":{"max_new_tokens":12}}"#;
+    let (streams, plain) = tokio::join!(load(&env, 40, 2, GEN_STREAM), load(&env, 6, 2, long));
+    all_ok(&streams);
+    all_ok(&plain);
+    for d in &env.cluster.decodes {
+        assert!(
+            attempts_seen(d, 'd', 1).is_empty(),
+            "a long answer was retried"
+        );
+    }
+    assert_eq!(breaker(&env, Role::Decode, 0), BreakerState::Closed);
+    assert_eq!(breaker(&env, Role::Decode, 1), BreakerState::Closed);
 }

@@ -564,3 +564,48 @@ async fn a_killed_decode_process_loses_no_stream() {
         .count();
     assert!(follow_ups >= 1, "no stream was moved off the killed decode");
 }
+
+/// A stream whose decode dies while no other decode is routable waits (up to
+/// `retry.move_wait_ms`) for one, then moves: a pause, not an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_waits_for_a_decode_to_come_back() {
+    let env = fleet([false, false], |_| {}).await;
+    let c = &cases(true)[0];
+    let whole = ask(&env, c, false).await;
+    let other_url = env.cluster.decodes[1].url();
+    let other = env
+        .router
+        .pool
+        .load()
+        .workers(pdgate::types::Role::Decode)
+        .iter()
+        .find(|w| w.url.as_str() == other_url)
+        .expect("decode 1")
+        .id;
+    // Only decode 0 takes the request, and it dies mid-stream.
+    env.router
+        .fleet
+        .drain(pdgate::types::Role::Decode, other)
+        .expect("drain");
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_die_mid_stream_after: Some(2),
+        ..Faults::default()
+    });
+    let before = bodies(&env);
+    let back = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        env.router
+            .fleet
+            .undrain(pdgate::types::Role::Decode, other)
+            .expect("undrain");
+    };
+    let (got, ()) = tokio::join!(ask(&env, c, false), back);
+    let after = bodies(&env);
+    assert_eq!(after[0].len(), before[0].len() + 1, "decode 0 took it");
+    assert_eq!(
+        after[1].len(),
+        before[1].len() + 1,
+        "decode 1 got the follow-up"
+    );
+    check_moved(c, &whole, &got, &after[1][before[1].len()]);
+}
