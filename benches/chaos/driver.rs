@@ -235,6 +235,12 @@ pub async fn drive_faults(
             let free: Vec<usize> = (0..engines.len())
                 .filter(|&i| active[i].is_none() && kind.fits(engines[i].role))
                 .filter(|&i| {
+                    // One engine failing at a time per role, when the plan says so.
+                    !plan.one_per_role
+                        || !(0..engines.len())
+                            .any(|j| active[j].is_some() && engines[j].role == engines[i].role)
+                })
+                .filter(|&i| {
                     // A fault that takes an engine down needs a way back: a real restart
                     // or the engine's handle.
                     !kind.takes_down()

@@ -247,6 +247,9 @@ pub struct Plan {
     pub fault_len: (Duration, Duration),
     /// Pause between two fault starts (min, max).
     pub fault_gap: (Duration, Duration),
+    /// At most one faulted engine per role at a time (`PDGATE_CHAOS_ONE_PER_ROLE=1`): the
+    /// storm of "one engine failing at a time", where no request should be lost.
+    pub one_per_role: bool,
 }
 
 impl Plan {
@@ -273,6 +276,7 @@ impl Plan {
             seed,
             fault_len: (Duration::from_millis(200), Duration::from_secs_f64(longest)),
             fault_gap: (Duration::from_millis(80), Duration::from_millis(300)),
+            one_per_role: false,
         }
     }
 
@@ -289,6 +293,9 @@ impl Plan {
         }
         if let Some(v) = get("PDGATE_CHAOS_PAUSE_MS") {
             self.mix.pause = Duration::from_secs_f64(v.max(0.1) / 1000.0);
+        }
+        if get("PDGATE_CHAOS_ONE_PER_ROLE").is_some_and(|v| v != 0.0) {
+            self.one_per_role = true;
         }
         self
     }
