@@ -161,8 +161,17 @@ impl Mover {
         // With no other decode routable now (the other one recovering, restarting, at
         // capacity), the move waits for one up to `retry.move_wait_ms`: a pause in the
         // stream rather than an error.
+        // Only a decode that exists can come back: with no other decode in the pool at
+        // all, the stream ends at once.
         let wait = Duration::from_millis(self.d.cfg.retry.move_wait_ms);
-        if wait.is_zero() && !self.d.has_alternative(&[], &self.exclude_d) {
+        let others = self
+            .d
+            .pool
+            .load()
+            .workers(Role::Decode)
+            .iter()
+            .any(|w| !self.exclude_d.contains(&w.id));
+        if (wait.is_zero() || !others) && !self.d.has_alternative(&[], &self.exclude_d) {
             return Err("no other decode to move to".into());
         }
         if !self.d.budget.try_withdraw() {
