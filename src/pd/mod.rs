@@ -1,7 +1,7 @@
 //! One PD request's life: select a pair → assign rooms and ranks → preflight → send both
 //! legs → couple their failures → stream decode to the client.
 //!
-//! Invariants (see also `../shared/DESIGN.md`):
+//! Invariants (see also ARCHITECTURE.md, "A request's life"):
 //! 1. The room-to-rank contract holds for every attempt: both legs carry the same
 //!    bootstrap host, port and rooms; every room is `≡ k (mod dp_P)` for the chosen prefill
 //!    rank k, so the rank that runs it is the rank decode resolves ([`room`]).

@@ -1,10 +1,10 @@
 //! Interop: pdgate's bootstrap client and tracker against SGLang's **real** KV bootstrap
 //! server (`CommonKVBootstrapServer` from the sglang 0.5.23 wheel), started by
-//! `../shared/interop/sglang-bootstrap/bootstrap_server.py` from the venv at
-//! `target/sglang-venv` (CI: `VENV=target/sglang-venv ../shared/interop/sglang-bootstrap/setup.sh`).
+//! `tests/interop/sglang-bootstrap/bootstrap_server.py` from the venv at
+//! `target/sglang-venv` (CI: `VENV=target/sglang-venv tests/interop/sglang-bootstrap/setup.sh`).
 //!
 //! Prefill ranks are played by the reference client `register_ranks.py put`; what the
-//! server answers is recorded in `../shared/spec/sglang-0.5.23-bootstrap-observed.md`.
+//! server answers is recorded in `tests/interop/sglang-bootstrap/observed.md`.
 //! Every case runs on a fresh server on 127.0.0.1 (`--port 0`).
 //!
 //! Without the venv the tests fail when `CI` is set and are skipped (loudly) otherwise.
@@ -41,7 +41,7 @@ const SERVER_MAX_SECONDS: &str = "120";
 // ---------------------------------------------------------------------------------------
 
 fn scripts_dir() -> PathBuf {
-    manifest().join("../shared/interop/sglang-bootstrap")
+    manifest().join("tests/interop/sglang-bootstrap")
 }
 
 /// The venv's python, or `None` (after a loud notice) when the test must be skipped.
@@ -54,7 +54,7 @@ fn python_or_skip(test: &str) -> Option<PathBuf> {
     }
     let why = format!(
         "SGLang bootstrap venv not found: need {} and {}; build it with \
-         `VENV=target/sglang-venv ../shared/interop/sglang-bootstrap/setup.sh` (from {})",
+         `VENV=target/sglang-venv tests/interop/sglang-bootstrap/setup.sh` (from {})",
         py.display(),
         server.display(),
         manifest().display()

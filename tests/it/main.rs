@@ -26,6 +26,7 @@ mod garbage;
 mod health_flags;
 mod interop_bootstrap;
 mod interop_uvicorn;
+mod layers;
 mod manifests;
 mod metrics;
 mod policies;
