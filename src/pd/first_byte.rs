@@ -52,7 +52,12 @@ impl PrefillProgress<'_> {
         self.first_byte.as_mut().reset(due);
         if self.stall.enabled() {
             let at = self.stall.prefill_done();
-            self.look.as_mut().reset(at);
+            // A non-streamed decode is not watched past this point: its look timer is
+            // left as it is, never re-armed (a timer reset to now would wake the runtime
+            // for nothing, once per request).
+            if self.stall.enabled() {
+                self.look.as_mut().reset(at);
+            }
         }
     }
 

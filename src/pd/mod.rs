@@ -25,6 +25,7 @@ mod probe;
 pub mod record;
 pub mod request;
 pub mod room;
+pub mod skim;
 pub mod splice;
 pub mod sse;
 mod stall;

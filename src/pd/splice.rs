@@ -28,6 +28,7 @@ use serde_json::Value;
 
 use super::continuation::{Plan, Sent};
 use super::request::ApiRoute;
+use super::skim;
 
 /// How an engine streams `/generate`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +57,9 @@ pub struct Tracker {
     cur: Sent,
     /// Cumulative `/generate`: this segment's last data payload, parsed on demand.
     last: Option<Bytes>,
+    /// The OpenAI routes: this segment's text as the engine escaped it, appended to
+    /// `cur.text` once decoded (when a move needs it).
+    raw_text: Vec<u8>,
     prompt_tokens: Option<u64>,
     /// The first segment's object id (OpenAI `id`, `/generate` `meta_info.id`).
     id: Option<String>,
@@ -82,44 +86,6 @@ struct GenMeta<'a> {
     finish_reason: Option<&'a RawValue>,
     #[serde(borrow, default)]
     id: Option<Cow<'a, str>>,
-}
-
-#[derive(Deserialize)]
-struct OaChunk<'a> {
-    #[serde(borrow, default)]
-    id: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    choices: Option<Vec<OaChoice<'a>>>,
-    #[serde(borrow, default)]
-    usage: Option<&'a RawValue>,
-}
-
-#[derive(Deserialize)]
-struct OaChoice<'a> {
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    delta: Option<OaDelta<'a>>,
-    #[serde(borrow, default)]
-    finish_reason: Option<&'a RawValue>,
-}
-
-#[derive(Deserialize)]
-struct OaDelta<'a> {
-    #[serde(borrow, default)]
-    content: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    reasoning_content: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    tool_calls: Option<&'a RawValue>,
-}
-
-#[derive(Deserialize)]
-struct Usage {
-    #[serde(default)]
-    prompt_tokens: Option<u64>,
-    #[serde(default)]
-    completion_tokens: Option<u64>,
 }
 
 /// The `data:` payload of one event, if it has one (SGLang writes one line per event).
@@ -160,30 +126,19 @@ fn events(buf: &[u8]) -> impl Iterator<Item = (usize, usize)> + '_ {
     })
 }
 
-/// `data` without the member whose raw value is `value` (a slice of `data`), or `None`
-/// when it cannot be cut cleanly.
-fn without_member(data: &[u8], value: &RawValue) -> Option<Vec<u8>> {
-    let v = value.get().as_bytes();
-    let vs = (v.as_ptr() as usize).checked_sub(data.as_ptr() as usize)?;
-    let ve = vs + v.len();
-    if ve > data.len() {
-        return None;
-    }
-    let head = data[..vs].trim_ascii_end().strip_suffix(b":")?;
-    let head = head.trim_ascii_end();
-    let key_start = head.len().checked_sub(b"\"usage\"".len())?;
-    if &head[key_start..] != b"\"usage\"" {
-        return None;
-    }
-    let before = head[..key_start].trim_ascii_end();
+/// `data` without the member at `member` (from its key's opening quote to the end of its
+/// value, as [`skim::Chunk::usage_member`] gives), and the comma that joined it.
+fn cut_member(data: &[u8], member: std::ops::Range<usize>) -> Option<Vec<u8>> {
+    let before = data.get(..member.start)?.trim_ascii_end();
+    let after = data.get(member.end..)?;
     let mut out = Vec::with_capacity(data.len());
     if let Some(b) = before.strip_suffix(b",") {
         out.extend_from_slice(b);
-        out.extend_from_slice(&data[ve..]);
+        out.extend_from_slice(after);
     } else {
         // The first member: drop the comma after it instead.
         out.extend_from_slice(before);
-        let after = data[ve..].trim_ascii_start();
+        let after = after.trim_ascii_start();
         out.extend_from_slice(after.strip_prefix(b",").unwrap_or(after));
     }
     Some(out)
@@ -205,6 +160,7 @@ impl Tracker {
             base: Sent::default(),
             cur: Sent::default(),
             last: None,
+            raw_text: Vec::new(),
             prompt_tokens: None,
             id: None,
             stop: None,
@@ -359,41 +315,48 @@ impl Tracker {
     }
 
     fn openai_event(&mut self, data: &[u8]) -> Option<Option<Vec<u8>>> {
-        let Ok(c) = serde_json::from_slice::<OaChunk<'_>>(data) else {
-            return None;
+        let c = skim::chunk(data)?;
+        let usage_of = |name: &[u8]| {
+            c.usage
+                .as_ref()
+                .and_then(|u| skim::u64_member(data, u, name))
         };
-        let usage = c
-            .usage
-            .and_then(|u| serde_json::from_str::<Usage>(u.get()).ok());
-        if let Some(u) = &usage {
-            if let Some(n) = u.completion_tokens {
-                self.cur.completion_tokens = n;
+        let completion_tokens = usage_of(b"completion_tokens");
+        if let Some(n) = completion_tokens {
+            self.cur.completion_tokens = n;
+        }
+        if self.segment == 0 {
+            if let Some(p) = usage_of(b"prompt_tokens") {
+                self.prompt_tokens = Some(p);
             }
-            if self.segment == 0 {
-                if let Some(p) = u.prompt_tokens {
-                    self.prompt_tokens = Some(p);
-                }
+            if self.id.is_none() {
+                self.id =
+                    c.id.as_ref()
+                        .and_then(|r| skim::string_body(data, r))
+                        .and_then(|r| skim::unescape(&data[r]));
             }
         }
-        if self.segment == 0 && self.id.is_none() {
-            self.id = c.id.as_deref().map(str::to_string);
-        }
-        let choices = c.choices.as_deref().unwrap_or(&[]);
-        let mut role_only = self.segment > 0 && !choices.is_empty();
-        for ch in choices {
-            let d = ch.delta.as_ref();
+        let mut role_only = self.segment > 0 && !c.choices.is_empty();
+        for ch in &c.choices {
             let piece = ch
                 .text
-                .as_deref()
-                .or(d.and_then(|d| d.content.as_deref()))
-                .unwrap_or("");
-            self.cur.text.push_str(piece);
-            if d.and_then(|d| d.tool_calls)
-                .is_some_and(|t| t.get() != "[]")
+                .as_ref()
+                .or(ch.content.as_ref())
+                .and_then(|r| skim::string_body(data, r))
+                .map_or(&[][..], |r| &data[r]);
+            // Kept escaped; decoded once, when a move needs it.
+            self.raw_text.extend_from_slice(piece);
+            if ch
+                .tool_calls
+                .as_ref()
+                .is_some_and(|t| data[t.clone()].trim_ascii() != b"[]")
             {
                 self.stop = Some("a tool call was in progress");
             }
-            if d.and_then(|d| d.reasoning_content.as_deref())
+            if ch
+                .reasoning_content
+                .as_ref()
+                .and_then(|r| skim::string_body(data, r))
                 .is_some_and(|r| !r.is_empty())
             {
                 self.stop = Some("reasoning was in progress");
@@ -401,11 +364,11 @@ impl Tracker {
             if ch.finish_reason.is_some() {
                 self.stop = Some("the answer was complete");
             }
-            if !piece.is_empty() || ch.finish_reason.is_some() || d.is_none() {
+            if !piece.is_empty() || ch.finish_reason.is_some() || !ch.has_delta {
                 role_only = false;
             }
         }
-        let usage_chunk = choices.is_empty() && c.usage.is_some();
+        let usage_chunk = c.choices.is_empty() && c.usage.is_some();
         let show_usage = if usage_chunk {
             self.plan.client_usage || self.plan.client_continuous_usage
         } else {
@@ -415,12 +378,8 @@ impl Tracker {
             return Some(None);
         }
         if self.segment == 0 {
-            return match c.usage {
-                Some(u) if !show_usage => Some(without_member(data, u).or_else(|| {
-                    let mut v: Value = serde_json::from_slice(data).ok()?;
-                    v.as_object_mut()?.remove("usage");
-                    serde_json::to_vec(&v).ok()
-                })),
+            return match c.usage_member {
+                Some(m) if !show_usage => Some(cut_member(data, m)),
                 _ => None,
             };
         }
@@ -441,9 +400,7 @@ impl Tracker {
             }
         }
         if show_usage {
-            if let (Some(u), Some(n)) =
-                (o.get_mut("usage"), usage.and_then(|u| u.completion_tokens))
-            {
+            if let (Some(u), Some(n)) = (o.get_mut("usage"), completion_tokens) {
                 let total = n + self.base.completion_tokens;
                 let prompt = self.prompt_tokens.unwrap_or(0);
                 // The engine's usage object, with the counts of the whole answer.
@@ -466,6 +423,13 @@ impl Tracker {
             // Cumulative `/generate` before any move: the last event holds it all.
             self.generate_event(&last);
         }
+        if !self.raw_text.is_empty() {
+            let Some(text) = skim::unescape(&self.raw_text) else {
+                return Err("the stream's text could not be read".to_string());
+            };
+            self.cur.text.push_str(&text);
+            self.raw_text.clear();
+        }
         if let Some(why) = self.stop {
             return Err(why.to_string());
         }
@@ -486,6 +450,7 @@ impl Tracker {
         self.base = sent;
         self.cur = Sent::default();
         self.last = None;
+        self.raw_text.clear();
         self.segment += 1;
     }
 }

@@ -9,9 +9,9 @@
 //! a one-token probe through a real pair succeeds ([`super::probe`]).
 //!
 //! Invariants:
-//! - What the request path adds: one window read (at most 64 relaxed loads) to arm the
-//!   first look, one timer on the caller's stack; peers are read only when a leg is past
-//!   its own deadline (rare).
+//! - What the request path adds: one timer on the caller's stack, armed at the floor (no
+//!   window is read to arm it); the windows are read only when a leg outlives the floor,
+//!   and peers only when it is past its own deadline (rare).
 //! - The prefill deadline runs from the legs' send until the prefill answers; decode's
 //!   from the prefill's answer until decode's first whole event. A decode that answers
 //!   before its prefill ends the watch (the client has bytes: mid-stream is the relay's).
@@ -175,9 +175,11 @@ impl StallWatch {
         (p.estimate(kind, rank, size, lim.window), *lim)
     }
 
+    /// Every deadline is at least the floor, so the first look is due there: nothing is
+    /// read to arm it, and only a leg that outlives the floor (a long prompt, or a stall)
+    /// reads the windows.
     fn first_look(&self) -> Duration {
-        let (own, lim) = self.own();
-        progress::first_look(own, &lim)
+        self.current().3.floor
     }
 
     /// The look is due: the next one, or the failure that ends the attempt.
@@ -254,12 +256,17 @@ impl Dispatcher {
     /// The bound on the gap between two events of a stream from `worker`'s `rank`: learned
     /// from its own and its peers' streams that ended well, within `[progress.gap_floor_ms,
     /// progress.gap_ceiling_ms]` (the ceiling until enough streams were seen). For the
-    /// relay: a decode silent for longer has stopped making progress.
+    /// relay: a decode silent for longer has stopped making progress. Computed at most
+    /// once per [`progress::GAP_BOUND_TTL`] per (worker, rank), then reused.
     pub fn decode_gap_deadline(&self, worker: WorkerId, rank: DpRank) -> Duration {
         let lim = limits(&self.cfg.progress, Kind::Gap);
         let snap = self.pool.load();
-        let own = snap
-            .worker(Role::Decode, worker)
+        let me = snap.worker(Role::Decode, worker);
+        let now = stamp(Instant::now());
+        if let Some(b) = me.and_then(|w| w.progress.cached_gap_bound(rank, now)) {
+            return b;
+        }
+        let own = me
             .map(|w| w.progress.estimate(Kind::Gap, rank, 1, lim.window))
             .unwrap_or_default();
         let peers = snap
@@ -268,7 +275,11 @@ impl Dispatcher {
             .filter(|w| w.id != worker)
             .map(|w| (&*w.progress, true));
         let peers = Peers::gather(peers, Kind::Gap, 1, u64::MAX, lim.window);
-        progress::deadline(own, peers.estimate, &lim)
+        let bound = progress::deadline(own, peers.estimate, &lim);
+        if let Some(w) = me {
+            w.progress.cache_gap_bound(rank, bound, now);
+        }
+        bound
     }
 }
 
@@ -280,7 +291,7 @@ mod tests {
     use crate::pool::Pool;
     use crate::upstream::{parse_base_url, Upstream};
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn decode_gap_deadline_is_learned_per_worker_and_rank_within_bounds() {
         let pool = Arc::new(Pool::new());
         let ids: Vec<WorkerId> = (0..2)
@@ -327,6 +338,13 @@ mod tests {
             w1.progress
                 .record(Kind::Gap, 0, Duration::from_millis(5), 1);
         }
+        // The bound computed above is reused until it is a second old...
+        assert_eq!(
+            d.decode_gap_deadline(ids[1], 0),
+            Duration::from_millis(2400)
+        );
+        tokio::time::advance(progress::GAP_BOUND_TTL).await;
+        // ...then recomputed.
         assert_eq!(d.decode_gap_deadline(ids[1], 0), floor);
     }
 }

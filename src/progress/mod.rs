@@ -131,7 +131,23 @@ struct RankWindows {
     prefill: Window,
     first_token: Window,
     gap: Window,
+    /// The rank's stream-gap bound as last computed with its peers ([`GapCache`]).
+    gap_bound: GapCache,
 }
+
+/// A computed gap bound and the stamp until which it is used as it is: the bound reads
+/// every rank of every peer decode, too much for each stream's start, and it moves only
+/// as fast as streams end. Racy by design (two stores, read without a lock): a reader may
+/// see a bound one computation old, never a torn one that is used past its time, since
+/// the expiry is stored last and read first.
+#[derive(Default)]
+struct GapCache {
+    micros: AtomicU64,
+    until: AtomicU64,
+}
+
+/// How long a computed stream-gap bound is reused.
+pub const GAP_BOUND_TTL: Duration = Duration::from_secs(1);
 
 impl RankWindows {
     fn of(&self, kind: Kind) -> &Window {
@@ -220,6 +236,26 @@ impl WorkerProgress {
     }
 
     /// Every rank's recent samples of `kind`, projected to `size` (a peer's view).
+    /// The stream-gap bound cached for `rank` at stamp `now`, if still fresh.
+    pub fn cached_gap_bound(&self, rank: u32, now: u64) -> Option<Duration> {
+        let c = &self.ranks.get(rank as usize)?.gap_bound;
+        (c.until.load(Ordering::Acquire) > now)
+            .then(|| Duration::from_micros(c.micros.load(Ordering::Relaxed)))
+    }
+
+    /// Caches `bound` for `rank` from stamp `now` for [`GAP_BOUND_TTL`].
+    pub fn cache_gap_bound(&self, rank: u32, bound: Duration, now: u64) {
+        if let Some(r) = self.ranks.get(rank as usize) {
+            r.gap_bound.until.store(0, Ordering::Release);
+            r.gap_bound
+                .micros
+                .store(bound.as_micros() as u64, Ordering::Relaxed);
+            r.gap_bound
+                .until
+                .store(now + GAP_BOUND_TTL.as_micros() as u64, Ordering::Release);
+        }
+    }
+
     pub fn estimate_all(&self, kind: Kind, size: u32, window: u32) -> Estimate {
         self.ranks
             .iter()
@@ -282,15 +318,6 @@ pub fn deadline(own: Estimate, peers: Estimate, lim: &Limits) -> Duration {
     };
     let us = (learned * lim.multiplier).clamp(0.0, u64::MAX as f64 / 2.0);
     Duration::from_micros(us as u64).clamp(lim.floor, lim.ceiling.max(lim.floor))
-}
-
-/// The deadline from the worker's own rank alone (learning unknown → the floor): where a
-/// leg's first look is due. Never later than [`deadline`] with any peers.
-pub fn first_look(own: Estimate, lim: &Limits) -> Duration {
-    match own.learned(lim) {
-        None => lim.floor,
-        Some(_) => deadline(own, Estimate::default(), lim),
-    }
 }
 
 /// The verdict on a leg that has run for `elapsed` without progress.

@@ -9,10 +9,8 @@
 //! on `/generate`), else [`DEFAULT_MAX_NEW_TOKENS`] (SGLang's default), per instance.
 //! Computed on demand from the raw body; the top-level scan reads only these keys.
 
-use serde::Deserialize;
-use serde_json::value::RawValue;
-
 use super::{ApiRoute, KeyJson, ParsedRequest};
+use crate::pd::skim;
 
 /// Bytes of prompt JSON counted as one token.
 pub const BYTES_PER_TOKEN: u64 = 4;
@@ -57,21 +55,22 @@ impl ParsedRequest {
     }
 }
 
-/// `max_new_tokens` of a `sampling_params` object, or the largest of a list's.
+/// `max_new_tokens` of a `sampling_params` object, or the largest of a list's (a skim:
+/// this runs for every request that reserves decode capacity).
 fn sampling_max_new(raw: &str) -> Option<u64> {
-    #[derive(Deserialize)]
-    struct Sp<'a> {
-        #[serde(borrow, default)]
-        max_new_tokens: Option<&'a RawValue>,
-    }
-    let one = |sp: Sp<'_>| sp.max_new_tokens.and_then(|v| v.get().parse::<u64>().ok());
-    match raw.trim_start().as_bytes().first() {
-        Some(b'{') => one(serde_json::from_str(raw).ok()?),
-        Some(b'[') => serde_json::from_str::<Vec<Sp<'_>>>(raw)
-            .ok()?
-            .into_iter()
-            .filter_map(one)
-            .max(),
+    let b = raw.as_bytes();
+    let start = b.iter().position(|c| !c.is_ascii_whitespace())?;
+    let one = |r: std::ops::Range<usize>| skim::u64_member(b, &r, b"max_new_tokens");
+    match b[start] {
+        b'{' => one(start..b.len()),
+        b'[' => {
+            let mut max = None;
+            skim::elements(b, start, |e| {
+                max = max.max(one(e));
+                Some(())
+            })?;
+            max
+        }
         _ => None,
     }
 }

@@ -3,6 +3,7 @@
 //! the engine's counts summed; per-chunk usage the client did not ask for never shows.
 use super::*;
 use crate::pd::request::ApiRoute;
+use crate::pd::skim;
 use serde_json::json;
 
 fn plan(route: ApiRoute, limit: u64, usage: bool, continuous: bool) -> Plan {
@@ -250,13 +251,8 @@ fn usage_is_cut_out_in_any_position() {
         br#"{"id":"x" , "usage" : {"a":1} , "z":2}"#,
     ];
     for c in cases {
-        #[derive(serde::Deserialize)]
-        struct U<'a> {
-            #[serde(borrow)]
-            usage: &'a RawValue,
-        }
-        let u: U<'_> = serde_json::from_slice(c).unwrap();
-        let out = without_member(c, u.usage).expect("cut");
+        let m = skim::chunk(c).unwrap().usage_member.unwrap();
+        let out = cut_member(c, m).expect("cut");
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert!(v.get("usage").is_none());
         assert_eq!(v["id"], "x");

@@ -1,0 +1,365 @@
+//! A skim of JSON the request path reads a member or two of: one OpenAI stream chunk (the
+//! few members a continuable stream's account reads: `id`, `usage`, and per choice `text`,
+//! `finish_reason` and the `delta`'s `content`, `reasoning_content` and `tool_calls`;
+//! [`chunk`]), or a number in an object ([`u64_member`], e.g. `sampling_params`'
+//! `max_new_tokens`), found by walking the JSON's structure without building anything.
+//!
+//! Why not serde: the account reads every event of every continuable stream, and a typed
+//! deserialisation (a `Vec` of choices, owned strings where text is escaped) cost several
+//! times what the relay spends on an event; the skim allocates nothing and touches each
+//! byte once.
+//!
+//! Invariants: a member is found only at its place in the structure (a key spelled inside
+//! a string or a nested value never matches); spans are byte ranges of the payload; text
+//! stays JSON-escaped (see [`unescape`]); anything malformed gives `None`, never a panic,
+//! and the caller then forwards the event untouched as serde's failure did.
+
+use std::ops::Range;
+
+/// The members of one chunk the account reads (value spans, `null` included as it is).
+#[derive(Debug, Default)]
+pub struct Chunk {
+    pub id: Option<Range<usize>>,
+    pub usage: Option<Range<usize>>,
+    /// From the start of the `"usage"` key to the end of its value (for cutting it out).
+    pub usage_member: Option<Range<usize>>,
+    pub choices: Vec<Choice>,
+}
+
+/// One element of `choices`.
+#[derive(Debug, Default, Clone)]
+pub struct Choice {
+    pub text: Option<Range<usize>>,
+    pub finish_reason: Option<Range<usize>>,
+    /// The `delta` member was there and not `null`.
+    pub has_delta: bool,
+    pub content: Option<Range<usize>>,
+    pub reasoning_content: Option<Range<usize>>,
+    pub tool_calls: Option<Range<usize>>,
+}
+
+fn ws(b: &[u8], mut i: usize) -> usize {
+    while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+        i += 1;
+    }
+    i
+}
+
+/// The end (exclusive) of the string whose opening quote is at `i`.
+fn string_end(b: &[u8], i: usize) -> Option<usize> {
+    let mut j = i + 1;
+    loop {
+        let k = j + memchr::memchr2(b'"', b'\\', b.get(j..)?)?;
+        if b[k] == b'"' {
+            return Some(k + 1);
+        }
+        j = k + 2;
+    }
+}
+
+/// The end (exclusive) of the value that starts at `i`.
+fn value_end(b: &[u8], i: usize) -> Option<usize> {
+    match *b.get(i)? {
+        b'"' => string_end(b, i),
+        b'{' | b'[' => {
+            // Brackets are counted, strings skipped whole; whether each closes its own
+            // kind is left to the walk of the members the account reads.
+            let mut depth = 0usize;
+            let mut j = i;
+            while let Some(&c) = b.get(j) {
+                match c {
+                    b'"' => {
+                        j = string_end(b, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth = depth.checked_sub(1)?;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+            None
+        }
+        _ => {
+            let mut j = i;
+            while let Some(&c) = b.get(j) {
+                if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                    break;
+                }
+                j += 1;
+            }
+            (j > i).then_some(j)
+        }
+    }
+}
+
+/// Calls `f(key, key_start, value)` for each member of the object at `i` (its `{`);
+/// returns the end of the object. `key` is the raw text between the key's quotes.
+fn members<'b>(
+    b: &'b [u8],
+    i: usize,
+    mut f: impl FnMut(&'b [u8], usize, Range<usize>) -> Option<()>,
+) -> Option<usize> {
+    if b.get(i) != Some(&b'{') {
+        return None;
+    }
+    let mut j = ws(b, i + 1);
+    if b.get(j) == Some(&b'}') {
+        return Some(j + 1);
+    }
+    loop {
+        if b.get(j) != Some(&b'"') {
+            return None;
+        }
+        let ke = string_end(b, j)?;
+        let key = &b[j + 1..ke - 1];
+        let c = ws(b, ke);
+        if b.get(c) != Some(&b':') {
+            return None;
+        }
+        let vs = ws(b, c + 1);
+        let ve = value_end(b, vs)?;
+        f(key, j, vs..ve)?;
+        let n = ws(b, ve);
+        match b.get(n)? {
+            b',' => j = ws(b, n + 1),
+            b'}' => return Some(n + 1),
+            _ => return None,
+        }
+    }
+}
+
+/// Calls `f(value)` for each element of the array at `i` (its `[`).
+pub fn elements(
+    b: &[u8],
+    i: usize,
+    mut f: impl FnMut(Range<usize>) -> Option<()>,
+) -> Option<usize> {
+    if b.get(i) != Some(&b'[') {
+        return None;
+    }
+    let mut j = ws(b, i + 1);
+    if b.get(j) == Some(&b']') {
+        return Some(j + 1);
+    }
+    loop {
+        let ve = value_end(b, j)?;
+        f(j..ve)?;
+        let n = ws(b, ve);
+        match b.get(n)? {
+            b',' => j = ws(b, n + 1),
+            b']' => return Some(n + 1),
+            _ => return None,
+        }
+    }
+}
+
+fn not_null(b: &[u8], r: Range<usize>) -> Option<Range<usize>> {
+    (b.get(r.clone())? != b"null").then_some(r)
+}
+
+fn choice(b: &[u8], at: usize) -> Option<Choice> {
+    let mut c = Choice::default();
+    members(b, at, |key, _, v| {
+        match key {
+            b"text" => c.text = not_null(b, v),
+            b"finish_reason" => c.finish_reason = not_null(b, v),
+            b"delta" if b.get(v.clone())? != b"null" => {
+                c.has_delta = true;
+                members(b, v.start, |key, _, v| {
+                    match key {
+                        b"content" => c.content = not_null(b, v),
+                        b"reasoning_content" => c.reasoning_content = not_null(b, v),
+                        b"tool_calls" => c.tool_calls = not_null(b, v),
+                        _ => {}
+                    }
+                    Some(())
+                })?;
+            }
+            _ => {}
+        }
+        Some(())
+    })?;
+    Some(c)
+}
+
+/// The skim of a chunk, or `None` when it is not a JSON object as expected.
+pub fn chunk(b: &[u8]) -> Option<Chunk> {
+    let mut out = Chunk::default();
+    let start = ws(b, 0);
+    let end = members(b, start, |key, key_start, v| {
+        match key {
+            b"id" => out.id = not_null(b, v),
+            b"usage" => {
+                if b.get(v.clone())? != b"null" {
+                    out.usage_member = Some(key_start..v.end);
+                    out.usage = Some(v);
+                }
+            }
+            b"choices" if b.get(v.clone())? != b"null" => {
+                elements(b, v.start, |e| {
+                    out.choices.push(choice(b, e.start)?);
+                    Some(())
+                })?;
+            }
+            _ => {}
+        }
+        Some(())
+    })?;
+    (ws(b, end) == b.len()).then_some(out)
+}
+
+/// A string value's bytes between its quotes (still escaped), or `None` if not a string.
+pub fn string_body(b: &[u8], r: &Range<usize>) -> Option<Range<usize>> {
+    let s = b.get(r.clone())?;
+    (s.len() >= 2 && s[0] == b'"' && s[s.len() - 1] == b'"').then(|| r.start + 1..r.end - 1)
+}
+
+/// An unsigned integer member of the object at `r` (e.g. `usage.completion_tokens`).
+pub fn u64_member(b: &[u8], r: &Range<usize>, name: &[u8]) -> Option<u64> {
+    let mut found = None;
+    members(b, r.start, |key, _, v| {
+        if key == name {
+            found = std::str::from_utf8(b.get(v)?).ok()?.parse::<u64>().ok();
+        }
+        Some(())
+    })?;
+    found
+}
+
+/// JSON-escaped string content (as [`string_body`] gives, possibly several concatenated)
+/// decoded; `None` if the escapes are invalid.
+pub fn unescape(raw: &[u8]) -> Option<String> {
+    if memchr::memchr(b'\\', raw).is_none() {
+        return String::from_utf8(raw.to_vec()).ok();
+    }
+    let mut quoted = Vec::with_capacity(raw.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(raw);
+    quoted.push(b'"');
+    serde_json::from_slice(&quoted).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text<'a>(b: &'a [u8], r: &Option<Range<usize>>) -> Option<&'a str> {
+        r.clone().map(|r| std::str::from_utf8(&b[r]).unwrap())
+    }
+
+    #[test]
+    fn finds_members_at_their_place_only() {
+        let b = br#"{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":"say \"content\":\"x\" {[","reasoning_content":null,"tool_calls":null},"logprobs":{"content":[{"token":"a"}]},"finish_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#;
+        let c = chunk(b).unwrap();
+        assert_eq!(text(b, &c.id), Some(r#""c1""#));
+        assert_eq!(c.choices.len(), 1);
+        let ch = &c.choices[0];
+        assert!(ch.has_delta);
+        assert_eq!(text(b, &ch.content), Some(r#""say \"content\":\"x\" {[""#));
+        assert_eq!(ch.reasoning_content, None);
+        assert_eq!(ch.tool_calls, None);
+        assert_eq!(ch.finish_reason, None);
+        let u = c.usage.clone().unwrap();
+        assert_eq!(u64_member(b, &u, b"completion_tokens"), Some(2));
+        assert_eq!(u64_member(b, &u, b"prompt_tokens"), Some(3));
+        let m = c.usage_member.unwrap();
+        assert!(b[m.clone()].starts_with(b"\"usage\""));
+        assert_eq!(m.end, b.len() - 1);
+        let body = string_body(b, ch.content.as_ref().unwrap()).unwrap();
+        assert_eq!(unescape(&b[body]).unwrap(), r#"say "content":"x" {["#);
+    }
+
+    #[test]
+    fn table_of_shapes() {
+        // (payload, choices, has_delta of the first, finish present, tool_calls present)
+        let table: &[(&str, usize, bool, bool, bool)] = &[
+            (r#"{"choices":[]}"#, 0, false, false, false),
+            (r#"{"choices":null,"usage":null}"#, 0, false, false, false),
+            (
+                r#" { "choices" : [ { "delta" : null , "finish_reason" : "stop" } ] } "#,
+                1,
+                false,
+                true,
+                false,
+            ),
+            (
+                r#"{"choices":[{"delta":{"tool_calls":[{"id":"t"}]}}]}"#,
+                1,
+                true,
+                false,
+                true,
+            ),
+            (
+                r#"{"choices":[{"text":"a","finish_reason":null},{"text":"b"}]}"#,
+                2,
+                false,
+                false,
+                false,
+            ),
+        ];
+        for (p, n, delta, finish, tools) in table {
+            let c = chunk(p.as_bytes()).unwrap_or_else(|| panic!("{p}"));
+            assert_eq!(c.choices.len(), *n, "{p}");
+            if let Some(ch) = c.choices.first() {
+                assert_eq!(ch.has_delta, *delta, "{p}");
+                assert_eq!(ch.finish_reason.is_some(), *finish, "{p}");
+                assert_eq!(ch.tool_calls.is_some(), *tools, "{p}");
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_input_is_none_never_a_panic() {
+        for p in [
+            "",
+            "{",
+            "[1]",
+            r#"{"a":}"#,
+            r#"{"a":"x}"#,
+            r#"{"a":1,}"#,
+            r#"{"choices":[{"delta":{"content":"x"}]}"#,
+            r#"{"a":1} trailing"#,
+            r#"{"a":"\"#,
+            r#"{"a":[}"#,
+            r#"{"a":]}"#,
+        ] {
+            assert!(chunk(p.as_bytes()).is_none(), "{p}");
+        }
+        assert_eq!(unescape(br"\x"), None);
+        assert_eq!(unescape(br"a\nb").as_deref(), Some("a\nb"));
+        // Halves of a surrogate pair from two events decode once joined.
+        assert_eq!(unescape(br"\ud83d\ude00").as_deref(), Some("😀"));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn never_panics(data: Vec<u8>) {
+            let _ = chunk(&data);
+        }
+
+        #[test]
+        fn agrees_with_serde_on_content(pieces: Vec<String>, usage in 0u64..1_000_000) {
+            let mut joined = Vec::new();
+            let mut want = String::new();
+            for p in &pieces {
+                let ev = serde_json::json!({
+                    "id": "x", "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": null}],
+                    "usage": {"completion_tokens": usage},
+                });
+                let b = serde_json::to_vec(&ev).unwrap();
+                let c = chunk(&b).unwrap();
+                let r = string_body(&b, c.choices[0].content.as_ref().unwrap()).unwrap();
+                joined.extend_from_slice(&b[r]);
+                want.push_str(p);
+                proptest::prop_assert_eq!(u64_member(&b, c.usage.as_ref().unwrap(), b"completion_tokens"), Some(usage));
+            }
+            proptest::prop_assert_eq!(unescape(&joined), Some(want));
+        }
+    }
+}
