@@ -138,6 +138,8 @@ struct Done {
     total: Duration,
     max_gap: Duration,
     streamed: bool,
+    /// The answer's `x-request-id` (to find the request in the router's log).
+    request_id: Option<String>,
 }
 
 /// The outcome label of a too-long prompt refused as it should be.
@@ -158,9 +160,12 @@ pub const STALL_OR_MID_STREAM: &[&str] = &[
 
 /// Whether an outcome label names one of [`STALL_OR_MID_STREAM`].
 pub fn lost_to_stall(label: &str) -> bool {
-    label
-        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-        .any(|w| STALL_OR_MID_STREAM.contains(&w))
+    // A stream that began and then ended with an error event was lost mid-stream,
+    // whatever the reason its move failed with (e.g. `overloaded`).
+    label.contains("stream + error event")
+        || label
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .any(|w| STALL_OR_MID_STREAM.contains(&w))
 }
 
 /// What the clients saw, by outcome and phase.
@@ -176,6 +181,8 @@ pub struct Tally {
     pub unexpected: u64,
     /// A few bad answers, for the report.
     pub samples: Vec<String>,
+    /// A few requests lost to a stall or a mid-stream death, with their request ids.
+    pub lost_samples: Vec<String>,
     pub max_head: Duration,
     /// Longest non-streamed request, head to end.
     pub max_plain_total: Duration,
@@ -191,6 +198,15 @@ impl Tally {
         self.total += 1;
         if lost_to_stall(&d.label) {
             self.lost_to_stalls += 1;
+            if self.lost_samples.len() < MAX_SAMPLES {
+                self.lost_samples.push(format!(
+                    "{} ({} phase, after {:.0} ms, x-request-id {})",
+                    d.label,
+                    PHASES[phase.min(2)],
+                    d.total.as_secs_f64() * 1000.0,
+                    d.request_id.as_deref().unwrap_or("-")
+                ));
+            }
         }
         match d.bad {
             Some(Bad::Late) => self.late += 1,
@@ -385,6 +401,7 @@ fn done(label: impl Into<String>, bad: Option<Bad>, t0: Instant) -> Done {
         total: t0.elapsed(),
         max_gap: Duration::ZERO,
         streamed: false,
+        request_id: None,
     }
 }
 
@@ -444,6 +461,11 @@ async fn exchange(
     };
     let head = t0.elapsed();
     let status = resp.status().as_u16();
+    let request_id = resp
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let sse = resp
         .headers()
         .get("content-type")
@@ -467,6 +489,7 @@ async fn exchange(
         };
         return Done {
             head: Some(head),
+            request_id,
             ..d
         };
     }
@@ -494,6 +517,7 @@ async fn exchange(
         }
     };
     out.head = Some(head);
+    out.request_id = request_id;
     out.max_gap = max_gap;
     out.streamed = true;
     out

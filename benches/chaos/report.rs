@@ -251,6 +251,15 @@ pub fn print(o: &Outcome, checks: &[Check]) {
             warm, after
         );
     }
+    if !o.tally.lost_samples.is_empty() {
+        println!(
+            "\nRequests lost to a stall or a mid-stream death (first {}):",
+            o.tally.lost_samples.len()
+        );
+        for s in &o.tally.lost_samples {
+            println!("- {s}");
+        }
+    }
     if !o.tally.samples.is_empty() {
         println!("\nBad answers (first {}):", o.tally.samples.len());
         for s in &o.tally.samples {

@@ -283,7 +283,9 @@ pub struct RetryConfig {
     /// Retries always allowed, as a reserve that refills with requests.
     pub budget_min_reserve: u32,
     /// Times one stream may be moved to another decode after its decode died or stalled
-    /// mid-stream (0: never; each move spends the retry budget).
+    /// mid-stream (0: never; each move spends the retry budget). Two by default: a long
+    /// stream can meet two faults in a row (its decode dies, and the one it moved to
+    /// stalls later), each of one engine.
     pub max_stream_moves: u32,
     /// A decode that sent tokens and then nothing for this long is taken for stalled and
     /// its stream moved (only streams that can still move; others wait for
@@ -301,7 +303,7 @@ impl Default for RetryConfig {
             max_retries: 2,
             budget_ratio: 0.2,
             budget_min_reserve: 100,
-            max_stream_moves: 1,
+            max_stream_moves: 2,
             mid_stream_gap_ceiling_ms: 10_000,
             move_wait_ms: 3_000,
         }

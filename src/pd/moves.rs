@@ -9,6 +9,9 @@
 //!   retry budget, and `retry.max_stream_moves` bounds the moves of one request.
 //! - A move is made only when the answer can be continued exactly (see
 //!   [`super::continuation`]); otherwise the stream ends as before, with its error event.
+//! - A move waits (up to `retry.move_wait_ms`) while no decode is routable or while nothing
+//!   can be picked (a recovering decode's half-open trial taken, every rank full): a pause
+//!   in the stream, not its end.
 //! - The gap after which a silent decode counts as stalled comes from one place,
 //!   [`Mover::gap`] (today the configured `retry.mid_stream_gap_ceiling_ms`).
 
@@ -43,6 +46,15 @@ pub struct Mover {
     moves_left: u32,
     next_attempt: u32,
     exclude_d: Vec<WorkerId>,
+}
+
+/// Whether an attempt failed only because no pair could be picked right now (no worker
+/// was tried, so none is blamed): every decode rank full, or no eligible worker.
+fn nothing_pickable(af: &super::attempt::AttemptFailure) -> bool {
+    use crate::error::FailReason::{NoDecodeAvailable, NoPrefillAvailable};
+    af.blame.is_none()
+        && (super::capacity::is_full(af)
+            || matches!(af.failure.reason, NoDecodeAvailable | NoPrefillAvailable))
 }
 
 /// How often a move waiting for a routable decode looks again.
@@ -155,9 +167,10 @@ impl Mover {
             continuation::follow_up(&self.req, self.tracker.plan(), &sent).map_err(|r| r.0)?;
         let mut follow = request::parse(self.req.route, body).map_err(|f| f.message.to_string())?;
         prepare_legs(&mut follow, self.tracker.plan());
-        if !self.exclude_d.contains(&dead) {
-            self.exclude_d.push(dead);
-        }
+        // Only the decode that just failed is avoided: one that failed an earlier move
+        // may be back (its breaker says whether it is routable).
+        self.exclude_d.clear();
+        self.exclude_d.push(dead);
         // With no other decode routable now (the other one recovering, restarting, at
         // capacity), the move waits for one up to `retry.move_wait_ms`: a pause in the
         // stream rather than an error.
@@ -221,6 +234,12 @@ impl Mover {
                         d.pool
                             .report_success(Role::Decode, ready.pair.decode.worker);
                         return Ok((ready, trace));
+                    }
+                    // Nothing pickable now (a recovering decode's one half-open trial
+                    // is taken, every rank is full): a pause, not a failure, until the
+                    // move's wait is over.
+                    Err(af) if nothing_pickable(&af) && tokio::time::Instant::now() < until => {
+                        tokio::time::sleep(MOVE_WAIT_POLL).await;
                     }
                     Err(af) => {
                         let f = af.failure;

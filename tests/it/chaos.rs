@@ -12,7 +12,8 @@
 //! - in exchange, the router's pool is read directly: legs in flight must be 0 at the end,
 //!   and breaker states are printed when a worker does not recover.
 //!
-//! `PDGATE_CHAOS_SECS` and `PDGATE_CHAOS_SEED` change the length and the seed; see
+//! `PDGATE_CHAOS_SECS` and `PDGATE_CHAOS_SEED` change the length and the seed,
+//! `PDGATE_CHAOS_LOG=<file>` writes the router's log there; see
 //! `soak::Plan::with_env` for the mix.
 
 use crate::support::common;
@@ -173,6 +174,17 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 /// Runs the soak with the router settings changed by `tweak`; the failed checks.
 async fn soak(tweak: impl FnOnce(&mut pdgate::config::Config)) -> Vec<String> {
     let _one = ONE_AT_A_TIME.lock().await;
+    // `PDGATE_CHAOS_LOG=<file>`: the router's log (info and up) goes there, to follow a
+    // lost request by the x-request-id the report prints.
+    if let Ok(path) = std::env::var("PDGATE_CHAOS_LOG") {
+        if let Ok(file) = std::fs::File::create(path) {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter("pdgate=info")
+                .with_ansi(false)
+                .with_writer(Mutex::new(file))
+                .try_init();
+        }
+    }
     let secs: f64 = env_or("PDGATE_CHAOS_SECS", 10.0);
     let seed: u64 = env_or("PDGATE_CHAOS_SEED", 1);
     let prefills: Vec<_> = (0..2)

@@ -609,3 +609,66 @@ async fn a_move_waits_for_a_decode_to_come_back() {
     );
     check_moved(c, &whole, &got, &after[1][before[1].len()]);
 }
+
+/// A stream whose decode dies while the other decode has no free slot (its capacity is
+/// full) waits for one, then moves: nothing pickable is a pause, not an error (the chaos
+/// soak lost streams this way while the other decode's one half-open trial was taken).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_waits_while_the_other_decode_is_full() {
+    let env = fleet([false, false], |c| {
+        c.capacity.decode_max_running_per_rank = 1;
+    })
+    .await;
+    let c = &cases(true)[0];
+    let whole = ask(&env, c, false).await;
+    let decode_id = |i: usize| {
+        let url = env.cluster.decodes[i].url();
+        env.router
+            .pool
+            .load()
+            .workers(pdgate::types::Role::Decode)
+            .iter()
+            .find(|w| w.url.as_str() == url)
+            .expect("decode")
+            .id
+    };
+    let d0 = decode_id(0);
+    // Decode 1 runs a slow stream (its one slot), taken while decode 0 is drained.
+    env.router
+        .fleet
+        .drain(pdgate::types::Role::Decode, d0)
+        .expect("drain");
+    env.cluster.decodes[1].set_faults(Faults {
+        decode_extra_itl_ms: 40,
+        ..Faults::default()
+    });
+    let slow = async {
+        let (st, _, _) = env.post(c.path, &c.body.to_string()).await;
+        st
+    };
+    let main = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        env.cluster.decodes[1].set_faults(Faults::default());
+        env.router
+            .fleet
+            .undrain(pdgate::types::Role::Decode, d0)
+            .expect("undrain");
+        env.cluster.decodes[0].set_faults(Faults {
+            decode_die_mid_stream_after: Some(2),
+            ..Faults::default()
+        });
+        let before = bodies(&env);
+        let got = ask(&env, c, false).await;
+        (before, got)
+    };
+    let (slow_status, (before, got)) = tokio::join!(slow, main);
+    assert_eq!(slow_status, 200, "the slow stream on decode 1");
+    let after = bodies(&env);
+    assert_eq!(after[0].len(), before[0].len() + 1, "decode 0 took it");
+    assert_eq!(
+        after[1].len(),
+        before[1].len() + 1,
+        "decode 1 got the follow-up once its slot was free"
+    );
+    check_moved(c, &whole, &got, &after[1][before[1].len()]);
+}
