@@ -43,8 +43,9 @@ pub struct Faults {
     pub prefill_die_mid_request: bool,
     /// Decode answers with this status in SGLang's failure shape.
     pub decode_status: Option<u16>,
-    /// Decode streams this many chunks then cuts the connection
-    /// (non-streaming: cuts before answering).
+    /// Decode streams this many chunks then cuts the connection (as many as the stream
+    /// has: its end, the usage chunk and `[DONE]`, never comes; non-streaming: cuts
+    /// before answering).
     pub decode_die_mid_stream_after: Option<u32>,
     /// Extra inter-token latency on decode (slow decode).
     pub decode_extra_itl_ms: u64,

@@ -340,6 +340,14 @@ async fn generate(
                 return Ok(Generated::Died);
             }
         }
+        // Cut after exactly as many chunks as the stream has: the answer is complete,
+        // its end (the usage chunk, `[DONE]`) never comes.
+        if plan.die_after.is_some_and(|n| sent >= n) {
+            // After a moment: the server drops what it has not written yet when a body
+            // fails, and the point is that every chunk reached the client.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            return Ok(Generated::Died);
+        }
     } else if plan.die_after.is_some() {
         return Ok(Generated::Died);
     }

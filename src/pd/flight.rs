@@ -251,7 +251,13 @@ impl PdBody {
             pw.detach(self.slot.take());
         }
         self.record.finish(Outcome::Ok);
-        if let (Some((p, rank)), Some(gap)) = (&self.passive.gaps, self.record.max_gap()) {
+        // A moved stream's largest gap is the pause of its move, not its decode's rhythm:
+        // learned from, it would lift the bound that finds the next stall.
+        if let (Some((p, rank)), Some(gap), 0) = (
+            &self.passive.gaps,
+            self.record.max_gap(),
+            self.record.moves(),
+        ) {
             p.record(crate::progress::Kind::Gap, *rank, gap, 1);
         }
         self.sse
@@ -316,6 +322,9 @@ impl PdBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let before = self.relay(before);
+        if self.answer_complete() {
+            return self.close_complete(&f, before);
+        }
         if self.try_move(&f, why).is_err() {
             return self.fail(f, before);
         }
@@ -325,6 +334,52 @@ impl PdBody {
         }
         cx.waker().wake_by_ref();
         Poll::Pending
+    }
+
+    /// The client has the whole answer (a finish reason was relayed): a decode that fails
+    /// now only failed to end its stream.
+    fn answer_complete(&mut self) -> bool {
+        self.mover.as_mut().is_some_and(|m| m.tracker.complete())
+    }
+
+    /// Ends a complete answer whose decode failed before ending its stream: what the
+    /// client still lacks (its usage chunk, `[DONE]`) is written by pdgate, and the request
+    /// counts as answered; the decode's failure still counts for its breaker (no stream
+    /// gap is learned from it).
+    fn close_complete(
+        &mut self,
+        f: &Failure,
+        before: Bytes,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        tracing::info!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "decode failed after the answer was complete; stream ended by pdgate");
+        let decode = self.passive.decode;
+        self.passive
+            .pool
+            .report_failure(Role::Decode, decode, f.reason, &self.passive.cfg);
+        if f.reason.coupling().reported_by == Some(Role::Decode) {
+            self.decode_cancel.disarm();
+        }
+        let closing = self
+            .mover
+            .as_mut()
+            .map(|m| m.tracker.closing())
+            .unwrap_or_default();
+        self.done = true;
+        self.decode = None;
+        if let Some(pw) = self.prefill.take() {
+            pw.detach(self.slot.take());
+        }
+        self.record.finish(Outcome::Ok);
+        let carry = self
+            .sse
+            .as_mut()
+            .map(SseScanner::finish)
+            .unwrap_or_default();
+        let mut out = Vec::with_capacity(before.len() + carry.len() + closing.len());
+        out.extend_from_slice(&before);
+        out.extend_from_slice(&carry);
+        out.extend_from_slice(&closing);
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))))
     }
 
     /// Starts moving the stream off its decode after `f`; `Err` (logged and counted) when
@@ -525,6 +580,9 @@ impl Body for PdBody {
                 FailReason::DecodeIdleTimeout,
                 format!("decode sent nothing for {}s", this.idle_for.as_secs_f64()),
             );
+            if this.answer_complete() {
+                return this.close_complete(&f, Bytes::new());
+            }
             if this.idle_for < this.stream_idle {
                 // Silent past the mid-stream gap: a stall, moved if it can be; if not, the
                 // stream waits on for the full idle bound.
@@ -541,6 +599,18 @@ impl Body for PdBody {
                 this.idle_for = this.stream_idle;
                 this.idle.as_mut().reset(this.last_data + this.stream_idle);
                 continue;
+            }
+            // Silent for the whole idle bound (the learned gap was at least as long, or
+            // the move above could not start then): moved if it can be now.
+            let (decode, rank) = (this.passive.decode, this.passive.gap_rank());
+            if this
+                .mover
+                .as_ref()
+                .is_some_and(|m| m.gap(decode, rank).is_some())
+                && this.try_move(&f, "stalled").is_ok()
+            {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
             }
             return this.fail(f, Bytes::new());
         }

@@ -49,12 +49,23 @@ pub struct Mover {
 }
 
 /// Whether an attempt failed only because no pair could be picked right now (no worker
-/// was tried, so none is blamed): every decode rank full, or no eligible worker.
+/// was tried, so none is blamed): every decode rank full, no eligible worker, or no
+/// prefill rank that can bootstrap.
 fn nothing_pickable(af: &super::attempt::AttemptFailure) -> bool {
-    use crate::error::FailReason::{NoDecodeAvailable, NoPrefillAvailable};
+    use crate::error::FailReason::{
+        BootstrapNotReady, BootstrapRankMissing, BootstrapUnreachable, NoDecodeAvailable,
+        NoPrefillAvailable,
+    };
     af.blame.is_none()
         && (super::capacity::is_full(af)
-            || matches!(af.failure.reason, NoDecodeAvailable | NoPrefillAvailable))
+            || matches!(
+                af.failure.reason,
+                NoDecodeAvailable
+                    | NoPrefillAvailable
+                    | BootstrapUnreachable
+                    | BootstrapNotReady
+                    | BootstrapRankMissing
+            ))
 }
 
 /// How often a move waiting for a routable decode looks again.

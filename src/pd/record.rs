@@ -155,6 +155,11 @@ impl RequestRecord {
         self.moves += 1;
     }
 
+    /// Moves made so far.
+    pub fn moves(&self) -> u32 {
+        self.moves
+    }
+
     /// The response head's status (kept if a status was already set).
     pub fn set_status(&mut self, status: StatusCode) {
         self.status.get_or_insert(status);

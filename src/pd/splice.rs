@@ -42,6 +42,9 @@ pub enum GenerateMode {
 /// Why a stream can no longer be continued, seen in the stream itself.
 pub type Stop = &'static str;
 
+/// The [`Stop`] of an answer that finished (a finish reason was relayed).
+const COMPLETE: Stop = "the answer was complete";
+
 /// One continuable stream's account (see the module docs).
 #[derive(Debug)]
 pub struct Tracker {
@@ -61,6 +64,10 @@ pub struct Tracker {
     /// `cur.text` once decoded (when a move needs it).
     raw_text: Vec<u8>,
     prompt_tokens: Option<u64>,
+    /// `[DONE]` was forwarded.
+    done_seen: bool,
+    /// The final usage chunk (no choices) was forwarded.
+    usage_chunk_sent: bool,
     /// The first segment's object id (OpenAI `id`, `/generate` `meta_info.id`).
     id: Option<String>,
     stop: Option<Stop>,
@@ -162,6 +169,8 @@ impl Tracker {
             last: None,
             raw_text: Vec::new(),
             prompt_tokens: None,
+            done_seen: false,
+            usage_chunk_sent: false,
             id: None,
             stop: None,
         }
@@ -191,7 +200,9 @@ impl Tracker {
             // The last data event holds everything; keep it, forward the run as is.
             for (s, e) in events(&run) {
                 if let Some((ds, de)) = payload(&run[s..e]) {
-                    if &run[s + ds..s + de] != b"[DONE]" {
+                    if &run[s + ds..s + de] == b"[DONE]" {
+                        self.done_seen = true;
+                    } else {
                         self.last = Some(run.slice(s + ds..s + de));
                     }
                 }
@@ -204,7 +215,11 @@ impl Tracker {
             let data = payload(event).map(|(ds, de)| &event[ds..de]);
             let replaced = match data {
                 Some(d) if d != b"[DONE]" => self.event(d),
-                _ => None,
+                Some(_) => {
+                    self.done_seen = true;
+                    None
+                }
+                None => None,
             };
             match replaced {
                 None => {
@@ -249,7 +264,7 @@ impl Tracker {
             }
         }
         if meta.and_then(|m| m.finish_reason).is_some() {
-            self.stop = Some("the answer was complete");
+            self.stop = Some(COMPLETE);
         }
         if let Some(n) = meta.and_then(|m| m.completion_tokens) {
             self.cur.completion_tokens = n;
@@ -362,7 +377,7 @@ impl Tracker {
                 self.stop = Some("reasoning was in progress");
             }
             if ch.finish_reason.is_some() {
-                self.stop = Some("the answer was complete");
+                self.stop = Some(COMPLETE);
             }
             if !piece.is_empty() || ch.finish_reason.is_some() || !ch.has_delta {
                 role_only = false;
@@ -376,6 +391,9 @@ impl Tracker {
         };
         if usage_chunk && !show_usage {
             return Some(None);
+        }
+        if usage_chunk {
+            self.usage_chunk_sent = true;
         }
         if self.segment == 0 {
             return match c.usage_member {
@@ -414,6 +432,49 @@ impl Tracker {
             o.remove("usage");
         }
         Some(serde_json::to_vec(&v).ok())
+    }
+
+    /// The answer is complete (a finish reason was relayed): nothing is left to generate.
+    pub fn complete(&mut self) -> bool {
+        if let Some(last) = self.last.take() {
+            // Cumulative `/generate`: its last event says whether it finished.
+            self.generate_event(&last);
+        }
+        self.stop == Some(COMPLETE)
+    }
+
+    /// What ends a complete answer whose decode went away before ending its stream: the
+    /// usage chunk the client asked for (the engine's counts, summed over segments) and
+    /// `[DONE]`, or nothing if the client has them.
+    pub fn closing(&mut self) -> Vec<u8> {
+        let mut out = Vec::new();
+        if self.done_seen {
+            return out;
+        }
+        if self.plan.route != ApiRoute::Generate && self.plan.client_usage && !self.usage_chunk_sent
+        {
+            let completion = self.base.completion_tokens + self.cur.completion_tokens;
+            let prompt = self.prompt_tokens.unwrap_or(0);
+            let object = match self.plan.route {
+                ApiRoute::ChatCompletions => "chat.completion.chunk",
+                _ => "text_completion",
+            };
+            let chunk = serde_json::json!({
+                "id": self.id,
+                "object": object,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt + completion,
+                },
+            });
+            if let Ok(v) = serde_json::to_vec(&chunk) {
+                push_event(&mut out, &v);
+            }
+        }
+        push_event(&mut out, b"[DONE]");
+        out
     }
 
     /// What the client has received in all, for the follow-up; `Err` when the stream

@@ -672,3 +672,80 @@ async fn a_move_waits_while_the_other_decode_is_full() {
     );
     check_moved(c, &whole, &got, &after[1][before[1].len()]);
 }
+
+/// A decode that dies after the whole answer but before ending its stream (no usage chunk,
+/// no `[DONE]`): the client has every token, so pdgate ends the stream itself (the usage
+/// chunk the client asked for, from the engine's counts, and `[DONE]`) — no error event,
+/// no follow-up (the chaos soak lost such streams to the idle timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_that_dies_after_a_complete_answer_is_closed_cleanly() {
+    let env = fleet([false, false], |_| {}).await;
+    // (case, chunks its stream has before its end)
+    let table = [(0usize, 12u32), (2, 13), (3, 14), (4, 14)];
+    for (i, chunks) in table {
+        let c = &cases(true)[i];
+        let whole = ask(&env, c, false).await;
+        for d in &env.cluster.decodes {
+            d.set_faults(Faults {
+                decode_die_mid_stream_after: Some(chunks),
+                ..Faults::default()
+            });
+        }
+        let before = bodies(&env);
+        let got = ask(&env, c, false).await;
+        for d in &env.cluster.decodes {
+            d.set_faults(Faults::default());
+        }
+        let after = bodies(&env);
+        let follow_ups: usize = (0..2).map(|k| after[k].len() - before[k].len()).sum();
+        assert_eq!(follow_ups, 1, "{}: one decode leg, no follow-up", c.name);
+        assert_eq!(got.errors, 0, "{}: no error event", c.name);
+        assert_eq!(got.done, 1, "{}: one [DONE]", c.name);
+        assert_eq!(got.text, whole.text, "{}", c.name);
+        assert_eq!(got.finish_reasons, 1, "{}", c.name);
+        if c.name == "chat with usage" {
+            let u = got
+                .usage
+                .as_ref()
+                .expect("the usage chunk the client asked for");
+            assert_eq!(u["completion_tokens"], c.limit, "{}: {u}", c.name);
+            let w = whole.usage.as_ref().expect("usage");
+            for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+                assert_eq!(u[k], w[k], "{}: {k}", c.name);
+            }
+        }
+    }
+}
+
+/// A decode silent for the whole idle bound is moved off even when the learned gap bound
+/// is as long as that (here the ceiling, with nothing learned yet): the idle timeout is
+/// the last chance to move, not a plain failure (the chaos soak lost streams this way once
+/// a moved stream's pause had been learned as a gap).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_silent_for_the_idle_bound_is_moved_off() {
+    let env = fleet([false, false], |c| {
+        c.timeouts.stream_idle_secs = 1;
+        c.retry.mid_stream_gap_ceiling_ms = 5000;
+    })
+    .await;
+    let c = &cases(true)[0];
+    let whole = ask(&env, c, false).await;
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_extra_itl_ms: 3000,
+        ..Faults::default()
+    });
+    let mut moved = false;
+    for _ in 0..4 {
+        let before = bodies(&env);
+        let got = ask(&env, c, false).await;
+        let after = bodies(&env);
+        if after[0].len() == before[0].len() {
+            continue;
+        }
+        assert_eq!(got.errors, 0, "moved, not ended with an error event");
+        check_moved(c, &whole, &got, &after[1][before[1].len()]);
+        moved = true;
+        break;
+    }
+    assert!(moved);
+}
