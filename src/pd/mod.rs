@@ -66,6 +66,10 @@ impl RngSource {
     }
 }
 
+/// The most attempts one request makes, stale-connection retries included (a bound that
+/// holds whatever the engines do; `retry.max_retries` bounds the counted ones).
+const MAX_ATTEMPTS: u32 = 16;
+
 /// A cap on retries as a share of requests (in thousandths of a retry), so that a dead
 /// pool cannot multiply its load: every request deposits `ratio`, a retry withdraws one,
 /// and the balance starts at (and is capped near) the minimum reserve.
@@ -204,6 +208,9 @@ impl Dispatcher {
         let mut exclude_p: Vec<WorkerId> = Vec::new();
         let mut exclude_d: Vec<WorkerId> = Vec::new();
         let mut attempt_no = 0u32;
+        // Retries counted against `retry.max_retries`: a keep-alive race (the engine
+        // closed a pooled connection as the leg was sent) is retried without counting.
+        let mut counted = 0u32;
         let failure = loop {
             record.set_attempts(attempt_no + 1);
             let trace = &mut record.legs;
@@ -261,10 +268,14 @@ impl Dispatcher {
                     }
                     // Retry only where a fresh pair can avoid the blamed worker.
                     let can_retry = f.reason.retryable()
-                        && attempt_no < self.cfg.retry.max_retries
+                        && (f.stale_connection || counted < self.cfg.retry.max_retries)
+                        && attempt_no < MAX_ATTEMPTS
                         && self.has_alternative(&exclude_p, &exclude_d);
                     if can_retry && self.budget.try_withdraw() {
                         record::retried(f.reason);
+                        if !f.stale_connection {
+                            counted += 1;
+                        }
                         attempt_no += 1;
                         continue;
                     }

@@ -111,14 +111,23 @@ async fn racing_decode() -> (String, Arc<Seen>) {
     (format!("http://{addr}"), seen)
 }
 
+/// With retries configured and with none (`retry.max_retries = 0`): a keep-alive race is
+/// nobody's fault and does not count against the retries.
 #[tokio::test]
 async fn a_keep_alive_race_is_retried_on_the_same_worker_with_fresh_rooms() {
+    for max_retries in [2, 0] {
+        keep_alive_race(max_retries).await;
+    }
+}
+
+async fn keep_alive_race(max_retries: u32) {
     let (decode_url, seen) = racing_decode().await;
     let cluster =
         pdgate_sim::SimCluster::spawn(&[common::fast_engine(EngineConfig::prefill(1))], &[])
             .await
             .expect("sim prefill");
     let mut cfg = common::fast_config();
+    cfg.retry.max_retries = max_retries;
     common::add_sim_workers(&mut cfg, &cluster);
     cfg.decode
         .push(pdgate::config::DecodeWorkerConfig { url: decode_url });
@@ -139,7 +148,7 @@ async fn a_keep_alive_race_is_retried_on_the_same_worker_with_fresh_rooms() {
         assert_eq!(
             status,
             200,
-            "request {i}: {}",
+            "max_retries {max_retries}, request {i}: {}",
             String::from_utf8_lossy(&body)
         );
     }
