@@ -23,6 +23,9 @@ pub struct Chunk {
     pub usage: Option<Range<usize>>,
     /// From the start of the `"usage"` key to the end of its value (for cutting it out).
     pub usage_member: Option<Range<usize>>,
+    /// `usage.completion_tokens` and `usage.prompt_tokens`, when numbers.
+    pub completion_tokens: Option<u64>,
+    pub prompt_tokens: Option<u64>,
     pub choices: Vec<Choice>,
 }
 
@@ -58,7 +61,7 @@ fn string_end(b: &[u8], i: usize) -> Option<usize> {
 }
 
 /// The end (exclusive) of the value that starts at `i`.
-fn value_end(b: &[u8], i: usize) -> Option<usize> {
+pub fn value_end(b: &[u8], i: usize) -> Option<usize> {
     match *b.get(i)? {
         b'"' => string_end(b, i),
         b'{' | b'[' => {
@@ -66,44 +69,46 @@ fn value_end(b: &[u8], i: usize) -> Option<usize> {
             // kind is left to the walk of the members the account reads.
             let mut depth = 0usize;
             let mut j = i;
-            while let Some(&c) = b.get(j) {
-                match c {
+            loop {
+                j += b
+                    .get(j..)?
+                    .iter()
+                    .position(|c| matches!(c, b'"' | b'{' | b'}' | b'[' | b']'))?;
+                match b[j] {
                     b'"' => {
                         j = string_end(b, j)?;
                         continue;
                     }
                     b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
+                    _ => {
                         depth = depth.checked_sub(1)?;
                         if depth == 0 {
                             return Some(j + 1);
                         }
                     }
-                    _ => {}
                 }
                 j += 1;
             }
-            None
         }
         _ => {
-            let mut j = i;
-            while let Some(&c) = b.get(j) {
-                if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
-                    break;
-                }
-                j += 1;
-            }
-            (j > i).then_some(j)
+            let n = b
+                .get(i..)?
+                .iter()
+                .position(|c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
+                .unwrap_or(b.len() - i);
+            (n > 0).then_some(i + n)
         }
     }
 }
 
-/// Calls `f(key, key_start, value)` for each member of the object at `i` (its `{`);
-/// returns the end of the object. `key` is the raw text between the key's quotes.
+/// Calls `f(key, key_start, value_start)` for each member of the object at `i` (its `{`);
+/// `f` returns where the value ends (walking it itself, or by [`value_end`]). Returns the
+/// end of the object. `key` is the raw text between the key's quotes. Each byte is walked
+/// once.
 fn members<'b>(
     b: &'b [u8],
     i: usize,
-    mut f: impl FnMut(&'b [u8], usize, Range<usize>) -> Option<()>,
+    mut f: impl FnMut(&'b [u8], usize, usize) -> Option<usize>,
 ) -> Option<usize> {
     if b.get(i) != Some(&b'{') {
         return None;
@@ -123,8 +128,7 @@ fn members<'b>(
             return None;
         }
         let vs = ws(b, c + 1);
-        let ve = value_end(b, vs)?;
-        f(key, j, vs..ve)?;
+        let ve = f(key, j, vs)?;
         let n = ws(b, ve);
         match b.get(n)? {
             b',' => j = ws(b, n + 1),
@@ -134,12 +138,9 @@ fn members<'b>(
     }
 }
 
-/// Calls `f(value)` for each element of the array at `i` (its `[`).
-pub fn elements(
-    b: &[u8],
-    i: usize,
-    mut f: impl FnMut(Range<usize>) -> Option<()>,
-) -> Option<usize> {
+/// Calls `f(value_start)` for each element of the array at `i` (its `[`); `f` returns
+/// where the element ends. Returns the end of the array.
+pub fn elements(b: &[u8], i: usize, mut f: impl FnMut(usize) -> Option<usize>) -> Option<usize> {
     if b.get(i) != Some(&b'[') {
         return None;
     }
@@ -148,8 +149,7 @@ pub fn elements(
         return Some(j + 1);
     }
     loop {
-        let ve = value_end(b, j)?;
-        f(j..ve)?;
+        let ve = f(j)?;
         let n = ws(b, ve);
         match b.get(n)? {
             b',' => j = ws(b, n + 1),
@@ -159,57 +159,85 @@ pub fn elements(
     }
 }
 
-fn not_null(b: &[u8], r: Range<usize>) -> Option<Range<usize>> {
-    (b.get(r.clone())? != b"null").then_some(r)
+/// The value at `vs` (its span, or `None` for `null`) and its end.
+fn scalar_or_skip(b: &[u8], vs: usize) -> Option<(Option<Range<usize>>, usize)> {
+    let ve = value_end(b, vs)?;
+    let null = b.get(vs..ve)? == b"null";
+    Some(((!null).then_some(vs..ve), ve))
 }
 
-fn choice(b: &[u8], at: usize) -> Option<Choice> {
+fn is_null_at(b: &[u8], vs: usize) -> bool {
+    b.get(vs..vs + 4) == Some(b"null")
+}
+
+fn choice(b: &[u8], at: usize) -> Option<(Choice, usize)> {
     let mut c = Choice::default();
-    members(b, at, |key, _, v| {
-        match key {
-            b"text" => c.text = not_null(b, v),
-            b"finish_reason" => c.finish_reason = not_null(b, v),
-            b"delta" if b.get(v.clone())? != b"null" => {
-                c.has_delta = true;
-                members(b, v.start, |key, _, v| {
-                    match key {
-                        b"content" => c.content = not_null(b, v),
-                        b"reasoning_content" => c.reasoning_content = not_null(b, v),
-                        b"tool_calls" => c.tool_calls = not_null(b, v),
-                        _ => {}
-                    }
-                    Some(())
-                })?;
-            }
-            _ => {}
+    let end = members(b, at, |key, _, vs| match key {
+        b"text" => {
+            let (v, ve) = scalar_or_skip(b, vs)?;
+            c.text = v;
+            Some(ve)
         }
-        Some(())
+        b"finish_reason" => {
+            let (v, ve) = scalar_or_skip(b, vs)?;
+            c.finish_reason = v;
+            Some(ve)
+        }
+        b"delta" if !is_null_at(b, vs) => {
+            c.has_delta = true;
+            members(b, vs, |key, _, vs| {
+                let (v, ve) = scalar_or_skip(b, vs)?;
+                match key {
+                    b"content" => c.content = v,
+                    b"reasoning_content" => c.reasoning_content = v,
+                    b"tool_calls" => c.tool_calls = v,
+                    _ => {}
+                }
+                Some(ve)
+            })
+        }
+        _ => value_end(b, vs),
     })?;
-    Some(c)
+    Some((c, end))
+}
+
+fn parse_u64(b: &[u8], r: Range<usize>) -> Option<u64> {
+    std::str::from_utf8(b.get(r)?).ok()?.parse().ok()
 }
 
 /// The skim of a chunk, or `None` when it is not a JSON object as expected.
 pub fn chunk(b: &[u8]) -> Option<Chunk> {
     let mut out = Chunk::default();
     let start = ws(b, 0);
-    let end = members(b, start, |key, key_start, v| {
-        match key {
-            b"id" => out.id = not_null(b, v),
-            b"usage" => {
-                if b.get(v.clone())? != b"null" {
-                    out.usage_member = Some(key_start..v.end);
-                    out.usage = Some(v);
-                }
-            }
-            b"choices" if b.get(v.clone())? != b"null" => {
-                elements(b, v.start, |e| {
-                    out.choices.push(choice(b, e.start)?);
-                    Some(())
-                })?;
-            }
-            _ => {}
+    let end = members(b, start, |key, key_start, vs| match key {
+        b"id" => {
+            let (v, ve) = scalar_or_skip(b, vs)?;
+            out.id = v;
+            Some(ve)
         }
-        Some(())
+        b"usage" if !is_null_at(b, vs) => {
+            let (mut completion, mut prompt) = (None, None);
+            let ve = members(b, vs, |key, _, vs| {
+                let ve = value_end(b, vs)?;
+                match key {
+                    b"completion_tokens" => completion = parse_u64(b, vs..ve),
+                    b"prompt_tokens" => prompt = parse_u64(b, vs..ve),
+                    _ => {}
+                }
+                Some(ve)
+            })?;
+            out.usage_member = Some(key_start..ve);
+            out.usage = Some(vs..ve);
+            out.completion_tokens = completion;
+            out.prompt_tokens = prompt;
+            Some(ve)
+        }
+        b"choices" if !is_null_at(b, vs) => elements(b, vs, |es| {
+            let (c, ce) = choice(b, es)?;
+            out.choices.push(c);
+            Some(ce)
+        }),
+        _ => value_end(b, vs),
     })?;
     (ws(b, end) == b.len()).then_some(out)
 }
@@ -220,14 +248,16 @@ pub fn string_body(b: &[u8], r: &Range<usize>) -> Option<Range<usize>> {
     (s.len() >= 2 && s[0] == b'"' && s[s.len() - 1] == b'"').then(|| r.start + 1..r.end - 1)
 }
 
-/// An unsigned integer member of the object at `r` (e.g. `usage.completion_tokens`).
+/// An unsigned integer member of the object at `r` (e.g. `sampling_params`'
+/// `max_new_tokens`).
 pub fn u64_member(b: &[u8], r: &Range<usize>, name: &[u8]) -> Option<u64> {
     let mut found = None;
-    members(b, r.start, |key, _, v| {
+    members(b, r.start, |key, _, vs| {
+        let ve = value_end(b, vs)?;
         if key == name {
-            found = std::str::from_utf8(b.get(v)?).ok()?.parse::<u64>().ok();
+            found = parse_u64(b, vs..ve);
         }
-        Some(())
+        Some(ve)
     })?;
     found
 }
@@ -268,6 +298,7 @@ mod tests {
         let u = c.usage.clone().unwrap();
         assert_eq!(u64_member(b, &u, b"completion_tokens"), Some(2));
         assert_eq!(u64_member(b, &u, b"prompt_tokens"), Some(3));
+        assert_eq!((c.completion_tokens, c.prompt_tokens), (Some(2), Some(3)));
         let m = c.usage_member.unwrap();
         assert!(b[m.clone()].starts_with(b"\"usage\""));
         assert_eq!(m.end, b.len() - 1);
@@ -358,6 +389,7 @@ mod tests {
                 joined.extend_from_slice(&b[r]);
                 want.push_str(p);
                 proptest::prop_assert_eq!(u64_member(&b, c.usage.as_ref().unwrap(), b"completion_tokens"), Some(usage));
+                proptest::prop_assert_eq!(c.completion_tokens, Some(usage));
             }
             proptest::prop_assert_eq!(unescape(&joined), Some(want));
         }

@@ -331,17 +331,12 @@ impl Tracker {
 
     fn openai_event(&mut self, data: &[u8]) -> Option<Option<Vec<u8>>> {
         let c = skim::chunk(data)?;
-        let usage_of = |name: &[u8]| {
-            c.usage
-                .as_ref()
-                .and_then(|u| skim::u64_member(data, u, name))
-        };
-        let completion_tokens = usage_of(b"completion_tokens");
+        let completion_tokens = c.completion_tokens;
         if let Some(n) = completion_tokens {
             self.cur.completion_tokens = n;
         }
         if self.segment == 0 {
-            if let Some(p) = usage_of(b"prompt_tokens") {
+            if let Some(p) = c.prompt_tokens {
                 self.prompt_tokens = Some(p);
             }
             if self.id.is_none() {

@@ -66,8 +66,9 @@ fn sampling_max_new(raw: &str) -> Option<u64> {
         b'[' => {
             let mut max = None;
             skim::elements(b, start, |e| {
-                max = max.max(one(e));
-                Some(())
+                let end = skim::value_end(b, e)?;
+                max = max.max(one(e..end));
+                Some(end)
             })?;
             max
         }
