@@ -48,9 +48,28 @@ fn ws(b: &[u8], mut i: usize) -> usize {
     i
 }
 
-/// The end (exclusive) of the string whose opening quote is at `i`.
+/// The end (exclusive) of the string whose opening quote is at `i`. Keys and most values
+/// are short: a plain loop over the first bytes, `memchr` past them.
 fn string_end(b: &[u8], i: usize) -> Option<usize> {
+    const SHORT: usize = 24;
     let mut j = i + 1;
+    let rest = b.get(j..)?;
+    for (k, &c) in rest.iter().take(SHORT).enumerate() {
+        match c {
+            b'"' => return Some(j + k + 1),
+            b'\\' => {
+                j += k;
+                return long_string_end(b, j);
+            }
+            _ => {}
+        }
+    }
+    j += SHORT.min(rest.len());
+    long_string_end(b, j)
+}
+
+/// [`string_end`] from `j` (inside the string, or at a backslash).
+fn long_string_end(b: &[u8], mut j: usize) -> Option<usize> {
     loop {
         let k = j + memchr::memchr2(b'"', b'\\', b.get(j..)?)?;
         if b[k] == b'"' {
