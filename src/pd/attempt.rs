@@ -268,8 +268,10 @@ impl Dispatcher {
     pub(super) async fn preflight(&self, c: &ChosenPair<'_>) -> Result<(), AttemptFailure> {
         let bcfg = &self.cfg.bootstrap;
         let rank = c.pair.prefill.rank;
-        let checked = c.prefill.ranks_checked_at.get(rank as usize).copied();
-        if checked.is_some_and(|t| t.elapsed() <= bcfg.freshness()) {
+        if c.prefill
+            .fresh
+            .fresh_within(rank as usize, bcfg.freshness())
+        {
             return Ok(());
         }
         let target = preflight::Target {

@@ -136,6 +136,19 @@ impl Drop for TrialGuard {
     }
 }
 
+/// A failure on a prefill's leg that may mean its bootstrap ranks changed.
+fn bootstrap_signal(reason: FailReason) -> bool {
+    matches!(
+        reason,
+        FailReason::BootstrapUnreachable
+            | FailReason::BootstrapNotReady
+            | FailReason::BootstrapRankMissing
+            | FailReason::PrefillConnect
+            | FailReason::PrefillLost
+            | FailReason::KvTransferFailed
+    )
+}
+
 fn open_for(cfg: &BreakerConfig, reopens: u32) -> Duration {
     let base = cfg.open_ms.max(1);
     let ms = base
@@ -199,6 +212,13 @@ impl Pool {
         reason: FailReason,
         cfg: &BreakerConfig,
     ) {
+        if role == Role::Prefill && bootstrap_signal(reason) {
+            // The prefill's rank routes may have changed: its tracker re-reads them now
+            // (coalesced, within its read budget).
+            if let Some(w) = self.load().worker(role, id) {
+                w.refresh.notify_one();
+            }
+        }
         if !reason.is_worker_fault() || reason.leg() != Some(role) || cfg.failure_threshold == 0 {
             return;
         }
