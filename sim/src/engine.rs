@@ -254,7 +254,17 @@ pub(crate) async fn spawn_in(
         http::serve(b, gate(|f| f.down || f.bootstrap_down), move |req| {
             e.hits
                 .record(Server::Bootstrap, req.method(), req.uri().path());
-            bootstrap::handle(Arc::clone(&state), req)
+            let delay = match (req.method(), req.uri().path()) {
+                (&Method::GET, "/route") => e.faults_tx.borrow().bootstrap_route_delay_ms,
+                _ => 0,
+            };
+            let state = Arc::clone(&state);
+            async move {
+                if delay > 0 {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                }
+                bootstrap::handle(state, req).await
+            }
         });
         bootstrap::spawn_sweeper(Arc::clone(&side.bootstrap), engine.shutdown_tx.subscribe());
         for (rank, l) in ranks.into_iter().enumerate() {
