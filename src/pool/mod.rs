@@ -445,6 +445,9 @@ pub struct Pool {
     snap: ArcSwap<Snapshot>,
     master: Mutex<Master>,
     capacity: Arc<CapacitySignal>,
+    /// A snapshot rebuild was handed to a task and has not started yet (breaker
+    /// transitions: see [`breaker`]).
+    rebuild_pending: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -464,6 +467,7 @@ impl Pool {
             snap: ArcSwap::from_pointee(Snapshot::default()),
             master: Mutex::new(Master::default()),
             capacity: Arc::new(CapacitySignal::default()),
+            rebuild_pending: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
