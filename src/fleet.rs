@@ -138,18 +138,15 @@ impl Fleet {
             url.clone(),
             runtime,
         );
-        let cfg = self.live.load();
-        if let Some(every) = cfg.policy.load_poll_interval() {
-            crate::health::load::spawn(
-                self.pool.clone(),
-                self.up.clone(),
-                every,
-                cfg.bootstrap.http_timeout(),
-                role,
-                id,
-                url,
-            );
-        }
+        // Always started: it follows `policy.load_poll_interval_ms` across reloads.
+        crate::health::load::spawn(
+            self.pool.clone(),
+            self.up.clone(),
+            self.live.clone(),
+            role,
+            id,
+            url,
+        );
         Ok(id)
     }
 

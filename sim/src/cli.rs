@@ -172,6 +172,7 @@ impl SimArgs {
             decode_hold: self.decode_hold,
             decode_hang: self.decode_hang,
             slowdown: self.slowdown,
+            bootstrap_route_delay_ms: 0,
         }
     }
 

@@ -64,6 +64,9 @@ pub struct Faults {
     /// Every compute time of this engine (prefill time, time to first token, inter-token
     /// latency) multiplied by this (0 and 1: none), e.g. 5 for an engine 5x slower.
     pub slowdown: u32,
+    /// Prefill only: the bootstrap server answers each `GET /route` this much later (a
+    /// busy Python server).
+    pub bootstrap_route_delay_ms: u64,
 }
 
 impl Faults {

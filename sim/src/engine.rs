@@ -30,6 +30,7 @@ use crate::bootstrap::{self, BootstrapState};
 use crate::config::{EngineConfig, Faults, Role};
 use crate::contract::{ContractBook, SeenRooms};
 use crate::decode_cache::DecodeState;
+use crate::hits::{Hits, HitsSnapshot, Server};
 use crate::http::{self, Cut, Gate, Resp};
 use crate::info;
 use crate::rendezvous::{self, Rendezvous};
@@ -101,6 +102,11 @@ impl SimEngine {
     /// Same JSON as `GET /sim/stats`.
     pub fn stats(&self) -> StatsSnapshot {
         self.engine.stats.snapshot()
+    }
+
+    /// The requests each of the engine's servers received so far, by method and path.
+    pub fn hits(&self) -> HitsSnapshot {
+        self.engine.hits.snapshot()
     }
 
     /// The headers of the last generate request this engine received (lower-case names,
@@ -228,6 +234,7 @@ pub(crate) async fn spawn_in(
         started_rids: RidLog::default(),
         bodies: std::sync::Mutex::new(std::collections::VecDeque::new()),
         abort_rids: RidLog::default(),
+        hits: Hits::default(),
     });
     let gate = |down_if: fn(&Faults) -> bool| Gate {
         faults: engine.faults_tx.subscribe(),
@@ -236,13 +243,28 @@ pub(crate) async fn spawn_in(
     };
     let e = Arc::clone(&engine);
     http::serve(listener, gate(|f| f.down), move |req| {
+        e.hits
+            .record(Server::Engine, req.method(), req.uri().path());
         handle(Arc::clone(&e), req)
     });
 
     if let (Some((b, ranks)), Some(side)) = (prefill_listeners, &engine.prefill) {
         let state = Arc::clone(&side.bootstrap);
+        let e = Arc::clone(&engine);
         http::serve(b, gate(|f| f.down || f.bootstrap_down), move |req| {
-            bootstrap::handle(Arc::clone(&state), req)
+            e.hits
+                .record(Server::Bootstrap, req.method(), req.uri().path());
+            let delay = match (req.method(), req.uri().path()) {
+                (&Method::GET, "/route") => e.faults_tx.borrow().bootstrap_route_delay_ms,
+                _ => 0,
+            };
+            let state = Arc::clone(&state);
+            async move {
+                if delay > 0 {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                }
+                bootstrap::handle(state, req).await
+            }
         });
         bootstrap::spawn_sweeper(Arc::clone(&side.bootstrap), engine.shutdown_tx.subscribe());
         for (rank, l) in ranks.into_iter().enumerate() {

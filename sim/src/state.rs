@@ -60,6 +60,8 @@ pub(crate) struct Engine {
     /// Decode with `max_running_requests`: one semaphore of that many running slots per
     /// DP rank (empty: no limit).
     pub running_slots: Vec<Arc<tokio::sync::Semaphore>>,
+    /// Requests per server and path ([`crate::SimEngine::hits`]).
+    pub hits: crate::hits::Hits,
 }
 
 /// How many rids a [`RidLog`] keeps (bounded: benches run long).

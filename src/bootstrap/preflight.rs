@@ -80,10 +80,19 @@ fn apply(
     res: &Result<RankRoute, BootstrapError>,
 ) -> PreflightOutcome {
     let now = Instant::now();
-    pool.update_worker(Role::Prefill, id, |w| {
+    pool.update_worker_if(Role::Prefill, id, |w| {
         tracker::apply_rank(w, rank as usize, res, now)
     });
     let ok = matches!(res, Ok(RankRoute::Ready { .. }));
+    if let Some(w) = pool.load().worker(Role::Prefill, id) {
+        if res.is_ok() {
+            w.fresh.checked(rank as usize, now);
+        }
+        if !ok {
+            // A failed check is a signal: the tracker re-reads every route now.
+            w.refresh.notify_one();
+        }
+    }
     metrics::counter!(crate::telemetry::PREFLIGHT_CHECKS, "ok" => if ok { "true" } else { "false" })
         .increment(1);
     match res {

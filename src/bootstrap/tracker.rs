@@ -1,29 +1,45 @@
 //! One tracker per prefill: the decode engine's bootstrap poll, run by the router ahead of
-//! the decode engine (spec §3.2 steps 3–5, §3.4, §7.2).
+//! the decode engine (spec §3.2 steps 3–5, §3.4, §7.2), at a cost per engine that does
+//! not grow with the DP size.
 //!
 //! Two tasks per prefill share the pool as their only output (the request-path check of one
 //! rank is `super::preflight`):
-//! - the *refresher* learns the layout from the sentinel and every rank's route, every
-//!   `refresh_interval` (and at once when woken), up to `RANK_POLLS` rank routes at once;
-//! - the *heartbeat* polls the bootstrap server's `/health` every `heartbeat_interval`;
-//!   `heartbeat_max_failures` misses in a row mark the prefill lost: every rank goes
-//!   `Failed{Unreachable}`, the layout is dropped (as decode drops its cache) and the
-//!   prefill's lost epoch is bumped, which fails its in-flight requests at once.
+//! - the *heartbeat* is the one liveness check per engine: the sentinel `GET /route` every
+//!   `heartbeat_interval` (one request whatever the DP size; it answers the layout, and 503
+//!   while not every rank is registered, as after a restart). A ready answer with the same
+//!   layout confirms every rank's route (atomics, no snapshot rebuild); 503 makes every
+//!   rank `Bootstrapping`; a refused or cut connection fails every rank at once (as
+//!   decode's first failed lookup would), and `heartbeat_max_failures` misses in a row mark
+//!   the prefill lost: the layout is dropped (as decode drops its cache) and the prefill's
+//!   lost epoch is bumped, which fails its in-flight requests at once.
+//! - the *refresher* re-reads the sentinel and every rank's route: at start, at once on a
+//!   signal (the heartbeat saw the layout change or the server come back ready, the health
+//!   checker saw the engine restart, a leg or a preflight failed for a bootstrap reason:
+//!   the worker's `refresh` notify), and otherwise at the slow jittered pace of
+//!   `refresh_interval`. Signals are coalesced (one `Notify` permit), and re-reads are
+//!   spaced so that rank-route reads average at most `max_route_reads_per_sec`.
 //!
-//! Invariant: a rank is `Ready` only after its own `GET /route` answered 200 within the
-//! freshness bound of the last check; every transition is logged and counted.
+//! Invariants:
+//! - A rank is `Ready` only after its own `GET /route` answered 200, and stays fresh only
+//!   while that route or a same-layout ready sentinel was confirmed within the freshness
+//!   bound; every transition is logged and counted.
+//! - The snapshot is rebuilt only on a transition (a rank's readiness, the layout, a
+//!   loss); confirmations are stored into the worker's `RankFreshness` atomics.
+//! - Idle, one router sends one bootstrap server `1/heartbeat_interval` sentinels plus
+//!   `(dp + 1)/refresh_interval` route reads a second, and never more than
+//!   `1/heartbeat_interval + max_route_reads_per_sec` on average, whatever the DP size.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use tokio::sync::Notify;
 
-use super::client::{self, BootstrapError, RankRoute, Sentinel};
+use super::client::{self, BootstrapError, Generation, RankRoute, Sentinel};
 use crate::config::{BootstrapConfig, LiveConfig};
 use crate::pool::{BootstrapInfo, Pool, RankFailure, RankReadiness, WorkerState};
 use crate::types::{Role, WorkerId};
-use crate::upstream::{BaseUrl, Upstream};
+use crate::upstream::{BaseUrl, CallError, Upstream};
 
 /// Rank routes the refresher asks for at once.
 const RANK_POLLS: usize = 16;
@@ -31,13 +47,11 @@ const RANK_POLLS: usize = 16;
 /// SGLang's default `--disaggregation-bootstrap-port` (defined in the protocol crate).
 pub use sglang_pd::DEFAULT_BOOTSTRAP_PORT;
 
-/// Moves one rank to `new`, logging and counting a real transition.
-pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, now: Instant) {
+/// Moves one rank to `new`, logging and counting a real transition; true when it was one.
+pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, _now: Instant) -> bool {
     if w.ranks.len() <= rank {
         w.ranks.resize(rank + 1, RankReadiness::Unknown);
-        w.ranks_checked_at.resize(rank + 1, now);
     }
-    w.ranks_checked_at[rank] = now;
     let old = &w.ranks[rank];
     let changed = match (old, &new) {
         (RankReadiness::Failed { reason: a, .. }, RankReadiness::Failed { reason: b, .. }) => {
@@ -68,22 +82,39 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, now: Insta
         }
         w.ranks[rank] = new;
     }
+    changed
 }
 
-fn fail_all(w: &mut WorkerState, reason: RankFailure, now: Instant) {
+fn fail_all(w: &mut WorkerState, reason: RankFailure, now: Instant) -> bool {
     let n = w.ranks.len().max(1);
+    let mut changed = false;
     for r in 0..n {
-        set_rank(w, r, RankReadiness::Failed { reason, since: now }, now);
+        changed |= set_rank(w, r, RankReadiness::Failed { reason, since: now }, now);
     }
+    changed
 }
 
-/// Applies a rank lookup's outcome (used by the refresher and by request-path preflight).
+/// Every rank `Bootstrapping` (the sentinel answered 503).
+fn all_bootstrapping(w: &mut WorkerState, now: Instant) -> bool {
+    let n = w
+        .layout
+        .as_ref()
+        .map_or(w.ranks.len().max(1), |l| l.dp_size as usize);
+    let mut changed = false;
+    for r in 0..n {
+        changed |= set_rank(w, r, RankReadiness::Bootstrapping, now);
+    }
+    changed
+}
+
+/// Applies a rank lookup's outcome (used by the refresher and by request-path preflight);
+/// true when the rank's readiness changed.
 pub fn apply_rank(
     w: &mut WorkerState,
     rank: usize,
     res: &Result<RankRoute, BootstrapError>,
     now: Instant,
-) {
+) -> bool {
     let st = match res {
         Ok(RankRoute::Ready { .. }) => RankReadiness::Ready,
         Ok(RankRoute::NotReady) => RankReadiness::Bootstrapping,
@@ -102,7 +133,17 @@ pub fn apply_rank(
             }
         }
     };
-    set_rank(w, rank, st, now);
+    set_rank(w, rank, st, now)
+}
+
+/// The failure a bootstrap call that did not answer stands for.
+fn failure_of(e: &BootstrapError) -> RankFailure {
+    match e {
+        BootstrapError::Unreachable(_) => RankFailure::Unreachable,
+        BootstrapError::BadAnswer { .. } | BootstrapError::DpSizeTooLarge { .. } => {
+            RankFailure::BadAnswer
+        }
+    }
 }
 
 /// Starts the tracker of prefill `id`.
@@ -131,8 +172,11 @@ pub fn spawn(
             port,
         };
         let url = info.url.clone();
-        pool.update_worker(Role::Prefill, id, |w| w.bootstrap = Some(info));
-        let wake = Arc::new(Notify::new());
+        let mut wake = Arc::new(Notify::new());
+        pool.update_worker(Role::Prefill, id, |w| {
+            w.bootstrap = Some(info);
+            wake = w.refresh.clone();
+        });
         pool.spawn_task(
             Role::Prefill,
             id,
@@ -185,22 +229,44 @@ async fn refresher(
 ) {
     loop {
         let cfg = live.load().bootstrap.clone();
-        refresh_once(&pool, &up, &cfg, id, &url).await;
+        let reads = refresh_once(&pool, &up, &cfg, id, &url).await;
+        // The budget: the next re-read starts no sooner than these reads allow.
+        let spacing = budget_spacing(reads, cfg.max_route_reads_per_sec);
+        let pause = jittered(cfg.refresh_interval(), cfg.refresh_jitter, rand::random());
+        let t0 = tokio::time::Instant::now();
         tokio::select! {
-            _ = tokio::time::sleep(cfg.refresh_interval()) => {}
+            _ = tokio::time::sleep(pause) => {}
             _ = wake.notified() => {}
         }
+        tokio::time::sleep_until(t0 + spacing).await;
     }
 }
 
-/// Reads the sentinel, then every rank's route, and publishes the result.
+/// The least time between the start of two re-reads after one that made `reads` requests,
+/// so that they average at most `per_sec`.
+pub fn budget_spacing(reads: u32, per_sec: f64) -> Duration {
+    if !(per_sec.is_finite() && per_sec > 0.0) {
+        return Duration::ZERO;
+    }
+    Duration::from_secs_f64(f64::from(reads) / per_sec)
+}
+
+/// `base` times `1 + jitter × (2u − 1)` for `u` in [0, 1).
+pub fn jittered(base: Duration, jitter: f64, u: f64) -> Duration {
+    let j = jitter.clamp(0.0, 0.5);
+    let f = 1.0 + j * (2.0 * u.clamp(0.0, 1.0) - 1.0);
+    base.mul_f64(f.max(0.0))
+}
+
+/// Reads the sentinel, then every rank's route, and publishes the result (a snapshot
+/// only on a transition). Returns the number of requests it made.
 pub async fn refresh_once(
     pool: &Pool,
     up: &Upstream,
     cfg: &BootstrapConfig,
     id: WorkerId,
     url: &BaseUrl,
-) {
+) -> u32 {
     let gen = pool
         .with_worker(Role::Prefill, id, |w| {
             w.layout.as_ref().map(|l| l.generation)
@@ -219,46 +285,46 @@ pub async fn refresh_once(
                 .await;
             let now = Instant::now();
             let mut first = false;
-            pool.update_worker(Role::Prefill, id, |w| {
+            pool.update_worker_if(Role::Prefill, id, |w| {
                 first = w.layout.is_none();
-                if w.layout.as_ref() != Some(&layout) {
+                let mut changed = w.layout.as_ref() != Some(&layout);
+                if changed {
                     tracing::info!(prefill = %w.url, dp = layout.dp_size, follow_bootstrap_room = layout.follow_bootstrap_room,
                         page_size = ?layout.page_size, kv_cache_dtype = ?layout.kv_cache_dtype, "prefill layout");
                     if !layout.follow_bootstrap_room {
                         tracing::warn!(prefill = %w.url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank (R8)");
                     }
                 }
+                changed |= w.ranks.len() > layout.dp_size as usize;
                 w.ranks.truncate(layout.dp_size as usize);
-                w.ranks_checked_at.truncate(layout.dp_size as usize);
                 w.layout = Some(layout.clone());
                 for (r, res) in results.iter().enumerate() {
-                    apply_rank(w, r, res, now);
+                    changed |= apply_rank(w, r, res, now);
                 }
+                changed
             });
+            // Stamped after publishing: a new DP size comes with new freshness slots.
+            if let Some(w) = pool.load().worker(Role::Prefill, id) {
+                for (r, res) in results.iter().enumerate() {
+                    if res.is_ok() {
+                        w.fresh.checked(r, now);
+                    }
+                }
+            }
             if first {
                 pool.warn_mismatches();
             }
+            1 + layout.dp_size
         }
         Ok(Sentinel::NotReady(text)) => {
-            pool.update_worker(Role::Prefill, id, |w| {
-                let n = w
-                    .layout
-                    .as_ref()
-                    .map_or(w.ranks.len().max(1), |l| l.dp_size as usize);
-                for r in 0..n {
-                    set_rank(w, r, RankReadiness::Bootstrapping, now);
-                }
+            pool.update_worker_if(Role::Prefill, id, |w| {
                 tracing::debug!(prefill = %w.url, text, "bootstrap server not ready");
+                all_bootstrapping(w, now)
             });
+            1
         }
         Err(e) => {
-            let reason = match e {
-                BootstrapError::Unreachable(_) => RankFailure::Unreachable,
-                BootstrapError::BadAnswer { .. } | BootstrapError::DpSizeTooLarge { .. } => {
-                    RankFailure::BadAnswer
-                }
-            };
-            pool.update_worker(Role::Prefill, id, |w| {
+            pool.update_worker_if(Role::Prefill, id, |w| {
                 if matches!(e, BootstrapError::DpSizeTooLarge { .. }) {
                     if w.ranks.iter().all(|r| r.label() != "failed") {
                         tracing::error!(prefill = %w.url, error = %e, "prefill refused");
@@ -266,10 +332,26 @@ pub async fn refresh_once(
                 } else {
                     tracing::debug!(prefill = %w.url, error = %e, "sentinel failed");
                 }
-                fail_all(w, reason, now);
+                fail_all(w, failure_of(&e), now)
             });
+            1
         }
     }
+}
+
+/// What the last heartbeat saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Beat {
+    Ready,
+    NotReady,
+    Missed,
+}
+
+/// Whether a missed heartbeat fails every rank at once: the bootstrap server refused or
+/// cut the connection, or answered something that is not the protocol. A timeout alone
+/// (a slow answer) fails them only with the loss, after `heartbeat_max_failures`.
+fn definite_miss(e: &BootstrapError) -> bool {
+    !matches!(e, BootstrapError::Unreachable(CallError::Timeout(_)))
 }
 
 async fn heartbeat(
@@ -282,8 +364,11 @@ async fn heartbeat(
 ) {
     let mut misses = 0u32;
     let mut lost = false;
+    let mut last: Option<Beat> = None;
+    let mut gen: Option<Generation> = None;
     let mut every = live.load().bootstrap.heartbeat_interval();
-    let mut tick = tokio::time::interval(every);
+    // The first beat one interval after the refresher's first read.
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
@@ -296,29 +381,105 @@ async fn heartbeat(
         }
         // A heartbeat must answer within one interval to count.
         let timeout = cfg.heartbeat_interval().min(cfg.http_timeout());
-        match client::health(&up, &url, timeout).await {
-            Ok(()) => {
-                misses = 0;
-                if lost {
-                    lost = false;
-                    tracing::info!(bootstrap = %url, "bootstrap heartbeat back");
+        if gen.is_none() {
+            gen = pool
+                .load()
+                .worker(Role::Prefill, id)
+                .and_then(|w| w.layout.as_ref().map(|l| l.generation));
+        }
+        let res = client::sentinel(&up, &url, gen, timeout).await;
+        let now = Instant::now();
+        if res.is_ok() {
+            misses = 0;
+            if lost {
+                lost = false;
+                tracing::info!(bootstrap = %url, "bootstrap heartbeat back");
+            }
+        }
+        match res {
+            Ok(Sentinel::Ready(layout)) => {
+                gen = Some(layout.generation);
+                let stored = pool.load().worker(Role::Prefill, id).map(|w| {
+                    let same = w.layout.as_ref() == Some(&layout);
+                    if same && matches!(last, None | Some(Beat::Ready)) {
+                        // The routes read before still hold: no request, no rebuild.
+                        w.fresh.confirm_all(now);
+                    }
+                    same
+                });
+                if stored != Some(true) || matches!(last, Some(Beat::NotReady | Beat::Missed)) {
+                    // A layout change, or the server (back) ready: re-read every route.
                     wake.notify_one();
                 }
+                last = Some(Beat::Ready);
+            }
+            Ok(Sentinel::NotReady(_)) => {
+                if last != Some(Beat::NotReady) {
+                    pool.update_worker_if(Role::Prefill, id, |w| all_bootstrapping(w, now));
+                }
+                last = Some(Beat::NotReady);
             }
             Err(e) => {
                 misses += 1;
-                if misses >= cfg.heartbeat_max_failures && !lost {
-                    lost = true;
-                    let now = Instant::now();
-                    tracing::warn!(bootstrap = %url, misses, error = %e, "bootstrap heartbeat lost; failing in-flight requests");
-                    metrics::counter!(crate::telemetry::BOOTSTRAP_HEARTBEAT_LOST).increment(1);
-                    pool.update_worker(Role::Prefill, id, |w| {
-                        fail_all(w, RankFailure::Unreachable, now);
-                        w.layout = None;
-                        w.lost_tx.send_modify(|e| e.heartbeat += 1);
+                last = Some(Beat::Missed);
+                let lose = misses >= cfg.heartbeat_max_failures && !lost;
+                let reason = failure_of(&e);
+                if lose || definite_miss(&e) {
+                    pool.update_worker_if(Role::Prefill, id, |w| {
+                        if matches!(e, BootstrapError::DpSizeTooLarge { .. })
+                            && w.ranks.iter().all(|r| r.label() != "failed")
+                        {
+                            tracing::error!(prefill = %w.url, error = %e, "prefill refused");
+                        }
+                        let mut changed = fail_all(w, reason, now);
+                        if lose {
+                            tracing::warn!(bootstrap = %url, misses, error = %e, "bootstrap heartbeat lost; failing in-flight requests");
+                            metrics::counter!(crate::telemetry::BOOTSTRAP_HEARTBEAT_LOST)
+                                .increment(1);
+                            w.layout = None;
+                            w.lost_tx.send_modify(|e| e.heartbeat += 1);
+                            changed = true;
+                        }
+                        changed
                     });
+                }
+                if lose {
+                    lost = true;
+                    gen = None;
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_stays_within_its_band() {
+        let base = Duration::from_secs(30);
+        let table = [
+            (0.2, 0.0, 24.0),
+            (0.2, 0.5, 30.0),
+            (0.2, 0.999_999, 36.0),
+            (0.0, 0.9, 30.0),
+            (0.9, 0.0, 15.0), // clamped to 0.5
+        ];
+        for (j, u, want) in table {
+            let got = jittered(base, j, u).as_secs_f64();
+            assert!((got - want).abs() < 1e-3, "{j} {u}: {got}");
+        }
+    }
+
+    #[test]
+    fn spacing_holds_the_budget_whatever_the_dp_size() {
+        for dp in [1u32, 8, 64, 1024] {
+            let reads = dp + 1;
+            let gap = budget_spacing(reads, 2.0);
+            let rate = f64::from(reads) / gap.as_secs_f64();
+            assert!((rate - 2.0).abs() < 1e-9, "dp {dp}: {rate}/s");
+        }
+        assert_eq!(budget_spacing(9, 0.0), Duration::ZERO);
     }
 }

@@ -401,12 +401,20 @@ impl Default for AdmissionConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BootstrapConfig {
-    /// Heartbeat to each bootstrap server's `/health`.
+    /// The liveness check of each bootstrap server: one sentinel `GET /route` (layout and
+    /// "every rank registered") per interval, whatever the DP size.
     pub heartbeat_interval_ms: u64,
     /// Consecutive missed heartbeats that mark a prefill lost.
     pub heartbeat_max_failures: u32,
-    /// How often the layout (sentinel) and every rank's route are re-read.
+    /// The slow pace at which every rank's route is re-read when nothing signalled a
+    /// change (a failed leg, a restart, a layout change, a heartbeat miss re-read at once).
     pub refresh_interval_ms: u64,
+    /// Each slow re-read is `refresh_interval_ms` times a random factor in `1 ± this`, so
+    /// that replicas started together do not read together.
+    pub refresh_jitter: f64,
+    /// The most rank-route reads per second one router makes of one bootstrap server,
+    /// averaged over re-reads (signalled or not), whatever the DP size.
+    pub max_route_reads_per_sec: f64,
     /// A rank's view older than this is re-checked on the request path (preflight).
     pub freshness_ms: u64,
     /// Timeout of a preflight check on the request path.
@@ -420,7 +428,9 @@ impl Default for BootstrapConfig {
         BootstrapConfig {
             heartbeat_interval_ms: 500,
             heartbeat_max_failures: 2,
-            refresh_interval_ms: 500,
+            refresh_interval_ms: 30_000,
+            refresh_jitter: 0.2,
+            max_route_reads_per_sec: 2.0,
             freshness_ms: 5000,
             preflight_timeout_ms: 500,
             http_timeout_ms: 2000,
@@ -676,7 +686,14 @@ impl Config {
             "bootstrap.refresh_interval_ms",
             bs.refresh_interval_ms,
             10,
-            600_000,
+            3_600_000,
+        )?;
+        range_f("bootstrap.refresh_jitter", bs.refresh_jitter, 0.0, 0.5)?;
+        range_f(
+            "bootstrap.max_route_reads_per_sec",
+            bs.max_route_reads_per_sec,
+            0.01,
+            100_000.0,
         )?;
         range("bootstrap.freshness_ms", bs.freshness_ms, 1, 3_600_000)?;
         range(

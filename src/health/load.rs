@@ -33,6 +33,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::config::LiveConfig;
 use crate::pool::Pool;
 use crate::types::{Role, WorkerId};
 use crate::upstream::{BaseUrl, Upstream};
@@ -222,13 +223,18 @@ pub fn store(pool: &Pool, role: Role, id: WorkerId, report: Option<&Report>) {
     }
 }
 
-/// Starts the load poller of one worker (call only when polling is enabled); it ends when
-/// the worker leaves the pool.
+/// How often a worker's poller looks at the live config while polling is off (no engine
+/// traffic: it only notices a reload that turns polling on).
+const OFF_RECHECK: Duration = Duration::from_secs(1);
+
+/// Starts the load poller of one worker; it ends when the worker leaves the pool. Each
+/// poll reads `policy.load_poll_interval_ms` from the live config, so a reload that turns
+/// polling on or off, or changes its pace, applies to existing workers too. While off,
+/// the worker's engine-load slots read 0.
 pub fn spawn(
     pool: Arc<Pool>,
     up: Upstream,
-    interval: Duration,
-    timeout: Duration,
+    live: LiveConfig,
     role: Role,
     id: WorkerId,
     url: BaseUrl,
@@ -236,10 +242,28 @@ pub fn spawn(
     let p2 = pool.clone();
     p2.spawn_task(role, id, async move {
         let mut gen = Generation::Unknown;
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut holds_report = false;
         loop {
-            tick.tick().await;
+            let (every, timeout) = {
+                let cfg = live.load();
+                (
+                    cfg.policy.load_poll_interval(),
+                    cfg.bootstrap.http_timeout(),
+                )
+            };
+            let Some(every) = every else {
+                if holds_report {
+                    // Turned off by a reload: no stale queue figures stay behind.
+                    store(&pool, role, id, None);
+                    if role == Role::Decode {
+                        super::capacity::store(&pool, role, id, None);
+                    }
+                    holds_report = false;
+                    gen = Generation::Unknown;
+                }
+                tokio::time::sleep(OFF_RECHECK).await;
+                continue;
+            };
             let healthy = pool.load().worker(role, id).is_some_and(|w| w.healthy);
             let answer = if healthy {
                 poll_once_body(&up, &url, &mut gen, timeout).await
@@ -251,6 +275,8 @@ pub fn spawn(
                 let figures = answer.as_ref().map(|(_, b)| super::capacity::parse(b));
                 super::capacity::store(&pool, role, id, figures.as_deref());
             }
+            holds_report = true;
+            tokio::time::sleep(every).await;
         }
     });
 }

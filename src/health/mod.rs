@@ -128,6 +128,7 @@ pub fn spawn(
     p2.spawn_task(role, id, async move {
         let mut run = HealthRun::default();
         let mut have_info = false;
+        let mut ever_up = false;
         let conns = pool.with_worker(role, id, |w| w.conns.clone());
         loop {
             let (cfg, bcfg) = {
@@ -182,7 +183,13 @@ pub fn spawn(
                     w.health_checked = true;
                     // `pdgate_worker_healthy` is read from the pool at scrape time.
                     tracing::info!(role = %role, worker = %w.url, healthy = good, "worker health");
+                    if good && ever_up && role == Role::Prefill {
+                        // Back after being down (maybe a restart): its bootstrap tracker
+                        // re-reads the rank routes now.
+                        w.refresh.notify_one();
+                    }
                 });
+                ever_up |= good;
             }
             let healthy = match verdict {
                 Verdict::Up => true,

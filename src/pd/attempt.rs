@@ -22,7 +22,7 @@ use std::future::Future;
 use http::{HeaderValue, Response};
 use http_body_util::BodyExt;
 
-use super::flight::{PdBody, PdBodyParts, PrefillFuture, PrefillWatch};
+use super::flight::{LostSeen, PdBody, PdBodyParts, PrefillFuture, PrefillWatch};
 use super::legs::{self, LegCancel};
 use super::record::{LegTrace, RequestRecord};
 use super::request::{LegFields, ParsedRequest};
@@ -99,6 +99,8 @@ pub(super) struct ChosenPair<'s> {
     pub decode: &'s WorkerView,
     pub bootstrap: &'s BootstrapInfo,
     pub layout: &'s Layout,
+    /// The prefill's loss epochs when the pair was chosen (see [`LostSeen`]).
+    pub lost_seen: LostSeen,
     /// The half-open trials of the workers picked, held until the attempt returns, however
     /// it ends; the dispatcher's verdict (success, or the blamed leg's failure) follows with
     /// no await in between. An attempt that ends without a verdict on a worker frees its
@@ -254,6 +256,7 @@ impl Dispatcher {
             return Err(AttemptFailure::on(&pair, f));
         };
         Ok(ChosenPair {
+            lost_seen: LostSeen::of(&prefill.lost, pair.prefill.rank),
             pair,
             prefill,
             decode,
@@ -268,8 +271,10 @@ impl Dispatcher {
     pub(super) async fn preflight(&self, c: &ChosenPair<'_>) -> Result<(), AttemptFailure> {
         let bcfg = &self.cfg.bootstrap;
         let rank = c.pair.prefill.rank;
-        let checked = c.prefill.ranks_checked_at.get(rank as usize).copied();
-        if checked.is_some_and(|t| t.elapsed() <= bcfg.freshness()) {
+        if c.prefill
+            .fresh
+            .fresh_within(rank as usize, bcfg.freshness())
+        {
             return Ok(());
         }
         let target = preflight::Target {
@@ -368,6 +373,7 @@ impl Dispatcher {
             prefill_leg,
             c.prefill.lost.clone(),
             pt.rank,
+            c.lost_seen,
             LegCancel::new(&self.up, &c.prefill.url, rid_p),
             LoadGuard::new(c.prefill, pt.rank),
         );

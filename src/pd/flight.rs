@@ -54,19 +54,38 @@ pub struct PrefillWatch {
     guard: Option<LoadGuard>,
 }
 
+/// The prefill's loss epochs a request's watch compares against: taken when its pair was
+/// chosen, before any await (the preflight), so that a loss meanwhile is still seen.
+#[derive(Clone, Copy, Debug)]
+pub struct LostSeen {
+    heartbeat: u64,
+    rank: u64,
+}
+
+impl LostSeen {
+    pub fn of(lost: &watch::Receiver<LostEpochs>, rank: DpRank) -> LostSeen {
+        let e = lost.borrow();
+        LostSeen {
+            heartbeat: e.heartbeat,
+            rank: e.rank(rank as usize),
+        }
+    }
+}
+
 impl PrefillWatch {
     pub fn new(
         leg: PrefillFuture,
         mut lost: watch::Receiver<LostEpochs>,
         rank: DpRank,
+        seen: LostSeen,
         cancel: LegCancel,
         guard: LoadGuard,
     ) -> PrefillWatch {
         let k = rank as usize;
-        let (heartbeat, rank_seen) = {
-            let e = lost.borrow_and_update();
-            (e.heartbeat, e.rank(k))
-        };
+        let LostSeen {
+            heartbeat,
+            rank: rank_seen,
+        } = seen;
         // One waiter on one channel: woken by any loss on this prefill, it ends only on
         // a loss of the whole prefill or of this request's rank.
         let lost = Box::pin(async move {

@@ -208,6 +208,7 @@ impl Dispatcher {
             ));
         };
         Ok(ChosenPair {
+            lost_seen: super::flight::LostSeen::of(&prefill.lost, pair.prefill.rank),
             pair,
             prefill,
             decode,

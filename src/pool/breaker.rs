@@ -18,7 +18,9 @@
 //! - Ejection cap: passive signals alone never hold open more than
 //!   `max_ejection_ratio` of a pool (rounded down), so they cannot empty a pool.
 //! - The counters are atomics shared across snapshots; only transitions rebuild the
-//!   snapshot, through the pool's single writer.
+//!   snapshot, through the pool's single writer, in a task: a request whose outcome moves
+//!   a breaker swaps the state atomically and hands the rebuild off (coalesced: at most one
+//!   pending), never taking the writer lock itself.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -136,6 +138,19 @@ impl Drop for TrialGuard {
     }
 }
 
+/// A failure on a prefill's leg that may mean its bootstrap ranks changed.
+fn bootstrap_signal(reason: FailReason) -> bool {
+    matches!(
+        reason,
+        FailReason::BootstrapUnreachable
+            | FailReason::BootstrapNotReady
+            | FailReason::BootstrapRankMissing
+            | FailReason::PrefillConnect
+            | FailReason::PrefillLost
+            | FailReason::KvTransferFailed
+    )
+}
+
 fn open_for(cfg: &BreakerConfig, reopens: u32) -> Duration {
     let base = cfg.open_ms.max(1);
     let ms = base
@@ -146,7 +161,7 @@ fn open_for(cfg: &BreakerConfig, reopens: u32) -> Duration {
 
 impl Pool {
     /// A leg on `id` succeeded.
-    pub fn report_success(&self, role: Role, id: WorkerId) {
+    pub fn report_success(self: &Arc<Self>, role: Role, id: WorkerId) {
         let Some(b) = self.breaker(role, id) else {
             return;
         };
@@ -160,7 +175,7 @@ impl Pool {
     /// Takes `id` out of rotation for lack of progress, within the ejection cap. True when
     /// this call moved it there (the caller starts its probe); false when it was already
     /// out, or the cap keeps it in.
-    pub fn eject_stalled(&self, role: Role, id: WorkerId, cfg: &BreakerConfig) -> bool {
+    pub fn eject_stalled(self: &Arc<Self>, role: Role, id: WorkerId, cfg: &BreakerConfig) -> bool {
         let Some(b) = self.breaker(role, id) else {
             return false;
         };
@@ -187,7 +202,7 @@ impl Pool {
         }
         tracing::warn!(role = %role, worker = %id, "worker stalled: out of rotation until a probe through a real pair succeeds");
         metrics::counter!(telemetry::BREAKER_TRANSITIONS, "role" => role.as_str(), "to" => BreakerState::Stalled.label()).increment(1);
-        self.update_worker(role, id, |_| {});
+        self.rebuild_soon();
         true
     }
 
@@ -199,6 +214,13 @@ impl Pool {
         reason: FailReason,
         cfg: &BreakerConfig,
     ) {
+        if role == Role::Prefill && bootstrap_signal(reason) {
+            // The prefill's rank routes may have changed: its tracker re-reads them now
+            // (coalesced, within its read budget).
+            if let Some(w) = self.load().worker(role, id) {
+                w.refresh.notify_one();
+            }
+        }
         if !reason.is_worker_fault() || reason.leg() != Some(role) || cfg.failure_threshold == 0 {
             return;
         }
@@ -268,7 +290,7 @@ impl Pool {
         }
     }
 
-    fn set_breaker(&self, role: Role, id: WorkerId, b: &Breaker, to: BreakerState) {
+    fn set_breaker(self: &Arc<Self>, role: Role, id: WorkerId, b: &Breaker, to: BreakerState) {
         let from = BreakerState::from_u8(b.state.swap(to.as_u8(), Ordering::AcqRel));
         if from == to {
             return;
@@ -279,7 +301,29 @@ impl Pool {
         tracing::info!(role = %role, worker = %id, from = from.label(), to = to.label(), "circuit breaker");
         metrics::counter!(telemetry::BREAKER_TRANSITIONS, "role" => role.as_str(), "to" => to.label()).increment(1);
         // Rebuild the snapshot so routability follows the new state.
-        self.update_worker(role, id, |_| {});
+        self.rebuild_soon();
+    }
+
+    /// Hands a snapshot rebuild to a task (at most one pending; a transition after it
+    /// started schedules another). Outside a runtime, rebuilds here.
+    fn rebuild_soon(self: &Arc<Self>) {
+        if self.rebuild_pending.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let pool = Arc::clone(self);
+        let task = async move {
+            pool.rebuild_pending.store(false, Ordering::Release);
+            pool.update_master(|_| {});
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(task);
+            }
+            Err(_) => {
+                self.rebuild_pending.store(false, Ordering::Release);
+                self.update_master(|_| {});
+            }
+        }
     }
 }
 
@@ -295,6 +339,12 @@ mod tests {
             max_open_ms: 400,
             max_ejection_ratio: 0.5,
         }
+    }
+
+    /// The snapshot once the rebuilds handed off by transitions ran.
+    async fn settled(pool: &Arc<Pool>) -> Arc<crate::pool::Snapshot> {
+        tokio::task::yield_now().await;
+        pool.load_full()
     }
 
     fn pool(n: usize) -> Arc<Pool> {
@@ -318,16 +368,16 @@ mod tests {
         for _ in 0..2 {
             pool.report_failure(Role::Decode, w, FailReason::DecodeStatus, &c);
         }
-        assert_eq!(pool.load().decode_routable.len(), 2);
+        assert_eq!(settled(&pool).await.decode_routable.len(), 2);
         pool.report_failure(Role::Decode, w, FailReason::DecodeStatus, &c);
         assert_eq!(
-            pool.load().decode_routable.len(),
+            settled(&pool).await.decode_routable.len(),
             1,
             "open: out of rotation"
         );
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert_eq!(
-            pool.load().decode_routable.len(),
+            settled(&pool).await.decode_routable.len(),
             2,
             "half-open: back for a trial"
         );
@@ -337,15 +387,15 @@ mod tests {
         );
         // The trial fails: open again, for twice as long.
         pool.report_failure(Role::Decode, w, FailReason::DecodeBroken, &c);
-        assert_eq!(pool.load().decode_routable.len(), 1);
+        assert_eq!(settled(&pool).await.decode_routable.len(), 1);
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert_eq!(
-            pool.load().decode_routable.len(),
+            settled(&pool).await.decode_routable.len(),
             1,
             "backoff doubled the open time"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert_eq!(pool.load().decode_routable.len(), 2);
+        assert_eq!(settled(&pool).await.decode_routable.len(), 2);
         pool.report_success(Role::Decode, w);
         assert_eq!(
             pool.breaker(Role::Decode, w).unwrap().state(),
@@ -390,7 +440,7 @@ mod tests {
                 &c,
             );
         }
-        assert_eq!(pool.load().decode_routable.len(), 2);
+        assert_eq!(settled(&pool).await.decode_routable.len(), 2);
     }
 
     #[tokio::test(start_paused = true)]
@@ -403,7 +453,7 @@ mod tests {
             }
         }
         assert_eq!(
-            pool.load().decode_routable.len(),
+            settled(&pool).await.decode_routable.len(),
             1,
             "only half the pool may be ejected"
         );
@@ -412,10 +462,31 @@ mod tests {
             single.report_failure(Role::Decode, WorkerId(0), FailReason::DecodeConnect, &c);
         }
         assert_eq!(
-            single.load().decode_routable.len(),
+            settled(&single).await.decode_routable.len(),
             1,
             "a pool of one is never emptied by passive signals"
         );
+    }
+
+    /// A request whose outcome moves breakers does not rebuild the snapshot itself: the
+    /// rebuild is handed to a task, and transitions before it runs share one rebuild.
+    #[tokio::test(start_paused = true)]
+    async fn transitions_hand_the_rebuild_to_one_task() {
+        let pool = pool(4);
+        let c = BreakerConfig {
+            max_ejection_ratio: 1.0,
+            ..cfg()
+        };
+        let v = pool.load().version;
+        for w in 0..2 {
+            for _ in 0..3 {
+                pool.report_failure(Role::Decode, WorkerId(w), FailReason::DecodeStatus, &c);
+            }
+        }
+        assert_eq!(pool.load().version, v, "no rebuild on the caller's thread");
+        let snap = settled(&pool).await;
+        assert_eq!(snap.version, v + 1, "two transitions, one rebuild");
+        assert_eq!(snap.decode_routable.len(), 2);
     }
 
     #[tokio::test(start_paused = true)]
@@ -425,7 +496,7 @@ mod tests {
         let w = WorkerId(0);
         assert!(pool.eject_stalled(Role::Decode, w, &c));
         assert!(!pool.eject_stalled(Role::Decode, w, &c), "already out");
-        assert_eq!(pool.load().decode_routable.len(), 1);
+        assert_eq!(settled(&pool).await.decode_routable.len(), 1);
         assert_eq!(
             pool.breaker(Role::Decode, w).unwrap().state().label(),
             "stalled"
@@ -439,13 +510,13 @@ mod tests {
         );
         // The ejection cap holds for stalls too: the other half stays.
         assert!(!pool.eject_stalled(Role::Decode, WorkerId(1), &c));
-        assert_eq!(pool.load().decode_routable.len(), 1);
+        assert_eq!(settled(&pool).await.decode_routable.len(), 1);
         // A success (a probe through a real pair) re-admits it.
         pool.report_success(Role::Decode, w);
         assert_eq!(
             pool.breaker(Role::Decode, w).unwrap().state(),
             BreakerState::Closed
         );
-        assert_eq!(pool.load().decode_routable.len(), 2);
+        assert_eq!(settled(&pool).await.decode_routable.len(), 2);
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! Invariants:
 //! - The request path only `load()`s the `ArcSwap`; it never locks.
-//! - Writes go through [`Pool::update`], which serialises writers on a mutex that the
+//! - Writes go through [`Pool::update_worker`] (and the other writers), which serialises writers on a mutex that the
 //!   request path never touches, mutates the master state, and publishes a new snapshot.
 //!   There is therefore exactly one writer of the snapshot at a time.
 //! - A (worker, rank) is *routable* only when the worker is healthy and, for a prefill,
@@ -26,11 +26,13 @@ use tokio_util::sync::CancellationToken;
 
 pub mod breaker;
 pub mod capacity;
+pub mod freshness;
 pub mod mismatch;
 mod series;
 
 pub use breaker::{Breaker, BreakerState, TrialGuard};
 pub use capacity::{CapacitySignal, RankCapacity, Reservation};
+pub use freshness::RankFreshness;
 use tokio::sync::watch;
 
 use crate::engine::{Layout, ServerInfo};
@@ -237,7 +239,11 @@ pub struct WorkerState {
     pub bootstrap: Option<BootstrapInfo>,
     pub layout: Option<Layout>,
     pub ranks: Vec<RankReadiness>,
-    pub ranks_checked_at: Vec<Instant>,
+    /// When each rank was last confirmed (atomics: no rebuild per confirmation).
+    pub fresh: Arc<RankFreshness>,
+    /// Wakes the prefill's bootstrap tracker for a re-read of its rank routes (a signal:
+    /// a failed leg or preflight, a restart, a layout change). Coalesced.
+    pub refresh: Arc<tokio::sync::Notify>,
     /// Bumped when the prefill (or one of its ranks) is lost; in-flight requests on it
     /// whose prefill has not answered yet watch this.
     pub lost_tx: watch::Sender<LostEpochs>,
@@ -290,7 +296,8 @@ pub struct WorkerView {
     pub bootstrap: Option<BootstrapInfo>,
     pub layout: Option<Layout>,
     pub ranks: Vec<RankReadiness>,
-    pub ranks_checked_at: Vec<Instant>,
+    pub fresh: Arc<RankFreshness>,
+    pub refresh: Arc<tokio::sync::Notify>,
     pub lost: watch::Receiver<LostEpochs>,
     pub breaker: Arc<Breaker>,
     pub conns: Arc<HostConns>,
@@ -438,6 +445,9 @@ pub struct Pool {
     snap: ArcSwap<Snapshot>,
     master: Mutex<Master>,
     capacity: Arc<CapacitySignal>,
+    /// A snapshot rebuild was handed to a task and has not started yet (breaker
+    /// transitions: see [`breaker`]).
+    rebuild_pending: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -457,6 +467,7 @@ impl Pool {
             snap: ArcSwap::from_pointee(Snapshot::default()),
             master: Mutex::new(Master::default()),
             capacity: Arc::new(CapacitySignal::default()),
+            rebuild_pending: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -574,25 +585,46 @@ impl Pool {
 
     /// Mutates one worker under the writer lock and publishes a new snapshot.
     pub fn update_worker(&self, role: Role, id: WorkerId, f: impl FnOnce(&mut WorkerState)) {
-        self.update(|workers| {
-            if let Some(w) = workers.iter_mut().find(|w| w.role == role && w.id == id) {
-                f(w);
-                let dp = w
-                    .layout
-                    .as_ref()
-                    .map(|l| l.dp_size)
-                    .or(w.dp_size)
-                    .unwrap_or(1)
-                    .max(1);
-                if w.loads.len() != dp as usize {
-                    w.loads = new_loads(dp);
-                    w.engine_load = new_loads(dp);
-                    w.capacity = capacity::new_ranks(dp);
-                    w.probes = Arc::new(RankProbes::new(dp));
-                    w.progress = Arc::new(WorkerProgress::new(dp));
-                }
-            }
+        self.update_worker_if(role, id, |w| {
+            f(w);
+            true
         });
+    }
+
+    /// Mutates one worker under the writer lock; publishes a new snapshot only when `f`
+    /// says something the snapshot shows changed (or the DP size did). Returns whether
+    /// it published.
+    pub fn update_worker_if(
+        &self,
+        role: Role,
+        id: WorkerId,
+        f: impl FnOnce(&mut WorkerState) -> bool,
+    ) -> bool {
+        let mut m = self.master.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(w) = m.workers.iter_mut().find(|w| w.role == role && w.id == id) else {
+            return false;
+        };
+        let mut changed = f(w);
+        let dp = w
+            .layout
+            .as_ref()
+            .map(|l| l.dp_size)
+            .or(w.dp_size)
+            .unwrap_or(1)
+            .max(1);
+        if w.loads.len() != dp as usize {
+            w.loads = new_loads(dp);
+            w.engine_load = new_loads(dp);
+            w.capacity = capacity::new_ranks(dp);
+            w.probes = Arc::new(RankProbes::new(dp));
+            w.progress = Arc::new(WorkerProgress::new(dp));
+            w.fresh = Arc::new(RankFreshness::new(dp));
+            changed = true;
+        }
+        if changed {
+            self.publish(&m);
+        }
+        changed
     }
 
     /// Reads one worker's master state (background tasks only).
@@ -609,13 +641,14 @@ impl Pool {
             .map(f)
     }
 
-    fn update(&self, f: impl FnOnce(&mut Vec<WorkerState>)) {
-        self.update_master(|m| f(&mut m.workers));
-    }
-
     fn update_master(&self, f: impl FnOnce(&mut Master)) {
         let mut m = self.master.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut m);
+        self.publish(&m);
+    }
+
+    /// Builds and swaps in a new snapshot (the caller holds the writer lock).
+    fn publish(&self, m: &Master) {
         let version = self.snap.load().version + 1;
         self.snap.store(Arc::new(build(&m.workers, version)));
         // A worker may have joined or come back: requests waiting for a slot look again.
@@ -653,7 +686,8 @@ impl Master {
             bootstrap,
             layout: None,
             ranks: Vec::new(),
-            ranks_checked_at: Vec::new(),
+            fresh: Arc::new(RankFreshness::new(1)),
+            refresh: Arc::new(tokio::sync::Notify::new()),
             lost_tx,
             info: None,
             breaker: Arc::new(Breaker::default()),
@@ -699,7 +733,8 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             bootstrap: w.bootstrap.clone(),
             layout: w.layout.clone(),
             ranks: w.ranks.clone(),
-            ranks_checked_at: w.ranks_checked_at.clone(),
+            fresh: w.fresh.clone(),
+            refresh: w.refresh.clone(),
             lost: w.lost_tx.subscribe(),
             breaker: w.breaker.clone(),
             conns: w.conns.clone(),

@@ -7,6 +7,7 @@ mod support;
 mod access_log;
 mod admin;
 mod api_keys;
+mod background_load;
 mod bootstrap_tracking;
 mod breaker_trials;
 mod capacity;

@@ -219,3 +219,61 @@ async fn the_refresher_asks_for_rank_routes_concurrently() {
         "rank routes in flight at once"
     );
 }
+
+/// The prefill's bootstrap heartbeat is lost while a request waits on its preflight (the
+/// route answered fine, late): the request's watch must count that loss, so the request
+/// ends at once with `prefill_lost` rather than going out on a prefill already known lost.
+/// (The watch's baseline used to be taken after the preflight's await, and missed it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_loss_during_the_preflight_reaches_the_request() {
+    use crate::support::common::start;
+    use pdgate_sim::{EngineConfig, Faults};
+
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            // Neither the refresher nor the heartbeat looks again: every request meets a
+            // stale view and checks its rank on the request path.
+            c.bootstrap.refresh_interval_ms = 600_000;
+            c.bootstrap.heartbeat_interval_ms = 600_000;
+            c.bootstrap.freshness_ms = 1;
+            c.bootstrap.preflight_timeout_ms = 5_000;
+            c.retry.max_retries = 0;
+        },
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let p = &env.cluster.prefills[0];
+    p.set_faults(Faults {
+        bootstrap_route_delay_ms: 400,
+        ..Faults::default()
+    });
+    let routes = p.hits().bootstrap("GET /route");
+    let req = {
+        let env = &env;
+        async move { env.post("/generate", r#"{"text":"a"}"#).await }
+    };
+    let lose = async {
+        // The preflight's route request reached the bootstrap server: the loss now.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while p.hits().bootstrap("GET /route") == routes {
+            assert!(tokio::time::Instant::now() < deadline, "no preflight");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        env.router
+            .pool
+            .update_worker(Role::Prefill, pdgate::types::WorkerId(0), |w| {
+                w.lost_tx.send_modify(|e| e.heartbeat += 1)
+            });
+    };
+    let ((st, _, body), ()) = tokio::join!(req, lose);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    assert_eq!(
+        (st.as_u16(), v["error"]["type"].as_str()),
+        (502, Some("prefill_lost")),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+}

@@ -356,3 +356,49 @@ async fn a_static_worker_drained_by_an_operator_is_still_removed_by_a_reload() {
     })
     .await;
 }
+
+/// A reload that turns engine load polling on (or changes its pace, or turns it off)
+/// applies to the workers already in the pool, not only to workers added later.
+#[tokio::test]
+async fn a_reload_applies_load_polling_to_existing_workers() {
+    let env = start_as_is(
+        vec![fast_engine(EngineConfig::prefill(1))],
+        vec![fast_engine(EngineConfig::decode(1))],
+        |c| c.policy.load_poll_interval_ms = 0,
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let d = &env.cluster.decodes[0];
+    let polls = |e: &pdgate_sim::SimEngine| {
+        let h = e.hits();
+        h.engine("GET /v1/loads") + h.engine("GET /get_load")
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(polls(d), 0, "polling is off");
+
+    let mut next = current(&env);
+    next.policy.load_poll_interval_ms = 20;
+    pdgate::reload::apply(&env.router, next).expect("valid");
+    // Picked up within the off-state recheck (1 s), then every 20 ms.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while polls(d) < 5 || polls(&env.cluster.prefills[0]) < 5 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "existing workers not polled after the reload: {:?}",
+            d.hits().engine
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let mut off = current(&env);
+    off.policy.load_poll_interval_ms = 0;
+    pdgate::reload::apply(&env.router, off).expect("valid");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stopped = polls(d);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        polls(d),
+        stopped,
+        "still polled after polling was turned off"
+    );
+}

@@ -159,6 +159,8 @@ async fn legacy_bootstrap_bug_with_a_stale_view_is_cut_short() {
             c.timeouts.prefill_secs = 300;
             c.timeouts.request_secs = 20;
             c.bootstrap.refresh_interval_ms = LOOK_EVERY_MS;
+            // The heartbeat's sentinel is a look too.
+            c.bootstrap.heartbeat_interval_ms = LOOK_EVERY_MS;
             c.bootstrap.freshness_ms = 60_000;
         },
     )
@@ -193,7 +195,8 @@ async fn legacy_bootstrap_bug_with_a_stale_view_is_cut_short() {
     let checked = |s: &pdgate::pool::Snapshot| {
         s.worker(Role::Prefill, WorkerId(0))
             .unwrap()
-            .ranks_checked_at[0]
+            .fresh
+            .last_confirmed(0)
     };
     let last = checked(&env.router.pool.load());
     env.wait_pool("a look of the tracker", |s| checked(s) > last)

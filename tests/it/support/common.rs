@@ -31,6 +31,7 @@ pub fn fast_config() -> Config {
     cfg.bootstrap.heartbeat_interval_ms = 100;
     cfg.bootstrap.heartbeat_max_failures = 2;
     cfg.bootstrap.refresh_interval_ms = 100;
+    cfg.bootstrap.max_route_reads_per_sec = 10_000.0;
     cfg.bootstrap.http_timeout_ms = 500;
     cfg.timeouts.connect_ms = 500;
     cfg.timeouts.prefill_secs = 10;
