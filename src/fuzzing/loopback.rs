@@ -79,6 +79,7 @@ impl Loop {
 async fn serve_calls(l: TcpListener, answer: Arc<Mutex<(u16, Vec<u8>)>>) {
     while let Ok((mut s, _)) = l.accept().await {
         let answer = answer.clone();
+        let _ = s.set_nodelay(true);
         tokio::spawn(async move {
             let mut buf = Vec::new();
             let mut chunk = [0u8; 1024];
@@ -92,12 +93,14 @@ async fn serve_calls(l: TcpListener, answer: Arc<Mutex<(u16, Vec<u8>)>>) {
                 };
                 buf.drain(..end + 4);
                 let (status, body) = answer.lock().map(|a| a.clone()).unwrap_or_default();
-                let head = format!(
+                // One write: a head and a body in two would wait on Nagle and delayed ACKs.
+                let mut out = format!(
                     "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
                     body.len()
-                );
-                if s.write_all(head.as_bytes()).await.is_err() || s.write_all(&body).await.is_err()
-                {
+                )
+                .into_bytes();
+                out.extend_from_slice(&body);
+                if s.write_all(&out).await.is_err() {
                     return;
                 }
             }
@@ -129,6 +132,8 @@ pub fn leg_answer(data: &[u8]) {
                 let Ok((mut s, _)) = lp.legs.accept().await else {
                     return;
                 };
+                // Each piece goes out at once (no Nagle wait behind a delayed ACK).
+                let _ = s.set_nodelay(true);
                 let mut got = vec![0u8; want];
                 if s.read_exact(&mut got).await.is_err() {
                     return;

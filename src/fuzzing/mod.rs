@@ -183,7 +183,25 @@ pub fn sse(data: &[u8]) {
     if whole == Scanned::Broken || pieces == Scanned::Broken {
         return;
     }
-    assert_eq!(whole, pieces, "the stream's cut changed what was forwarded");
+    match (&whole, &pieces) {
+        // Where a run of blank lines ends an event and the next begins is not one place
+        // (`\n\n\n` is an event's end and an empty line): the events before an abort may
+        // end with one newline more or less, which no SSE client sees.
+        (Scanned::Aborted(a, ma, sa), Scanned::Aborted(b, mb, sb)) => {
+            let trim = |v: &[u8]| v.trim_ascii_end().len();
+            assert_eq!(
+                (trim(a), ma, sa),
+                (trim(b), mb, sb),
+                "the cut changed the abort"
+            );
+            assert_eq!(
+                a[..trim(a)],
+                b[..trim(b)],
+                "the cut changed the events before an abort"
+            );
+        }
+        _ => assert_eq!(whole, pieces, "the stream's cut changed what was forwarded"),
+    }
     if let (None, Scanned::Ended(out)) = (&lp, &whole) {
         assert_eq!(out.as_slice(), stream, "bytes changed on the way through");
     }
