@@ -272,9 +272,9 @@ pub fn line_id(line: usize) -> String {
 
 /// One line of the keys file.
 #[derive(Debug, PartialEq, Eq)]
-struct ParsedKey {
-    id: Arc<str>,
-    digest: KeyDigest,
+pub(crate) struct ParsedKey {
+    pub(crate) id: Arc<str>,
+    pub(crate) digest: KeyDigest,
 }
 
 fn valid_name(n: &str) -> bool {
@@ -298,7 +298,7 @@ fn parse_hex_digest(h: &str) -> Option<KeyDigest> {
 }
 
 /// Parses a keys file. Errors name the line, never its key.
-fn parse_keys(text: &str) -> Result<Vec<ParsedKey>, String> {
+pub(crate) fn parse_keys(text: &str) -> Result<Vec<ParsedKey>, String> {
     let mut out: Vec<ParsedKey> = Vec::new();
     let mut seen: HashMap<KeyDigest, usize> = HashMap::new();
     for (i, line) in text.lines().enumerate() {

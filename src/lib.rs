@@ -24,6 +24,8 @@ pub mod discovery;
 pub mod engine;
 pub mod error;
 pub mod fleet;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod health;
 pub mod pd;
 pub mod policy;

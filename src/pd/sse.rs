@@ -174,6 +174,15 @@ impl SseScanner {
 }
 
 fn merge_event(out: &mut Vec<u8>, event: &[u8], lp: &PrefillLogprobs) {
+    // Extra blank lines before an event (`\n\n\n`) belong to it or stand alone depending
+    // on how the stream was read: passed on as they are, so that the event is merged either
+    // way (found by fuzzing).
+    let lead = event
+        .iter()
+        .take_while(|b| matches!(b, b'\r' | b'\n'))
+        .count();
+    out.extend_from_slice(&event[..lead]);
+    let event = &event[lead..];
     let trimmed = [&b"\r\n\r\n"[..], b"\n\r\n", b"\n\n"]
         .iter()
         .find_map(|end| event.strip_suffix(*end))
@@ -349,6 +358,28 @@ mod tests {
             "{out}"
         );
         assert!(out.ends_with("data: [DONE]\n\n"));
+    }
+
+    /// Found by fuzzing: an event after a run of blank lines was merged or not depending on
+    /// where the reads split the stream (the extra blank line began the event, which then did
+    /// not start with `data: `).
+    #[test]
+    fn extra_blank_lines_do_not_stop_a_merge() {
+        let lp = Arc::new(PrefillLogprobs::from_prefill_body(
+            br#"{"meta_info":{"input_token_logprobs":[[null,1,null]]}}"#,
+        ));
+        let stream: &[u8] = b"data: {\"meta_info\":{\"input_token_logprobs\":[]}}\n\n\ndata: {\"meta_info\":{\"input_token_logprobs\":[]}}\n\n";
+        let merged = "data: {\"meta_info\":{\"input_token_logprobs\":[[null,1,null]]}}\n\n";
+        let want = format!("{merged}\n{merged}");
+        for cut in [stream.len(), 1, 2, 3, 5, 8] {
+            let mut s = SseScanner::new(Some(lp.clone()), limit());
+            let mut out = Vec::new();
+            for c in stream.chunks(cut) {
+                out.extend_from_slice(fwd(&s.push(Bytes::copy_from_slice(c))));
+            }
+            out.extend_from_slice(&s.finish());
+            assert_eq!(String::from_utf8_lossy(&out), want, "cut {cut}");
+        }
     }
 
     /// Property tests: whole, non-aborting events pass through unchanged however the

@@ -23,6 +23,7 @@ mod engine_bounds;
 mod faults;
 mod fleet;
 mod front_door;
+mod fuzz_corpus;
 mod garbage;
 mod health_flags;
 mod interop_bootstrap;
