@@ -25,6 +25,7 @@ pub mod engine;
 pub mod error;
 pub mod fleet;
 pub mod health;
+pub mod memory;
 pub mod pd;
 pub mod policy;
 pub mod pool;

@@ -383,6 +383,12 @@ pub struct AdmissionConfig {
     pub max_queue: usize,
     /// Longest wait for a slot; longer gets 503.
     pub queue_timeout_ms: u64,
+    /// The in-flight byte budget (`crate::memory`): request bodies and buffered engine
+    /// answers held at once, across all requests. A request that does not fit now gets 503
+    /// with `Retry-After`; one larger than the whole budget gets 413. At least
+    /// `server.max_body_bytes`. The process's memory is about a base plus this times a
+    /// small factor (README, "Memory").
+    pub max_bytes_in_flight: usize,
 }
 
 impl Default for AdmissionConfig {
@@ -391,6 +397,7 @@ impl Default for AdmissionConfig {
             max_in_flight: 4096,
             max_queue: 4096,
             queue_timeout_ms: 10_000,
+            max_bytes_in_flight: 128 * 1024 * 1024,
         }
     }
 }
@@ -466,6 +473,12 @@ pub struct UpstreamConfig {
     /// or one unfinished SSE event. Beyond it the leg counts as broken, so that an engine
     /// cannot grow the router's memory without bound.
     pub max_answer_bytes: usize,
+    /// The most bytes of the prefill's input logprobs merged into each event of a streamed
+    /// `/generate` with `return_logprob` (each event repeats them, as SGLang's chunks are
+    /// cumulative, so a stream costs this times its events). Past it the request is
+    /// answered 413 before its first byte (`logprobs_too_large`); a non-streamed request
+    /// merges them once and is bounded by `max_answer_bytes` only.
+    pub max_stream_logprob_bytes: usize,
 }
 
 impl Default for UpstreamConfig {
@@ -476,6 +489,7 @@ impl Default for UpstreamConfig {
             pool_max_idle_per_host: 256,
             pool_idle_timeout_secs: 4,
             max_answer_bytes: 64 * 1024 * 1024,
+            max_stream_logprob_bytes: 1024 * 1024,
         }
     }
 }
@@ -653,6 +667,12 @@ impl Config {
         range("admission.max_in_flight", a.max_in_flight, 0, permits)?;
         range("admission.max_queue", a.max_queue, 0, permits)?;
         range(
+            "admission.max_bytes_in_flight",
+            a.max_bytes_in_flight,
+            1 << 20,
+            MAX_BYTES,
+        )?;
+        range(
             "admission.queue_timeout_ms",
             a.queue_timeout_ms,
             1,
@@ -702,6 +722,12 @@ impl Config {
             1,
             MAX_BYTES,
         )?;
+        range(
+            "upstream.max_stream_logprob_bytes",
+            u.max_stream_logprob_bytes,
+            1,
+            MAX_BYTES,
+        )?;
         range_f(
             "policy.cache_aware_balance_factor",
             p.cache_aware_balance_factor,
@@ -724,6 +750,13 @@ impl Config {
                  the request timeout covers everything before the first byte, so the \
                  first-byte deadline could never fire",
                 t.decode_first_byte_secs, t.request_secs
+            )));
+        }
+        if a.max_bytes_in_flight < s.max_body_bytes {
+            return Err(invalid(format!(
+                "admission.max_bytes_in_flight = {} must be at least server.max_body_bytes = {}: \
+                 a body of the largest size allowed would never fit",
+                a.max_bytes_in_flight, s.max_body_bytes
             )));
         }
         if self.log.level.trim().is_empty() {

@@ -9,7 +9,11 @@
 //! - When streaming, the first bytes are decode's first *whole* SSE event, so an abort in
 //!   the first chunk is retried, not streamed.
 //! - A non-streamed answer whose logprobs are merged is read whole (bounded by
-//!   `upstream.max_answer_bytes`); any other answer is handed on after its first bytes.
+//!   `upstream.max_answer_bytes`, and charged to the in-flight byte budget until sent);
+//!   any other answer is handed on after its first bytes.
+//! - A streamed request whose prefill input logprobs are larger than
+//!   `upstream.max_stream_logprob_bytes` is refused (413 `logprobs_too_large`) before its
+//!   first byte: every event would repeat them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -29,6 +33,7 @@ use super::sse::{Scan, SseScanner};
 use super::stall::StallWatch;
 use super::Dispatcher;
 use crate::error::{FailReason, Failure};
+use crate::memory::Charge;
 use crate::types::Role;
 use crate::upstream::{error_chain, LegBody};
 
@@ -145,11 +150,32 @@ where
             _ = progress.look.as_mut(), if progress.stall.enabled() => progress.look(d).map_err(failed)?,
         }
     }
-    let logprobs = progress
+    // The decode answer read whole below is charged beside the prefill's answer.
+    let mut held = progress
         .done
         .as_ref()
+        .map_or_else(Charge::none, |d| d.charge.sibling());
+    let logprobs = progress
+        .done
+        .as_mut()
         .filter(|_| req.return_logprob)
-        .map(|done| Arc::new(PrefillLogprobs::from_prefill_body(&done.body)));
+        .map(|done| {
+            let charge = std::mem::take(&mut done.charge);
+            Arc::new(PrefillLogprobs::from_prefill_body(&done.body, charge))
+        });
+    let cap = d.cfg.upstream.max_stream_logprob_bytes;
+    if let Some(lp) = logprobs.as_ref().filter(|l| req.stream && l.bytes() > cap) {
+        // Each event would repeat them: refused rather than merged (see `pd::logprobs`).
+        return Err(failed(Failure::new(
+            FailReason::LogprobsTooLarge,
+            format!(
+                "the prompt's input logprobs are {} bytes, more than the {cap} bytes a streamed \
+                 request may repeat in every event (upstream.max_stream_logprob_bytes); ask \
+                 without stream, or for fewer (logprob_start_len, top_logprobs_num)",
+                lp.bytes()
+            ),
+        )));
+    }
     let is_sse = head
         .headers
         .get(header::CONTENT_TYPE)
@@ -166,6 +192,7 @@ where
         sse.as_mut(),
         logprobs.is_some(),
         limit,
+        &mut held,
     )
     .await;
     let (mut first, ended) = match first {
@@ -187,6 +214,9 @@ where
     // A non-streamed answer with logprobs was read whole: merge and send it.
     if let (Some(lp), None, true) = (logprobs.as_ref(), sse.as_ref(), ended) {
         if let Some(merged) = lp.merge_answer(&first) {
+            // Held until sent: best effort (the merge is at most the two parts it joins,
+            // both already bounded).
+            let _ = held.resize(merged.len());
             first = merged;
         }
     }
@@ -200,6 +230,7 @@ where
         Some(prefill)
     };
     Ok(Ready {
+        held,
         pair,
         decode_incremental: false,
         head,
@@ -232,6 +263,7 @@ async fn first_bytes(
     mut sse: Option<&mut SseScanner>,
     read_whole: bool,
     limit: usize,
+    held: &mut Charge,
 ) -> Result<(Vec<u8>, bool), Failure> {
     let mut first: Vec<u8> = Vec::new();
     loop {
@@ -253,6 +285,10 @@ async fn first_bytes(
                         },
                         None if read_whole && first.len() + data.len() > limit => {
                             return Err(broken(format!("decode's answer is larger than {limit} bytes (upstream.max_answer_bytes)")));
+                        }
+                        None if read_whole => {
+                            crate::admission::Admission::charge(held, data.len(), "decode's answer")?;
+                            first.extend_from_slice(&data);
                         }
                         None => first.extend_from_slice(&data),
                     }
