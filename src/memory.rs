@@ -30,6 +30,26 @@ use metrics::Gauge;
 
 use crate::telemetry;
 
+/// The process's resident memory at rest, measured (`benches/hostile.rs`): the runtime, the
+/// pool, the metrics registry, buffers of a few idle engine connections.
+pub const RSS_BASE_BYTES: u64 = 24 << 20;
+/// Resident memory per byte of the budget in use, measured: the charged bytes themselves,
+/// plus what the allocator and the sockets' buffers keep around them.
+pub const RSS_PER_BUDGET_BYTE: f64 = 1.25;
+/// Resident memory per open client connection with no request in flight, measured (a
+/// task, hyper's connection state and its first read buffer).
+pub const RSS_PER_CONNECTION_BYTES: u64 = 8 << 10;
+
+/// The bound on the process's resident memory that the defaults and the Kubernetes
+/// manifests are sized by (README, "Memory"): base + budget x factor + connections x
+/// per-connection cost. `connections` is how many client connections to plan for (at
+/// most `server.max_connections`).
+pub fn rss_bound(max_bytes_in_flight: usize, connections: usize) -> u64 {
+    RSS_BASE_BYTES
+        + (max_bytes_in_flight as f64 * RSS_PER_BUDGET_BYTE) as u64
+        + connections as u64 * RSS_PER_CONNECTION_BYTES
+}
+
 /// The budget shared by every request of one front door.
 #[derive(Debug)]
 pub struct ByteBudget {
