@@ -240,7 +240,9 @@ impl Hostile {
         for i in 0..(IDLE + PREFACES) {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
-                let Some(mut s) = connect(&h.addr).await else { return };
+                let Some(mut s) = connect(&h.addr).await else {
+                    return;
+                };
                 if i >= IDLE {
                     let prefix: &[u8] = [&b"P"[..], b"PRI * HT", b"PRI * HTTP/2.0\r\n"][i % 3];
                     let _ = s.write_all(prefix).await;
@@ -254,7 +256,9 @@ impl Hostile {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
                 let head = post_head("/generate", 2);
-                let Some(mut s) = connect(&h.addr).await else { return };
+                let Some(mut s) = connect(&h.addr).await else {
+                    return;
+                };
                 for b in head.as_bytes() {
                     if Instant::now() >= until || s.write_all(&[*b]).await.is_err() {
                         return;
@@ -267,8 +271,13 @@ impl Hostile {
         for _ in 0..SLOW_BODIES {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
-                let Some(mut s) = connect(&h.addr).await else { return };
-                if s.write_all(post_head("/generate", h.max_body).as_bytes()).await.is_err() {
+                let Some(mut s) = connect(&h.addr).await else {
+                    return;
+                };
+                if s.write_all(post_head("/generate", h.max_body).as_bytes())
+                    .await
+                    .is_err()
+                {
                     return;
                 }
                 let chunk = [b' '; 1024];
@@ -317,7 +326,11 @@ impl Hostile {
         for i in 0..(BOMBS_UNDER + BOMBS_OVER) {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
-                let body = if i < BOMBS_UNDER { &h.bomb_under } else { &h.bomb_over };
+                let body = if i < BOMBS_UNDER {
+                    &h.bomb_under
+                } else {
+                    &h.bomb_over
+                };
                 for _ in 0..1000 {
                     if Instant::now() >= until {
                         return;
@@ -327,7 +340,9 @@ impl Hostile {
                         continue;
                     };
                     let head = post_head("/generate", body.len());
-                    if s.write_all(head.as_bytes()).await.is_err() || s.write_all(body).await.is_err() {
+                    if s.write_all(head.as_bytes()).await.is_err()
+                        || s.write_all(body).await.is_err()
+                    {
                         h.bombs.conn_errors.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }

@@ -163,10 +163,9 @@ impl FailReason {
             Forbidden => StatusCode::FORBIDDEN,
             Conflict => StatusCode::CONFLICT,
             Overloaded | KeyInFlightLimit => StatusCode::TOO_MANY_REQUESTS,
-            QueueTimeout | MemoryFull | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable
-            | BootstrapUnreachable | BootstrapNotReady | BootstrapRankMissing => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            QueueTimeout | MemoryFull | TooManyConnections | NoPrefillAvailable
+            | NoDecodeAvailable | BootstrapUnreachable | BootstrapNotReady
+            | BootstrapRankMissing => StatusCode::SERVICE_UNAVAILABLE,
             PrefillRejected | DecodeRejected => match upstream {
                 Some(s) if s.is_client_error() => s,
                 _ => StatusCode::BAD_REQUEST,

@@ -13,12 +13,15 @@
 //! it pays for (the request's admission slot for the body, which is released when the
 //! response body ends or a prefill leg left running ends; the merged logprobs for theirs).
 //!
-//! Refusals: a charge that could never fit (more than the whole budget) is
-//! [`Refusal::Never`] (413 to the client); one that does not fit now is [`Refusal::Full`]
-//! (503 with `Retry-After`). The callers map them to failures (`crate::admission`); this
+//! Refusals: a charge that could never fit is [`Refusal::Never`] (413 to the client); one
+//! that does not fit now is [`Refusal::Full`] (503 with `Retry-After`). A large charge (a
+//! request holding more than 1/64 of the budget) may bring the budget to 7/8 of its limit
+//! only: the last eighth stays for small requests, so a flood of maximum-size bodies fills
+//! the budget without refusing ordinary traffic. The callers map them to failures (`crate::admission`); this
 //! module is a leaf below it (only `telemetry`).
 //!
-//! Invariants: `used` never exceeds the limit by a successful charge (one CAS loop, no
+//! Invariants: `used` never exceeds the limit by a successful charge, nor 7/8 of it by a
+//! large one (one CAS loop, no
 //! lock); it returns to 0 when nothing is held, which the chaos soak's gauges check; the
 //! limit changes in place on reload (a lower limit refuses new charges until enough is
 //! given back, and cuts nothing in flight).
@@ -99,6 +102,22 @@ impl ByteBudget {
         }
     }
 
+    /// The most a charge of `wanted` bytes may bring the budget to: a large charge (more
+    /// than 1/64 of the budget) leaves the last eighth to small ones, so that a flood of
+    /// large bodies cannot refuse ordinary requests.
+    fn cap_for(limit: usize, wanted: usize) -> usize {
+        if wanted > limit / 64 {
+            limit - limit / 8
+        } else {
+            limit
+        }
+    }
+
+    /// The largest single body or answer that can ever be charged under `limit`.
+    pub fn largest_charge(limit: usize) -> usize {
+        limit - limit / 8
+    }
+
     /// Takes `n` more bytes for a charge already holding `held`.
     fn take(&self, held: usize, n: usize) -> Result<(), Refusal> {
         if n == 0 {
@@ -106,12 +125,13 @@ impl ByteBudget {
         }
         let limit = self.limit();
         let wanted = held.saturating_add(n);
-        if wanted > limit {
-            return Err(Refusal::Never { wanted, limit });
+        let cap = Self::cap_for(limit, wanted);
+        if wanted > cap {
+            return Err(Refusal::Never { wanted, limit: cap });
         }
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                u.checked_add(n).filter(|&t| t <= limit)
+                u.checked_add(n).filter(|&t| t <= cap)
             })
             .map_err(|_| Refusal::Full { wanted, limit })?;
         self.gauge.increment(n as f64);
@@ -211,23 +231,44 @@ mod tests {
 
     #[test]
     fn charges_refuse_past_the_budget_and_give_back_on_drop() {
-        let b = ByteBudget::new(100);
+        // 6400 bytes: charges over 100 are large and may fill only 5600 (7/8).
+        let b = ByteBudget::new(6400);
         let mut a = b.charge();
-        a.grow(60).expect("fits");
+        a.grow(4000).expect("fits");
         let mut c = b.charge();
-        // (grow by, expected) on a second charge while `a` holds 60.
+        let full = |wanted| {
+            Err(Refusal::Full {
+                wanted,
+                limit: 6400,
+            })
+        };
+        let never = |wanted| {
+            Err(Refusal::Never {
+                wanted,
+                limit: 5600,
+            })
+        };
+        // (grow by, expected) on a second charge while `a` holds 4000.
         let cases = [
-            (50, Err(Refusal::Full { wanted: 50, limit: 100 })),
-            (101, Err(Refusal::Never { wanted: 101, limit: 100 })),
-            (40, Ok(())),
-            (1, Err(Refusal::Full { wanted: 41, limit: 100 })),
+            (2000, full(2000)),
+            (5601, never(5601)),
+            (1600, Ok(())),
+            (1, full(1601)),
         ];
         for (n, want) in cases {
             assert_eq!(c.grow(n), want, "grow {n}");
         }
-        assert_eq!((b.used(), c.bytes()), (100, 40), "a refusal takes nothing");
-        drop(a);
-        assert_eq!(b.used(), 40);
+        assert_eq!(
+            (b.used(), c.bytes()),
+            (5600, 1600),
+            "a refusal takes nothing"
+        );
+        // The last eighth is for small charges.
+        let mut small = b.charge();
+        small.grow(100).expect("a small charge fits in the reserve");
+        assert!(matches!(b.charge().grow(101), Err(Refusal::Full { .. })));
+        drop((a, small));
+        assert_eq!(b.used(), 1600);
         c.resize(10).expect("shrinks");
         assert_eq!(b.used(), 10);
         c.absorb(Charge::none());
@@ -241,33 +282,46 @@ mod tests {
 
     #[test]
     fn a_lower_limit_refuses_new_charges_and_cuts_nothing() {
-        let b = ByteBudget::new(100);
+        let b = ByteBudget::new(6400);
         let mut a = b.charge();
-        a.grow(80).expect("fits");
-        b.set_limit(50);
+        a.grow(5000).expect("fits");
+        b.set_limit(3200);
         assert!(matches!(b.charge().grow(1), Err(Refusal::Full { .. })));
-        assert_eq!(a.bytes(), 80);
+        assert_eq!(a.bytes(), 5000);
         drop(a);
-        b.charge().grow(50).expect("fits the new limit");
+        b.charge().grow(2800).expect("fits the new limit's 7/8");
+    }
+
+    /// Config validation applies the same rule (it cannot import this module).
+    #[test]
+    fn config_validation_agrees_on_the_largest_charge() {
+        let mut cfg = crate::config::Config::default();
+        cfg.server.max_body_bytes = ByteBudget::largest_charge(cfg.admission.max_bytes_in_flight);
+        assert!(cfg.validate().is_ok());
+        cfg.server.max_body_bytes += 1;
+        assert!(cfg.validate().is_err());
     }
 
     proptest! {
         /// Whatever the order of grows and drops, the budget is never exceeded by a
-        /// successful charge, and every byte comes back.
+        /// successful charge, a large one never brings it past 7/8, and every byte comes
+        /// back.
         #[test]
-        fn never_over_and_back_to_zero(ops in proptest::collection::vec((0usize..4, 0usize..70), 1..60)) {
-            let b = ByteBudget::new(100);
+        fn never_over_and_back_to_zero(ops in proptest::collection::vec((0usize..4, 0usize..3000), 1..60)) {
+            let b = ByteBudget::new(6400);
             let mut held: Vec<Charge> = (0..4).map(|_| b.charge()).collect();
             for (i, n) in ops {
                 if n % 7 == 0 {
                     held[i] = b.charge();
                 } else {
                     let before = b.used();
-                    if held[i].grow(n).is_err() {
-                        prop_assert_eq!(b.used(), before);
+                    match held[i].grow(n) {
+                        Err(_) => prop_assert_eq!(b.used(), before),
+                        Ok(()) if held[i].bytes() > 100 => prop_assert!(b.used() <= 5600),
+                        Ok(()) => {}
                     }
                 }
-                prop_assert!(b.used() <= 100);
+                prop_assert!(b.used() <= 6400);
                 prop_assert_eq!(b.used(), held.iter().map(Charge::bytes).sum::<usize>());
             }
             drop(held);

@@ -385,7 +385,8 @@ pub struct AdmissionConfig {
     pub queue_timeout_ms: u64,
     /// The in-flight byte budget (`crate::memory`): request bodies and buffered engine
     /// answers held at once, across all requests. A request that does not fit now gets 503
-    /// with `Retry-After`; one larger than the whole budget gets 413. At least
+    /// with `Retry-After`; one that can never fit gets 413. A large request (over 1/64 of
+    /// it) may fill 7/8 of it, the rest is kept for small ones. At least 8/7 of
     /// `server.max_body_bytes`. The process's memory is about a base plus this times a
     /// small factor (README, "Memory").
     pub max_bytes_in_flight: usize,
@@ -752,10 +753,12 @@ impl Config {
                 t.decode_first_byte_secs, t.request_secs
             )));
         }
-        if a.max_bytes_in_flight < s.max_body_bytes {
+        // `memory::ByteBudget::largest_charge` (config stays below `memory`).
+        if a.max_bytes_in_flight - a.max_bytes_in_flight / 8 < s.max_body_bytes {
             return Err(invalid(format!(
-                "admission.max_bytes_in_flight = {} must be at least server.max_body_bytes = {}: \
-                 a body of the largest size allowed would never fit",
+                "admission.max_bytes_in_flight = {} must be at least 8/7 of \
+                 server.max_body_bytes = {}: a body of the largest size allowed would never \
+                 fit (a large request may fill 7/8 of the budget)",
                 a.max_bytes_in_flight, s.max_body_bytes
             )));
         }

@@ -124,13 +124,18 @@ pub async fn run_prefill(
 
 /// A prefill's whole answer, at most `limit` bytes, charged as it arrives. An answer in one
 /// frame is that frame, without a copy.
-async fn read_answer(mut body: LegBody, limit: usize, charge: &mut Charge) -> Result<Bytes, Failure> {
+async fn read_answer(
+    mut body: LegBody,
+    limit: usize,
+    charge: &mut Charge,
+) -> Result<Bytes, Failure> {
     let broke = |m: String| Failure::new(FailReason::PrefillAborted, m);
     let mut first: Option<Bytes> = None;
     let mut rest: Vec<u8> = Vec::new();
     let mut total = 0usize;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| broke(format!("prefill answer broke off: {}", error_chain(&e))))?;
+        let frame =
+            frame.map_err(|e| broke(format!("prefill answer broke off: {}", error_chain(&e))))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };

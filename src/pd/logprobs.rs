@@ -86,7 +86,9 @@ fn array_inner(raw: &str) -> Option<Range<usize>> {
 fn items(json: &str) -> Option<Vec<&RawValue>> {
     match json.trim_ascii_start().as_bytes().first() {
         Some(b'[') => serde_json::from_str(json).ok(),
-        Some(b'{') => serde_json::from_str::<&RawValue>(json).ok().map(|v| vec![v]),
+        Some(b'{') => serde_json::from_str::<&RawValue>(json)
+            .ok()
+            .map(|v| vec![v]),
         _ => None,
     }
 }

@@ -30,11 +30,11 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::admission::Admission;
-use crate::memory::Charge;
 use crate::auth::ClientKeys;
 use crate::body::{full_body, RespBody};
 use crate::config::Config;
 use crate::error::{FailReason, Failure};
+use crate::memory::Charge;
 use crate::pd::record::{RequestRecord, Route};
 use crate::pd::request::{self, ApiRoute};
 use crate::pd::{Dispatcher, ReqCtx};
@@ -130,7 +130,8 @@ async fn read_body(
         if total > limit {
             return Err(BodyError::TooLarge);
         }
-        Admission::charge(&mut charge, data.len(), "the request body").map_err(BodyError::Budget)?;
+        Admission::charge(&mut charge, data.len(), "the request body")
+            .map_err(BodyError::Budget)?;
         match &first {
             None if rest.is_empty() => first = Some(data),
             _ => {

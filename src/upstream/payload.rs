@@ -50,8 +50,7 @@ impl Payload {
     /// Appends `range` of the source body. Out-of-range or oversized ranges are refused
     /// (`false`), never written.
     pub fn push_src(&mut self, range: Range<usize>) -> bool {
-        if range.start > range.end || range.end > self.src.len() || range.end > u32::MAX as usize
-        {
+        if range.start > range.end || range.end > self.src.len() || range.end > u32::MAX as usize {
             return false;
         }
         if range.is_empty() {
@@ -160,7 +159,11 @@ impl From<Vec<u8>> for Payload {
 
 /// Writes `head` then `body` with as few `writev`s as the socket allows (at most
 /// [`MAX_IOV`] slices each), never copying the body.
-pub(crate) async fn write_all(stream: &mut TcpStream, head: &[u8], body: &Payload) -> io::Result<()> {
+pub(crate) async fn write_all(
+    stream: &mut TcpStream,
+    head: &[u8],
+    body: &Payload,
+) -> io::Result<()> {
     // The parts in order, and how much of the current one was written.
     let parts: SmallVec<[&[u8]; 16]> = std::iter::once(head).chain(body.slices()).collect();
     let (mut i, mut off) = (0usize, 0usize);
@@ -175,7 +178,12 @@ pub(crate) async fn write_all(stream: &mut TcpStream, head: &[u8], body: &Payloa
         }
         let mut bufs: SmallVec<[IoSlice<'_>; 16]> = SmallVec::new();
         bufs.push(IoSlice::new(&parts[i][off..]));
-        bufs.extend(parts[i + 1..].iter().take(MAX_IOV - 1).map(|p| IoSlice::new(p)));
+        bufs.extend(
+            parts[i + 1..]
+                .iter()
+                .take(MAX_IOV - 1)
+                .map(|p| IoSlice::new(p)),
+        );
         let mut n = stream.write_vectored(&bufs).await?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());

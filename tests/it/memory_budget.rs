@@ -41,13 +41,14 @@ async fn the_byte_budget_refuses_what_would_exceed_it_and_frees_it_with_the_resp
             vec![EngineConfig::decode(1)],
             |c| {
                 c.admission.max_bytes_in_flight = MIB;
-                c.server.max_body_bytes = MIB;
+                c.server.max_body_bytes = 768 << 10;
             },
         )
         .await,
     );
     env.wait_routable(1, 1).await;
-    // A 600 KiB request held by the decode: its body is charged until it ends.
+    // A 600 KiB request held by the decode: its body is charged until it ends. A second
+    // one would bring the budget past the 7/8 a large request may fill.
     set_hold(&env, true);
     let held = {
         let env = env.clone();
@@ -65,7 +66,12 @@ async fn the_byte_budget_refuses_what_would_exceed_it_and_frees_it_with_the_resp
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let (h, body) = refused.expect("the second body is refused while the first is held");
-    assert_eq!(error_type(&body), "memory_full", "{}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        error_type(&body),
+        "memory_full",
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
     assert_eq!(h["retry-after"], "1");
     assert!(String::from_utf8_lossy(&body).contains("admission.max_bytes_in_flight"));
     set_hold(&env, false);
@@ -78,7 +84,8 @@ async fn the_byte_budget_refuses_what_would_exceed_it_and_frees_it_with_the_resp
     let text = String::from_utf8_lossy(&text);
     assert!(text.contains("pdgate_bytes_in_flight"), "{text}");
     assert!(
-        text.lines().any(|l| l.starts_with("pdgate_admission_rejected_total{reason=\"bytes_full\"}")),
+        text.lines()
+            .any(|l| l.starts_with("pdgate_admission_rejected_total{reason=\"bytes_full\"}")),
         "{text}"
     );
 }
@@ -108,7 +115,9 @@ async fn a_streamed_logprob_merge_past_its_cap_is_refused_and_a_whole_answer_is_
     assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
     let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(
-        v["meta_info"]["input_token_logprobs"].as_array().map(Vec::len),
+        v["meta_info"]["input_token_logprobs"]
+            .as_array()
+            .map(Vec::len),
         Some(20),
         "{v}"
     );
@@ -123,6 +132,12 @@ async fn a_streamed_logprob_merge_past_its_cap_is_refused_and_a_whole_answer_is_
     let (events, done) = sse_events(&bytes);
     assert!(done && !events.is_empty());
     for e in &events {
-        assert_eq!(e["meta_info"]["input_token_logprobs"].as_array().map(Vec::len), Some(1), "{e}");
+        assert_eq!(
+            e["meta_info"]["input_token_logprobs"]
+                .as_array()
+                .map(Vec::len),
+            Some(1),
+            "{e}"
+        );
     }
 }

@@ -13,14 +13,20 @@ fn reference(prefill: &Value, decode: &Value, idx: Option<usize>) -> Value {
     };
     let p = items(prefill);
     let merge = |i: usize, item: &mut Value| {
-        let Some(src) = p.get(i).and_then(|s| s.get("meta_info")).and_then(Value::as_object) else {
+        let Some(src) = p
+            .get(i)
+            .and_then(|s| s.get("meta_info"))
+            .and_then(Value::as_object)
+        else {
             return;
         };
         let Some(meta) = item.get_mut("meta_info").and_then(Value::as_object_mut) else {
             return;
         };
         for k in KEYS {
-            let Some(Value::Array(pv)) = src.get(k) else { continue };
+            let Some(Value::Array(pv)) = src.get(k) else {
+                continue;
+            };
             let mut merged = pv.clone();
             if let Some(Value::Array(d)) = meta.get(k) {
                 merged.extend(d.iter().cloned());
@@ -71,10 +77,16 @@ fn batches_merge_by_position_and_index() {
         .merge_answer(br#"[{"meta_info":{}},{"meta_info":{"input_token_logprobs":[]}}]"#)
         .unwrap();
     let v: Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(v[1]["meta_info"]["input_token_logprobs"], json!([[null, 2, null]]));
+    assert_eq!(
+        v[1]["meta_info"]["input_token_logprobs"],
+        json!([[null, 2, null]])
+    );
     let out = lp.merge_chunk(br#"{"index":1,"meta_info":{}}"#).unwrap();
     let v: Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(v["meta_info"]["input_token_logprobs"], json!([[null, 2, null]]));
+    assert_eq!(
+        v["meta_info"]["input_token_logprobs"],
+        json!([[null, 2, null]])
+    );
     // Not an object: nothing merged, the caller forwards the event as it was.
     assert!(lp.merge_chunk(b"[DONE]").is_none());
 }
@@ -82,7 +94,8 @@ fn batches_merge_by_position_and_index() {
 /// The prefill's arrays are kept as slices of its answer (no copy), and counted.
 #[test]
 fn arrays_point_into_the_prefill_answer() {
-    let body = Bytes::from_static(br#"{"meta_info":{"input_token_logprobs":[ [null,1,null] ],"x":[1]}}"#);
+    let body =
+        Bytes::from_static(br#"{"meta_info":{"input_token_logprobs":[ [null,1,null] ],"x":[1]}}"#);
     let lp = PrefillLogprobs::from_prefill_body(&body, Charge::none());
     let arr = lp.items[0][0].as_ref().unwrap();
     assert_eq!(&arr[..], b"[null,1,null]");

@@ -316,7 +316,9 @@ fn digits() {
 fn legs_point_into_the_body_and_copy_only_pdgate_fields() {
     let prompt = "a".repeat(1 << 20);
     let bodies = [
-        format!(r#"{{"text":"{prompt}","sampling_params":{{"max_new_tokens":1}},"stream":true,"rid":"x","extra":1}}"#),
+        format!(
+            r#"{{"text":"{prompt}","sampling_params":{{"max_new_tokens":1}},"stream":true,"rid":"x","extra":1}}"#
+        ),
         format!("{{ \"rid\" : 1 ,\n \"text\" : \"{prompt}\" , \"k\\\"q\": 2 }}"),
     ];
     for text in bodies {
@@ -339,9 +341,20 @@ fn legs_point_into_the_body_and_copy_only_pdgate_fields() {
                 .filter(|s| inside.contains(&(s.as_ptr() as usize)))
                 .map(<[u8]>::len)
                 .sum();
-            assert!(from_body > 1 << 20, "the prompt is written from the body itself");
-            assert!(leg.copied() < 256, "only pdgate's fields are copied: {}", leg.copied());
-            assert!(leg.pieces() <= 8, "a few slices per write: {}", leg.pieces());
+            assert!(
+                from_body > 1 << 20,
+                "the prompt is written from the body itself"
+            );
+            assert!(
+                leg.copied() < 256,
+                "only pdgate's fields are copied: {}",
+                leg.copied()
+            );
+            assert!(
+                leg.pieces() <= 8,
+                "a few slices per write: {}",
+                leg.pieces()
+            );
             let v: Value = serde_json::from_slice(&leg.to_vec()).unwrap();
             assert_eq!(v["text"].as_str().map(str::len), Some(1 << 20));
             assert_eq!(v["bootstrap_room"], 3);
