@@ -54,18 +54,20 @@ async fn the_byte_budget_refuses_what_would_exceed_it_and_frees_it_with_the_resp
         let env = env.clone();
         tokio::spawn(async move { env.post("/generate", &big(600 << 10)).await })
     };
-    let mut refused = None;
-    for _ in 0..200 {
-        let (st, h, body) = env.post("/generate", &big(600 << 10)).await;
-        if st == 503 {
-            refused = Some((h, body));
+    // Held by the decode (bounded: 10 s): its body was charged before its legs went out.
+    for _ in 0..1000 {
+        if env.cluster.decodes[0].stats().held_now == 1 {
             break;
         }
-        // Not yet charged (the first body is still on its way): try again shortly.
-        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let (h, body) = refused.expect("the second body is refused while the first is held");
+    assert_eq!(
+        env.cluster.decodes[0].stats().held_now,
+        1,
+        "the first request is held"
+    );
+    let (st, h, body) = env.post("/generate", &big(600 << 10)).await;
+    assert_eq!(st, 503, "{}", String::from_utf8_lossy(&body));
     assert_eq!(
         error_type(&body),
         "memory_full",
