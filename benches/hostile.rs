@@ -1,7 +1,8 @@
 //! Hostile-clients bench: normal clients against `pdgate serve` (a separate process, default
 //! settings) in front of simulated engines (`pdgate sim`), first alone (quiet), then while
 //! hostile clients run beside them:
-//! - slowloris heads: connections that send a request head one byte at a time;
+//! - slowloris heads: connections that send a request head one byte at a time, or fill a
+//!   head of about 15 KiB and stall;
 //! - slowloris bodies: a head declaring a maximum-size body, then a trickle of it;
 //! - partial HTTP/2 prefaces: connections that send a prefix of `PRI * HTTP/2.0` and stall;
 //! - idle connections: thousands of connections that send nothing;
@@ -251,14 +252,28 @@ impl Hostile {
                 tokio::time::sleep_until(until.into()).await;
             }));
         }
-        // Slowloris heads: one byte every 200 ms.
-        for _ in 0..SLOW_HEADS {
+        // Slowloris heads: half send one byte every 200 ms; half fill a head of about
+        // 15 KiB (a long header, 1 KiB every 100 ms), then stall.
+        for i in 0..SLOW_HEADS {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
-                let head = post_head("/generate", 2);
                 let Some(mut s) = connect(&h.addr).await else {
                     return;
                 };
+                if i % 2 == 1 {
+                    let _ = s
+                        .write_all(b"POST /generate HTTP/1.1\r\nhost: x\r\nx-pad: ")
+                        .await;
+                    for _ in 0..15 {
+                        if Instant::now() >= until || s.write_all(&[b'a'; 1024]).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    tokio::time::sleep_until(until.into()).await;
+                    return;
+                }
+                let head = post_head("/generate", 2);
                 for b in head.as_bytes() {
                     if Instant::now() >= until || s.write_all(&[*b]).await.is_err() {
                         return;
@@ -312,13 +327,14 @@ impl Hostile {
                         s.write_all(&h.big_body).await
                     };
                     let wrote = tokio::time::timeout(Duration::from_secs(20), wrote).await;
+                    // A refused body is answered early and its write cut: the status counts.
+                    let _ = wrote;
                     match status_of(&mut s, until).await {
                         Some(st) => h.big.status(st),
-                        None if !matches!(wrote, Ok(Ok(()))) => {
-                            h.big.conn_errors.fetch_add(1, Ordering::Relaxed)
+                        None => {
+                            h.big.conn_errors.fetch_add(1, Ordering::Relaxed);
                         }
-                        None => h.big.conn_errors.fetch_add(1, Ordering::Relaxed),
-                    };
+                    }
                 }
             }));
         }

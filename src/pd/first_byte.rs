@@ -190,9 +190,8 @@ where
         &mut progress,
         &mut decode_body,
         sse.as_mut(),
-        logprobs.is_some(),
+        logprobs.is_some().then_some(&mut held),
         limit,
-        &mut held,
     )
     .await;
     let (mut first, ended) = match first {
@@ -254,17 +253,18 @@ where
 }
 
 /// Reads decode's body until its first bytes (its first whole event when streaming; all of
-/// it when `read_whole`), while watching the prefill and the first-byte deadline.
+/// it when `whole` is given, charged to it), while watching the prefill and the
+/// first-byte deadline.
 async fn first_bytes(
     d: &Dispatcher,
     prefill: &mut PrefillWatch,
     progress: &mut PrefillProgress<'_>,
     decode_body: &mut LegBody,
     mut sse: Option<&mut SseScanner>,
-    read_whole: bool,
+    mut whole: Option<&mut Charge>,
     limit: usize,
-    held: &mut Charge,
 ) -> Result<(Vec<u8>, bool), Failure> {
+    let read_whole = whole.is_some();
     let mut first: Vec<u8> = Vec::new();
     loop {
         tokio::select! {
@@ -286,11 +286,12 @@ async fn first_bytes(
                         None if read_whole && first.len() + data.len() > limit => {
                             return Err(broken(format!("decode's answer is larger than {limit} bytes (upstream.max_answer_bytes)")));
                         }
-                        None if read_whole => {
-                            crate::admission::Admission::charge(held, data.len(), "decode's answer")?;
+                        None => {
+                            if let Some(held) = whole.as_deref_mut() {
+                                crate::admission::Admission::charge(held, data.len(), "decode's answer")?;
+                            }
                             first.extend_from_slice(&data);
                         }
-                        None => first.extend_from_slice(&data),
                     }
                     if !first.is_empty() && (sse.is_some() || !read_whole) {
                         return Ok((first, false));
