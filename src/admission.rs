@@ -21,6 +21,11 @@
 //! a semaphore, and `pd` waits on the pool's capacity signal under the returned
 //! [`Queued`]'s deadline.
 //!
+//! The byte budget (`crate::memory`, `admission.max_bytes_in_flight`) is admission's too:
+//! [`Admission::charge`] grows a request's charge and maps a refusal to its answer (413 when
+//! it can never fit, 503 with `Retry-After` when the budget is full now); the body's charge
+//! rides on the [`Slot`], so it ends with the response body like the slot itself.
+//!
 //! Gauges (handles registered once): `pdgate_in_flight_requests` counts the PD requests
 //! admitted whose response has not ended (also when `max_in_flight` is 0, i.e. no limit),
 //! `pdgate_admission_queue` those waiting for a slot. Both are moved by drop guards, so
@@ -38,6 +43,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::AdmissionConfig;
 use crate::error::{FailReason, Failure};
+use crate::memory::{ByteBudget, Charge, Refusal};
 use crate::telemetry;
 
 pub struct Admission {
@@ -49,6 +55,7 @@ pub struct Admission {
     timeout_ms: AtomicU64,
     in_flight: Gauge,
     queued: Gauge,
+    bytes: Arc<ByteBudget>,
 }
 
 /// Decrements the wait count (and the queue gauge) however the wait ends.
@@ -66,6 +73,8 @@ impl Drop for Waiting<'_> {
 pub struct Slot {
     _permit: Option<OwnedSemaphorePermit>,
     _client: Option<ClientHold>,
+    /// The bytes the request holds (its body, buffered answers), given back with the slot.
+    bytes: Charge,
     in_flight: Gauge,
 }
 
@@ -75,8 +84,14 @@ impl Slot {
         Slot {
             _permit: permit,
             _client: None,
+            bytes: Charge::none(),
             in_flight: in_flight.clone(),
         }
+    }
+
+    /// The slot also holds `charge` (given back when the slot is).
+    pub fn hold_bytes(&mut self, charge: Charge) {
+        self.bytes.absorb(charge);
     }
 
     /// The slot, also holding the request's count against its client's limit (so that
@@ -129,11 +144,24 @@ impl Admission {
             timeout_ms: AtomicU64::new(cfg.queue_timeout_ms),
             in_flight: metrics::gauge!(telemetry::IN_FLIGHT),
             queued: metrics::gauge!(telemetry::ADMISSION_QUEUE),
+            bytes: ByteBudget::new(cfg.max_bytes_in_flight),
         }
+    }
+
+    /// The in-flight byte budget.
+    pub fn bytes(&self) -> &Arc<ByteBudget> {
+        &self.bytes
+    }
+
+    /// Grows `charge` by `n` bytes of `what` (a body, an answer), or the failure to answer
+    /// with: 413 when it could never fit, 503 with `Retry-After` when the budget is full.
+    pub fn charge(charge: &mut Charge, n: usize, what: &str) -> Result<(), Failure> {
+        charge.grow(n).map_err(|r| refused(r, what))
     }
 
     /// Applies reloaded limits (see the module docs).
     pub fn reconfigure(&self, cfg: &AdmissionConfig) {
+        self.bytes.set_limit(cfg.max_bytes_in_flight);
         self.max_queue.store(cfg.max_queue, Ordering::Relaxed);
         self.timeout_ms
             .store(cfg.queue_timeout_ms, Ordering::Relaxed);
@@ -206,6 +234,25 @@ impl Admission {
             }
         }
     }
+}
+
+/// A refused charge as the failure to answer with (counted in
+/// `pdgate_admission_rejected_total`).
+pub fn refused(r: Refusal, what: &str) -> Failure {
+    let (label, reason, msg) = match r {
+        Refusal::Never { wanted, limit } => (
+            "bytes_too_large",
+            FailReason::PayloadTooLarge,
+            format!("{what} needs {wanted} bytes, more than the whole in-flight byte budget of {limit} bytes (admission.max_bytes_in_flight)"),
+        ),
+        Refusal::Full { wanted, limit } => (
+            "bytes_full",
+            FailReason::MemoryFull,
+            format!("{what} needs {wanted} bytes and the in-flight byte budget of {limit} bytes (admission.max_bytes_in_flight) is full; retry later"),
+        ),
+    };
+    metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => label).increment(1);
+    Failure::new(reason, msg)
 }
 
 /// A request counted in the wait queue for something other than the in-flight cap (a

@@ -28,6 +28,8 @@ pub enum FailReason {
     Conflict,
     Overloaded,
     QueueTimeout,
+    MemoryFull,
+    LogprobsTooLarge,
     TooManyConnections,
     NoPrefillAvailable,
     NoDecodeAvailable,
@@ -56,7 +58,7 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 38] = [
+    pub const ALL: [FailReason; 40] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
         FailReason::RequestBodyTimeout,
@@ -70,6 +72,8 @@ impl FailReason {
         FailReason::Conflict,
         FailReason::Overloaded,
         FailReason::QueueTimeout,
+        FailReason::MemoryFull,
+        FailReason::LogprobsTooLarge,
         FailReason::TooManyConnections,
         FailReason::NoPrefillAvailable,
         FailReason::NoDecodeAvailable,
@@ -114,6 +118,8 @@ impl FailReason {
             Conflict => "conflict",
             Overloaded => "overloaded",
             QueueTimeout => "queue_timeout",
+            MemoryFull => "memory_full",
+            LogprobsTooLarge => "logprobs_too_large",
             TooManyConnections => "too_many_connections",
             NoPrefillAvailable => "no_prefill_available",
             NoDecodeAvailable => "no_decode_available",
@@ -148,7 +154,7 @@ impl FailReason {
         use FailReason::*;
         match self {
             InvalidRequest => StatusCode::BAD_REQUEST,
-            PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            PayloadTooLarge | LogprobsTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             RequestBodyTimeout => StatusCode::REQUEST_TIMEOUT,
             UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             NotFound => StatusCode::NOT_FOUND,
@@ -157,10 +163,9 @@ impl FailReason {
             Forbidden => StatusCode::FORBIDDEN,
             Conflict => StatusCode::CONFLICT,
             Overloaded | KeyInFlightLimit => StatusCode::TOO_MANY_REQUESTS,
-            QueueTimeout | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable
-            | BootstrapUnreachable | BootstrapNotReady | BootstrapRankMissing => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            QueueTimeout | MemoryFull | TooManyConnections | NoPrefillAvailable
+            | NoDecodeAvailable | BootstrapUnreachable | BootstrapNotReady
+            | BootstrapRankMissing => StatusCode::SERVICE_UNAVAILABLE,
             PrefillRejected | DecodeRejected => match upstream {
                 Some(s) if s.is_client_error() => s,
                 _ => StatusCode::BAD_REQUEST,
@@ -233,7 +238,7 @@ impl FailReason {
             // Not a leg's doing: the request itself, the router, or the client.
             InvalidRequest | PayloadTooLarge | RequestBodyTimeout | UnsupportedMediaType
             | NotFound | MethodNotAllowed | Unauthorized | Forbidden | InvalidApiKey | KeyInFlightLimit
-            | Conflict | Overloaded | QueueTimeout
+            | Conflict | Overloaded | QueueTimeout | MemoryFull | LogprobsTooLarge
             | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable | RequestTimeout
             | ClientDisconnected | Internal => c(None, false, false, None),
         };

@@ -27,6 +27,7 @@ pub mod fleet;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod health;
+pub mod memory;
 pub mod pd;
 pub mod policy;
 pub mod pool;

@@ -385,6 +385,13 @@ pub struct AdmissionConfig {
     pub max_queue: usize,
     /// Longest wait for a slot; longer gets 503.
     pub queue_timeout_ms: u64,
+    /// The in-flight byte budget (`crate::memory`): request bodies and buffered engine
+    /// answers held at once, across all requests. A request that does not fit now gets 503
+    /// with `Retry-After`; one that can never fit gets 413. A large request (over 1/64 of
+    /// it) may fill 7/8 of it, the rest is kept for small ones. At least 8/7 of
+    /// `server.max_body_bytes`. The process's memory is about a base plus this times a
+    /// small factor (README, "Memory").
+    pub max_bytes_in_flight: usize,
 }
 
 impl Default for AdmissionConfig {
@@ -393,6 +400,7 @@ impl Default for AdmissionConfig {
             max_in_flight: 4096,
             max_queue: 4096,
             queue_timeout_ms: 10_000,
+            max_bytes_in_flight: 128 * 1024 * 1024,
         }
     }
 }
@@ -478,6 +486,12 @@ pub struct UpstreamConfig {
     /// or one unfinished SSE event. Beyond it the leg counts as broken, so that an engine
     /// cannot grow the router's memory without bound.
     pub max_answer_bytes: usize,
+    /// The most bytes of the prefill's input logprobs merged into each event of a streamed
+    /// `/generate` with `return_logprob` (each event repeats them, as SGLang's chunks are
+    /// cumulative, so a stream costs this times its events). Past it the request is
+    /// answered 413 before its first byte (`logprobs_too_large`); a non-streamed request
+    /// merges them once and is bounded by `max_answer_bytes` only.
+    pub max_stream_logprob_bytes: usize,
 }
 
 impl Default for UpstreamConfig {
@@ -488,6 +502,7 @@ impl Default for UpstreamConfig {
             pool_max_idle_per_host: 256,
             pool_idle_timeout_secs: 4,
             max_answer_bytes: 64 * 1024 * 1024,
+            max_stream_logprob_bytes: 1024 * 1024,
         }
     }
 }
@@ -665,6 +680,12 @@ impl Config {
         range("admission.max_in_flight", a.max_in_flight, 0, permits)?;
         range("admission.max_queue", a.max_queue, 0, permits)?;
         range(
+            "admission.max_bytes_in_flight",
+            a.max_bytes_in_flight,
+            1 << 20,
+            MAX_BYTES,
+        )?;
+        range(
             "admission.queue_timeout_ms",
             a.queue_timeout_ms,
             1,
@@ -721,6 +742,12 @@ impl Config {
             1,
             MAX_BYTES,
         )?;
+        range(
+            "upstream.max_stream_logprob_bytes",
+            u.max_stream_logprob_bytes,
+            1,
+            MAX_BYTES,
+        )?;
         range_f(
             "policy.cache_aware_balance_factor",
             p.cache_aware_balance_factor,
@@ -743,6 +770,15 @@ impl Config {
                  the request timeout covers everything before the first byte, so the \
                  first-byte deadline could never fire",
                 t.decode_first_byte_secs, t.request_secs
+            )));
+        }
+        // `memory::ByteBudget::largest_charge` (config stays below `memory`).
+        if a.max_bytes_in_flight - a.max_bytes_in_flight / 8 < s.max_body_bytes {
+            return Err(invalid(format!(
+                "admission.max_bytes_in_flight = {} must be at least 8/7 of \
+                 server.max_body_bytes = {}: a body of the largest size allowed would never \
+                 fit (a large request may fill 7/8 of the budget)",
+                a.max_bytes_in_flight, s.max_body_bytes
             )));
         }
         if self.log.level.trim().is_empty() {

@@ -67,6 +67,9 @@ impl AttemptFailure {
 
 /// An attempt whose decode produced its first bytes.
 pub struct Ready {
+    /// Bytes held for the answer (a decode answer read whole to merge logprobs): given
+    /// back with the admission slot.
+    pub(super) held: crate::memory::Charge,
     pub pair: Pair,
     /// The decode streams `/generate` incrementally (its `/server_info`
     /// `incremental_streaming_output`), not SGLang's default cumulative text.
@@ -87,6 +90,10 @@ impl Ready {
         record.set_status(head.status);
         head.headers
             .insert(crate::types::REQUEST_ID, request_id.clone());
+        let mut slot = slot;
+        if let Some(s) = slot.as_mut() {
+            s.hold_bytes(self.held);
+        }
         let body = PdBody::new(self.body, record, slot, mover);
         Response::from_parts(head, body.boxed_unsync())
     }
@@ -364,6 +371,7 @@ impl Dispatcher {
                 prefill_req,
                 timeouts.prefill(),
                 self.cfg.upstream.max_answer_bytes,
+                ctx.queue.as_ref().map(|a| a.bytes().clone()),
             ),
             c.prefill.progress.clone(),
             pt.rank,

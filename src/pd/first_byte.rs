@@ -9,7 +9,11 @@
 //! - When streaming, the first bytes are decode's first *whole* SSE event, so an abort in
 //!   the first chunk is retried, not streamed.
 //! - A non-streamed answer whose logprobs are merged is read whole (bounded by
-//!   `upstream.max_answer_bytes`); any other answer is handed on after its first bytes.
+//!   `upstream.max_answer_bytes`, and charged to the in-flight byte budget until sent);
+//!   any other answer is handed on after its first bytes.
+//! - A streamed request whose prefill input logprobs are larger than
+//!   `upstream.max_stream_logprob_bytes` is refused (413 `logprobs_too_large`) before its
+//!   first byte: every event would repeat them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -29,6 +33,7 @@ use super::sse::{Scan, SseScanner};
 use super::stall::StallWatch;
 use super::Dispatcher;
 use crate::error::{FailReason, Failure};
+use crate::memory::Charge;
 use crate::types::Role;
 use crate::upstream::{error_chain, LegBody};
 
@@ -150,11 +155,32 @@ where
             _ = progress.look.as_mut(), if progress.stall.enabled() => progress.look(d).map_err(failed)?,
         }
     }
-    let logprobs = progress
+    // The decode answer read whole below is charged beside the prefill's answer.
+    let mut held = progress
         .done
         .as_ref()
+        .map_or_else(Charge::none, |d| d.charge.sibling());
+    let logprobs = progress
+        .done
+        .as_mut()
         .filter(|_| req.return_logprob)
-        .map(|done| Arc::new(PrefillLogprobs::from_prefill_body(&done.body)));
+        .map(|done| {
+            let charge = std::mem::take(&mut done.charge);
+            Arc::new(PrefillLogprobs::from_prefill_body(&done.body, charge))
+        });
+    let cap = d.cfg.upstream.max_stream_logprob_bytes;
+    if let Some(lp) = logprobs.as_ref().filter(|l| req.stream && l.bytes() > cap) {
+        // Each event would repeat them: refused rather than merged (see `pd::logprobs`).
+        return Err(failed(Failure::new(
+            FailReason::LogprobsTooLarge,
+            format!(
+                "the prompt's input logprobs are {} bytes, more than the {cap} bytes a streamed \
+                 request may repeat in every event (upstream.max_stream_logprob_bytes); ask \
+                 without stream, or for fewer (logprob_start_len, top_logprobs_num)",
+                lp.bytes()
+            ),
+        )));
+    }
     let is_sse = head
         .headers
         .get(header::CONTENT_TYPE)
@@ -169,7 +195,7 @@ where
         &mut progress,
         &mut decode_body,
         sse.as_mut(),
-        logprobs.is_some(),
+        logprobs.is_some().then_some(&mut held),
         limit,
     )
     .await;
@@ -192,6 +218,9 @@ where
     // A non-streamed answer with logprobs was read whole: merge and send it.
     if let (Some(lp), None, true) = (logprobs.as_ref(), sse.as_ref(), ended) {
         if let Some(merged) = lp.merge_answer(&first) {
+            // Held until sent: best effort (the merge is at most the two parts it joins,
+            // both already bounded).
+            let _ = held.resize(merged.len());
             first = merged;
         }
     }
@@ -205,6 +234,7 @@ where
         Some(prefill)
     };
     Ok(Ready {
+        held,
         pair,
         decode_incremental: false,
         head,
@@ -228,16 +258,18 @@ where
 }
 
 /// Reads decode's body until its first bytes (its first whole event when streaming; all of
-/// it when `read_whole`), while watching the prefill and the first-byte deadline.
+/// it when `whole` is given, charged to it), while watching the prefill and the
+/// first-byte deadline.
 async fn first_bytes(
     d: &Dispatcher,
     prefill: &mut PrefillWatch,
     progress: &mut PrefillProgress<'_>,
     decode_body: &mut LegBody,
     mut sse: Option<&mut SseScanner>,
-    read_whole: bool,
+    mut whole: Option<&mut Charge>,
     limit: usize,
 ) -> Result<(Vec<u8>, bool), Failure> {
+    let read_whole = whole.is_some();
     let mut first: Vec<u8> = Vec::new();
     loop {
         tokio::select! {
@@ -259,7 +291,12 @@ async fn first_bytes(
                         None if read_whole && first.len() + data.len() > limit => {
                             return Err(broken(format!("decode's answer is larger than {limit} bytes (upstream.max_answer_bytes)")));
                         }
-                        None => first.extend_from_slice(&data),
+                        None => {
+                            if let Some(held) = whole.as_deref_mut() {
+                                crate::admission::Admission::charge(held, data.len(), "decode's answer")?;
+                            }
+                            first.extend_from_slice(&data);
+                        }
                     }
                     if !first.is_empty() && (sse.is_some() || !read_whole) {
                         return Ok((first, false));

@@ -17,7 +17,9 @@ use http_body_util::{BodyExt, Limited};
 use memchr::memmem::Finder;
 use serde::Deserialize;
 
+use crate::admission::Admission;
 use crate::error::{FailReason, Failure};
+use crate::memory::{ByteBudget, Charge};
 use crate::types::Role;
 use crate::upstream::{error_chain, BaseUrl, HostConns, LegBody, LegError, LegRequest, Upstream};
 
@@ -64,20 +66,23 @@ pub fn send_failure(reason: FailReason, what: &str, e: &LegError) -> Failure {
     f
 }
 
-/// What a successful prefill leg returns.
+/// What a successful prefill leg returns: its whole answer, and its charge on the
+/// in-flight byte budget (given back when dropped).
 #[derive(Debug)]
 pub struct PrefillDone {
     pub body: Bytes,
+    pub charge: Charge,
 }
 
-/// Sends the prefill leg and reads its whole answer (at most `limit` bytes), within
-/// `deadline`.
+/// Sends the prefill leg and reads its whole answer (at most `limit` bytes, each frame
+/// charged to `budget` as it arrives), within `deadline`.
 pub async fn run_prefill(
     up: Upstream,
     host: Arc<HostConns>,
     req: LegRequest,
     deadline: Duration,
     limit: usize,
+    budget: Option<Arc<ByteBudget>>,
 ) -> Result<PrefillDone, Failure> {
     let fut = async {
         let resp = up
@@ -85,16 +90,8 @@ pub async fn run_prefill(
             .await
             .map_err(|e| send_failure(FailReason::PrefillConnect, "prefill", &e))?;
         let status = resp.status();
-        let body = Limited::new(resp.into_body(), limit)
-            .collect()
-            .await
-            .map_err(|e| {
-                Failure::new(
-                    FailReason::PrefillAborted,
-                    format!("prefill answer broke off: {e}"),
-                )
-            })?
-            .to_bytes();
+        let mut charge = budget.map_or_else(Charge::none, |b| b.charge());
+        let body = read_answer(resp.into_body(), limit, &mut charge).await?;
         if !status.is_success() {
             return Err(status_failure(Role::Prefill, status, &body));
         }
@@ -114,7 +111,7 @@ pub async fn run_prefill(
                 },
             );
         }
-        Ok(PrefillDone { body })
+        Ok(PrefillDone { body, charge })
     };
     match tokio::time::timeout(deadline, fut).await {
         Ok(r) => r,
@@ -123,6 +120,43 @@ pub async fn run_prefill(
             format!("prefill did not answer within {}s", deadline.as_secs_f64()),
         )),
     }
+}
+
+/// A prefill's whole answer, at most `limit` bytes, charged as it arrives. An answer in one
+/// frame is that frame, without a copy.
+async fn read_answer(
+    mut body: LegBody,
+    limit: usize,
+    charge: &mut Charge,
+) -> Result<Bytes, Failure> {
+    let broke = |m: String| Failure::new(FailReason::PrefillAborted, m);
+    let mut first: Option<Bytes> = None;
+    let mut rest: Vec<u8> = Vec::new();
+    let mut total = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame =
+            frame.map_err(|e| broke(format!("prefill answer broke off: {}", error_chain(&e))))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        total = total.saturating_add(data.len());
+        if total > limit {
+            return Err(broke(format!(
+                "prefill answer broke off: larger than {limit} bytes (upstream.max_answer_bytes)"
+            )));
+        }
+        Admission::charge(charge, data.len(), "the prefill's answer")?;
+        match first.take() {
+            None if rest.is_empty() => first = Some(data),
+            f => {
+                if let Some(f) = f {
+                    rest.extend_from_slice(&f);
+                }
+                rest.extend_from_slice(&data);
+            }
+        }
+    }
+    Ok(first.unwrap_or_else(|| Bytes::from(rest)))
 }
 
 /// Reads a failed decode's (bounded) error body and classifies it.

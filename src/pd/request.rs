@@ -20,6 +20,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::error::{FailReason, Failure};
+use crate::upstream::Payload;
 
 /// The generation routes pdgate dispatches as PD requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -198,36 +199,32 @@ impl ParsedRequest {
         self.batch.is_some() || self.n > 1
     }
 
-    /// Writes one leg's body: every untouched member verbatim, then pdgate's own fields.
+    /// Writes one leg's body: every untouched member verbatim, then pdgate's own fields
+    /// (the bytes [`Self::write_legs`] writes for that leg, in one buffer).
     pub fn write_leg(&self, out: &mut Vec<u8>, leg: &LegFields<'_>) {
+        let mut p = self.member_pieces();
+        push_fields(&mut p, leg, self);
         out.clear();
-        out.reserve(self.body.len() + 96 + leg.rooms.len() * 48);
-        self.write_shared(out, leg);
-        write_own(out, leg);
+        out.extend_from_slice(&p.to_vec());
     }
 
-    /// Both legs' bodies, byte for byte what [`Self::write_leg`] writes for each. The part
-    /// they share (the client's members and the bootstrap host, port and rooms, which are
-    /// the same on both legs by the contract) is written once and copied.
-    pub fn write_legs(&self, p: &LegFields<'_>, d: &LegFields<'_>) -> (Vec<u8>, Vec<u8>) {
-        let shared_same = p.host_json == d.host_json && p.port == d.port && p.rooms == d.rooms;
-        let cap = self.body.len() + 96 + p.rooms.len() * 48;
-        let mut pb = Vec::with_capacity(cap);
-        let mut db = Vec::with_capacity(cap);
-        self.write_shared(&mut pb, p);
-        if shared_same {
-            db.extend_from_slice(&pb);
-        } else {
-            self.write_shared(&mut db, d);
-        }
-        write_own(&mut pb, p);
-        write_own(&mut db, d);
+    /// Both legs' bodies, as pieces of the client's body (never copied: both point into
+    /// the one allocation the request holds) and a small tail of pdgate's own fields each.
+    pub fn write_legs(&self, p: &LegFields<'_>, d: &LegFields<'_>) -> (Payload, Payload) {
+        let mut pb = self.member_pieces();
+        let mut db = pb.clone();
+        push_fields(&mut pb, p, self);
+        push_fields(&mut db, d, self);
         (pb, db)
     }
 
-    /// `{`, the client's members, then the bootstrap host, port and room(s).
-    fn write_shared(&self, out: &mut Vec<u8>, leg: &LegFields<'_>) {
-        out.push(b'{');
+    /// `{` and the client's members, as ranges of the body: a run of members that follow
+    /// each other in the body (nothing dropped between) is one range, whitespace and all.
+    fn member_pieces(&self) -> Payload {
+        let mut out = Payload::over(self.body.clone());
+        let body = &self.body[..];
+        // Where the last member written ends in the body.
+        let mut prev_end: Option<usize> = None;
         for f in &self.fields {
             if let Some((k, _)) = &self.leg_override {
                 if self.key_of(f) == *k {
@@ -235,19 +232,47 @@ impl ParsedRequest {
                 }
             }
             match &f.key_json {
-                KeyJson::Span(r) => out.extend_from_slice(&self.body[r.clone()]),
-                KeyJson::Escaped(k) => out.extend_from_slice(k.as_bytes()),
+                KeyJson::Span(r) => {
+                    // The bytes before the key: `{` (first member) or `,` (members that
+                    // follow each other), with whitespace; else a separator is written.
+                    let gap = &body[prev_end.unwrap_or(0)..r.start];
+                    let joins = gap.trim_ascii() == if prev_end.is_some() { b"," } else { b"{" };
+                    let from = if joins {
+                        prev_end.unwrap_or(0)
+                    } else {
+                        out.push_lit(if prev_end.is_some() { b"," } else { b"{" });
+                        r.start
+                    };
+                    out.push_src(from..f.value.end);
+                }
+                KeyJson::Escaped(k) => {
+                    out.push_lit(if prev_end.is_some() { b"," } else { b"{" });
+                    out.push_own(k.as_bytes());
+                    out.push_lit(b":");
+                    out.push_src(f.value.clone());
+                }
             }
-            out.push(b':');
-            out.extend_from_slice(&self.body[f.value.clone()]);
-            out.push(b',');
+            prev_end = Some(f.value.end);
         }
-        if let Some((k, v)) = &self.leg_override {
+        if prev_end.is_none() {
+            out.push_lit(b"{");
+        } else {
+            out.push_lit(b",");
+        }
+        out
+    }
+}
+
+/// pdgate's part of a leg, after the client's members: the override, the bootstrap host,
+/// port and room(s), then what differs between the legs.
+fn push_fields(out: &mut Payload, leg: &LegFields<'_>, req: &ParsedRequest) {
+    out.own(|out| {
+        if let Some((k, v)) = &req.leg_override {
             push_key(out, k);
             out.extend_from_slice(v.as_bytes());
             out.push(b',');
         }
-        let multi = self.is_multi();
+        let multi = req.is_multi();
         push_key(out, "bootstrap_host");
         list_or_scalar(out, multi, leg.rooms.len(), |o| {
             o.extend_from_slice(leg.host_json.as_bytes())
@@ -269,7 +294,8 @@ impl ParsedRequest {
         } else {
             push_u64(out, leg.rooms.first().copied().unwrap_or(0));
         }
-    }
+        write_own(out, leg);
+    });
 }
 
 /// What differs between the legs: rid, DP fields, stream, and the closing brace.

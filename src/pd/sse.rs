@@ -133,7 +133,7 @@ impl SseScanner {
         let mut rebuilt: Option<Vec<u8>> = self
             .logprobs
             .as_ref()
-            .map(|_| Vec::with_capacity(complete.len() + 256));
+            .map(|lp| Vec::with_capacity(complete.len() + lp.bytes() + 256));
         let mut pos = 0;
         let buf = &complete[..];
         while pos < buf.len() {
@@ -191,12 +191,14 @@ fn merge_event(out: &mut Vec<u8>, event: &[u8], lp: &PrefillLogprobs) {
         .strip_prefix(b"data: ")
         .filter(|d| !d.contains(&b'\n') && *d != b"[DONE]")
     {
-        if let Some(merged) = lp.merge_chunk(data) {
-            out.extend_from_slice(b"data: ");
-            out.extend_from_slice(&merged);
+        // Spliced straight into the output (no tree, no buffer per event).
+        let at = out.len();
+        out.extend_from_slice(b"data: ");
+        if lp.merge_chunk_into(data, out) {
             out.extend_from_slice(b"\n\n");
             return;
         }
+        out.truncate(at);
     }
     out.extend_from_slice(event);
 }
@@ -346,7 +348,8 @@ mod tests {
     #[test]
     fn logprobs_are_merged_per_event() {
         let lp = Arc::new(PrefillLogprobs::from_prefill_body(
-            br#"{"meta_info":{"input_token_logprobs":[[null,1,null]]}}"#,
+            &Bytes::from_static(br#"{"meta_info":{"input_token_logprobs":[[null,1,null]]}}"#),
+            crate::memory::Charge::none(),
         ));
         let mut s = SseScanner::new(Some(lp), limit());
         let r = s.push(Bytes::from_static(

@@ -87,6 +87,14 @@ impl Server {
     }
 }
 
+/// The most an HTTP/1 connection buffers (its request head must fit; hyper's floor is 8 KiB).
+pub const HTTP1_MAX_BUF: usize = 16 * 1024;
+/// An h2c connection's flow-control window (per stream and per connection): the most of
+/// request bodies it buffers before they are read and charged.
+pub const H2_WINDOW: u32 = 64 * 1024;
+/// The largest h2 header list accepted.
+pub const H2_MAX_HEADER_LIST: u32 = 16 * 1024;
+
 async fn accept_loop(
     listener: TcpListener,
     app: Arc<App>,
@@ -95,12 +103,21 @@ async fn accept_loop(
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     let first_byte_within = app.header_read_timeout();
+    // What one connection may make the process hold before a request is admitted and its
+    // body charged (`crate::memory`): a head of at most HTTP1_MAX_BUF (larger: 431), and
+    // for h2c a flow-control window and a header list of the same order.
     builder
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(first_byte_within)
+        .max_buf_size(HTTP1_MAX_BUF)
         .keep_alive(true);
-    builder.http2().timer(TokioTimer::new());
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(H2_MAX_HEADER_LIST)
+        .initial_stream_window_size(H2_WINDOW)
+        .initial_connection_window_size(H2_WINDOW);
     let registry = Arc::new(conn::Registry::default());
     let refusals = Arc::new(tokio::sync::Semaphore::new(conn::MAX_REFUSALS_IN_FLIGHT));
     let (max, idle) = {

@@ -34,6 +34,7 @@ use crate::auth::ClientKeys;
 use crate::body::{full_body, RespBody};
 use crate::config::Config;
 use crate::error::{FailReason, Failure};
+use crate::memory::Charge;
 use crate::pd::record::{RequestRecord, Route};
 use crate::pd::request::{self, ApiRoute};
 use crate::pd::{Dispatcher, ReqCtx};
@@ -99,25 +100,38 @@ fn route(path: &str, public_metrics: bool) -> Option<(Endpoint, &'static [Method
     })
 }
 
-/// The whole request body, at most `limit` bytes (`Err(None)`: over the limit). A body
-/// that arrives in one frame (the usual case: a small JSON body with a content-length) is
-/// returned as that frame, without a copy.
+/// Why a request body was not read whole.
+enum BodyError {
+    /// Over `server.max_body_bytes`.
+    TooLarge,
+    /// The in-flight byte budget refused it (413 or 503, see `crate::admission`).
+    Budget(Failure),
+    Read(hyper::Error),
+}
+
+/// The whole request body, at most `limit` bytes, each frame charged to `charge` as it
+/// arrives (a slow body holds only what it sent). A body that arrives in one frame (the
+/// usual case: a small JSON body with a content-length) is returned as that frame, without
+/// a copy.
 async fn read_body(
     mut body: Incoming,
     limit: usize,
     declared: Option<u64>,
-) -> Result<Bytes, Option<hyper::Error>> {
+    mut charge: Charge,
+) -> Result<(Bytes, Charge), BodyError> {
     let mut first: Option<Bytes> = None;
     let mut rest: Vec<u8> = Vec::new();
     let mut total = 0usize;
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.map_err(Some)?.into_data() else {
+        let Ok(data) = frame.map_err(BodyError::Read)?.into_data() else {
             continue; // trailers
         };
         total = total.saturating_add(data.len());
         if total > limit {
-            return Err(None);
+            return Err(BodyError::TooLarge);
         }
+        Admission::charge(&mut charge, data.len(), "the request body")
+            .map_err(BodyError::Budget)?;
         match &first {
             None if rest.is_empty() => first = Some(data),
             _ => {
@@ -130,7 +144,7 @@ async fn read_body(
             }
         }
     }
-    Ok(first.unwrap_or_else(|| Bytes::from(rest)))
+    Ok((first.unwrap_or_else(|| Bytes::from(rest)), charge))
 }
 
 /// An answer after which the connection is closed: the rest of the request body was not
@@ -275,7 +289,7 @@ impl App {
         route: ApiRoute,
         req: Request<Incoming>,
         rid_header: HeaderValue,
-        slot: Option<crate::pd::AdmissionSlot>,
+        mut slot: Option<crate::pd::AdmissionSlot>,
         rec: RequestRecord,
     ) -> Response<RespBody> {
         let (parts, body) = req.into_parts();
@@ -316,7 +330,8 @@ impl App {
         }
         // A body that came with its head (the usual case) is read at once, with no timer;
         // only a body still on its way is given `body_read_timeout`.
-        let read = read_body(body, limit, declared);
+        let charge = self.admission.bytes().charge();
+        let read = read_body(body, limit, declared, charge);
         tokio::pin!(read);
         let read = match (&mut read).now_or_never() {
             Some(r) => r,
@@ -337,10 +352,11 @@ impl App {
                 }
             }
         };
-        let bytes = match read {
+        let (bytes, charge) = match read {
             Ok(b) => b,
-            Err(None) => return too_large(rec),
-            Err(Some(e)) => {
+            Err(BodyError::TooLarge) => return too_large(rec),
+            Err(BodyError::Budget(f)) => return closing(reject(rec, f, &rid_header)),
+            Err(BodyError::Read(e)) => {
                 let f = Failure::new(
                     FailReason::InvalidRequest,
                     format!("could not read the request body: {e}"),
@@ -348,6 +364,10 @@ impl App {
                 return reject(rec, f, &rid_header);
             }
         };
+        // The body's bytes are held until the response ends (retries write legs from it).
+        if let Some(s) = slot.as_mut() {
+            s.hold_bytes(charge);
+        }
         let parsed = match request::parse(route, bytes) {
             Ok(p) => p,
             Err(f) => return reject(rec, f, &rid_header),

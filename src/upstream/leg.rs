@@ -5,7 +5,8 @@
 //! client spends, per request, a pool checkout keyed by a hashed URI, a dispatch channel
 //! (with its own allocation blocks) into a per-connection task, a oneshot back, and
 //! 16 KB of buffers per idle connection. Here the request's own future drives its socket:
-//! it writes the head and body in one `writev`, parses the answer's head with `httparse`,
+//! it writes the head and body in one `writev` (the body's pieces point into the client's
+//! body: no copy, see [`Payload`]), parses the answer's head with `httparse`,
 //! and hands back a [`LegBody`] that reads the socket directly as the response body is
 //! polled. No task, no channel, no buffer kept on idle connections.
 //! (Background calls — bootstrap polls, health, aborts — still use hyper's client.)
@@ -43,7 +44,7 @@
 //! it belongs to the worker (see `pool::WorkerView::conns`), so no map is looked up per
 //! request.
 
-use std::io::{self, IoSlice};
+use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
@@ -51,11 +52,11 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
-use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 
 use super::error::{LegError, ProtocolError};
 use super::leg_body::{Framing, LegBody};
+use super::payload::Payload;
 
 /// Largest response head accepted from an engine.
 const MAX_HEAD: usize = 64 * 1024;
@@ -226,10 +227,11 @@ fn looks_alive(stream: &TcpStream) -> bool {
     }
 }
 
-/// A leg ready to send: its request head (request line and headers) and its body.
+/// A leg ready to send: its request head (request line and headers) and its body (pieces
+/// of the client's body and pdgate's own fields, written without a copy).
 pub struct LegRequest {
     pub head: Vec<u8>,
-    pub body: Vec<u8>,
+    pub body: Payload,
     /// Whether the answer's headers are wanted (else only status and body are read).
     pub keep_headers: bool,
 }
@@ -237,7 +239,13 @@ pub struct LegRequest {
 impl LegRequest {
     /// `POST path` with a JSON body and the forwarded header lines (`name: value\r\n`
     /// each, see [`header_lines`]).
-    pub fn post_json(host: &HostConns, path: &str, body: Vec<u8>, fwd: &[u8]) -> LegRequest {
+    pub fn post_json(
+        host: &HostConns,
+        path: &str,
+        body: impl Into<Payload>,
+        fwd: &[u8],
+    ) -> LegRequest {
+        let body = body.into();
         let mut head = Vec::with_capacity(160 + path.len());
         head.extend_from_slice(b"POST ");
         head.extend_from_slice(path.as_bytes());
@@ -312,7 +320,7 @@ async fn exchange(
     req: &LegRequest,
     reused: bool,
 ) -> Result<Response<LegBody>, LegError> {
-    if let Err(e) = write_two(&mut stream, &req.head, &req.body).await {
+    if let Err(e) = super::payload::write_all(&mut stream, &req.head, &req.body).await {
         return match early_answer(&mut stream, req.keep_headers).await {
             Some((parts, buf)) => Ok(build(parts, buf, stream, host, s)),
             None => Err(LegError::Write(e)),
@@ -583,22 +591,6 @@ pub(crate) fn poll_read_more(
         buf.reserve(buf.len().max(READ_CHUNK));
     }
     tokio_util::io::poll_read_buf(std::pin::Pin::new(stream), cx, buf)
-}
-
-/// Writes `a` then `b` with as few `writev`s as the socket allows.
-async fn write_two(stream: &mut TcpStream, a: &[u8], b: &[u8]) -> io::Result<()> {
-    let (mut i, mut j) = (0usize, 0usize);
-    while i < a.len() || j < b.len() {
-        let bufs = [IoSlice::new(&a[i..]), IoSlice::new(&b[j..])];
-        let n = stream.write_vectored(&bufs).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        let from_a = n.min(a.len() - i);
-        i += from_a;
-        j += n - from_a;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

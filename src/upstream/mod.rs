@@ -15,11 +15,13 @@
 mod error;
 mod leg;
 mod leg_body;
+mod payload;
 
 pub use crate::url::{parse_base_url, BaseUrl, UrlError};
 pub use error::{error_chain, CallError, LegError, ProtocolError};
 pub use leg::{header_lines, HostConns, LegRequest, LegSettings};
 pub use leg_body::LegBody;
+pub use payload::Payload;
 
 use std::sync::Arc;
 

@@ -30,6 +30,7 @@ mod interop_bootstrap;
 mod interop_uvicorn;
 mod layers;
 mod manifests;
+mod memory_budget;
 mod metrics;
 mod policies;
 mod preflight;

@@ -577,6 +577,11 @@ proptest! {
         let hosts = (serde_json::to_string(&p.host).unwrap(), serde_json::to_string(&d.host).unwrap());
         let (pf, df) = (fields(p, &hosts.0, req.instances()), fields(d, &hosts.1, req.instances()));
         let (pb, db) = req.write_legs(&pf, &df);
+        // Both legs point into the client's body: no copy of it.
+        for leg in [&pb, &db] {
+            prop_assert!(leg.source().as_ptr() == req.body.as_ptr());
+        }
+        let (pb, db) = (pb.to_vec(), db.to_vec());
         for (out, f, o) in [(&pb, &pf, p), (&db, &df, d)] {
             let mut one = Vec::new();
             req.write_leg(&mut one, f);

@@ -98,6 +98,7 @@ fn write_legs_matches_write_leg_for_each_leg() {
             let p = fields("pdg-1-00p", routed_p, hint, false, rooms);
             let d = fields("pdg-1-00d", routed_d, hint, req.stream, rooms);
             let (pb, db) = req.write_legs(&p, &d);
+            let (pb, db) = (pb.to_vec(), db.to_vec());
             let (mut p1, mut d1) = (Vec::new(), Vec::new());
             req.write_leg(&mut p1, &p);
             req.write_leg(&mut d1, &d);
@@ -105,7 +106,7 @@ fn write_legs_matches_write_leg_for_each_leg() {
             assert_eq!(db, d1, "{body}");
             // Different bootstrap fields per leg are still written as asked.
             let other = fields("pdg-1-00d", routed_d, hint, false, &[99]);
-            let (_, db2) = req.write_legs(&p, &other);
+            let db2 = req.write_legs(&p, &other).1.to_vec();
             let mut d2 = Vec::new();
             req.write_leg(&mut d2, &other);
             assert_eq!(db2, d2, "{body}");
@@ -305,5 +306,58 @@ fn digits() {
         let mut out = Vec::new();
         push_u64(&mut out, v);
         assert_eq!(String::from_utf8(out).unwrap(), v.to_string());
+    }
+}
+
+/// Issue 18's reproduction of the "3x the body": both legs were written as copies of the
+/// body (a request held its body three times). Now each leg is pieces of the one body the
+/// request holds, plus pdgate's own fields: a 1 MiB prompt is copied into neither leg.
+#[test]
+fn legs_point_into_the_body_and_copy_only_pdgate_fields() {
+    let prompt = "a".repeat(1 << 20);
+    let bodies = [
+        format!(
+            r#"{{"text":"{prompt}","sampling_params":{{"max_new_tokens":1}},"stream":true,"rid":"x","extra":1}}"#
+        ),
+        format!("{{ \"rid\" : 1 ,\n \"text\" : \"{prompt}\" , \"k\\\"q\": 2 }}"),
+    ];
+    for text in bodies {
+        let body = Bytes::from(text);
+        let req = parse(ApiRoute::Generate, body.clone()).unwrap();
+        let f = |rid| LegFields {
+            host_json: "\"10.0.0.1\"",
+            port: 8998,
+            rooms: &[3],
+            rid,
+            routed_dp_rank: Some(1),
+            disagg_prefill_dp_rank: Some(1),
+            stream: false,
+        };
+        let (p, d) = req.write_legs(&f("p"), &f("d"));
+        let inside = body.as_ptr() as usize..body.as_ptr() as usize + body.len();
+        for leg in [&p, &d] {
+            let from_body: usize = leg
+                .slices()
+                .filter(|s| inside.contains(&(s.as_ptr() as usize)))
+                .map(<[u8]>::len)
+                .sum();
+            assert!(
+                from_body > 1 << 20,
+                "the prompt is written from the body itself"
+            );
+            assert!(
+                leg.copied() < 256,
+                "only pdgate's fields are copied: {}",
+                leg.copied()
+            );
+            assert!(
+                leg.pieces() <= 8,
+                "a few slices per write: {}",
+                leg.pieces()
+            );
+            let v: Value = serde_json::from_slice(&leg.to_vec()).unwrap();
+            assert_eq!(v["text"].as_str().map(str::len), Some(1 << 20));
+            assert_eq!(v["bootstrap_room"], 3);
+        }
     }
 }

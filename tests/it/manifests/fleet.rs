@@ -306,6 +306,26 @@ impl<'a> Fleet<'a> {
         {
             return Err("pdgate must run non-root with a read-only root filesystem".into());
         }
+        // The memory limit holds the documented bound (README, "Memory") for this config:
+        // base + byte budget x factor + connections x per-connection cost.
+        let limit = c
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .and_then(|l| l.get("memory"))
+            .ok_or("no memory limit")?;
+        let limit = quantity_bytes(&limit.0)?;
+        let bound = pdgate::memory::rss_bound(
+            cfg.admission.max_bytes_in_flight,
+            cfg.server.max_connections,
+        );
+        if limit < bound {
+            return Err(format!(
+                "memory limit {limit} bytes is below the documented bound {bound} bytes for \
+                 admission.max_bytes_in_flight {} and server.max_connections {}",
+                cfg.admission.max_bytes_in_flight, cfg.server.max_connections
+            ));
+        }
         if !cfg.discovery.enabled || cfg.discovery.all_namespaces != self.root.all_namespaces {
             return Err(format!(
                 "discovery.enabled {} all_namespaces {}",
@@ -612,6 +632,27 @@ fn expand_args(c: &Container) -> Res<Vec<String>> {
             Ok(out)
         })
         .collect()
+}
+
+/// A Kubernetes memory quantity (`256Mi`, `1G`, `1048576`) in bytes.
+fn quantity_bytes(q: &str) -> Res<u64> {
+    let units: [(&str, u64); 8] = [
+        ("Ki", 1 << 10),
+        ("Mi", 1 << 20),
+        ("Gi", 1 << 30),
+        ("Ti", 1 << 40),
+        ("k", 1_000),
+        ("M", 1_000_000),
+        ("G", 1_000_000_000),
+        ("T", 1_000_000_000_000),
+    ];
+    let (num, mult) = units
+        .iter()
+        .find_map(|(u, m)| q.strip_suffix(u).map(|n| (n, *m)))
+        .unwrap_or((q, 1));
+    num.parse::<u64>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("memory quantity {q:?} is not understood"))
 }
 
 fn container_port(c: &Container, name: &str) -> Res<i32> {

@@ -1,0 +1,481 @@
+//! Hostile-clients bench: normal clients against `pdgate serve` (a separate process, default
+//! settings) in front of simulated engines (`pdgate sim`), first alone (quiet), then while
+//! hostile clients run beside them:
+//! - slowloris heads: connections that send a request head one byte at a time, or fill a
+//!   head of about 15 KiB and stall;
+//! - slowloris bodies: a head declaring a maximum-size body, then a trickle of it;
+//! - partial HTTP/2 prefaces: connections that send a prefix of `PRI * HTTP/2.0` and stall;
+//! - idle connections: thousands of connections that send nothing;
+//! - maximum-size bodies (`server.max_body_bytes`) sent as fast as the socket takes them;
+//! - logprob bombs: streamed `/generate` with `return_logprob` and a long prompt, under the
+//!   stream merge cap (its input logprobs repeated in every event) and over it (refused).
+//!
+//! Reported: the normal clients' p50/p99/max and errors, quiet against hostile (target: p99
+//! within 2x, no error, no stall), the router's CPU (share of one core) in each phase and its
+//! peak RSS (sampled every 50 ms, and the kernel's high-water mark) against the documented
+//! bound (`pdgate::memory::rss_bound` of the default config: README, "Memory"), and what each
+//! kind of hostile client got.
+//!
+//! Every loop is bounded in count and in time (the phase deadline). The machine is shared:
+//! runs are short (`PDGATE_HOSTILE_SECS`, default 4 s per phase).
+//!
+//! Run: `cargo bench --bench hostile` (`PDGATE_BIN=/path/to/pdgate` to pick a binary). This
+//! is a measurement, not a test: nothing here asserts on a time.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+mod support;
+use support::*;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+const NORMAL_CLIENTS: usize = 8;
+const NORMAL_BODY: &str =
+    r#"{"text":"The capital of France is","sampling_params":{"max_new_tokens":4,"temperature":0}}"#;
+const SLOW_HEADS: usize = 300;
+const SLOW_BODIES: usize = 50;
+const PREFACES: usize = 500;
+const IDLE: usize = 2000;
+const BIG_SENDERS: usize = 4;
+const BOMBS_UNDER: usize = 2;
+const BOMBS_OVER: usize = 2;
+
+#[derive(Default)]
+struct Counts {
+    ok: AtomicU64,
+    refused_503: AtomicU64,
+    refused_413: AtomicU64,
+    other: AtomicU64,
+    conn_errors: AtomicU64,
+}
+
+impl Counts {
+    fn status(&self, s: u16) {
+        match s {
+            200 => &self.ok,
+            503 => &self.refused_503,
+            413 => &self.refused_413,
+            _ => &self.other,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+    fn line(&self) -> String {
+        format!(
+            "200: {}, 503: {}, 413: {}, other: {}, connection errors: {}",
+            self.ok.load(Ordering::Relaxed),
+            self.refused_503.load(Ordering::Relaxed),
+            self.refused_413.load(Ordering::Relaxed),
+            self.other.load(Ordering::Relaxed),
+            self.conn_errors.load(Ordering::Relaxed)
+        )
+    }
+}
+
+struct Phase {
+    lat: Vec<Duration>,
+    errors: u64,
+    cpu_share: f64,
+    peak_rss_kib: u64,
+}
+
+fn pct(v: &[Duration], p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// The normal clients, each sending requests back to back until `until` (at most 100,000
+/// in all); their latencies, sorted, and their errors.
+async fn normal_clients(client: HttpClient, url: String, until: Instant) -> (Vec<Duration>, u64) {
+    let lat = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let errors = Arc::new(AtomicU64::new(0));
+    let sent = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..NORMAL_CLIENTS {
+        let (client, url, lat, errors, sent) = (
+            client.clone(),
+            url.clone(),
+            lat.clone(),
+            errors.clone(),
+            sent.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < until && sent.fetch_add(1, Ordering::Relaxed) < 100_000 {
+                let req = Request::post(format!("{url}/generate"))
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from_static(NORMAL_BODY.as_bytes())))
+                    .expect("request");
+                let t0 = Instant::now();
+                let ok = match tokio::time::timeout(Duration::from_secs(20), client.request(req))
+                    .await
+                {
+                    Ok(Ok(resp)) => {
+                        let st = resp.status();
+                        let body = resp.into_body().collect().await;
+                        st == 200 && body.is_ok()
+                    }
+                    _ => false,
+                };
+                let dt = t0.elapsed();
+                if ok {
+                    lat.lock().expect("lock").push(dt);
+                } else {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let mut v = std::mem::take(&mut *lat.lock().expect("lock"));
+    v.sort();
+    (v, errors.load(Ordering::Relaxed))
+}
+
+/// Samples the router's RSS every 50 ms until `until`; the highest seen, in KiB.
+async fn rss_sampler(pid: u32, until: Instant) -> u64 {
+    let mut peak = 0;
+    while Instant::now() < until {
+        peak = peak.max(rss_kib(pid).0);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    peak
+}
+
+async fn run_phase(
+    client: &HttpClient,
+    url: &str,
+    pid: u32,
+    secs: Duration,
+    hostile: Option<Arc<Hostile>>,
+) -> Phase {
+    let until = Instant::now() + secs;
+    let attack = hostile.map(|h| tokio::spawn(h.run(until)));
+    // Let the hostile clients take their connections first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cpu0 = cpu_ns(pid);
+    let t0 = Instant::now();
+    let sampler = tokio::spawn(rss_sampler(pid, until));
+    let (lat, errors) = normal_clients(client.clone(), url.to_string(), until).await;
+    let cpu_share = (cpu_ns(pid) - cpu0) as f64 / t0.elapsed().as_nanos().max(1) as f64;
+    let peak_rss_kib = sampler.await.unwrap_or(0);
+    if let Some(a) = attack {
+        let _ = tokio::time::timeout(Duration::from_secs(10), a).await;
+    }
+    Phase {
+        lat,
+        errors,
+        cpu_share,
+        peak_rss_kib,
+    }
+}
+
+/// The hostile clients and what they got.
+struct Hostile {
+    addr: String,
+    max_body: usize,
+    big_body: Bytes,
+    bomb_under: Bytes,
+    bomb_over: Bytes,
+    big: Counts,
+    bombs: Counts,
+    slow_bodies: Counts,
+    held: AtomicU64,
+}
+
+async fn connect(addr: &str) -> Option<TcpStream> {
+    tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
+        .await
+        .ok()?
+        .ok()
+}
+
+/// Reads an answer's status line (bounded: 20 s, 64 KiB); the rest is drained until EOF or
+/// the deadline.
+async fn status_of(s: &mut TcpStream, until: Instant) -> Option<u16> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut n = 0;
+    let deadline = (Instant::now() + Duration::from_secs(20)).min(until + Duration::from_secs(5));
+    while n < 12 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, s.read(&mut buf[n..])).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
+            Ok(Ok(k)) => n += k,
+        }
+    }
+    let status = std::str::from_utf8(&buf[9..12]).ok()?.parse().ok();
+    // Drain the answer (a stream of events for the bombs), bounded by the deadline.
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, s.read(&mut buf)).await {
+            Ok(Ok(k)) if k > 0 => {}
+            _ => break,
+        }
+    }
+    status
+}
+
+fn post_head(path: &str, len: usize) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {len}\r\n\r\n"
+    )
+}
+
+impl Hostile {
+    async fn run(self: Arc<Self>, until: Instant) {
+        let mut tasks = Vec::new();
+        // Idle connections and partial prefaces: opened, then held to the deadline.
+        for i in 0..(IDLE + PREFACES) {
+            let h = self.clone();
+            tasks.push(tokio::spawn(async move {
+                let Some(mut s) = connect(&h.addr).await else {
+                    return;
+                };
+                if i >= IDLE {
+                    let prefix: &[u8] = [&b"P"[..], b"PRI * HT", b"PRI * HTTP/2.0\r\n"][i % 3];
+                    let _ = s.write_all(prefix).await;
+                }
+                h.held.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep_until(until.into()).await;
+            }));
+        }
+        // Slowloris heads: half send one byte every 200 ms; half fill a head of about
+        // 15 KiB (a long header, 1 KiB every 100 ms), then stall.
+        for i in 0..SLOW_HEADS {
+            let h = self.clone();
+            tasks.push(tokio::spawn(async move {
+                let Some(mut s) = connect(&h.addr).await else {
+                    return;
+                };
+                if i % 2 == 1 {
+                    let _ = s
+                        .write_all(b"POST /generate HTTP/1.1\r\nhost: x\r\nx-pad: ")
+                        .await;
+                    for _ in 0..15 {
+                        if Instant::now() >= until || s.write_all(&[b'a'; 1024]).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    tokio::time::sleep_until(until.into()).await;
+                    return;
+                }
+                let head = post_head("/generate", 2);
+                for b in head.as_bytes() {
+                    if Instant::now() >= until || s.write_all(&[*b]).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }));
+        }
+        // Slowloris bodies: a maximum-size body declared, 1 KiB sent every 100 ms.
+        for _ in 0..SLOW_BODIES {
+            let h = self.clone();
+            tasks.push(tokio::spawn(async move {
+                let Some(mut s) = connect(&h.addr).await else {
+                    return;
+                };
+                if s.write_all(post_head("/generate", h.max_body).as_bytes())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                let chunk = [b' '; 1024];
+                for _ in 0..10_000 {
+                    if Instant::now() >= until {
+                        return;
+                    }
+                    if s.write_all(&chunk).await.is_err() {
+                        // Refused or timed out: the router answered and closed.
+                        h.slow_bodies.conn_errors.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }));
+        }
+        // Maximum-size bodies, back to back.
+        for _ in 0..BIG_SENDERS {
+            let h = self.clone();
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..1000 {
+                    if Instant::now() >= until {
+                        return;
+                    }
+                    let Some(mut s) = connect(&h.addr).await else {
+                        h.big.conn_errors.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    let head = post_head("/generate", h.big_body.len());
+                    let wrote = async {
+                        s.write_all(head.as_bytes()).await?;
+                        s.write_all(&h.big_body).await
+                    };
+                    let wrote = tokio::time::timeout(Duration::from_secs(20), wrote).await;
+                    // A refused body is answered early and its write cut: the status counts.
+                    let _ = wrote;
+                    match status_of(&mut s, until).await {
+                        Some(st) => h.big.status(st),
+                        None => {
+                            h.big.conn_errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }));
+        }
+        // Logprob bombs.
+        for i in 0..(BOMBS_UNDER + BOMBS_OVER) {
+            let h = self.clone();
+            tasks.push(tokio::spawn(async move {
+                let body = if i < BOMBS_UNDER {
+                    &h.bomb_under
+                } else {
+                    &h.bomb_over
+                };
+                for _ in 0..1000 {
+                    if Instant::now() >= until {
+                        return;
+                    }
+                    let Some(mut s) = connect(&h.addr).await else {
+                        h.bombs.conn_errors.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    let head = post_head("/generate", body.len());
+                    if s.write_all(head.as_bytes()).await.is_err()
+                        || s.write_all(body).await.is_err()
+                    {
+                        h.bombs.conn_errors.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    match status_of(&mut s, until).await {
+                        Some(st) => h.bombs.status(st),
+                        None => {
+                            h.bombs.conn_errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }));
+        }
+        for t in tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
+        }
+    }
+}
+
+/// A streamed `/generate` with `return_logprob` and a prompt of `n` token ids.
+fn bomb(n: usize, tokens: u32) -> Bytes {
+    let ids: Vec<String> = (0..n).map(|i| (1000 + i % 30_000).to_string()).collect();
+    Bytes::from(format!(
+        r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":{tokens}}},"return_logprob":true,"stream":true}}"#,
+        ids.join(",")
+    ))
+}
+
+fn report(name: &str, p: &Phase) {
+    println!(
+        "| {name} | {} | {:.2} | {:.2} | {:.2} | {} | {:.0}% | {:.1} |",
+        p.lat.len(),
+        pct(&p.lat, 0.5).as_secs_f64() * 1e3,
+        pct(&p.lat, 0.99).as_secs_f64() * 1e3,
+        p.lat.last().copied().unwrap_or_default().as_secs_f64() * 1e3,
+        p.errors,
+        p.cpu_share * 100.0,
+        p.peak_rss_kib as f64 / 1024.0,
+    );
+}
+
+fn main() {
+    let secs = std::env::var("PDGATE_HOSTILE_SECS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(4)
+        .clamp(1, 60);
+    let phase = Duration::from_secs(secs);
+    let bin = pdgate_bin();
+    let (_sim, info) = start_sim(&bin, 4);
+    let (router, url) = start_router(&bin, &info);
+    let pid = router.pid();
+    let cfg = pdgate::config::Config::default();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let client: HttpClient = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(64)
+            .build_http();
+        // Ready: a normal request answers (bounded: 20 s).
+        let ready_until = Instant::now() + Duration::from_secs(20);
+        loop {
+            let req = Request::post(format!("{url}/generate"))
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(NORMAL_BODY.as_bytes())))
+                .expect("request");
+            if let Ok(r) = client.request(req).await {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            assert!(Instant::now() < ready_until, "the router never answered");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let base_kib = rss_kib(pid).0;
+        let quiet = run_phase(&client, &url, pid, phase, None).await;
+        let max_body = cfg.server.max_body_bytes;
+        let big_text = "a".repeat(max_body - 64);
+        let big_body = Bytes::from(format!(r#"{{"text":"{big_text}"}}"#));
+        let hostile = Arc::new(Hostile {
+            addr: url.trim_start_matches("http://").to_string(),
+            max_body,
+            big_body,
+            // ~25 bytes of logprobs per token: 8,000 tokens stay under the 1 MiB stream
+            // cap, 60,000 are over it.
+            bomb_under: bomb(8_000, 64),
+            bomb_over: bomb(60_000, 64),
+            big: Counts::default(),
+            bombs: Counts::default(),
+            slow_bodies: Counts::default(),
+            held: AtomicU64::new(0),
+        });
+        let loud = run_phase(&client, &url, pid, phase, Some(hostile.clone())).await;
+        let (_, hwm_kib) = rss_kib(pid);
+        let conns = IDLE + PREFACES + SLOW_HEADS + SLOW_BODIES + BIG_SENDERS + BOMBS_UNDER + BOMBS_OVER + NORMAL_CLIENTS;
+        let bound = pdgate::memory::rss_bound(cfg.admission.max_bytes_in_flight, conns);
+        println!("\n## hostile bench ({secs} s per phase, shared 2-core machine)\n");
+        println!("router: default settings (max_body_bytes {} MiB, admission.max_bytes_in_flight {} MiB, upstream.max_stream_logprob_bytes {} KiB); RSS after start {:.1} MiB", max_body >> 20, cfg.admission.max_bytes_in_flight >> 20, cfg.upstream.max_stream_logprob_bytes >> 10, base_kib as f64 / 1024.0);
+        println!("hostile: {IDLE} idle connections, {PREFACES} partial HTTP/2 prefaces, {SLOW_HEADS} slowloris heads, {SLOW_BODIES} slowloris bodies, {BIG_SENDERS} senders of {} MiB bodies, {BOMBS_UNDER}+{BOMBS_OVER} logprob bombs (8,000 / 60,000 prompt tokens, 64 events)\n", max_body >> 20);
+        println!("| phase | normal requests | p50 ms | p99 ms | max ms | errors | router CPU (one core) | peak RSS MiB |");
+        println!("|---|---|---|---|---|---|---|---|");
+        report("quiet", &quiet);
+        report("hostile", &loud);
+        let ratio = pct(&loud.lat, 0.99).as_secs_f64() / pct(&quiet.lat, 0.99).as_secs_f64().max(1e-9);
+        println!("\np99 hostile / quiet: {ratio:.2}x (target <= 2x); normal requests over 1 s: {}", loud.lat.iter().filter(|d| d.as_secs_f64() > 1.0).count());
+        println!(
+            "peak RSS: {:.1} MiB sampled, {:.1} MiB high-water mark; documented bound (README, Memory) for {conns} connections {:.1} MiB",
+            loud.peak_rss_kib as f64 / 1024.0,
+            hwm_kib as f64 / 1024.0,
+            bound as f64 / (1 << 20) as f64
+        );
+        println!("connections held by idle/preface clients: {}", hostile.held.load(Ordering::Relaxed));
+        println!("max-size bodies: {}", hostile.big.line());
+        println!("logprob bombs: {}", hostile.bombs.line());
+        println!("slowloris bodies cut by the router: {}", hostile.slow_bodies.conn_errors.load(Ordering::Relaxed));
+    });
+    drop(router);
+}

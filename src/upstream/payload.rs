@@ -1,0 +1,226 @@
+//! A leg's body as pieces written with vectored writes: byte ranges of the client's body
+//! (one shared allocation, never copied), short literals, and a small tail of bytes pdgate
+//! writes itself (its bootstrap fields, rid, ranks).
+//!
+//! Why: the client's body is held for the request's life (a retry writes new legs from
+//! it). Writing each leg as a fresh copy made a request cost about three times its body;
+//! here both legs point into the one body, so a request costs about its body.
+//!
+//! Invariants: every piece is in range of what it points into (built only by [`Payload`]'s
+//! own methods from ranges checked on the way in); the length is their sum.
+
+use std::io::{self, IoSlice};
+use std::ops::Range;
+
+use bytes::Bytes;
+use smallvec::SmallVec;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+/// At most this many slices per `writev` (well under every platform's `IOV_MAX`).
+const MAX_IOV: usize = 64;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Piece {
+    /// A range of `src`.
+    Src(u32, u32),
+    /// A range of `tail`.
+    Tail(u32, u32),
+    Lit(&'static [u8]),
+}
+
+/// A leg's body: pieces of the client's body and of pdgate's own bytes, in order.
+#[derive(Clone, Debug, Default)]
+pub struct Payload {
+    src: Bytes,
+    pieces: SmallVec<[Piece; 8]>,
+    tail: Vec<u8>,
+    len: usize,
+}
+
+impl Payload {
+    /// A body whose pieces point into `src` (shared, not copied).
+    pub fn over(src: Bytes) -> Payload {
+        Payload {
+            src,
+            ..Payload::default()
+        }
+    }
+
+    /// Appends `range` of the source body. Out-of-range or oversized ranges are refused
+    /// (`false`), never written.
+    pub fn push_src(&mut self, range: Range<usize>) -> bool {
+        if range.start > range.end || range.end > self.src.len() || range.end > u32::MAX as usize {
+            return false;
+        }
+        if range.is_empty() {
+            return true;
+        }
+        self.len += range.len();
+        // A range that continues the last one extends it.
+        if let Some(Piece::Src(_, end)) = self.pieces.last_mut() {
+            if *end as usize == range.start {
+                *end = range.end as u32;
+                return true;
+            }
+        }
+        self.pieces
+            .push(Piece::Src(range.start as u32, range.end as u32));
+        true
+    }
+
+    pub fn push_lit(&mut self, lit: &'static [u8]) {
+        if !lit.is_empty() {
+            self.len += lit.len();
+            self.pieces.push(Piece::Lit(lit));
+        }
+    }
+
+    /// Appends pdgate's own bytes (copied into the tail).
+    pub fn push_own(&mut self, bytes: &[u8]) {
+        self.own(|t| t.extend_from_slice(bytes));
+    }
+
+    /// Appends what `write` adds to the tail.
+    pub fn own(&mut self, write: impl FnOnce(&mut Vec<u8>)) {
+        let start = self.tail.len();
+        write(&mut self.tail);
+        let end = self.tail.len();
+        if end == start || end > u32::MAX as usize {
+            self.tail.truncate(start);
+            return;
+        }
+        self.len += end - start;
+        if let Some(Piece::Tail(_, e)) = self.pieces.last_mut() {
+            if *e as usize == start {
+                *e = end as u32;
+                return;
+            }
+        }
+        self.pieces.push(Piece::Tail(start as u32, end as u32));
+    }
+
+    /// The body's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The source body the pieces point into.
+    pub fn source(&self) -> &Bytes {
+        &self.src
+    }
+
+    /// Bytes copied into this payload (pdgate's own fields): the rest points into the
+    /// source body.
+    pub fn copied(&self) -> usize {
+        self.tail.len()
+    }
+
+    /// How many pieces (for tests and the bench: the number of slices written).
+    pub fn pieces(&self) -> usize {
+        self.pieces.len()
+    }
+
+    fn slice(&self, p: &Piece) -> &[u8] {
+        match *p {
+            Piece::Src(a, b) => self.src.get(a as usize..b as usize).unwrap_or_default(),
+            Piece::Tail(a, b) => self.tail.get(a as usize..b as usize).unwrap_or_default(),
+            Piece::Lit(l) => l,
+        }
+    }
+
+    /// The slices in order.
+    pub fn slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        self.pieces.iter().map(|p| self.slice(p))
+    }
+
+    /// The whole body as one buffer (tests, logs; legs never do this).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.len);
+        for s in self.slices() {
+            out.extend_from_slice(s);
+        }
+        out
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(v: Vec<u8>) -> Payload {
+        let mut p = Payload::over(Bytes::from(v));
+        let n = p.src.len();
+        p.push_src(0..n);
+        p
+    }
+}
+
+/// Writes `head` then `body` with as few `writev`s as the socket allows (at most
+/// [`MAX_IOV`] slices each), never copying the body.
+pub(crate) async fn write_all(
+    stream: &mut TcpStream,
+    head: &[u8],
+    body: &Payload,
+) -> io::Result<()> {
+    // The parts in order, and how much of the current one was written.
+    let parts: SmallVec<[&[u8]; 16]> = std::iter::once(head).chain(body.slices()).collect();
+    let (mut i, mut off) = (0usize, 0usize);
+    loop {
+        // Skip what is written (and empty parts).
+        while i < parts.len() && parts[i].len() == off {
+            i += 1;
+            off = 0;
+        }
+        if i == parts.len() {
+            return Ok(());
+        }
+        let mut bufs: SmallVec<[IoSlice<'_>; 16]> = SmallVec::new();
+        bufs.push(IoSlice::new(&parts[i][off..]));
+        bufs.extend(
+            parts[i + 1..]
+                .iter()
+                .take(MAX_IOV - 1)
+                .map(|p| IoSlice::new(p)),
+        );
+        let mut n = stream.write_vectored(&bufs).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 && i < parts.len() {
+            let left = parts[i].len() - off;
+            if n >= left {
+                n -= left;
+                i += 1;
+                off = 0;
+            } else {
+                off += n;
+                n = 0;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_join_and_point_into_the_source() {
+        let src = Bytes::from_static(b"{\"a\":1, \"b\":2}");
+        let mut p = Payload::over(src.clone());
+        p.push_lit(b"{");
+        assert!(p.push_src(1..6));
+        assert!(p.push_src(6..13), "contiguous ranges merge");
+        assert!(!p.push_src(10..99), "out of range is refused");
+        p.push_own(b",\"x\":");
+        p.own(|t| t.extend_from_slice(b"3}"));
+        assert_eq!(p.to_vec(), b"{\"a\":1, \"b\":2,\"x\":3}");
+        assert_eq!(p.len(), p.to_vec().len());
+        assert_eq!(p.pieces(), 3, "lit, one source run, one tail run");
+        // The source piece is the client's allocation itself.
+        let first_src = p.slices().nth(1).unwrap();
+        assert_eq!(first_src.as_ptr(), src[1..].as_ptr());
+    }
+}

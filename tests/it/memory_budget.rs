@@ -1,0 +1,145 @@
+//! Issue 18's memory reproductions, over real sockets: the in-flight byte budget refuses a
+//! body that would take the router past it (503 with `Retry-After`, OpenAI error JSON) and
+//! gives its bytes back when the response ends; a streamed `return_logprob` request whose
+//! input logprobs are past `upstream.max_stream_logprob_bytes` is refused with 413 before
+//! its first byte, while the same request without `stream` is merged. Before the budget,
+//! the second body below was admitted (admission counted requests, not bytes).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::support::common::{self, sse_events, start_with_admin, Env};
+use pdgate_sim::{EngineConfig, Faults};
+
+/// A `/generate` body of about `size` bytes (one long word: one token for the simulator).
+fn big(size: usize) -> String {
+    format!(
+        r#"{{"text":"{}","sampling_params":{{"max_new_tokens":2}}}}"#,
+        "a".repeat(size)
+    )
+}
+
+fn set_hold(env: &Env, hold: bool) {
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_hold: hold,
+        ..Faults::default()
+    });
+}
+
+fn error_type(body: &[u8]) -> String {
+    let v: serde_json::Value = serde_json::from_slice(body)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(body)));
+    v["error"]["type"].as_str().unwrap_or_default().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_byte_budget_refuses_what_would_exceed_it_and_frees_it_with_the_response() {
+    const MIB: usize = 1 << 20;
+    let env = Arc::new(
+        start_with_admin(
+            vec![EngineConfig::prefill(1)],
+            vec![EngineConfig::decode(1)],
+            |c| {
+                c.admission.max_bytes_in_flight = MIB;
+                c.server.max_body_bytes = 768 << 10;
+            },
+        )
+        .await,
+    );
+    env.wait_routable(1, 1).await;
+    // A 600 KiB request held by the decode: its body is charged until it ends. A second
+    // one would bring the budget past the 7/8 a large request may fill.
+    set_hold(&env, true);
+    let held = {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", &big(600 << 10)).await })
+    };
+    // Held by the decode (bounded: 10 s): its body was charged before its legs went out.
+    for _ in 0..1000 {
+        if env.cluster.decodes[0].stats().held_now == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        env.cluster.decodes[0].stats().held_now,
+        1,
+        "the first request is held"
+    );
+    let (st, h, body) = env.post("/generate", &big(600 << 10)).await;
+    assert_eq!(st, 503, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        error_type(&body),
+        "memory_full",
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(h["retry-after"], "1");
+    assert!(String::from_utf8_lossy(&body).contains("admission.max_bytes_in_flight"));
+    set_hold(&env, false);
+    let (st, _, body) = held.await.expect("task");
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    // The response ended: its bytes are back, and the same body now fits.
+    let (st, _, body) = env.post("/generate", &big(600 << 10)).await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    let (_, _, text) = env.admin("GET", "/metrics", None, "").await;
+    let text = String::from_utf8_lossy(&text);
+    assert!(text.contains("pdgate_bytes_in_flight"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("pdgate_admission_rejected_total{reason=\"bytes_full\"}")),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_logprob_merge_past_its_cap_is_refused_and_a_whole_answer_is_merged() {
+    let env = common::start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| c.upstream.max_stream_logprob_bytes = 64,
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    // 20 prompt tokens: their input logprobs are well over 64 bytes.
+    let ids: Vec<String> = (1..=20).map(|i| i.to_string()).collect();
+    let body = |stream: bool| {
+        format!(
+            r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":2}},"return_logprob":true,"stream":{stream}}}"#,
+            ids.join(",")
+        )
+    };
+    let (st, _, bytes) = env.post("/generate", &body(true)).await;
+    assert_eq!(st, 413, "{}", String::from_utf8_lossy(&bytes));
+    assert_eq!(error_type(&bytes), "logprobs_too_large");
+    assert!(String::from_utf8_lossy(&bytes).contains("upstream.max_stream_logprob_bytes"));
+    let (st, _, bytes) = env.post("/generate", &body(false)).await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(
+        v["meta_info"]["input_token_logprobs"]
+            .as_array()
+            .map(Vec::len),
+        Some(20),
+        "{v}"
+    );
+    // Under the cap, a stream carries them in every event.
+    let (st, _, bytes) = env
+        .post(
+            "/generate",
+            r#"{"input_ids":[5],"sampling_params":{"max_new_tokens":3},"return_logprob":true,"stream":true}"#,
+        )
+        .await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+    let (events, done) = sse_events(&bytes);
+    assert!(done && !events.is_empty());
+    for e in &events {
+        assert_eq!(
+            e["meta_info"]["input_token_logprobs"]
+                .as_array()
+                .map(Vec::len),
+            Some(1),
+            "{e}"
+        );
+    }
+}
