@@ -101,6 +101,7 @@ pub fn request(data: &[u8]) {
         ..p
     };
     let (pb, db) = req.write_legs(&p, &d);
+    let (pb, db) = (pb.to_vec(), db.to_vec());
     let mut one = Vec::new();
     req.write_leg(&mut one, &d);
     assert_eq!(one, db, "write_leg and write_legs disagree");
@@ -176,7 +177,12 @@ pub fn sse(data: &[u8]) {
     let Some((&sel, stream)) = data.split_first() else {
         return;
     };
-    let lp = (sel & 1 == 1).then(|| Arc::new(PrefillLogprobs::from_prefill_body(PREFILL_LOGPROBS)));
+    let lp = (sel & 1 == 1).then(|| {
+        Arc::new(PrefillLogprobs::from_prefill_body(
+            &Bytes::from_static(PREFILL_LOGPROBS),
+            crate::memory::Charge::none(),
+        ))
+    });
     let cut = usize::from(sel >> 1) + 1;
     let whole = scan(lp.clone(), std::iter::once(stream));
     let pieces = scan(lp.clone(), stream.chunks(cut));
@@ -324,9 +330,15 @@ pub fn engine_json(data: &[u8]) {
             }
         }
         2 => {
-            let lp = PrefillLogprobs::from_prefill_body(body);
+            let lp = PrefillLogprobs::from_prefill_body(
+                &Bytes::copy_from_slice(body),
+                crate::memory::Charge::none(),
+            );
             let _ = lp.is_empty();
-            let from = PrefillLogprobs::from_prefill_body(PREFILL_LOGPROBS);
+            let from = PrefillLogprobs::from_prefill_body(
+                &Bytes::from_static(PREFILL_LOGPROBS),
+                crate::memory::Charge::none(),
+            );
             for merged in [from.merge_answer(body), from.merge_chunk(body)]
                 .into_iter()
                 .flatten()

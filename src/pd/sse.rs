@@ -369,7 +369,8 @@ mod tests {
     #[test]
     fn extra_blank_lines_do_not_stop_a_merge() {
         let lp = Arc::new(PrefillLogprobs::from_prefill_body(
-            br#"{"meta_info":{"input_token_logprobs":[[null,1,null]]}}"#,
+            &Bytes::from_static(br#"{"meta_info":{"input_token_logprobs":[[null,1,null]]}}"#),
+            crate::memory::Charge::none(),
         ));
         let stream: &[u8] = b"data: {\"meta_info\":{\"input_token_logprobs\":[]}}\n\n\ndata: {\"meta_info\":{\"input_token_logprobs\":[]}}\n\n";
         let merged = "data: {\"meta_info\":{\"input_token_logprobs\":[[null,1,null]]}}\n\n";
