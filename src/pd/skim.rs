@@ -51,20 +51,16 @@ fn ws(b: &[u8], mut i: usize) -> usize {
 /// The end (exclusive) of the string whose opening quote is at `i`. Keys and most values
 /// are short: a plain loop over the first bytes, `memchr` past them.
 fn string_end(b: &[u8], i: usize) -> Option<usize> {
-    const SHORT: usize = 24;
+    const SHORT: usize = 32;
+    let end = b.len().min(i + 1 + SHORT);
     let mut j = i + 1;
-    let rest = b.get(j..)?;
-    for (k, &c) in rest.iter().take(SHORT).enumerate() {
-        match c {
-            b'"' => return Some(j + k + 1),
-            b'\\' => {
-                j += k;
-                return long_string_end(b, j);
-            }
-            _ => {}
+    while j < end {
+        match b[j] {
+            b'"' => return Some(j + 1),
+            b'\\' => j += 2,
+            _ => j += 1,
         }
     }
-    j += SHORT.min(rest.len());
     long_string_end(b, j)
 }
 
