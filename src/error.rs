@@ -330,13 +330,48 @@ impl Failure {
         self.reason.status(self.upstream_status)
     }
 
+    /// What a client is told: pdgate's own words for a failure of an engine or of the
+    /// fleet (their detail names internal URLs, ranks and engine messages, which go to the
+    /// log with the request id), the message itself otherwise (the client's own request
+    /// is at fault, or the words are pdgate's and name nothing internal; an engine's 4xx
+    /// about the client's request is passed through).
+    pub fn client_message(&self) -> &str {
+        use FailReason::*;
+        match self.reason {
+            BootstrapUnreachable => "no prefill's bootstrap server can be reached now",
+            BootstrapRankMissing => {
+                "the prefill's DP rank is not registered with its bootstrap server"
+            }
+            BootstrapNotReady => "the prefill is still registering with its bootstrap server",
+            PrefillConnect => "a prefill engine could not be reached",
+            PrefillStatus => "a prefill engine failed the request",
+            PrefillAborted => "a prefill engine aborted the request",
+            PrefillTimeout => "a prefill engine did not answer in time",
+            PrefillLost => "a prefill engine was lost while the request was in flight",
+            PrefillStalled => "a prefill engine stopped making progress",
+            KvTransferFailed => "the KV cache transfer from prefill to decode failed",
+            DecodeConnect => "a decode engine could not be reached",
+            DecodeStatus => "a decode engine failed the request",
+            DecodeAborted => "a decode engine aborted the request",
+            DecodeFirstByteTimeout => "a decode engine sent nothing in time after the prefill",
+            DecodeStalled => "a decode engine stopped making progress",
+            DecodeIdleTimeout => "a decode engine went silent mid-stream",
+            DecodeBroken => "a decode engine's answer broke off",
+            NoPrefillAvailable => "no prefill engine is available now",
+            NoDecodeAvailable => "no decode engine is available now",
+            Internal => "internal error",
+            _ => &self.message,
+        }
+    }
+
     /// `{"error": {"message", "type", "code"}}` (OpenAI's `type`, `param` and string `code`
-    /// for the client-key failures: [`FailReason::openai_type_and_code`]).
+    /// for the client-key failures: [`FailReason::openai_type_and_code`]); the message is
+    /// [`Failure::client_message`].
     pub fn json(&self) -> Bytes {
         let v = match self.reason.openai_type_and_code() {
             Some((kind, code)) => serde_json::json!({
                 "error": {
-                    "message": self.message,
+                    "message": self.client_message(),
                     "type": kind,
                     "param": null,
                     "code": code,
@@ -344,7 +379,7 @@ impl Failure {
             }),
             None => serde_json::json!({
                 "error": {
-                    "message": self.message,
+                    "message": self.client_message(),
                     "type": self.reason.as_str(),
                     "code": self.status().as_u16(),
                 }
@@ -420,6 +455,33 @@ impl std::fmt::Display for Failure {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Internal URLs and engine messages stay in the log: a failure of an engine or of
+    /// the fleet tells the client pdgate's own words; the client's own errors keep theirs.
+    #[test]
+    fn client_bodies_name_nothing_internal() {
+        let detail = "prefill http://10.1.2.3:30000 rank 3: engine said 'CUDA OOM in worker'";
+        for r in FailReason::ALL {
+            let f = Failure::new(r, detail);
+            let body = String::from_utf8(f.json().to_vec()).unwrap();
+            let leaks = body.contains("10.1.2.3") || body.contains("CUDA");
+            let engine_side = r.leg().is_some() && r.retryable()
+                || matches!(
+                    r,
+                    FailReason::NoPrefillAvailable
+                        | FailReason::NoDecodeAvailable
+                        | FailReason::Internal
+                        | FailReason::DecodeIdleTimeout
+                );
+            if engine_side {
+                assert!(!leaks, "{}: {body}", r.as_str());
+                assert!(f.to_string().contains("10.1.2.3"), "the log keeps it");
+            }
+        }
+        // An engine's 4xx about the client's request reaches the client.
+        let f = Failure::new(FailReason::PrefillRejected, "input longer than the context");
+        assert!(String::from_utf8_lossy(&f.json()).contains("longer than the context"));
+    }
 
     #[test]
     fn every_reason_has_a_unique_label_and_valid_json() {

@@ -91,6 +91,9 @@ async fn expect_error(env: &Env, stream: bool, status: u16, kinds: &[&str]) {
         "stream={stream}: got {kind}, want one of {kinds:?}: {}",
         String::from_utf8_lossy(&bytes)
     );
+    // The engines' URLs and messages go to the log, not to the client.
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(!text.contains("127.0.0.1"), "stream={stream}: {text}");
 }
 
 // ---- faults visible before dispatch: never dispatched, 503 at once or another prefill ----
