@@ -448,6 +448,9 @@ pub struct Pool {
     /// A snapshot rebuild was handed to a task and has not started yet (breaker
     /// transitions: see [`breaker`]).
     rebuild_pending: std::sync::atomic::AtomicBool,
+    /// Held while a breaker of a role is checked against the ejection cap and opened, so
+    /// that two failures at once cannot both pass the check (failure path only).
+    eject_lock: Mutex<()>,
 }
 
 #[derive(Default)]
@@ -468,6 +471,7 @@ impl Pool {
             master: Mutex::new(Master::default()),
             capacity: Arc::new(CapacitySignal::default()),
             rebuild_pending: std::sync::atomic::AtomicBool::new(false),
+            eject_lock: Mutex::new(()),
         }
     }
 
