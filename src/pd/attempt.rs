@@ -40,10 +40,17 @@ use crate::pool::{
 use crate::types::{Pair, Role, WorkerId};
 use crate::upstream::{LegBody, LegError, LegRequest};
 
+/// The half-open trials an attempt holds (prefill's, decode's): kept until the
+/// dispatcher's verdict on the attempt is recorded, then dropped, so that no other request
+/// can take a trial between the attempt's end and its verdict.
+pub type Trials = (Option<TrialGuard>, Option<TrialGuard>);
+
 /// A failed attempt and the worker it blames (excluded from the next attempt).
 pub struct AttemptFailure {
     pub failure: Failure,
     pub blame: Option<(Role, WorkerId)>,
+    /// Dropped after the verdict (see [`Trials`]).
+    pub trials: Trials,
 }
 
 impl AttemptFailure {
@@ -53,7 +60,11 @@ impl AttemptFailure {
             Role::Prefill => (Role::Prefill, pair.prefill.worker),
             Role::Decode => (Role::Decode, pair.decode.worker),
         });
-        AttemptFailure { failure, blame }
+        AttemptFailure {
+            failure,
+            blame,
+            trials: Trials::default(),
+        }
     }
 
     /// A failure that blames no worker (nothing was picked, or nobody is at fault).
@@ -61,6 +72,7 @@ impl AttemptFailure {
         AttemptFailure {
             failure,
             blame: None,
+            trials: Trials::default(),
         }
     }
 }
@@ -76,6 +88,9 @@ pub struct Ready {
     pub decode_incremental: bool,
     pub(super) head: http::response::Parts,
     pub(super) body: PdBodyParts,
+    /// Dropped after the verdict (see [`Trials`]); the prefill's moves into the body
+    /// when its leg is still running (its verdict comes when that leg ends).
+    pub(super) trials: Trials,
 }
 
 impl Ready {
@@ -99,6 +114,21 @@ impl Ready {
     }
 }
 
+/// The verdict on an attempt that produced its first bytes: the decode succeeded; the
+/// prefill too if its leg already ended (else its body records it when the leg ends well,
+/// holding the prefill's half-open trial until then). Trials are freed after the verdict.
+pub(super) fn record_success(pool: &std::sync::Arc<crate::pool::Pool>, ready: &mut Ready) {
+    let (prefill_trial, decode_trial) = std::mem::take(&mut ready.trials);
+    if ready.body.prefill.is_none() {
+        pool.report_success(Role::Prefill, ready.pair.prefill.worker);
+        drop(prefill_trial);
+    } else {
+        ready.body.prefill_trial = prefill_trial;
+    }
+    pool.report_success(Role::Decode, ready.pair.decode.worker);
+    drop(decode_trial);
+}
+
 /// Stage 1's result: the pair and what the next stages read of its workers.
 pub(super) struct ChosenPair<'s> {
     pub pair: Pair,
@@ -108,11 +138,10 @@ pub(super) struct ChosenPair<'s> {
     pub layout: &'s Layout,
     /// The prefill's loss epochs when the pair was chosen (see [`LostSeen`]).
     pub lost_seen: LostSeen,
-    /// The half-open trials of the workers picked, held until the attempt returns, however
-    /// it ends; the dispatcher's verdict (success, or the blamed leg's failure) follows with
-    /// no await in between. An attempt that ends without a verdict on a worker frees its
-    /// trial for the next request.
-    pub _trials: (Option<TrialGuard>, Option<TrialGuard>),
+    /// The half-open trials of the workers picked: handed out with the attempt's result
+    /// and dropped after the dispatcher's verdict. An attempt that ends without a verdict
+    /// on a worker frees its trial for the next request.
+    pub trials: Trials,
 }
 
 /// Stage 3's result: both legs on their way.
@@ -187,13 +216,26 @@ impl Dispatcher {
             decode: Some((chosen.decode.url.clone(), chosen.pair.decode.rank)),
             room: None,
         };
-        self.preflight(&chosen).await?;
+        let mut chosen = chosen;
+        let trials = std::mem::take(&mut chosen.trials);
+        if let Err(mut af) = self.preflight(&chosen).await {
+            af.trials = trials;
+            return Err(af);
+        }
         let legs = self.send_legs(req, ctx, attempt_no, &chosen, slot);
         trace.room = legs.room;
         let incremental = chosen.decode.incremental_stream;
-        let mut ready = super::first_byte::wait_first_bytes(self, req, legs).await?;
-        ready.decode_incremental = incremental;
-        Ok(ready)
+        match super::first_byte::wait_first_bytes(self, req, legs).await {
+            Ok(mut ready) => {
+                ready.decode_incremental = incremental;
+                ready.trials = trials;
+                Ok(ready)
+            }
+            Err(mut af) => {
+                af.trials = trials;
+                Err(af)
+            }
+        }
     }
 
     /// Stage 1: the policies pick a prefill and a decode target in one snapshot.
@@ -269,7 +311,7 @@ impl Dispatcher {
             decode,
             bootstrap,
             layout,
-            _trials: (prefill_pick.trial, decode_pick.trial),
+            trials: (prefill_pick.trial, decode_pick.trial),
         })
     }
 

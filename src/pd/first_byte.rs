@@ -235,6 +235,7 @@ where
     };
     Ok(Ready {
         held,
+        trials: Default::default(),
         pair,
         decode_incremental: false,
         head,
@@ -245,6 +246,7 @@ where
             decode_guard: decode_load,
             sse,
             prefill,
+            prefill_trial: None,
             idle_for: timeouts.stream_idle(),
             passive: Passive {
                 pool: d.pool.clone(),

@@ -175,6 +175,8 @@ pub struct PdBody {
     _decode_guard: LoadGuard,
     sse: Option<SseScanner>,
     prefill: Option<PrefillWatch>,
+    /// See [`PdBodyParts::prefill_trial`].
+    prefill_trial: Option<crate::pool::TrialGuard>,
     /// Fires `idle_for` after the last decode bytes; re-armed lazily (only when it fires
     /// early), so that a frame costs a clock read, not a timer-wheel update.
     idle: Pin<Box<Sleep>>,
@@ -222,6 +224,9 @@ pub struct PdBodyParts {
     pub decode_guard: LoadGuard,
     pub sse: Option<SseScanner>,
     pub prefill: Option<PrefillWatch>,
+    /// The prefill's half-open trial when its leg still runs: its verdict (success) is
+    /// recorded when the leg ends well, then the trial is freed.
+    pub prefill_trial: Option<crate::pool::TrialGuard>,
     pub idle_for: Duration,
     pub passive: Passive,
 }
@@ -249,6 +254,7 @@ impl PdBody {
             _decode_guard: p.decode_guard,
             sse: p.sse,
             prefill: p.prefill,
+            prefill_trial: p.prefill_trial,
             idle: Box::pin(tokio::time::sleep(idle_for)),
             idle_for,
             last_data: tokio::time::Instant::now(),
@@ -443,6 +449,7 @@ impl PdBody {
         self._decode_guard = p.decode_guard;
         self.sse = p.sse;
         self.prefill = p.prefill;
+        self.prefill_trial = p.prefill_trial;
         self.passive = p.passive;
         self.pending = (!p.first.is_empty()).then_some(p.first);
         self.record.legs = trace;
@@ -520,8 +527,14 @@ impl Body for PdBody {
         if let Some(pw) = this.prefill.as_mut() {
             if let Poll::Ready(r) = Pin::new(pw).poll(cx) {
                 this.prefill = None;
-                if let Err(f) = r {
-                    return this.fail(f, Bytes::new());
+                match r {
+                    // The prefill's own leg succeeded: its verdict, then its trial.
+                    Ok(_) => {
+                        let p = &this.passive;
+                        p.pool.report_success(Role::Prefill, p.prefill);
+                        this.prefill_trial = None;
+                    }
+                    Err(f) => return this.fail(f, Bytes::new()),
                 }
             }
         }

@@ -218,6 +218,7 @@ impl Dispatcher {
             let res = match tokio::time::timeout_at(deadline, fut).await {
                 Ok(r) => r,
                 Err(_) => Err(attempt::AttemptFailure {
+                    trials: attempt::Trials::default(),
                     failure: Failure::new(
                         FailReason::RequestTimeout,
                         format!(
@@ -229,11 +230,8 @@ impl Dispatcher {
                 }),
             };
             match res {
-                Ok(ready) => {
-                    self.pool
-                        .report_success(Role::Prefill, ready.pair.prefill.worker);
-                    self.pool
-                        .report_success(Role::Decode, ready.pair.decode.worker);
+                Ok(mut ready) => {
+                    attempt::record_success(&self.pool, &mut ready);
                     let slot = ctx.slot.take();
                     let mover = match plan {
                         Some(p) if ready.body.sse.is_some() => Some(Box::new(moves::Mover::new(

@@ -239,11 +239,8 @@ impl Mover {
                     .attempt(&follow, &ctx, first + n, &exclude_p, &exclude_d, &mut trace)
                     .await;
                 match r {
-                    Ok(ready) => {
-                        d.pool
-                            .report_success(Role::Prefill, ready.pair.prefill.worker);
-                        d.pool
-                            .report_success(Role::Decode, ready.pair.decode.worker);
+                    Ok(mut ready) => {
+                        super::attempt::record_success(&d.pool, &mut ready);
                         return Ok((ready, trace));
                     }
                     // Nothing pickable now (a recovering decode's one half-open trial

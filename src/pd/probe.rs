@@ -214,7 +214,7 @@ impl Dispatcher {
             decode,
             bootstrap,
             layout,
-            _trials: (None, partner.trial),
+            trials: (None, partner.trial),
         })
     }
 }
