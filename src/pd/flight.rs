@@ -43,6 +43,13 @@ type LostFuture = Pin<Box<dyn Future<Output = &'static str> + Send>>;
 /// The prefill leg's future (sent, read, classified).
 pub type PrefillFuture = Pin<Box<dyn Future<Output = Result<PrefillDone, Failure>> + Send>>;
 
+/// What a detached prefill leg records when it ends well (see [`PrefillWatch::detach`]).
+pub type Verdict = (
+    std::sync::Arc<crate::pool::Pool>,
+    crate::types::WorkerId,
+    Option<crate::pool::TrialGuard>,
+);
+
 /// Drives the prefill leg; resolves with its outcome, or `PrefillLost` when the prefill's
 /// bootstrap heartbeat is lost first. The leg is polled inline by whoever holds this (the
 /// attempt, then the response body): no task of its own, so dropping it closes the leg's
@@ -115,14 +122,23 @@ impl PrefillWatch {
     /// Lets the prefill leg run to its own end (bounded by its deadline) without this
     /// request: no abort, no cancel. The leg keeps counting as in flight on its rank, and
     /// keeps the request's admission slot, until it ends.
-    pub fn detach(mut self, slot: Option<super::AdmissionSlot>) {
+    ///
+    /// `verdict`: the pool and the prefill's id, to record its success when the leg ends
+    /// well, and its half-open trial, freed after that verdict.
+    pub fn detach(mut self, slot: Option<super::AdmissionSlot>, verdict: Option<Verdict>) {
         self.cancel.disarm();
         if let Some(leg) = self.leg.take() {
             let guard = self.guard.take();
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move {
                     let _held = (guard, slot);
-                    let _ = leg.await;
+                    let ok = leg.await.is_ok();
+                    if let Some((pool, id, trial)) = verdict {
+                        if ok {
+                            pool.report_success(Role::Prefill, id);
+                        }
+                        drop(trial);
+                    }
                 });
             }
         }
@@ -273,7 +289,12 @@ impl PdBody {
         self.decode = None;
         self.decode_cancel.disarm();
         if let Some(pw) = self.prefill.take() {
-            pw.detach(self.slot.take());
+            let verdict = (
+                self.passive.pool.clone(),
+                self.passive.prefill,
+                self.prefill_trial.take(),
+            );
+            pw.detach(self.slot.take(), Some(verdict));
         }
         self.record.finish(Outcome::Ok);
         // A moved stream's largest gap is the pause of its move, not its decode's rhythm:
@@ -392,7 +413,12 @@ impl PdBody {
         self.done = true;
         self.decode = None;
         if let Some(pw) = self.prefill.take() {
-            pw.detach(self.slot.take());
+            let verdict = (
+                self.passive.pool.clone(),
+                self.passive.prefill,
+                self.prefill_trial.take(),
+            );
+            pw.detach(self.slot.take(), Some(verdict));
         }
         self.record.finish(Outcome::Ok);
         let carry = self

@@ -239,3 +239,40 @@ async fn every_trial_ends_in_a_verdict_or_is_released() {
         env.settled_stats().await;
     }
 }
+
+/// A half-open prefill is judged by its own leg: when decode's answer comes first (the
+/// prefill's own answer is late), the circuit stays half-open, its trial held, until the
+/// prefill's leg ends well; then it closes. (It used to close at decode's first byte,
+/// before the prefill's leg had succeeded.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_prefill_is_closed_by_its_own_leg() {
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        tweak(Outcome::Rejected),
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    half_open(&env, Role::Prefill).await;
+    env.cluster.prefills[0].set_faults(Faults {
+        prefill_answer_delay_ms: 800,
+        ..Faults::default()
+    });
+    let (status, _, body) = env.post("/generate", GEN).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let b = breaker(&env, Role::Prefill);
+    assert_eq!(
+        b.state(),
+        BreakerState::HalfOpen,
+        "decode answered, the prefill's leg has not"
+    );
+    assert!(b.trial_taken(), "the trial is held by the prefill's leg");
+    env.wait_pool("closed by the prefill's own success", |s| {
+        s.worker(Role::Prefill, WorkerId(0))
+            .expect("worker")
+            .breaker
+            .state()
+            == BreakerState::Closed
+    })
+    .await;
+}
