@@ -281,13 +281,9 @@ impl PdBody {
         }
     }
 
-    /// Decode's answer is complete: nothing is cancelled, and a prefill answer still on its
-    /// way (its KV was sent, or decode could not have answered) is left to finish on its
-    /// own. Returns the scanner's unfinished tail, if any.
-    fn end_ok(&mut self) -> Bytes {
-        self.done = true;
-        self.decode = None;
-        self.decode_cancel.disarm();
+    /// A prefill leg still running when the stream ends runs on to its own end, recording
+    /// its verdict and freeing its half-open trial then.
+    fn detach_prefill(&mut self) {
         if let Some(pw) = self.prefill.take() {
             let verdict = (
                 self.passive.pool.clone(),
@@ -296,6 +292,16 @@ impl PdBody {
             );
             pw.detach(self.slot.take(), Some(verdict));
         }
+    }
+
+    /// Decode's answer is complete: nothing is cancelled, and a prefill answer still on its
+    /// way (its KV was sent, or decode could not have answered) is left to finish on its
+    /// own. Returns the scanner's unfinished tail, if any.
+    fn end_ok(&mut self) -> Bytes {
+        self.done = true;
+        self.decode = None;
+        self.decode_cancel.disarm();
+        self.detach_prefill();
         self.record.finish(Outcome::Ok);
         // A moved stream's largest gap is the pause of its move, not its decode's rhythm:
         // learned from, it would lift the bound that finds the next stall.
@@ -412,14 +418,7 @@ impl PdBody {
             .unwrap_or_default();
         self.done = true;
         self.decode = None;
-        if let Some(pw) = self.prefill.take() {
-            let verdict = (
-                self.passive.pool.clone(),
-                self.passive.prefill,
-                self.prefill_trial.take(),
-            );
-            pw.detach(self.slot.take(), Some(verdict));
-        }
+        self.detach_prefill();
         self.record.finish(Outcome::Ok);
         let carry = self
             .sse

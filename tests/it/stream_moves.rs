@@ -148,6 +148,32 @@ fn bodies(env: &Env) -> Vec<Vec<Value>> {
         .collect()
 }
 
+/// Decode `i`'s worker id in the router's pool.
+fn decode_id(env: &Env, i: usize) -> pdgate::types::WorkerId {
+    let url = env.cluster.decodes[i].url();
+    env.router
+        .pool
+        .load()
+        .workers(pdgate::types::Role::Decode)
+        .iter()
+        .find(|w| w.url.as_str() == url)
+        .expect("decode")
+        .id
+}
+
+/// Decode 0 took the request (once since `before`) and decode 1 its follow-up, and the
+/// client got the uninterrupted answer.
+fn moved_from_0_to_1(env: &Env, c: &Case, whole: &Answer, got: &Answer, before: &[Vec<Value>]) {
+    let after = bodies(env);
+    assert_eq!(after[0].len(), before[0].len() + 1, "decode 0 took it");
+    assert_eq!(
+        after[1].len(),
+        before[1].len() + 1,
+        "decode 1 got the follow-up"
+    );
+    check_moved(c, whole, got, &after[1][before[1].len()]);
+}
+
 /// One case: a route, a request body asking for `limit` tokens.
 struct Case {
     name: &'static str,
@@ -572,16 +598,7 @@ async fn a_move_waits_for_a_decode_to_come_back() {
     let env = fleet([false, false], |_| {}).await;
     let c = &cases(true)[0];
     let whole = ask(&env, c, false).await;
-    let other_url = env.cluster.decodes[1].url();
-    let other = env
-        .router
-        .pool
-        .load()
-        .workers(pdgate::types::Role::Decode)
-        .iter()
-        .find(|w| w.url.as_str() == other_url)
-        .expect("decode 1")
-        .id;
+    let other = decode_id(&env, 1);
     // Only decode 0 takes the request, and it dies mid-stream.
     env.router
         .fleet
@@ -600,14 +617,7 @@ async fn a_move_waits_for_a_decode_to_come_back() {
             .expect("undrain");
     };
     let (got, ()) = tokio::join!(ask(&env, c, false), back);
-    let after = bodies(&env);
-    assert_eq!(after[0].len(), before[0].len() + 1, "decode 0 took it");
-    assert_eq!(
-        after[1].len(),
-        before[1].len() + 1,
-        "decode 1 got the follow-up"
-    );
-    check_moved(c, &whole, &got, &after[1][before[1].len()]);
+    moved_from_0_to_1(&env, c, &whole, &got, &before);
 }
 
 /// A stream whose decode dies while the other decode has no free slot (its capacity is
@@ -621,18 +631,7 @@ async fn a_move_waits_while_the_other_decode_is_full() {
     .await;
     let c = &cases(true)[0];
     let whole = ask(&env, c, false).await;
-    let decode_id = |i: usize| {
-        let url = env.cluster.decodes[i].url();
-        env.router
-            .pool
-            .load()
-            .workers(pdgate::types::Role::Decode)
-            .iter()
-            .find(|w| w.url.as_str() == url)
-            .expect("decode")
-            .id
-    };
-    let d0 = decode_id(0);
+    let d0 = decode_id(&env, 0);
     // Decode 1 runs a slow stream (its one slot), taken while decode 0 is drained.
     env.router
         .fleet
@@ -663,14 +662,7 @@ async fn a_move_waits_while_the_other_decode_is_full() {
     };
     let (slow_status, (before, got)) = tokio::join!(slow, main);
     assert_eq!(slow_status, 200, "the slow stream on decode 1");
-    let after = bodies(&env);
-    assert_eq!(after[0].len(), before[0].len() + 1, "decode 0 took it");
-    assert_eq!(
-        after[1].len(),
-        before[1].len() + 1,
-        "decode 1 got the follow-up once its slot was free"
-    );
-    check_moved(c, &whole, &got, &after[1][before[1].len()]);
+    moved_from_0_to_1(&env, c, &whole, &got, &before);
 }
 
 /// A decode that dies after the whole answer but before ending its stream (no usage chunk,
