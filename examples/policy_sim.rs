@@ -249,6 +249,7 @@ fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: b
                     exclude: &[],
                     prefix_hash: Some(c.key),
                     need: None,
+                    among: None,
                 };
                 let Some(target) = select(r.policy.as_ref(), &r.snap, Role::Decode, &ctx, &mut rng)
                     .map(|p| p.target)
@@ -381,6 +382,7 @@ fn pick_cost() {
                     exclude: &[],
                     prefix_hash: Some(k.wrapping_mul(0x9e37_79b9)),
                     need: None,
+                    among: None,
                 };
                 if let Some(t) = select(r.policy.as_ref(), &r.snap, Role::Decode, &ctx, &mut rng)
                     .map(|p| p.target)

@@ -142,6 +142,7 @@ pub fn prefill_groups(m: &ArgMatches) -> Result<Vec<PrefillWorkerConfig>, Config
             url,
             bootstrap_port,
             bootstrap_host: None,
+            model: None,
         })
     })
     .collect()
@@ -162,7 +163,7 @@ impl ServeArgs {
             cfg.decode = self
                 .decode
                 .into_iter()
-                .map(|url| DecodeWorkerConfig { url })
+                .map(|url| DecodeWorkerConfig { url, model: None })
                 .collect();
         }
         if let Some(h) = self.host {

@@ -68,6 +68,95 @@ pub struct ServerInfo {
         deserialize_with = "max_running_per_dp"
     )]
     pub max_running_per_dp: Vec<Option<u64>>,
+    /// The name clients use (`--served-model-name`; SGLang defaults it to the model path).
+    #[serde(default, deserialize_with = "text")]
+    pub served_model_name: Option<String>,
+    /// The weights loaded (`--model-path`).
+    #[serde(default, deserialize_with = "text")]
+    pub model_path: Option<String>,
+    /// The weights' version (`--weight-version`, changed by weight updates).
+    #[serde(default, deserialize_with = "text")]
+    pub weight_version: Option<String>,
+    /// Speculative decoding: the algorithm and its shape (prefill and decode must agree).
+    #[serde(default, deserialize_with = "text")]
+    pub speculative_algorithm: Option<String>,
+    #[serde(default, deserialize_with = "text")]
+    pub speculative_num_steps: Option<String>,
+    #[serde(default, deserialize_with = "text")]
+    pub speculative_eagle_topk: Option<String>,
+    #[serde(default, deserialize_with = "text")]
+    pub speculative_num_draft_tokens: Option<String>,
+}
+
+/// What a prefill and a decode must agree on for a KV handoff: the served name, the
+/// weights (path and version), the KV page size and dtype, the transfer backend and the
+/// speculative-decoding settings. Workers are paired only within one key (their *group*);
+/// a fact an engine does not report is `None` and compares equal only to `None`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HandoffKey {
+    /// The model clients name: the operator's override, else `served_model_name`, else
+    /// `model_path`.
+    pub model: Option<String>,
+    pub model_path: Option<String>,
+    pub weight_version: Option<String>,
+    pub page_size: Option<u64>,
+    pub kv_cache_dtype: Option<String>,
+    pub transfer_backend: Option<String>,
+    /// `algorithm/steps/topk/draft_tokens`, when an algorithm is set.
+    pub speculative: Option<String>,
+}
+
+impl HandoffKey {
+    /// The key of an engine from its server info (unknown yet: `None`) and the operator's
+    /// model name for it, if any.
+    pub fn of(info: Option<&ServerInfo>, model_override: Option<&str>) -> HandoffKey {
+        let Some(i) = info else {
+            return HandoffKey {
+                model: model_override.map(str::to_string),
+                ..HandoffKey::default()
+            };
+        };
+        let spec = i
+            .speculative_algorithm
+            .as_deref()
+            .filter(|a| !a.is_empty() && !a.eq_ignore_ascii_case("none"))
+            .map(|a| {
+                let f = |v: &Option<String>| v.clone().unwrap_or_default();
+                format!(
+                    "{a}/{}/{}/{}",
+                    f(&i.speculative_num_steps),
+                    f(&i.speculative_eagle_topk),
+                    f(&i.speculative_num_draft_tokens)
+                )
+            });
+        HandoffKey {
+            model: model_override
+                .map(str::to_string)
+                .or_else(|| i.served_model_name.clone())
+                .or_else(|| i.model_path.clone()),
+            model_path: i.model_path.clone(),
+            weight_version: i.weight_version.clone(),
+            page_size: i.page_size,
+            kv_cache_dtype: i.kv_cache_dtype.clone(),
+            transfer_backend: i.disaggregation_transfer_backend.clone(),
+            speculative: spec,
+        }
+    }
+}
+
+/// A fact read as text, leniently: a string as is, a number or bool as written, anything
+/// else (null, a list, an object) as unknown; never a refused `/server_info`.
+fn text<'de, D>(d: D) -> Result<Option<String>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let v = serde_json::Value::deserialize(d)?;
+    Ok(match v {
+        serde_json::Value::String(s) => Some(s),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        serde_json::Value::Bool(b) => Some(b.to_string()),
+        _ => None,
+    })
 }
 
 /// A count from JSON: a non-negative integer, or a finite non-negative float rounded.

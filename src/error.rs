@@ -20,6 +20,7 @@ pub enum FailReason {
     RequestBodyTimeout,
     UnsupportedMediaType,
     NotFound,
+    ModelNotFound,
     MethodNotAllowed,
     Unauthorized,
     Forbidden,
@@ -58,12 +59,13 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 40] = [
+    pub const ALL: [FailReason; 41] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
         FailReason::RequestBodyTimeout,
         FailReason::UnsupportedMediaType,
         FailReason::NotFound,
+        FailReason::ModelNotFound,
         FailReason::MethodNotAllowed,
         FailReason::Unauthorized,
         FailReason::Forbidden,
@@ -110,6 +112,7 @@ impl FailReason {
             RequestBodyTimeout => "request_body_timeout",
             UnsupportedMediaType => "unsupported_media_type",
             NotFound => "not_found",
+            ModelNotFound => "model_not_found",
             MethodNotAllowed => "method_not_allowed",
             Unauthorized => "unauthorized",
             Forbidden => "forbidden",
@@ -157,7 +160,7 @@ impl FailReason {
             PayloadTooLarge | LogprobsTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             RequestBodyTimeout => StatusCode::REQUEST_TIMEOUT,
             UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            NotFound => StatusCode::NOT_FOUND,
+            NotFound | ModelNotFound => StatusCode::NOT_FOUND,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Unauthorized | InvalidApiKey => StatusCode::UNAUTHORIZED,
             Forbidden => StatusCode::FORBIDDEN,
@@ -237,7 +240,7 @@ impl FailReason {
             DecodeBroken           => c(Some(D), true,  true,  None),
             // Not a leg's doing: the request itself, the router, or the client.
             InvalidRequest | PayloadTooLarge | RequestBodyTimeout | UnsupportedMediaType
-            | NotFound | MethodNotAllowed | Unauthorized | Forbidden | InvalidApiKey | KeyInFlightLimit
+            | NotFound | ModelNotFound | MethodNotAllowed | Unauthorized | Forbidden | InvalidApiKey | KeyInFlightLimit
             | Conflict | Overloaded | QueueTimeout | MemoryFull | LogprobsTooLarge
             | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable | RequestTimeout
             | ClientDisconnected | Internal => c(None, false, false, None),
@@ -275,6 +278,15 @@ impl FailReason {
         match self {
             FailReason::InvalidApiKey => Some(("invalid_request_error", "invalid_api_key")),
             FailReason::KeyInFlightLimit => Some(("requests", "rate_limit_exceeded")),
+            FailReason::ModelNotFound => Some(("invalid_request_error", "model_not_found")),
+            _ => None,
+        }
+    }
+
+    /// OpenAI's `param`: the request field at fault, where OpenAI names one.
+    pub fn openai_param(self) -> Option<&'static str> {
+        match self {
+            FailReason::ModelNotFound => Some("model"),
             _ => None,
         }
     }
@@ -373,7 +385,7 @@ impl Failure {
                 "error": {
                     "message": self.client_message(),
                     "type": kind,
-                    "param": null,
+                    "param": self.reason.openai_param(),
                     "code": code,
                 }
             }),

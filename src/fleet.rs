@@ -34,6 +34,9 @@ pub struct WorkerSpec {
     /// URL's host.
     pub bootstrap_host: Option<String>,
     pub source: WorkerSource,
+    /// The model clients name for it (the operator's word); unset, its `/server_info`
+    /// tells.
+    pub model: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -102,6 +105,7 @@ impl Fleet {
             bootstrap_port,
             bootstrap_host,
             source,
+            model,
         } = spec;
         let label = source.label();
         // Run-time sources (admin API, discovery) may race to add one URL: the check and
@@ -117,6 +121,9 @@ impl Fleet {
         } else {
             self.pool.add_worker_from(role, url.clone(), None, source)
         };
+        if let Some(m) = model {
+            self.pool.set_model(role, id, Some(m.into()));
+        }
         tracing::info!(role = %role, worker = %url, source = label, "worker added");
         if role == Role::Prefill {
             crate::bootstrap::tracker::spawn(

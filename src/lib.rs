@@ -28,6 +28,7 @@ pub mod fleet;
 pub mod fuzzing;
 pub mod health;
 pub mod memory;
+pub mod models;
 pub mod pd;
 pub mod policy;
 pub mod pool;

@@ -98,6 +98,7 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
                 bootstrap_port: p.bootstrap_port,
                 bootstrap_host: p.bootstrap_host.clone(),
                 source: WorkerSource::Static,
+                model: p.model.clone(),
             });
             applied.added += 1;
         }
@@ -110,6 +111,7 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
                 bootstrap_port: None,
                 bootstrap_host: None,
                 source: WorkerSource::Static,
+                model: d.model.clone(),
             });
             applied.added += 1;
         }

@@ -183,6 +183,7 @@ pub async fn start_with(
             bootstrap_port: p.bootstrap_port,
             bootstrap_host: p.bootstrap_host.clone(),
             source: WorkerSource::Static,
+            model: p.model.clone(),
         })?;
     }
     for d in &cfg.decode {
@@ -194,6 +195,7 @@ pub async fn start_with(
             bootstrap_port: None,
             bootstrap_host: None,
             source: WorkerSource::Static,
+            model: d.model.clone(),
         })?;
     }
     let discovery = if cfg.discovery.enabled {

@@ -75,9 +75,12 @@ pub struct SimArgs {
     /// Consecutive heartbeat failures before "prefill lost".
     #[arg(long)]
     pub heartbeat_max_failures: Option<u32>,
-    /// Served model name.
+    /// Model path (also the served name unless --served-model-name is given).
     #[arg(long)]
     pub model: Option<String>,
+    /// The name clients use (SGLang's `--served-model-name`).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
     /// Model context length in tokens (whitespace-separated words of a prompt); a longer
     /// prompt gets SGLang's 400, so a client can ask for a rejection per request.
     #[arg(long)]
@@ -220,6 +223,9 @@ impl SimArgs {
         }
         if let Some(v) = &self.model {
             c.model = v.clone();
+        }
+        if let Some(v) = &self.served_model_name {
+            c.served_model_name = Some(v.clone());
         }
         if let Some(v) = self.context_length {
             c.context_length = v;

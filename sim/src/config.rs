@@ -94,8 +94,15 @@ pub struct EngineConfig {
     pub port: u16,
     /// Prefill only: bootstrap server port; 0 = ephemeral.
     pub bootstrap_port: u16,
-    /// `served_model_name` / `model_path`.
+    /// `model_path` (and `served_model_name` unless that is set).
     pub model: String,
+    /// `served_model_name` when it differs from the model path (SGLang's
+    /// `--served-model-name`); unset, the model path is the name, as in SGLang.
+    pub served_model_name: Option<String>,
+    /// `weight_version` in `/server_info` (SGLang's `--weight-version`).
+    pub weight_version: String,
+    /// `speculative_algorithm` in `/server_info` (`None`: null, no speculative decoding).
+    pub speculative_algorithm: Option<String>,
     pub page_size: u32,
     pub kv_cache_dtype: String,
     /// Prefill DP dispatch policy. `follow_bootstrap_room` (default) runs room R
@@ -162,6 +169,9 @@ impl Default for EngineConfig {
             port: 0,
             bootstrap_port: 0,
             model: "sim-model".to_string(),
+            served_model_name: None,
+            weight_version: "default".to_string(),
+            speculative_algorithm: None,
             page_size: 1,
             kv_cache_dtype: "auto".to_string(),
             load_balance_method: "follow_bootstrap_room".to_string(),
@@ -188,6 +198,25 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// What a prefill and a decode must share for a KV handoff to make sense (the weights,
+    /// their version, the KV page size and dtype, the speculative settings): the decode
+    /// sends it with its KV request and the prefill refuses another.
+    pub fn kv_identity(&self) -> String {
+        format!(
+            "{}|{}|{}|{}|{}",
+            self.model,
+            self.weight_version,
+            self.page_size,
+            self.kv_cache_dtype,
+            self.speculative_algorithm.as_deref().unwrap_or("")
+        )
+    }
+
+    /// The name clients use: `served_model_name`, else the model path.
+    pub fn served_name(&self) -> &str {
+        self.served_model_name.as_deref().unwrap_or(&self.model)
+    }
+
     /// A prefill engine with `dp_size` DP ranks and default everything else.
     pub fn prefill(dp_size: u32) -> Self {
         EngineConfig {

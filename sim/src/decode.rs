@@ -329,6 +329,7 @@ async fn pull_kv(
         "bootstrap_room": room,
         "decode_rid": inst.rid,
         "decode_addr": engine.addr.to_string(),
+        "kv_identity": engine.cfg.kv_identity(),
     })
     .to_string();
     let path = format!("/kv/{room}");

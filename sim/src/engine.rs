@@ -199,7 +199,7 @@ pub(crate) async fn spawn_in(
             .collect::<std::io::Result<Vec<_>>>()?;
         let side = PrefillSide {
             bootstrap: BootstrapState::new(cfg.room_entry_ttl),
-            rendezvous: Rendezvous::new(Arc::clone(&stats), book),
+            rendezvous: Rendezvous::new(Arc::clone(&stats), book, cfg.kv_identity()),
             seen: Mutex::new(SeenRooms::default()),
             rank_ports,
         };

@@ -46,7 +46,12 @@ pub(crate) fn server_info(engine: &Engine) -> Value {
     json!({
         "model_path": cfg.model,
         "tokenizer_path": cfg.model,
-        "served_model_name": cfg.model,
+        "served_model_name": cfg.served_name(),
+        "weight_version": cfg.weight_version,
+        "speculative_algorithm": cfg.speculative_algorithm,
+        "speculative_num_steps": null,
+        "speculative_eagle_topk": null,
+        "speculative_num_draft_tokens": null,
         "host": engine.public_ip(),
         "port": engine.addr.port(),
         "disaggregation_mode": cfg.role.as_str(),
@@ -82,7 +87,7 @@ pub(crate) fn model_info(engine: &Engine) -> Value {
         "tokenizer_path": engine.cfg.model,
         "is_generation": true,
         "preferred_sampling_params": null,
-        "weight_version": "default",
+        "weight_version": engine.cfg.weight_version,
         "has_image_understanding": false,
         "has_audio_understanding": false,
         "model_type": "sim",
@@ -93,7 +98,7 @@ pub(crate) fn model_info(engine: &Engine) -> Value {
 /// One entry of `GET /v1/models`.
 pub(crate) fn model_card(engine: &Engine) -> Value {
     json!({
-        "id": engine.cfg.model,
+        "id": engine.cfg.served_name(),
         "object": "model",
         "created": now_f64() as u64,
         "owned_by": "sglang",

@@ -9,6 +9,8 @@
 //! (`{"status":"failed","reason":…}`). `GET /health` answers `OK`.
 //!
 //! Invariants:
+//! - A decode whose `kv_identity` (weights, version, KV layout) differs from the
+//!   prefill's is refused at once and counted (a cross-model handoff).
 //! - Either leg may arrive first; a transfer completes only when the prefill
 //!   leg and the decode leg of a room are on the same rank.
 //! - A decode waiting on rank k for a room the prefill runs on rank j ≠ k is a
@@ -73,15 +75,22 @@ pub(crate) struct Rendezvous {
     stats: Arc<Stats>,
     book: Arc<ContractBook>,
     next_id: AtomicU64,
+    /// This prefill's [`crate::config::EngineConfig::kv_identity`].
+    kv_identity: String,
 }
 
 impl Rendezvous {
-    pub(crate) fn new(stats: Arc<Stats>, book: Arc<ContractBook>) -> Arc<Self> {
+    pub(crate) fn new(
+        stats: Arc<Stats>,
+        book: Arc<ContractBook>,
+        kv_identity: String,
+    ) -> Arc<Self> {
         Arc::new(Rendezvous {
             slots: Mutex::new(HashMap::new()),
             stats,
             book,
             next_id: AtomicU64::new(1),
+            kv_identity,
         })
     }
 
@@ -345,6 +354,18 @@ pub(crate) async fn handle_rank(
         .get("bootstrap_port")
         .and_then(Value::as_u64)
         .and_then(|p| u16::try_from(p).ok());
+    // A decode of other weights or KV layout: the transfer is refused at once (on real
+    // engines the KV would not fit the decode's model).
+    if let Some(theirs) = v.get("kv_identity").and_then(Value::as_str) {
+        if theirs != rv.kv_identity {
+            rv.stats.violation(Violation::KvLayoutMismatch);
+            let out = json!({"status": "failed", "reason": format!(
+                "KV layout mismatch: this prefill holds {}, the decode expects {theirs}",
+                rv.kv_identity
+            )});
+            return Ok(http::json(200, &out));
+        }
+    }
     let outcome = rv.decode_wait(room, rank, host, port).await;
     if rv.stats.engine_down.load(Ordering::Relaxed) {
         return Err(Cut);

@@ -39,6 +39,11 @@ pub struct StatsSnapshot {
     pub violation_rank_mismatch: u64,
     pub violation_room_reused: u64,
     pub violation_bootstrap_mismatch: u64,
+    /// Prefill: a decode of other weights or KV layout (model path, weight version, page
+    /// size, KV dtype, speculative settings) asked for a room's KV: on real engines, a
+    /// handoff between different models. The transfer is refused.
+    #[serde(default)]
+    pub violation_kv_layout_mismatch: u64,
     /// `POST /abort_request` calls received, matched or not (a router that aborts legs
     /// which already finished shows here).
     pub abort_requests_received: u64,
@@ -85,6 +90,7 @@ impl StatsSnapshot {
         self.violation_rank_mismatch += other.violation_rank_mismatch;
         self.violation_room_reused += other.violation_room_reused;
         self.violation_bootstrap_mismatch += other.violation_bootstrap_mismatch;
+        self.violation_kv_layout_mismatch += other.violation_kv_layout_mismatch;
         self.abort_requests_received += other.abort_requests_received;
         self.kv_waiting_decodes += other.kv_waiting_decodes;
         // Peaks of different engines add up to a bound on their joint peak.
@@ -118,6 +124,7 @@ pub(crate) enum Violation {
     RankMismatch,
     RoomReused,
     BootstrapMismatch,
+    KvLayoutMismatch,
 }
 
 #[derive(Default)]
@@ -144,6 +151,7 @@ pub(crate) struct Stats {
     rank_mismatch: AtomicU64,
     room_reused: AtomicU64,
     bootstrap_mismatch: AtomicU64,
+    kv_layout_mismatch: AtomicU64,
     pub(crate) abort_requests_received: AtomicU64,
     /// Decodes waiting at this prefill's rank endpoints (see [`StatsSnapshot`]).
     pub(crate) kv_waiting_decodes: AtomicU64,
@@ -179,6 +187,7 @@ impl Stats {
             rank_mismatch: AtomicU64::new(0),
             room_reused: AtomicU64::new(0),
             bootstrap_mismatch: AtomicU64::new(0),
+            kv_layout_mismatch: AtomicU64::new(0),
             abort_requests_received: AtomicU64::new(0),
             kv_waiting_decodes: AtomicU64::new(0),
             engine_down: AtomicBool::new(false),
@@ -192,6 +201,7 @@ impl Stats {
         let rank_mismatch = self.rank_mismatch.load(Ordering::Relaxed);
         let room_reused = self.room_reused.load(Ordering::Relaxed);
         let bootstrap_mismatch = self.bootstrap_mismatch.load(Ordering::Relaxed);
+        let kv_layout_mismatch = self.kv_layout_mismatch.load(Ordering::Relaxed);
         StatsSnapshot {
             requests_total: self.requests_total.load(Ordering::Relaxed),
             requests_per_rank: self
@@ -205,11 +215,15 @@ impl Stats {
             client_disconnects: self.client_disconnects.load(Ordering::Relaxed),
             held_now: self.held_now.load(Ordering::Relaxed),
             kv_transfers: self.kv_transfers.load(Ordering::Relaxed),
-            contract_violations: rank_mismatch + room_reused + bootstrap_mismatch,
+            contract_violations: rank_mismatch
+                + room_reused
+                + bootstrap_mismatch
+                + kv_layout_mismatch,
             violation_rank_mismatch: rank_mismatch,
             violation_room_reused: room_reused,
             abort_requests_received: self.abort_requests_received.load(Ordering::Relaxed),
             violation_bootstrap_mismatch: bootstrap_mismatch,
+            violation_kv_layout_mismatch: kv_layout_mismatch,
             kv_waiting_decodes: self.kv_waiting_decodes.load(Ordering::Relaxed),
             peak_running: self.peak.load(Ordering::Relaxed),
             peak_held: self.peak_held.load(Ordering::Relaxed),
@@ -237,6 +251,7 @@ impl Stats {
             Violation::RankMismatch => &self.rank_mismatch,
             Violation::RoomReused => &self.room_reused,
             Violation::BootstrapMismatch => &self.bootstrap_mismatch,
+            Violation::KvLayoutMismatch => &self.kv_layout_mismatch,
         };
         counter.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(violation = ?v, "sim: PD contract violation");

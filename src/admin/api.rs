@@ -154,6 +154,10 @@ struct AddBody {
     bootstrap_port: Option<u16>,
     #[serde(default)]
     bootstrap_host: Option<String>,
+    /// The model clients name for it (SGLang router's `model_id`); unset, its
+    /// `/server_info` tells.
+    #[serde(default, alias = "model_id")]
+    model: Option<String>,
 }
 
 impl Api {
@@ -299,6 +303,7 @@ impl Api {
         url: &str,
         bootstrap_port: Option<u16>,
         bootstrap_host: Option<String>,
+        model: Option<String>,
     ) -> Result<WorkerId, Failure> {
         let url = parse_base_url(url)
             .map_err(|e| fail(FailReason::InvalidRequest, format!("url {url:?}: {e}")))?;
@@ -323,6 +328,15 @@ impl Api {
                 "bootstrap_host must not be empty",
             ));
         }
+        if model
+            .as_deref()
+            .is_some_and(|m| m.trim().is_empty() || m.len() > crate::config::models::MAX_NAME_BYTES)
+        {
+            return Err(fail(
+                FailReason::InvalidRequest,
+                "model must be a non-empty name of at most 512 bytes",
+            ));
+        }
         self.fleet
             .add(WorkerSpec {
                 role,
@@ -330,6 +344,7 @@ impl Api {
                 bootstrap_port,
                 bootstrap_host,
                 source: WorkerSource::Admin,
+                model,
             })
             .map_err(|e| match e {
                 FleetError::Exists { role, url, id } => fail(
@@ -354,7 +369,7 @@ impl Api {
             )
         })?;
         let role = parse_role(&b.role, "role")?;
-        let id = self.add_spec(role, &b.url, b.bootstrap_port, b.bootstrap_host)?;
+        let id = self.add_spec(role, &b.url, b.bootstrap_port, b.bootstrap_host, b.model)?;
         let reference = worker_ref(role, id);
         // (A DELETE racing the add may have removed it already: then this is the 404.)
         let (_, _, v) = self.view(&reference)?;
@@ -467,7 +482,11 @@ impl Api {
                 })?),
             };
         let host = params.get("bootstrap_host").cloned();
-        let id = self.add_spec(role, url, port, host)?;
+        let model = params
+            .get("model")
+            .or_else(|| params.get("model_id"))
+            .cloned();
+        let id = self.add_spec(role, url, port, host, model)?;
         Ok(text_response(
             StatusCode::OK,
             format!(

@@ -270,8 +270,12 @@ fn probe_config(cfg: &Config, engines: &[Engine]) -> Config {
                 url: e.url.clone(),
                 bootstrap_port: e.bootstrap_port,
                 bootstrap_host: None,
+                model: None,
             }),
-            Role::Decode => c.decode.push(DecodeWorkerConfig { url: e.url.clone() }),
+            Role::Decode => c.decode.push(DecodeWorkerConfig {
+                url: e.url.clone(),
+                model: None,
+            }),
         }
     }
     c

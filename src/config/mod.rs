@@ -15,6 +15,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 mod capacity;
+pub mod models;
 mod ops;
 mod progress;
 mod resilience;
@@ -29,6 +30,7 @@ pub fn live(cfg: Config) -> LiveConfig {
 }
 
 pub use capacity::CapacityConfig;
+pub use models::ModelsConfig;
 pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, ReloadConfig};
 pub use progress::ProgressConfig;
 pub use resilience::{BreakerConfig, HealthConfig, RetryConfig};
@@ -72,6 +74,7 @@ pub struct Config {
     pub auth: AuthConfig,
     pub reload: ReloadConfig,
     pub progress: ProgressConfig,
+    pub models: ModelsConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -147,12 +150,18 @@ pub struct PrefillWorkerConfig {
     /// The host decode engines reach the bootstrap server at. Unset: the URL's host.
     #[serde(default)]
     pub bootstrap_host: Option<String>,
+    /// The model clients name for this engine. Unset: what its `/server_info` reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DecodeWorkerConfig {
     pub url: String,
+    /// The model clients name for this engine. Unset: what its `/server_info` reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 /// Selection policies by name.
@@ -453,10 +462,14 @@ impl Config {
                         url,
                         bootstrap_port,
                         bootstrap_host: None,
+                        model: None,
                     }),
             );
-        self.decode
-            .extend(decodes.into_iter().map(|url| DecodeWorkerConfig { url }));
+        self.decode.extend(
+            decodes
+                .into_iter()
+                .map(|url| DecodeWorkerConfig { url, model: None }),
+        );
     }
 
     /// Reads a TOML file; unknown keys and wrong types are refused with the key named.
@@ -498,12 +511,15 @@ impl Config {
                     "1..=65535",
                 ));
             }
+            models::check_worker_model(&format!("prefill[{i}].model"), p.model.as_deref())?;
         }
         for (i, d) in self.decode.iter().enumerate() {
             if let Err(e) = crate::url::parse_base_url(&d.url) {
                 return Err(invalid(format!("decode[{i}].url {:?}: {e}", d.url)));
             }
+            models::check_worker_model(&format!("decode[{i}].model"), d.model.as_deref())?;
         }
+        self.models.validate()?;
         let (s, t, h, b, a, bs, u, r, p) = (
             &self.server,
             &self.timeouts,

@@ -70,6 +70,7 @@ fn bad_values_are_named() {
     let mut cfg = Config::default();
     cfg.decode.push(DecodeWorkerConfig {
         url: "ftp://x".into(),
+        model: None,
     });
     let err = cfg.validate().unwrap_err().to_string();
     assert!(err.contains("decode[0].url"), "{err}");

@@ -253,33 +253,51 @@ impl Dispatcher {
         } else {
             None
         };
-        let (prefill_pick, decode_pick) = self.rng.with(|rng| {
+        // The request's model (none: one handoff group serves all); the decode comes from
+        // the picked prefill's handoff group, never another.
+        let scope = req.scope.as_deref();
+        let (prefill_pick, decode_pick, decode_among) = self.rng.with(|rng| {
             let pctx = PickCtx {
                 exclude: exclude_p,
                 prefix_hash,
                 need: None,
+                among: (scope.is_some() || snap.groups.len() > 1)
+                    .then(|| snap.routable_for(Role::Prefill, scope)),
             };
+            let policy = self.prefill_policy.as_ref();
+            let p = policy::select(policy, snap, Role::Prefill, &pctx, rng);
+            let among = p
+                .as_ref()
+                .and_then(|p| snap.decodes_for(p.target.worker))
+                .or_else(|| scope.map(|m| snap.routable_for(Role::Decode, Some(m))));
             let dctx = PickCtx {
                 exclude: exclude_d,
                 prefix_hash,
                 need,
+                among,
             };
-            let policy = self.prefill_policy.as_ref();
-            let p = policy::select(policy, snap, Role::Prefill, &pctx, rng);
             let policy = self.decode_policy.as_ref();
             let d = policy::select(policy, snap, Role::Decode, &dctx, rng);
-            (p, d)
+            (p, d, among)
         });
         let Some(prefill_pick) = prefill_pick else {
-            let (reason, msg) = no_prefill_detail(snap);
+            let (reason, msg) = match scope {
+                Some(m) => (
+                    FailReason::NoPrefillAvailable,
+                    format!("no routable prefill worker serves model {m}"),
+                ),
+                None => no_prefill_detail(snap),
+            };
             return Err(AttemptFailure::unblamed(Failure::new(reason, msg)));
         };
         let Some(decode_pick) = decode_pick else {
-            if need.is_some() && super::capacity::any_routable(snap, exclude_d) {
+            if need.is_some() && super::capacity::any_routable(snap, decode_among, exclude_d) {
                 return Err(super::capacity::full_failure());
             }
             let msg = if snap.decodes.is_empty() {
                 "no decode workers are configured"
+            } else if decode_among.is_some() {
+                "no healthy decode worker of the prefill's model and handoff group"
             } else {
                 "no healthy decode worker"
             };
@@ -450,6 +468,9 @@ impl Dispatcher {
 /// Why no prefill target is eligible: the most telling reason over the healthy prefills
 /// (an unreachable bootstrap, then a missing rank, then registration still under way),
 /// and a few words per worker.
+#[cfg(test)]
+mod pairing_props;
+
 fn no_prefill_detail(snap: &Snapshot) -> (FailReason, String) {
     if snap.prefills.is_empty() {
         return (

@@ -52,9 +52,15 @@ pub(super) fn is_full(af: &AttemptFailure) -> bool {
     af.blame.is_none() && af.failure.reason == FailReason::Overloaded && af.failure.message == FULL
 }
 
-/// Whether some routable decode is not excluded (so a failed pick means "full").
-pub(super) fn any_routable(snap: &Snapshot, exclude: &[WorkerId]) -> bool {
-    snap.routable(Role::Decode)
+/// Whether some routable decode (among `among`, else all) is not excluded (so a failed
+/// pick means "full").
+pub(super) fn any_routable(
+    snap: &Snapshot,
+    among: Option<&[crate::pool::Routable]>,
+    exclude: &[WorkerId],
+) -> bool {
+    among
+        .unwrap_or_else(|| snap.routable(Role::Decode))
         .iter()
         .any(|r| !exclude.contains(&r.worker))
 }

@@ -196,6 +196,15 @@ impl Dispatcher {
         mut record: RequestRecord,
     ) -> Response<RespBody> {
         record.set_stream(req.stream);
+        // The request's model: which workers may serve it (one lookup; nothing while one
+        // handoff group serves everything and no name must match).
+        match crate::models::resolve(&self.cfg.models, &self.pool, || req.model()) {
+            Ok(scope) => req.scope = scope,
+            Err(f) => {
+                record.fail(f.reason);
+                return record.answer(f.into_response(Some(&ctx.request_id)));
+            }
+        }
         if !req.replaced.is_empty() {
             tracing::info!(request_id = %ctx.id, fields = ?req.replaced, "client-supplied PD fields replaced by pdgate's own");
         }
@@ -268,7 +277,7 @@ impl Dispatcher {
                     let can_retry = f.reason.retryable()
                         && (f.stale_connection || counted < self.cfg.retry.max_retries)
                         && attempt_no < MAX_ATTEMPTS
-                        && self.has_alternative(&exclude_p, &exclude_d);
+                        && self.has_alternative(req.scope.as_deref(), &exclude_p, &exclude_d);
                     if can_retry && self.budget.try_withdraw() {
                         record::retried(f.reason);
                         if !f.stale_connection {
@@ -285,11 +294,19 @@ impl Dispatcher {
         record.answer(failure.into_response(Some(&ctx.request_id)))
     }
 
-    /// Whether both pools still have a routable target outside the excluded workers.
-    fn has_alternative(&self, exclude_p: &[WorkerId], exclude_d: &[WorkerId]) -> bool {
+    /// Whether both pools (of the request's model) still have a routable target outside
+    /// the excluded workers.
+    fn has_alternative(
+        &self,
+        scope: Option<&str>,
+        exclude_p: &[WorkerId],
+        exclude_d: &[WorkerId],
+    ) -> bool {
         let snap = self.pool.load();
         let any = |role: Role, ex: &[WorkerId]| {
-            snap.routable(role).iter().any(|r| !ex.contains(&r.worker))
+            snap.routable_for(role, scope)
+                .iter()
+                .any(|r| !ex.contains(&r.worker))
         };
         any(Role::Prefill, exclude_p) && any(Role::Decode, exclude_d)
     }

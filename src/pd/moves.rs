@@ -177,6 +177,8 @@ impl Mover {
         let body =
             continuation::follow_up(&self.req, self.tracker.plan(), &sent).map_err(|r| r.0)?;
         let mut follow = request::parse(self.req.route, body).map_err(|f| f.message.to_string())?;
+        // The follow-up goes to the same model's workers (a `/generate` body names none).
+        follow.scope = self.req.scope.clone();
         prepare_legs(&mut follow, self.tracker.plan());
         // Only the decode that just failed is avoided: one that failed an earlier move
         // may be back (its breaker says whether it is routable).
@@ -195,7 +197,12 @@ impl Mover {
             .workers(Role::Decode)
             .iter()
             .any(|w| !self.exclude_d.contains(&w.id));
-        if (wait.is_zero() || !others) && !self.d.has_alternative(&[], &self.exclude_d) {
+        let scope = follow.scope.clone();
+        if (wait.is_zero() || !others)
+            && !self
+                .d
+                .has_alternative(scope.as_deref(), &[], &self.exclude_d)
+        {
             return Err("no other decode to move to".into());
         }
         if !self.d.budget.try_withdraw() {
@@ -219,7 +226,7 @@ impl Mover {
         self.next_attempt += 1 + retries;
         Ok(Box::pin(async move {
             let until = tokio::time::Instant::now() + wait;
-            while !d.has_alternative(&[], &exclude_d) {
+            while !d.has_alternative(scope.as_deref(), &[], &exclude_d) {
                 if tokio::time::Instant::now() >= until {
                     return Err(Failure::new(
                         crate::error::FailReason::NoDecodeAvailable,
@@ -261,7 +268,7 @@ impl Mover {
                         }
                         let again = f.reason.retryable()
                             && n < retries
-                            && d.has_alternative(&exclude_p, &exclude_d)
+                            && d.has_alternative(scope.as_deref(), &exclude_p, &exclude_d)
                             && d.budget.try_withdraw();
                         if !again {
                             return Err(f);

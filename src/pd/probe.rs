@@ -170,10 +170,12 @@ impl Dispatcher {
             Role::Prefill => self.prefill_policy.as_ref(),
             Role::Decode => self.decode_policy.as_ref(),
         };
+        // A partner from the stalled worker's own handoff group only.
         let ctx = PickCtx {
             exclude: &[],
             prefix_hash: None,
             need: None,
+            among: snap.partners(other, me.group),
         };
         let partner = self
             .rng

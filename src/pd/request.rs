@@ -102,6 +102,12 @@ pub struct ParsedRequest {
     /// A top-level member the legs carry instead of the client's (`stream_options` on a
     /// continuable OpenAI stream, see `pd::continuation`).
     leg_override: Option<(&'static str, Box<str>)>,
+    /// Byte range of the top-level `model` string (its raw JSON, quotes included). Kept on
+    /// OpenAI legs; SGLang's `/generate` has no such field, so it is not sent there.
+    model: Option<Range<usize>>,
+    /// The model the request was resolved to (`crate::models::resolve`): `None` while one
+    /// handoff group serves everything (any worker may take it).
+    pub scope: Option<std::sync::Arc<str>>,
 }
 
 /// How many bytes of a prompt's raw JSON form its affinity key.
@@ -156,6 +162,15 @@ impl ParsedRequest {
             }
             Some(fnv1a(&raw[..raw.len().min(PREFIX_KEY_BYTES)]))
         })
+    }
+
+    /// The `model` the client named, unescaped (borrowed unless it had escapes).
+    pub fn model(&self) -> Option<Cow<'_, str>> {
+        let raw = self.raw(self.model.clone()?);
+        match raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
+            Some(inner) if !inner.contains('\\') => Some(Cow::Borrowed(inner)),
+            _ => serde_json::from_str::<String>(raw).ok().map(Cow::Owned),
+        }
     }
 
     /// The request's size for stall detection: the byte length of the prompt's raw JSON
@@ -576,6 +591,7 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
     let mut return_logprob = false;
     let mut prompt_keys = 0u32;
     let mut prompt = None;
+    let mut model = None;
     for (Key(key), value) in top.0 {
         let k: &str = &key;
         if let Some(pd) = PD_KEYS.iter().find(|p| **p == k) {
@@ -623,6 +639,17 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
                 prompt_keys += 1;
             }
             (ApiRoute::ChatCompletions | ApiRoute::Completions, "n") => n = parse_n("n", value)?,
+            // A string names the model; anything else names none and is left to the
+            // engine to judge, as before.
+            (_, "model") if first_byte(value) == b'"' => {
+                let raw = value.get();
+                let start = raw.as_ptr() as usize - base;
+                model = Some(start..start + raw.len());
+                if route == ApiRoute::Generate {
+                    // pdgate's routing key only: SGLang's `/generate` takes no `model`.
+                    continue;
+                }
+            }
             _ => {}
         }
         let raw = value.get();
@@ -669,6 +696,8 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
         prompt,
         prefix_hash: OnceLock::new(),
         leg_override: None,
+        model,
+        scope: None,
     };
     if req.instances() > MAX_INSTANCES {
         return Err(invalid(format!(

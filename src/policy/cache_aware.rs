@@ -266,6 +266,7 @@ mod tests {
             exclude: &[],
             prefix_hash: Some(key),
             need: None,
+            among: None,
         };
         p.pick(c, &ctx, &mut rng)
     }

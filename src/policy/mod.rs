@@ -10,7 +10,8 @@
 //! them (its last poll corrected by this replica's reservations since), then requests in
 //! flight, then the engine's reported load. Without token figures the order is as before.
 //!
-//! Invariant: [`select`] only ever returns a (worker, rank) listed routable in the snapshot,
+//! Invariant: [`select`] only ever returns a (worker, rank) listed routable in the snapshot
+//! (within `ctx.among` when it is set: a model's workers, a prefill's handoff group),
 //! never a worker in `ctx.exclude` (workers that already failed this request), and never a
 //! worker whose circuit is half-open with its one trial already taken. A pick of a
 //! half-open worker carries its [`TrialGuard`]: whoever holds the pick holds the trial,
@@ -43,6 +44,9 @@ pub struct PickCtx<'a> {
     /// What the request needs of a decode rank (decode picks only; `None`: capacity is
     /// not checked).
     pub need: Option<Need>,
+    /// The routable workers to pick among (a model's, or a prefill's handoff group);
+    /// `None`: every routable worker of the role.
+    pub among: Option<&'a [Routable]>,
 }
 
 /// One eligible worker as a policy sees it.
@@ -122,8 +126,9 @@ pub fn select(
     rng: &mut dyn RngCore,
 ) -> Option<Pick> {
     // On the stack for fleets of up to 16 workers per role (no allocation per request).
-    let mut cands: smallvec::SmallVec<[Candidate<'_>; 16]> = snap
-        .routable(role)
+    let mut cands: smallvec::SmallVec<[Candidate<'_>; 16]> = ctx
+        .among
+        .unwrap_or_else(|| snap.routable(role))
         .iter()
         .filter(|r| !ctx.exclude.contains(&r.worker))
         .filter_map(|r| candidate(snap, role, r))
@@ -240,7 +245,7 @@ mod tests {
                 .collect();
             let exclude = [WorkerId(excl)];
             let prefix_hash = (seed % 3 != 0).then_some(seed);
-            let ctx = PickCtx { exclude: &exclude, prefix_hash, need: None };
+            let ctx = PickCtx { exclude: &exclude, prefix_hash, need: None, among: None };
             for kind in ALL_KINDS {
                 let p = build(kind);
                 prop_assert_eq!(p.wants_prefix(), kind == PolicyKind::CacheAware);
@@ -279,6 +284,7 @@ mod tests {
                 exclude: &[],
                 prefix_hash: Some(7),
                 need: None,
+                among: None,
             };
             assert!(select(p.as_ref(), &snap, Role::Decode, &ctx, &mut rng).is_some());
         }

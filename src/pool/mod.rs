@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 pub mod breaker;
 pub mod capacity;
 pub mod freshness;
+pub mod groups;
 pub mod mismatch;
 mod ranks;
 mod series;
@@ -33,10 +34,11 @@ mod series;
 pub use breaker::{Breaker, BreakerState, TrialGuard};
 pub use capacity::{CapacitySignal, RankCapacity, Reservation};
 pub use freshness::RankFreshness;
+pub use groups::{Group, ModelView};
 pub use ranks::{PreflightOutcome, Probe, RankFailure, RankProbes, RankReadiness};
 use tokio::sync::watch;
 
-use crate::engine::{Layout, ServerInfo};
+use crate::engine::{HandoffKey, Layout, ServerInfo};
 use crate::progress::WorkerProgress;
 use crate::types::{DpRank, Role, WorkerId};
 use crate::upstream::{BaseUrl, HostConns};
@@ -142,6 +144,9 @@ pub struct WorkerState {
     pub lost_tx: watch::Sender<LostEpochs>,
     /// The engine's `/server_info` facts, once read.
     pub info: Option<ServerInfo>,
+    /// The model clients name for this worker, set by the operator (config, admin API):
+    /// wins over what the engine reports.
+    pub model: Option<Arc<str>>,
     /// Passive health of this worker's leg.
     pub breaker: Arc<Breaker>,
     /// Kept-alive connections for this worker's legs.
@@ -200,6 +205,10 @@ pub struct WorkerView {
     /// The engine streams `/generate` incrementally (`/server_info`
     /// `incremental_streaming_output`), not SGLang's default cumulative text.
     pub incremental_stream: bool,
+    /// Its handoff group (index into `Snapshot::groups`): it pairs only within it.
+    pub group: usize,
+    /// The model it serves, when known (override, else what the engine reports).
+    pub model: Option<Arc<str>>,
 }
 
 impl WorkerView {
@@ -249,6 +258,13 @@ pub struct Snapshot {
     pub prefill_routable: Vec<Routable>,
     /// Routable decode workers, each with its routable DP ranks.
     pub decode_routable: Vec<Routable>,
+    /// Handoff groups (see [`groups`]): a prefill and a decode pair only within one.
+    pub groups: Vec<Group>,
+    /// The models served, by the name clients use, in first-seen order.
+    pub models: Vec<ModelView>,
+    /// Routable prefills whose handoff group has a routable decode (what a request
+    /// naming no model picks from while several groups exist).
+    pub prefill_pairable: Vec<Routable>,
     pub version: u64,
 }
 
@@ -288,6 +304,48 @@ impl Snapshot {
             Role::Prefill => &self.prefill_routable,
             Role::Decode => &self.decode_routable,
         }
+    }
+
+    /// The model named `name` (exactly), if any worker serves it.
+    pub fn model(&self, name: &str) -> Option<&ModelView> {
+        self.models.iter().find(|m| &*m.name == name)
+    }
+
+    /// The routable workers of `role` a request for `model` may use (`None`: any model;
+    /// with several handoff groups, only prefills that have a partner).
+    pub fn routable_for(&self, role: Role, model: Option<&str>) -> &[Routable] {
+        match model {
+            None if role == Role::Prefill && self.groups.len() > 1 => &self.prefill_pairable,
+            None => self.routable(role),
+            Some(name) => match (self.model(name), role) {
+                (Some(m), Role::Prefill) => &m.prefill_routable,
+                (Some(m), Role::Decode) => &m.decode_routable,
+                (None, _) => &[],
+            },
+        }
+    }
+
+    /// The routable workers of `role` that may pair with a worker of handoff group
+    /// `group`: `None` while there is only one group (every routable worker may).
+    pub fn partners(&self, role: Role, group: usize) -> Option<&[Routable]> {
+        if self.groups.len() <= 1 {
+            return None;
+        }
+        Some(self.groups.get(group).map_or(&[], |g| match role {
+            Role::Prefill => &g.prefill_routable,
+            Role::Decode => &g.decode_routable,
+        }))
+    }
+
+    /// The routable decodes that may pair with `prefill` (see [`Self::partners`]).
+    pub fn decodes_for(&self, prefill: WorkerId) -> Option<&[Routable]> {
+        if self.groups.len() <= 1 {
+            return None;
+        }
+        let Some(w) = self.worker(Role::Prefill, prefill) else {
+            return Some(&[]);
+        };
+        self.partners(Role::Decode, w.group)
     }
 
     /// Number of routable (worker, rank)s of a role.
@@ -454,6 +512,16 @@ impl Pool {
         found
     }
 
+    /// Sets (or clears) the operator's model name for a worker; false if unknown.
+    pub fn set_model(&self, role: Role, id: WorkerId, model: Option<Arc<str>>) -> bool {
+        let mut found = false;
+        self.update_worker(role, id, |w| {
+            found = true;
+            w.model = model;
+        });
+        found
+    }
+
     /// The worker of `role` at `url`, if any.
     pub fn find(&self, role: Role, url: &BaseUrl) -> Option<WorkerId> {
         let m = self.master.lock().unwrap_or_else(|e| e.into_inner());
@@ -587,6 +655,7 @@ impl Master {
             refresh: Arc::new(tokio::sync::Notify::new()),
             lost_tx,
             info: None,
+            model: None,
             breaker: Arc::new(Breaker::default()),
             refused: None,
             probes: Arc::new(RankProbes::new(1)),
@@ -614,7 +683,10 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
         version,
         ..Snapshot::default()
     };
+    let mut grouping = groups::Grouping::default();
     for w in workers {
+        let key = HandoffKey::of(w.info.as_ref(), w.model.as_deref());
+        let (group, model) = grouping.place(key);
         let view = WorkerView {
             id: w.id,
             role: w.role,
@@ -643,6 +715,8 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
                 .as_ref()
                 .and_then(|i| i.incremental_streaming_output)
                 .unwrap_or(false),
+            group,
+            model,
         };
         // Out of rotation whatever its health: breaker open, refused, or draining.
         let out = w.breaker.state().is_out() || w.refused.is_some() || w.drain.any();
@@ -657,24 +731,37 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
                         .map(|(r, _)| r as DpRank)
                         .collect();
                     if !ranks.is_empty() {
-                        s.prefill_routable.push(Routable {
+                        let r = Routable {
                             worker: w.id,
                             ranks,
-                        });
+                        };
+                        grouping.add(group, 0, Some(&r));
+                        s.prefill_routable.push(r);
+                    } else {
+                        grouping.add(group, 0, None);
                     }
+                } else {
+                    grouping.add(group, 0, None);
                 }
                 s.prefills.push(view);
             }
             Role::Decode => {
                 if w.healthy && !out {
-                    s.decode_routable.push(Routable {
+                    let r = Routable {
                         worker: w.id,
                         ranks: (0..view.effective_dp()).collect(),
-                    });
+                    };
+                    grouping.add(group, 1, Some(&r));
+                    s.decode_routable.push(r);
+                } else {
+                    grouping.add(group, 1, None);
                 }
                 s.decodes.push(view);
             }
         }
     }
+    s.prefill_pairable = grouping.finish();
+    s.groups = grouping.groups;
+    s.models = grouping.models;
     s
 }

@@ -415,10 +415,19 @@ impl App {
         json_response(status, body.to_string(), rid)
     }
 
-    /// `/v1/models` from a healthy worker (decode first: it serves the tokens).
+    /// `/v1/models`: every model the workers serve, and the aliases, from pdgate's own
+    /// knowledge (`crate::models::list`); only while no engine named a model, a healthy
+    /// worker's own list (decode first: it serves the tokens).
     async fn models(&self, rid: &HeaderValue) -> Result<Response<RespBody>, Failure> {
         let d = self.dispatcher.load_full();
         let snap = d.pool.load_full();
+        if !snap.models.is_empty() {
+            let created = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |t| t.as_secs());
+            let v = crate::models::list(&d.cfg.models, &snap, created);
+            return Ok(json_response(StatusCode::OK, v.to_string(), rid));
+        }
         let timeout = d.cfg.bootstrap.http_timeout();
         let candidates = snap
             .decodes

@@ -273,6 +273,7 @@ async fn workers_show_source_health_breaker_ranks_and_in_flight() {
             bootstrap_port: None,
             bootstrap_host: None,
             source: pod,
+            model: None,
         })
         .expect("added");
     let r = format!("decode-{}", id.0);

@@ -70,9 +70,11 @@ fn cases() -> Vec<Case> {
                     url: c.decodes[0].url(),
                     bootstrap_port: None,
                     bootstrap_host: None,
+                    model: None,
                 });
                 cfg.decode.push(DecodeWorkerConfig {
                     url: c.decodes[1].url(),
+                    model: None,
                 });
             },
             mode: modulo,
@@ -172,6 +174,7 @@ fn cases() -> Vec<Case> {
                 add_sim_workers(cfg, c);
                 cfg.decode.push(DecodeWorkerConfig {
                     url: "http://127.0.0.1:1".into(),
+                    model: None,
                 });
             },
             mode: modulo,

@@ -248,6 +248,7 @@ async fn pods_the_router_would_not_use_have_their_rows() {
     let mut cfg = config();
     cfg.decode.push(DecodeWorkerConfig {
         url: d_static.url(),
+        model: None,
     });
 
     let report = run(&kube, &cfg, CheckOptions::default()).await;

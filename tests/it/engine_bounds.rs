@@ -61,9 +61,11 @@ async fn engines_reporting_a_huge_dp_size_are_refused() {
         url: prefill.clone(),
         bootstrap_port: None,
         bootstrap_host: None,
+        model: None,
     });
     cfg.decode.push(DecodeWorkerConfig {
         url: decode.clone(),
+        model: None,
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -27,6 +27,7 @@ fn decode_spec(url: &str, source: WorkerSource) -> WorkerSpec {
         bootstrap_port: None,
         bootstrap_host: None,
         source,
+        model: None,
     }
 }
 

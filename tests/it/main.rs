@@ -32,6 +32,7 @@ mod layers;
 mod manifests;
 mod memory_budget;
 mod metrics;
+mod models;
 mod policies;
 mod preflight;
 mod reload;

@@ -56,8 +56,10 @@ async fn a_reload_while_streams_run_disturbs_none_of_them() {
     next.admission.max_in_flight = 64;
     next.health.failure_threshold = 3;
     next.bootstrap.refresh_interval_ms = 150;
-    next.decode
-        .push(pdgate::config::DecodeWorkerConfig { url: extra.url() });
+    next.decode.push(pdgate::config::DecodeWorkerConfig {
+        url: extra.url(),
+        model: None,
+    });
     let applied = pdgate::reload::apply(&env.router, next).expect("valid");
     assert_eq!((applied.added, applied.removed), (1, 0));
     assert!(applied.restart_needed.is_empty(), "{applied:?}");

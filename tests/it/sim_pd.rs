@@ -366,3 +366,33 @@ async fn many_concurrent_pairs_settle_cleanly() {
     let s = settled(&c).await;
     assert_clean(&s, 100);
 }
+
+/// A decode of other weights asking a prefill for its KV (a cross-model pair) is refused
+/// by the prefill at once and counted; the sim's `/server_info` and `/v1/models` name the
+/// model as SGLang does.
+#[tokio::test]
+async fn a_cross_model_handoff_is_refused_and_counted() {
+    let mut d = fast(EngineConfig::decode(1));
+    d.model = "/models/other".into();
+    d.served_model_name = Some("other".into());
+    let mut p = fast(EngineConfig::prefill(1));
+    p.bootstrap_timeout = Duration::from_millis(300);
+    let c = SimCluster::spawn(&[p], &[d]).await.expect("cluster");
+    let info = sim_support::get(&format!("{}/server_info", c.decodes[0].url()))
+        .await
+        .json();
+    assert_eq!(info["served_model_name"], "other");
+    assert_eq!(info["model_path"], "/models/other");
+    assert_eq!(info["weight_version"], "default");
+    let models = sim_support::get(&format!("{}/v1/models", c.decodes[0].url()))
+        .await
+        .json();
+    assert_eq!(models["data"][0]["id"], "other");
+    assert_eq!(models["data"][0]["root"], "/models/other");
+    let body = with_bootstrap(&c, json!({"text": "hi"}), json!(91));
+    let (_p, d) = pd(&c, "/generate", &body, &body).await;
+    assert_eq!(d.status, 500, "{}", d.body);
+    let s = settled(&c).await;
+    assert_eq!(s.violation_kv_layout_mismatch, 1, "{s:?}");
+    assert_eq!(s.kv_transfers, 0, "{s:?}");
+}

@@ -129,8 +129,10 @@ async fn keep_alive_race(max_retries: u32) {
     let mut cfg = common::fast_config();
     cfg.retry.max_retries = max_retries;
     common::add_sim_workers(&mut cfg, &cluster);
-    cfg.decode
-        .push(pdgate::config::DecodeWorkerConfig { url: decode_url });
+    cfg.decode.push(pdgate::config::DecodeWorkerConfig {
+        url: decode_url,
+        model: None,
+    });
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let router =
         pdgate::router::start(cfg, Some(listener), pdgate::pd::RngSource::Seeded(1.into()))

@@ -361,3 +361,32 @@ fn legs_point_into_the_body_and_copy_only_pdgate_fields() {
         }
     }
 }
+
+/// `model` is read as the client wrote it (escapes undone); a string is not sent on
+/// `/generate` legs (SGLang's `/generate` has no such field); OpenAI legs keep it; a value
+/// that is not a string names no model and is forwarded as before.
+#[test]
+fn model_is_read_and_kept_only_on_openai_legs() {
+    let chat = parse(
+        ApiRoute::ChatCompletions,
+        Bytes::from_static(br#"{"model":"a\/b:lora","messages":[{"role":"user","content":"x"}]}"#),
+    )
+    .expect("parses");
+    assert_eq!(chat.model().as_deref(), Some("a/b:lora"));
+    assert!(chat.members().any(|(k, _)| k == "model"));
+    let generate = parse(
+        ApiRoute::Generate,
+        Bytes::from_static(br#"{"text":"x","model":"m-a"}"#),
+    )
+    .expect("parses");
+    assert_eq!(generate.model().as_deref(), Some("m-a"));
+    assert!(generate.members().all(|(k, _)| k != "model"));
+    for odd in [
+        &br#"{"text":"x","model":null}"#[..],
+        br#"{"text":"x","model":7}"#,
+    ] {
+        let r = parse(ApiRoute::Generate, Bytes::copy_from_slice(odd)).expect("parses");
+        assert_eq!(r.model(), None);
+        assert!(r.members().any(|(k, _)| k == "model"));
+    }
+}

@@ -1,0 +1,122 @@
+//! Workers grouped by what a KV handoff needs them to agree on ([`HandoffKey`]), and the
+//! groups by the model clients name: computed at every snapshot rebuild, so that the
+//! request path picks a prefill among its model's groups and a decode within the
+//! prefill's group from lists that are already made.
+//!
+//! Invariants:
+//! - Every worker of a snapshot sits in exactly one group (`WorkerView::group`); a group's
+//!   routable lists are the snapshot's routable workers of that group, nothing else.
+//! - A model lists the groups whose key names it; its routable decodes are its groups',
+//!   its routable prefills those of its groups that have a routable decode (so a prefill
+//!   is picked only where a partner exists). A group whose engines named no model yet (no
+//!   `/server_info`, no override) belongs to no model.
+//! - Groups and models are in first-seen order of the workers (by role, then id), so a
+//!   rebuild that changes nothing keeps every index.
+
+use std::sync::Arc;
+
+use super::Routable;
+use crate::engine::HandoffKey;
+
+/// One handoff group: workers that may be paired with each other.
+#[derive(Debug)]
+pub struct Group {
+    pub key: Arc<HandoffKey>,
+    /// Index into `Snapshot::models`, when the group names a model.
+    pub model: Option<usize>,
+    pub prefill_routable: Vec<Routable>,
+    pub decode_routable: Vec<Routable>,
+}
+
+/// One model as clients name it: the groups serving it.
+#[derive(Debug)]
+pub struct ModelView {
+    pub name: Arc<str>,
+    pub groups: Vec<usize>,
+    pub prefill_routable: Vec<Routable>,
+    pub decode_routable: Vec<Routable>,
+    /// Workers of the model (any state), per role: `[prefill, decode]`.
+    pub workers: [usize; 2],
+}
+
+/// Groups and models under construction (the snapshot builder feeds it worker by worker).
+#[derive(Debug, Default)]
+pub(super) struct Grouping {
+    pub groups: Vec<Group>,
+    pub models: Vec<ModelView>,
+}
+
+impl Grouping {
+    /// The group of `key` (made on first sight) and its model's name.
+    pub fn place(&mut self, key: HandoffKey) -> (usize, Option<Arc<str>>) {
+        if let Some(i) = self.groups.iter().position(|g| *g.key == key) {
+            let name = self.groups[i].model.map(|m| self.models[m].name.clone());
+            return (i, name);
+        }
+        let model = key.model.as_deref().map(|name| {
+            match self.models.iter().position(|m| &*m.name == name) {
+                Some(m) => m,
+                None => {
+                    self.models.push(ModelView {
+                        name: Arc::from(name),
+                        groups: Vec::new(),
+                        prefill_routable: Vec::new(),
+                        decode_routable: Vec::new(),
+                        workers: [0, 0],
+                    });
+                    self.models.len() - 1
+                }
+            }
+        });
+        let g = self.groups.len();
+        if let Some(m) = model {
+            self.models[m].groups.push(g);
+        }
+        self.groups.push(Group {
+            key: Arc::new(key),
+            model,
+            prefill_routable: Vec::new(),
+            decode_routable: Vec::new(),
+        });
+        (g, model.map(|m| self.models[m].name.clone()))
+    }
+
+    /// Counts a worker of `group` (`role_ix`: 0 prefill, 1 decode) and lists it routable
+    /// in its group when it is.
+    pub fn add(&mut self, group: usize, role_ix: usize, routable: Option<&Routable>) {
+        let Some(g) = self.groups.get_mut(group) else {
+            return;
+        };
+        if let Some(m) = g.model.and_then(|m| self.models.get_mut(m)) {
+            m.workers[role_ix] += 1;
+        }
+        if let Some(r) = routable {
+            let list = if role_ix == 0 {
+                &mut g.prefill_routable
+            } else {
+                &mut g.decode_routable
+            };
+            list.push(r.clone());
+        }
+    }
+
+    /// Fills each model's routable lists from its groups: a prefill only where its group
+    /// has a routable decode (a pick never lands on a prefill nobody can pair with), every
+    /// routable decode. Returns the prefills that can be paired, all models together.
+    pub fn finish(&mut self) -> Vec<Routable> {
+        let mut pairable = Vec::new();
+        for g in &self.groups {
+            let prefills: &[Routable] = if g.decode_routable.is_empty() {
+                &[]
+            } else {
+                &g.prefill_routable
+            };
+            pairable.extend(prefills.iter().cloned());
+            if let Some(m) = g.model.and_then(|m| self.models.get_mut(m)) {
+                m.prefill_routable.extend(prefills.iter().cloned());
+                m.decode_routable.extend(g.decode_routable.iter().cloned());
+            }
+        }
+        pairable
+    }
+}

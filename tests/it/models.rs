@@ -1,0 +1,298 @@
+//! Many models behind one front door (issue 19): simulated engines that report their model
+//! the way SGLang does (`/server_info`'s `served_model_name` / `model_path`); pdgate pairs
+//! a prefill and a decode only within one model's handoff group and routes by the
+//! request's `model`. The engines are the judge: a decode that asks a prefill of other
+//! weights for its KV is counted by the simulator (`violation_kv_layout_mismatch`).
+
+use crate::support::common;
+
+use common::{start, Env};
+use futures_util::future::join_all;
+use pdgate_sim::EngineConfig;
+use serde_json::Value;
+
+fn engine(prefill: bool, model: &str) -> EngineConfig {
+    let mut e = if prefill {
+        EngineConfig::prefill(1)
+    } else {
+        EngineConfig::decode(1)
+    };
+    e.model = model.to_string();
+    e
+}
+
+fn chat(model: &str) -> String {
+    serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 3,
+    })
+    .to_string()
+}
+
+/// Prefills `a`, `b`; decodes `a`, `b`, `a` (the issue's fleet plus a second decode of
+/// model-a), routable, with both models known.
+async fn two_models(tweak: impl FnOnce(&mut pdgate::config::Config)) -> Env {
+    let env = start(
+        vec![engine(true, "model-a"), engine(true, "model-b")],
+        vec![
+            engine(false, "model-a"),
+            engine(false, "model-b"),
+            engine(false, "model-a"),
+        ],
+        tweak,
+    )
+    .await;
+    env.wait_routable(2, 3).await;
+    env.wait_pool("two models in two groups", |s| {
+        s.models.len() == 2 && s.groups.len() == 2
+    })
+    .await;
+    env
+}
+
+fn requests(env: &Env, prefills: &[usize], decodes: &[usize]) -> u64 {
+    let p: u64 = prefills
+        .iter()
+        .map(|i| env.cluster.prefills[*i].stats().requests_total)
+        .sum();
+    let d: u64 = decodes
+        .iter()
+        .map(|i| env.cluster.decodes[*i].stats().requests_total)
+        .sum();
+    p + d
+}
+
+fn json(bytes: &[u8]) -> Value {
+    serde_json::from_slice(bytes)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(bytes)))
+}
+
+fn assert_model_not_found(status: http::StatusCode, body: &[u8]) {
+    assert_eq!(status, 404, "{}", String::from_utf8_lossy(body));
+    let v = json(body);
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+    assert_eq!(v["error"]["param"], "model", "{v}");
+    let text = v.to_string();
+    assert!(
+        !text.contains("127.0.0.1") && !text.contains("model-a"),
+        "{text}"
+    );
+}
+
+/// The issue's run: 48 chat requests, 24 per model, all at once. Every leg lands on its
+/// model's engines (counted by each engine), no cross-model KV handoff happened, both
+/// models are listed, and an unknown model is a 404 in OpenAI's shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_leg_lands_on_its_models_engines() {
+    let env = two_models(|_| {}).await;
+    let bodies: Vec<String> = (0..48)
+        .map(|i| chat(if i % 2 == 0 { "model-a" } else { "model-b" }))
+        .collect();
+    let answers = join_all(bodies.iter().map(|b| env.post("/v1/chat/completions", b))).await;
+    for (status, _, body) in &answers {
+        assert_eq!(*status, 200, "{}", String::from_utf8_lossy(body));
+    }
+    let s = env.settled_stats().await;
+    assert_eq!(s.contract_violations, 0, "{s:?}");
+    assert_eq!(s.violation_kv_layout_mismatch, 0, "{s:?}");
+    // model-a: prefill 0, decodes 0 and 2; model-b: prefill 1, decode 1.
+    assert_eq!(env.cluster.prefills[0].stats().requests_total, 24);
+    assert_eq!(env.cluster.prefills[1].stats().requests_total, 24);
+    assert_eq!(requests(&env, &[], &[0, 2]), 24);
+    assert_eq!(env.cluster.decodes[1].stats().requests_total, 24);
+    assert!(
+        env.cluster.decodes[0].stats().requests_total > 0
+            && env.cluster.decodes[2].stats().requests_total > 0,
+        "both decodes of model-a take traffic"
+    );
+
+    let resp = env.send("GET", "/v1/models", &[], "").await;
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    let v = json(&body);
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["model-a", "model-b"], "{v}");
+    assert_eq!(v["data"][0]["object"], "model");
+
+    let before = requests(&env, &[0, 1], &[0, 1, 2]);
+    let (status, _, body) = env.post("/v1/chat/completions", &chat("model-c")).await;
+    assert_model_not_found(status, &body);
+    let (status, _, body) = env
+        .post(
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .await;
+    assert_eq!(
+        status,
+        400,
+        "no model with two served: {}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(
+        requests(&env, &[0, 1], &[0, 1, 2]),
+        before,
+        "refused before any leg"
+    );
+}
+
+/// SGLang's `/generate` names its model in a `model` field (not forwarded: SGLang's
+/// `/generate` has none), else gets the default; `base:adapter` goes to `base`'s engines;
+/// an alias to the model it names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_default_alias_and_adapter() {
+    let env = two_models(|c| {
+        c.models.default = Some("model-b".into());
+        c.models.aliases.insert("gpt-4o".into(), "model-a".into());
+    })
+    .await;
+    let (status, _, body) = env
+        .post(
+            "/generate",
+            r#"{"text":"hi","model":"model-a","sampling_params":{"max_new_tokens":2}}"#,
+        )
+        .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(env.cluster.prefills[0].stats().requests_total, 1);
+    let legs = env.cluster.prefills[0].recent_generate_bodies();
+    assert!(
+        legs.iter().all(|(_, b)| b.get("model").is_none()),
+        "the /generate leg carries no model: {legs:?}"
+    );
+    let (status, _, _) = env.post("/generate", common::GEN).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        env.cluster.prefills[1].stats().requests_total,
+        1,
+        "the default"
+    );
+
+    let (status, _, body) = env.post("/v1/chat/completions", &chat("gpt-4o")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (status, _, body) = env
+        .post("/v1/chat/completions", &chat("model-a:my-lora"))
+        .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(env.cluster.prefills[0].stats().requests_total, 3);
+    assert_eq!(env.cluster.prefills[1].stats().requests_total, 1);
+    let (status, _, body) = env
+        .post("/v1/chat/completions", &chat("model-z:my-lora"))
+        .await;
+    assert_model_not_found(status, &body);
+
+    let resp = env.send("GET", "/v1/models", &[], "").await;
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    let v = json(&body);
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["model-a", "model-b", "gpt-4o"], "{v}");
+    assert_eq!(env.stats().contract_violations, 0);
+}
+
+/// With model-a's decodes down, model-a's requests get 503 and never go to model-b's
+/// decode; model-b's requests still succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_without_a_decode_fails_alone() {
+    let env = two_models(|_| {}).await;
+    env.cluster.decodes[0].set_down(true);
+    env.cluster.decodes[2].set_down(true);
+    env.wait_pool("model-a's decodes out", |s| {
+        s.model("model-a")
+            .is_some_and(|m| m.decode_routable.is_empty())
+    })
+    .await;
+    let b_decode = env.cluster.decodes[1].stats().requests_total;
+    for _ in 0..6 {
+        let (status, headers, body) = env.post("/v1/chat/completions", &chat("model-a")).await;
+        assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
+        assert!(headers.contains_key("retry-after"));
+        let (status, _, body) = env.post("/v1/chat/completions", &chat("model-b")).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    assert_eq!(
+        env.cluster.decodes[1].stats().requests_total - b_decode,
+        6,
+        "model-b's decode took model-b's requests only"
+    );
+    assert_eq!(
+        env.cluster.prefills[0].stats().requests_total,
+        0,
+        "no model-a prefill leg without a partner"
+    );
+    assert_eq!(env.stats().violation_kv_layout_mismatch, 0);
+}
+
+/// One model served, no aliases: any `model` value (or none) reaches it, as SGLang engines
+/// ignore the name; with `models.strict` only its own name does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_model_loose_and_strict() {
+    for strict in [false, true] {
+        let env = start(
+            vec![engine(true, "Qwen/Qwen3-8B")],
+            vec![engine(false, "Qwen/Qwen3-8B")],
+            |c| c.models.strict = strict,
+        )
+        .await;
+        env.wait_routable(1, 1).await;
+        let (status, _, body) = env
+            .post("/v1/chat/completions", &chat("Qwen/Qwen3-8B"))
+            .await;
+        assert_eq!(
+            status,
+            200,
+            "strict={strict}: {}",
+            String::from_utf8_lossy(&body)
+        );
+        let (status, _, body) = env.post("/v1/chat/completions", &chat("gpt-4o")).await;
+        if strict {
+            assert_model_not_found(status, &body);
+        } else {
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        }
+        let (status, _, _) = env.post("/generate", common::GEN).await;
+        assert_eq!(status, 200, "strict={strict}: /generate without a model");
+    }
+}
+
+/// The operator's word wins: four engines that all report `sim-model`, named `left` and
+/// `right` per worker in the config, are two models.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_worker_override_splits_one_reported_model() {
+    let env = start(
+        vec![engine(true, "sim-model"), engine(true, "sim-model")],
+        vec![engine(false, "sim-model"), engine(false, "sim-model")],
+        |c| {
+            c.prefill[0].model = Some("left".into());
+            c.decode[0].model = Some("left".into());
+            c.prefill[1].model = Some("right".into());
+            c.decode[1].model = Some("right".into());
+        },
+    )
+    .await;
+    env.wait_routable(2, 2).await;
+    env.wait_pool("two models", |s| s.models.len() == 2).await;
+    for _ in 0..4 {
+        let (status, _, _) = env.post("/v1/chat/completions", &chat("right")).await;
+        assert_eq!(status, 200);
+    }
+    assert_eq!(env.cluster.prefills[1].stats().requests_total, 4);
+    assert_eq!(env.cluster.decodes[1].stats().requests_total, 4);
+    assert_eq!(requests(&env, &[0], &[0]), 0);
+}
