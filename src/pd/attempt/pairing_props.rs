@@ -12,7 +12,7 @@ use crate::pd::request::{self, ApiRoute};
 use crate::pd::{Dispatcher, RngSource};
 use crate::pool::{BootstrapInfo, Pool, RankReadiness};
 use crate::types::Role;
-use crate::upstream::{parse_base_url, Upstream};
+use crate::upstream::{parse_base_url, Upstream, UpstreamSettings};
 
 /// The engines' reports: (served name, page size). Two groups share `m0`.
 const KEYS: [(&str, u64); 3] = [("m0", 1), ("m0", 16), ("m1", 1)];
@@ -67,7 +67,14 @@ proptest! {
     ) {
         let pool = fleet(&prefills, &decodes);
         let cfg = Config::default();
-        let up = Upstream::new(&crate::router::upstream_settings(&cfg));
+        // Never used: stage 1 sends nothing.
+        let up = Upstream::new(&UpstreamSettings {
+            connect_timeout: std::time::Duration::from_millis(100),
+            pool_max_idle_per_host: 1,
+            pool_idle_timeout: std::time::Duration::from_secs(1),
+            api_key: None,
+            forward_authorization: false,
+        });
         let d = Dispatcher::new(pool.clone(), up, Arc::new(cfg), RngSource::Seeded(seed.into()));
         let mut req = request::parse(
             ApiRoute::ChatCompletions,
