@@ -104,6 +104,18 @@ pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
         })),
         "ranks": ranks,
         "server_info": info,
+        "model": w.model.as_deref(),
+        // Why it sits where it does: what it must share with a partner (see
+        // `engine::HandoffKey`); it pairs only with workers of the same group.
+        "handoff_group": snap.groups.get(w.group).map(|g| json!({
+            "index": w.group,
+            "model_path": g.key.model_path,
+            "weight_version": g.key.weight_version,
+            "page_size": g.key.page_size,
+            "kv_cache_dtype": g.key.kv_cache_dtype,
+            "transfer_backend": g.key.transfer_backend,
+            "speculative": g.key.speculative,
+        })),
     })
 }
 

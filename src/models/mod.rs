@@ -153,5 +153,28 @@ pub fn list(cfg: &ModelsConfig, snap: &Snapshot, created: u64) -> serde_json::Va
     serde_json::json!({"object": "list", "data": data})
 }
 
+/// Per model, for `/readiness`: whether it can take a request now (a routable prefill in a
+/// handoff group with a routable decode), its routable ranks and its workers. Names and
+/// counts only (the model names are the ones `/v1/models` lists).
+pub fn readiness(snap: &Snapshot) -> serde_json::Value {
+    let ranks = |l: &[crate::pool::Routable]| l.iter().map(|r| r.ranks.len()).sum::<usize>();
+    let models: Vec<serde_json::Value> = snap
+        .models
+        .iter()
+        .map(|m| {
+            serde_json::json!({
+                "model": &*m.name,
+                "ready": !m.prefill_routable.is_empty(),
+                "handoff_groups": m.groups.len(),
+                "routable_prefill_ranks": ranks(&m.prefill_routable),
+                "routable_decode_ranks": ranks(&m.decode_routable),
+                "prefill_workers": m.workers[0],
+                "decode_workers": m.workers[1],
+            })
+        })
+        .collect();
+    serde_json::Value::Array(models)
+}
+
 #[cfg(test)]
 mod tests;

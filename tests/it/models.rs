@@ -296,3 +296,138 @@ async fn per_worker_override_splits_one_reported_model() {
     assert_eq!(env.cluster.decodes[1].stats().requests_total, 4);
     assert_eq!(requests(&env, &[0], &[0]), 0);
 }
+
+/// An engine restarted with other weights is re-read and moves to its new model's group:
+/// model-b's only decode comes back serving model-a, so model-b answers 503 and model-a's
+/// requests use it, with no cross-model handoff. `/readiness` says so per model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_engine_is_regrouped() {
+    let mut env = two_models(|_| {}).await;
+    let old = env.cluster.decodes.remove(1);
+    let mut cfg = old.config().clone();
+    cfg.port = old.addr().port();
+    cfg.model = "model-a".into();
+    old.shutdown();
+    env.wait_pool("model-b's decode seen down", |s| {
+        s.model("model-b")
+            .is_some_and(|m| m.decode_routable.is_empty())
+    })
+    .await;
+    let mut again = None;
+    for _ in 0..100 {
+        match pdgate_sim::spawn(cfg.clone()).await {
+            Ok(e) => {
+                again = Some(e);
+                break;
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    }
+    env.cluster
+        .decodes
+        .push(again.expect("the engine restarts on its port"));
+    env.wait_pool("three decodes of model-a", |s| {
+        s.model("model-a")
+            .is_some_and(|m| m.decode_routable.len() == 3)
+    })
+    .await;
+    let (status, _, _) = env.post("/v1/chat/completions", &chat("model-b")).await;
+    assert_eq!(status, 503);
+    for _ in 0..9 {
+        let (status, _, body) = env.post("/v1/chat/completions", &chat("model-a")).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    assert!(
+        env.cluster.decodes[2].stats().requests_total > 0,
+        "the restarted decode serves model-a"
+    );
+    assert_eq!(env.stats().violation_kv_layout_mismatch, 0);
+
+    let resp = env.send("GET", "/readiness", &[], "").await;
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    let v = json(&body);
+    assert_eq!(v["ready"], true, "{v}");
+    let per: Vec<(String, bool)> = v["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .map(|m| {
+            (
+                m["model"].as_str().unwrap_or("").to_string(),
+                m["ready"] == true,
+            )
+        })
+        .collect();
+    assert_eq!(
+        per,
+        [
+            ("model-a".to_string(), true),
+            ("model-b".to_string(), false)
+        ],
+        "{v}"
+    );
+}
+
+/// The admin API adds a worker with its model, and shows for every worker its model and
+/// its handoff group (why it sits where it does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_adds_a_worker_with_its_model_and_shows_its_group() {
+    let env = common::start_with_admin(
+        vec![
+            common::fast_engine(engine(true, "model-a")),
+            common::fast_engine(engine(true, "model-b")),
+        ],
+        vec![
+            common::fast_engine(engine(false, "model-a")),
+            common::fast_engine(engine(false, "model-b")),
+        ],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(2, 2).await;
+    let extra = pdgate_sim::spawn(common::fast_engine(engine(false, "model-b")))
+        .await
+        .expect("engine");
+    let body = serde_json::json!({"role": "decode", "url": extra.url(), "model": "model-b"});
+    let (st, _, b) = env.admin("POST", "/workers", None, &body.to_string()).await;
+    assert_eq!(st, 201, "{}", String::from_utf8_lossy(&b));
+    env.wait_pool("two decodes of model-b", |s| {
+        s.model("model-b")
+            .is_some_and(|m| m.decode_routable.len() == 2)
+    })
+    .await;
+    let (st, _, b) = env.admin("GET", "/workers", None, "").await;
+    assert_eq!(st, 200);
+    let v = json(&b);
+    let workers = v["workers"].as_array().expect("workers");
+    assert_eq!(workers.len(), 5);
+    for w in workers {
+        assert!(w["model"].is_string(), "{w}");
+        assert!(w["handoff_group"]["index"].is_u64(), "{w}");
+        assert_eq!(w["handoff_group"]["page_size"], 1, "{w}");
+    }
+    let groups_of = |m: &str| -> Vec<u64> {
+        let mut g: Vec<u64> = workers
+            .iter()
+            .filter(|w| w["model"] == m)
+            .filter_map(|w| w["handoff_group"]["index"].as_u64())
+            .collect();
+        g.dedup();
+        g
+    };
+    assert_eq!(groups_of("model-b").len(), 1, "{v}");
+    assert_ne!(groups_of("model-a"), groups_of("model-b"), "{v}");
+    let (bad, _, b) = env
+        .admin(
+            "POST",
+            "/workers",
+            None,
+            &serde_json::json!({"role": "decode", "url": "http://127.0.0.1:9", "model": " "})
+                .to_string(),
+        )
+        .await;
+    assert_eq!(bad, 400, "{}", String::from_utf8_lossy(&b));
+}
