@@ -199,7 +199,10 @@ impl Dispatcher {
         // The request's model: which workers may serve it (one lookup; nothing while one
         // handoff group serves everything and no name must match).
         match crate::models::resolve(&self.cfg.models, &self.pool, || req.model()) {
-            Ok(scope) => req.scope = scope,
+            Ok(scope) => {
+                record.model = scope.clone();
+                req.scope = scope;
+            }
             Err(f) => {
                 record.fail(f.reason);
                 return record.answer(f.into_response(Some(&ctx.request_id)));

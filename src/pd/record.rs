@@ -91,6 +91,9 @@ pub struct RequestRecord {
     request_id: Option<HeaderValue>,
     /// The client API key's id (set by the front door when keys are configured).
     pub key_id: Option<Arc<str>>,
+    /// The model the request was routed to (a name from the pool's snapshot or the
+    /// config, so the label set stays bounded); `None` while one group serves all.
+    pub model: Option<Arc<str>>,
     stream: Option<bool>,
     status: Option<StatusCode>,
     outcome: Option<Outcome>,
@@ -115,6 +118,7 @@ impl RequestRecord {
             start: Instant::now(),
             request_id: access.then(|| request_id.clone()),
             key_id: None,
+            model: None,
             stream: None,
             status: None,
             outcome: None,
@@ -245,6 +249,7 @@ impl RequestRecord {
             ttft_ms: self.ttft.map(access::millis),
             duration_ms: access::millis(took),
             key_id: self.key_id.as_deref(),
+            model: self.model.as_deref(),
         }
         .emit();
     }
@@ -262,6 +267,11 @@ impl Drop for RequestRecord {
             // Only with client keys: their ids are as many as the keys file has names.
             if let Some(key) = &self.key_id {
                 metrics::counter!(telemetry::CLIENT_REQUESTS, "key" => key.to_string(), "outcome" => outcome.label())
+                    .increment(1);
+            }
+            // Only while requests are routed by model: names from the snapshot or config.
+            if let Some(m) = &self.model {
+                metrics::counter!(telemetry::MODEL_REQUESTS, "model" => m.to_string(), "outcome" => outcome.label())
                     .increment(1);
             }
             s.duration(outcome).record(took.as_secs_f64());

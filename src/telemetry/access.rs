@@ -68,6 +68,8 @@ pub struct AccessLine<'a> {
     pub duration_ms: f64,
     /// The client API key's id, when keys are configured.
     pub key_id: Option<&'a str>,
+    /// The model the request was routed to, while requests are routed by model.
+    pub model: Option<&'a str>,
 }
 
 /// Whether an access line would be written now (some subscriber wants the target).
@@ -190,6 +192,7 @@ mod tests {
                 ttft_ms: Some(1.5),
                 duration_ms: 2.25,
                 key_id: None,
+                model: None,
             }
             .emit();
         });

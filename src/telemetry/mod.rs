@@ -89,6 +89,7 @@ const DEFAULT_BUCKETS: &[f64] = &[
 // Recorded series.
 pub const REQUESTS: &str = "pdgate_requests_total";
 pub const CLIENT_REQUESTS: &str = "pdgate_client_requests_total";
+pub const MODEL_REQUESTS: &str = "pdgate_model_requests_total";
 pub const REQUEST_DURATION: &str = "pdgate_request_duration_seconds";
 pub const TIME_TO_FIRST_TOKEN: &str = "pdgate_time_to_first_token_seconds";
 pub const INTER_EVENT: &str = "pdgate_stream_inter_event_seconds";
@@ -175,6 +176,8 @@ use Kind::{Counter as C, Gauge as G};
 pub static SERIES: &[Series] = &[
     s(CLIENT_REQUESTS, C, Unit::Count, &["key", "outcome"],
         "PD requests by client key id (the name in auth.api_keys_file, or line-N for an unnamed key; never the key or anything derived from it) and outcome; only with client keys."),
+    s(MODEL_REQUESTS, C, Unit::Count, &["model", "outcome"],
+        "PD requests by the model they were routed to (a model a worker serves or an alias names: never the client's raw string) and outcome; only while requests are routed by model (several handoff groups, aliases or strict)."),
     s(REQUESTS, C, Unit::Count, &["route", "outcome"],
         "PD requests by route and outcome (ok, or the failure reason: the error type clients see), counted when the response ends."),
     histogram(REQUEST_DURATION, &["route", "outcome"], LATENCY_BUCKETS,

@@ -112,7 +112,7 @@ type Req<'a> = (&'a str, &'a str, &'a str, &'a str, &'a str);
 type Want<'a> = (u16, &'a str, Option<&'a str>, Option<bool>);
 
 /// The keys every line has, whatever happened.
-const KEYS: [&str; 16] = [
+const KEYS: [&str; 17] = [
     "request_id",
     "id",
     "route",
@@ -128,6 +128,7 @@ const KEYS: [&str; 16] = [
     "ttft_ms",
     "duration_ms",
     "key_id",
+    "model",
     "timestamp",
 ];
 

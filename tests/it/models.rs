@@ -123,6 +123,15 @@ async fn every_leg_lands_on_its_models_engines() {
         .collect();
     assert_eq!(ids, ["model-a", "model-b"], "{v}");
     assert_eq!(v["data"][0]["object"], "model");
+    let scrape = pdgate::telemetry::render(&*env.router.pool);
+    for m in ["model-a", "model-b"] {
+        assert!(
+            scrape.contains(&format!(
+                r#"pdgate_model_requests_total{{model="{m}",outcome="ok"}}"#
+            )),
+            "{scrape}"
+        );
+    }
 
     let before = requests(&env, &[0, 1], &[0, 1, 2]);
     let (status, _, body) = env.post("/v1/chat/completions", &chat("model-c")).await;
