@@ -401,6 +401,7 @@ mod tests {
             role: Role::Decode,
             url: parse_base_url("http://10.0.0.1:30000").expect("url"),
             bootstrap_port: None,
+            model: None,
         };
         let states = [
             (PodState::NotReady(ep), false),

@@ -40,6 +40,9 @@ pub struct DiscoveryConfig {
     /// Annotation holding a prefill pod's bootstrap port; without it, the engine's
     /// `/server_info` tells (as for static workers).
     pub bootstrap_port_annotation: String,
+    /// Annotation (or label) naming the model a pod serves, for clients; without it, the
+    /// engine's `/server_info` tells (as for static workers).
+    pub model_annotation: String,
     /// Reconcile the workers with the watched pods at least this often (from the watch's
     /// store: no LIST; pods are listed only when the watch starts over).
     pub resync_secs: u64,
@@ -59,6 +62,7 @@ impl Default for DiscoveryConfig {
             port: 80,
             port_name: None,
             bootstrap_port_annotation: "sglang.ai/bootstrap-port".to_string(),
+            model_annotation: "sglang.ai/model".to_string(),
             resync_secs: 60,
             default_grace_secs: 30,
         }
@@ -201,6 +205,11 @@ pub(super) fn validate(cfg: &super::Config) -> Result<(), ConfigError> {
     if d.bootstrap_port_annotation.trim().is_empty() {
         return Err(invalid(
             "discovery.bootstrap_port_annotation must not be empty".to_string(),
+        ));
+    }
+    if d.model_annotation.trim().is_empty() {
+        return Err(invalid(
+            "discovery.model_annotation must not be empty".to_string(),
         ));
     }
     let a = &cfg.admin;

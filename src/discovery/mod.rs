@@ -184,6 +184,7 @@ pub fn plan(cfg: &DiscoveryConfig) -> Result<Plan, DiscoveryError> {
             port: cfg.port,
             port_name: cfg.port_name.clone().filter(|n| !n.trim().is_empty()),
             bootstrap_annotation: cfg.bootstrap_port_annotation.trim().to_string(),
+            model_key: cfg.model_annotation.trim().to_string(),
             default_grace: cfg.default_grace(),
         },
         resync: cfg.resync(),

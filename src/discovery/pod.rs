@@ -10,7 +10,9 @@
 //! 4. Its endpoint: `http://IP:PORT`, PORT the container port named `discovery.port_name`
 //!    when the pod has one, else `discovery.port`; an IPv6 IP gets brackets. A prefill's
 //!    bootstrap port is the annotation's value when present (a malformed one refuses the
-//!    pod), else unset (the engine's `/server_info` tells, as for static workers).
+//!    pod), else unset (the engine's `/server_info` tells, as for static workers). Its
+//!    model is the model annotation's value (else the label's of that key), else unset
+//!    (`/server_info` tells); a value past the name bound refuses the pod.
 //! 5. `Ready=True` makes the pod serving; otherwise it is not ready (a worker it already has
 //!    drains; none is added).
 
@@ -31,6 +33,8 @@ pub struct PodSettings {
     pub port: u16,
     pub port_name: Option<String>,
     pub bootstrap_annotation: String,
+    /// The annotation (else label) naming the pod's model.
+    pub model_key: String,
     pub default_grace: Duration,
 }
 
@@ -48,6 +52,9 @@ pub struct Endpoint {
     pub url: BaseUrl,
     /// Prefill only: from the annotation.
     pub bootstrap_port: Option<u16>,
+    /// The model clients name for it, from the pod's model annotation (else label); unset,
+    /// the engine's `/server_info` tells.
+    pub model: Option<String>,
 }
 
 /// Why a pod seen by discovery is not used.
@@ -261,10 +268,24 @@ fn endpoint(pod: &Pod, role: Role, ip: &str, s: &PodSettings) -> Result<Endpoint
             ),
         },
     };
+    let meta = &pod.metadata;
+    let model = meta
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(&s.model_key))
+        .or_else(|| meta.labels.as_ref().and_then(|l| l.get(&s.model_key)))
+        .map(|v| v.trim())
+        .filter(|v| !v.is_empty());
+    if let Some(m) = model {
+        if m.len() > crate::config::models::MAX_NAME_BYTES {
+            return Err(Ignored::BadAnnotation(m.chars().take(64).collect()));
+        }
+    }
     Ok(Endpoint {
         role,
         url,
         bootstrap_port,
+        model: model.map(str::to_string),
     })
 }
 

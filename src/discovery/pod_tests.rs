@@ -10,6 +10,7 @@ fn settings() -> PodSettings {
         port: 30000,
         port_name: Some("http".into()),
         bootstrap_annotation: "sglang.ai/bootstrap-port".into(),
+        model_key: "sglang.ai/model".into(),
         default_grace: Duration::from_secs(30),
     }
 }
@@ -47,6 +48,7 @@ fn ep(role: Role, url: &str, bootstrap_port: Option<u16>) -> Endpoint {
         role,
         url: parse_base_url(url).expect("url"),
         bootstrap_port,
+        model: None,
     }
 }
 
@@ -284,6 +286,35 @@ fn pods_map_to_workers_by_the_rules() {
             Matched::default(),
             settings(),
             PodState::Ignored(Ignored::NoSelector),
+        ),
+        (
+            "the model annotation names the pod's model",
+            |v| v["metadata"]["annotations"] = json!({"sglang.ai/model": " Qwen/Qwen3-8B "}),
+            D,
+            settings(),
+            PodState::Ready(Endpoint {
+                model: Some("Qwen/Qwen3-8B".into()),
+                ..ep(Role::Decode, "http://10.0.0.7:8000", None)
+            }),
+        ),
+        (
+            "without the annotation, a label of that key",
+            |v| {
+                v["metadata"]["labels"]["sglang.ai/model"] = json!("qwen3-8b");
+            },
+            D,
+            settings(),
+            PodState::Ready(Endpoint {
+                model: Some("qwen3-8b".into()),
+                ..ep(Role::Decode, "http://10.0.0.7:8000", None)
+            }),
+        ),
+        (
+            "an empty model annotation names nothing",
+            |v| v["metadata"]["annotations"] = json!({"sglang.ai/model": " "}),
+            D,
+            settings(),
+            PodState::Ready(ep(Role::Decode, "http://10.0.0.7:8000", None)),
         ),
         (
             "no port name configured: the port",

@@ -209,7 +209,7 @@ impl Reconciler {
             bootstrap_port: ep.bootstrap_port,
             bootstrap_host: None,
             source: WorkerSource::Discovered(pod.clone()),
-            model: None,
+            model: ep.model.clone(),
         };
         match self.fleet.add(spec) {
             Ok(id) => {

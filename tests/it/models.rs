@@ -440,3 +440,47 @@ async fn admin_adds_a_worker_with_its_model_and_shows_its_group() {
         .await;
     assert_eq!(bad, 400, "{}", String::from_utf8_lossy(&b));
 }
+
+/// Discovery: pods whose engines all report `sim-model` are named by their
+/// `sglang.ai/model` annotation, and requests follow the annotation's model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovered_pods_are_named_by_their_model_annotation() {
+    use crate::discovery::{discovery_config, DECODE, NS, PREFILL};
+    use crate::support::fake_kube::{self, FakeKube};
+    let kube = FakeKube::start().await;
+    let env = start(vec![], vec![], |_| {}).await;
+    let disc = pdgate::discovery::spawn_with_client(
+        kube.client(NS).await,
+        &discovery_config(),
+        env.router.fleet.clone(),
+    )
+    .expect("discovery");
+    let mut engines = Vec::new();
+    for (i, model) in ["left", "right"].iter().enumerate() {
+        for (role, labels) in [(true, PREFILL), (false, DECODE)] {
+            let e = pdgate_sim::spawn(common::fast_engine(engine(role, "sim-model")))
+                .await
+                .expect("engine");
+            let name = format!("{}-{i}", if role { "prefill" } else { "decode" });
+            let mut pod = fake_kube::pod(&name, labels, e.addr().port());
+            let mut notes = std::collections::BTreeMap::new();
+            notes.insert("sglang.ai/model".to_string(), model.to_string());
+            if let Some(bp) = e.bootstrap_port() {
+                notes.insert("sglang.ai/bootstrap-port".to_string(), bp.to_string());
+            }
+            pod.metadata.annotations = Some(notes);
+            kube.create(NS, pod);
+            engines.push(e);
+        }
+    }
+    env.wait_routable(2, 2).await;
+    env.wait_pool("two models", |s| s.models.len() == 2).await;
+    for _ in 0..4 {
+        let (status, _, body) = env.post("/v1/chat/completions", &chat("right")).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    // engines: [left prefill, left decode, right prefill, right decode]
+    let counts: Vec<u64> = engines.iter().map(|e| e.stats().requests_total).collect();
+    assert_eq!(counts, [0, 0, 4, 4]);
+    drop(disc);
+}
