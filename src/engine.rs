@@ -90,8 +90,9 @@ pub struct ServerInfo {
 
 /// What a prefill and a decode must agree on for a KV handoff: the served name, the
 /// weights (path and version), the KV page size and dtype, the transfer backend and the
-/// speculative-decoding settings. Workers are paired only within one key (their *group*);
-/// a fact an engine does not report is `None` and compares equal only to `None`.
+/// speculative-decoding settings. Workers with one key form a *group*; a prefill pairs
+/// only with a decode of a [compatible](HandoffKey::compatible) key. A fact an engine does
+/// not report is `None` and is not compared (as the layout-mismatch check does).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HandoffKey {
     /// The model clients name: the operator's override, else `served_model_name`, else
@@ -107,6 +108,24 @@ pub struct HandoffKey {
 }
 
 impl HandoffKey {
+    /// Whether a prefill of one key may hand its KV to a decode of the other: every fact
+    /// both report is equal.
+    pub fn compatible(&self, other: &HandoffKey) -> bool {
+        fn same<T: PartialEq>(a: &Option<T>, b: &Option<T>) -> bool {
+            match (a, b) {
+                (Some(a), Some(b)) => a == b,
+                _ => true,
+            }
+        }
+        same(&self.model, &other.model)
+            && same(&self.model_path, &other.model_path)
+            && same(&self.weight_version, &other.weight_version)
+            && same(&self.page_size, &other.page_size)
+            && same(&self.kv_cache_dtype, &other.kv_cache_dtype)
+            && same(&self.transfer_backend, &other.transfer_backend)
+            && same(&self.speculative, &other.speculative)
+    }
+
     /// The key of an engine from its server info (unknown yet: `None`) and the operator's
     /// model name for it, if any.
     pub fn of(info: Option<&ServerInfo>, model_override: Option<&str>) -> HandoffKey {

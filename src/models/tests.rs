@@ -124,3 +124,71 @@ fn the_list_has_every_model_and_the_aliases_of_served_ones() {
     assert_eq!(v["data"][0]["root"], "/models/m-a");
     assert_eq!(v["data"][2]["parent"], "m-b");
 }
+
+/// Facts one side does not report are not compared: an engine that names no model (an
+/// older or non-SGLang engine) still pairs with a named one of the same layout, and never
+/// with one whose reported facts differ.
+#[test]
+fn unreported_facts_are_not_compared() {
+    use crate::engine::HandoffKey;
+    let named = HandoffKey {
+        model: Some("m-a".into()),
+        model_path: Some("/models/m-a".into()),
+        page_size: Some(1),
+        transfer_backend: Some("mooncake".into()),
+        ..HandoffKey::default()
+    };
+    let bare = HandoffKey {
+        page_size: Some(1),
+        ..HandoffKey::default()
+    };
+    let other_page = HandoffKey {
+        page_size: Some(16),
+        ..bare.clone()
+    };
+    let other_model = HandoffKey {
+        model: Some("m-b".into()),
+        ..named.clone()
+    };
+    for (a, b, want) in [
+        (&named, &named, true),
+        (&named, &bare, true),
+        (&bare, &named, true),
+        (&named, &other_page, false),
+        (&named, &other_model, false),
+        (&HandoffKey::default(), &other_model, true),
+    ] {
+        assert_eq!(a.compatible(b), want, "{a:?} / {b:?}");
+    }
+    // In a snapshot: the named prefill's partners include the bare decode.
+    let p = Pool::new();
+    let pid = p.add_worker(
+        Role::Prefill,
+        parse_base_url("http://10.0.0.1:1").expect("url"),
+        None,
+    );
+    let did = p.add_worker(
+        Role::Decode,
+        parse_base_url("http://10.0.0.2:1").expect("url"),
+        None,
+    );
+    p.update_worker(Role::Prefill, pid, |w| {
+        w.info = Some(ServerInfo {
+            served_model_name: Some("m-a".into()),
+            page_size: Some(1),
+            ..ServerInfo::default()
+        })
+    });
+    p.update_worker(Role::Decode, did, |w| {
+        w.healthy = true;
+        w.info = Some(ServerInfo {
+            page_size: Some(1),
+            ..ServerInfo::default()
+        })
+    });
+    let snap = p.load();
+    assert_eq!(snap.groups.len(), 2);
+    let partners = snap.decodes_for(pid).expect("two groups");
+    assert_eq!(partners.len(), 1);
+    assert_eq!(partners[0].worker, did);
+}

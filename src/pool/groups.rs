@@ -1,15 +1,18 @@
 //! Workers grouped by what a KV handoff needs them to agree on ([`HandoffKey`]), and the
 //! groups by the model clients name: computed at every snapshot rebuild, so that the
-//! request path picks a prefill among its model's groups and a decode within the
-//! prefill's group from lists that are already made.
+//! request path picks a prefill among its model's groups and a decode among the prefill's
+//! partners from lists that are already made.
 //!
 //! Invariants:
 //! - Every worker of a snapshot sits in exactly one group (`WorkerView::group`); a group's
 //!   routable lists are the snapshot's routable workers of that group, nothing else.
-//! - A model lists the groups whose key names it; its routable decodes are its groups',
-//!   its routable prefills those of its groups that have a routable decode (so a prefill
-//!   is picked only where a partner exists). A group whose engines named no model yet (no
-//!   `/server_info`, no override) belongs to no model.
+//! - A group's partners are the routable workers of the other role in every group whose
+//!   key is [compatible](HandoffKey::compatible) with its own (its own group included):
+//!   a prefill is only ever paired with one of them.
+//! - A model lists the groups whose key names it; its routable prefills are those of its
+//!   groups that have a partner decode (a prefill is picked only where a partner exists),
+//!   its routable decodes its groups' partner decodes. A group whose engines named no
+//!   model (no `/server_info`, no override) belongs to no model.
 //! - Groups and models are in first-seen order of the workers (by role, then id), so a
 //!   rebuild that changes nothing keeps every index.
 
@@ -26,6 +29,10 @@ pub struct Group {
     pub model: Option<usize>,
     pub prefill_routable: Vec<Routable>,
     pub decode_routable: Vec<Routable>,
+    /// Routable decodes a prefill of this group may pair with (compatible groups').
+    pub partner_decodes: Vec<Routable>,
+    /// Routable prefills a decode of this group may pair with (compatible groups').
+    pub partner_prefills: Vec<Routable>,
 }
 
 /// One model as clients name it: the groups serving it.
@@ -77,6 +84,8 @@ impl Grouping {
             model,
             prefill_routable: Vec::new(),
             decode_routable: Vec::new(),
+            partner_decodes: Vec::new(),
+            partner_prefills: Vec::new(),
         });
         (g, model.map(|m| self.models[m].name.clone()))
     }
@@ -100,13 +109,25 @@ impl Grouping {
         }
     }
 
-    /// Fills each model's routable lists from its groups: a prefill only where its group
-    /// has a routable decode (a pick never lands on a prefill nobody can pair with), every
-    /// routable decode. Returns the prefills that can be paired, all models together.
+    /// Fills each group's partners and each model's routable lists (see the module
+    /// docs). Returns the prefills that can be paired, all models together.
     pub fn finish(&mut self) -> Vec<Routable> {
+        let n = self.groups.len();
+        for g in 0..n {
+            let mut decodes = Vec::new();
+            let mut prefills = Vec::new();
+            for h in 0..n {
+                if self.groups[g].key.compatible(&self.groups[h].key) {
+                    decodes.extend(self.groups[h].decode_routable.iter().cloned());
+                    prefills.extend(self.groups[h].prefill_routable.iter().cloned());
+                }
+            }
+            self.groups[g].partner_decodes = decodes;
+            self.groups[g].partner_prefills = prefills;
+        }
         let mut pairable = Vec::new();
         for g in &self.groups {
-            let prefills: &[Routable] = if g.decode_routable.is_empty() {
+            let prefills: &[Routable] = if g.partner_decodes.is_empty() {
                 &[]
             } else {
                 &g.prefill_routable
@@ -114,7 +135,11 @@ impl Grouping {
             pairable.extend(prefills.iter().cloned());
             if let Some(m) = g.model.and_then(|m| self.models.get_mut(m)) {
                 m.prefill_routable.extend(prefills.iter().cloned());
-                m.decode_routable.extend(g.decode_routable.iter().cloned());
+                for d in &g.partner_decodes {
+                    if !m.decode_routable.iter().any(|x| x.worker == d.worker) {
+                        m.decode_routable.push(d.clone());
+                    }
+                }
             }
         }
         pairable

@@ -326,14 +326,15 @@ impl Snapshot {
     }
 
     /// The routable workers of `role` that may pair with a worker of handoff group
-    /// `group`: `None` while there is only one group (every routable worker may).
+    /// `group` (its compatible groups'): `None` while there is only one group (every
+    /// routable worker may).
     pub fn partners(&self, role: Role, group: usize) -> Option<&[Routable]> {
         if self.groups.len() <= 1 {
             return None;
         }
         Some(self.groups.get(group).map_or(&[], |g| match role {
-            Role::Prefill => &g.prefill_routable,
-            Role::Decode => &g.decode_routable,
+            Role::Prefill => &g.partner_prefills,
+            Role::Decode => &g.partner_decodes,
         }))
     }
 
