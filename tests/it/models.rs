@@ -484,3 +484,40 @@ async fn discovered_pods_are_named_by_their_model_annotation() {
     assert_eq!(counts, [0, 0, 4, 4]);
     drop(disc);
 }
+
+/// Hot reload: `[models]` applies to the next request (an alias added), and a static
+/// worker whose `model` changed is replaced by one of the new model (the old one drains).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_applies_aliases_and_renames_a_worker() {
+    let env = two_models(|_| {}).await;
+    let (status, _, body) = env.post("/v1/chat/completions", &chat("gpt-4o")).await;
+    assert_model_not_found(status, &body);
+    let mut next = (**env.router.fleet.live().load()).clone();
+    next.models
+        .aliases
+        .insert("gpt-4o".into(), "model-b".into());
+    // Decode 2 (model-a's second) is renamed; its engine still reports model-a, so it now
+    // serves "model-c" alone, in a group of its own.
+    next.decode[2].model = Some("model-c".into());
+    let applied = pdgate::reload::apply(&env.router, next).expect("valid");
+    assert_eq!((applied.added, applied.removed), (1, 1), "{applied:?}");
+    let (status, _, body) = env.post("/v1/chat/completions", &chat("gpt-4o")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    env.wait_pool("model-c's decode in, the old one gone", |s| {
+        s.model("model-c").is_some_and(|m| m.workers[1] == 1) && s.decodes.len() == 3
+    })
+    .await;
+    let before = env.cluster.decodes[2].stats().requests_total;
+    for _ in 0..6 {
+        let (status, _, body) = env.post("/v1/chat/completions", &chat("model-a")).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    assert_eq!(
+        env.cluster.decodes[2].stats().requests_total,
+        before,
+        "the renamed decode no longer takes model-a's requests"
+    );
+    // model-c has a decode but no prefill of its own: a 503 for it alone.
+    let (status, _, _) = env.post("/v1/chat/completions", &chat("model-c")).await;
+    assert_eq!(status, 503);
+}
