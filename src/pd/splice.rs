@@ -71,6 +71,8 @@ pub struct Tracker {
     /// The first segment's object id (OpenAI `id`, `/generate` `meta_info.id`).
     id: Option<String>,
     stop: Option<Stop>,
+    /// The OpenAI routes: this stream's event shape (most events are skimmed from it).
+    shape: skim::ShapeCache,
 }
 
 #[derive(Deserialize)]
@@ -135,10 +137,12 @@ fn events(buf: &[u8]) -> impl Iterator<Item = (usize, usize)> + '_ {
 
 /// `data` without the member at `member` (from its key's opening quote to the end of its
 /// value, as [`skim::Chunk::usage_member`] gives), and the comma that joined it.
-fn cut_member(data: &[u8], member: std::ops::Range<usize>) -> Option<Vec<u8>> {
-    let before = data.get(..member.start)?.trim_ascii_end();
-    let after = data.get(member.end..)?;
-    let mut out = Vec::with_capacity(data.len());
+fn cut_member(out: &mut Vec<u8>, data: &[u8], member: std::ops::Range<usize>) {
+    let (Some(before), Some(after)) = (data.get(..member.start), data.get(member.end..)) else {
+        out.extend_from_slice(data);
+        return;
+    };
+    let before = before.trim_ascii_end();
     if let Some(b) = before.strip_suffix(b",") {
         out.extend_from_slice(b);
         out.extend_from_slice(after);
@@ -148,7 +152,28 @@ fn cut_member(data: &[u8], member: std::ops::Range<usize>) -> Option<Vec<u8>> {
         let after = after.trim_ascii_start();
         out.extend_from_slice(after.strip_prefix(b",").unwrap_or(after));
     }
-    Some(out)
+}
+
+/// What becomes of one data payload (see [`Tracker::relay`]).
+enum Replace {
+    /// Forwarded as it is.
+    Keep,
+    /// Dropped.
+    Drop,
+    /// Replaced by these bytes.
+    With(Vec<u8>),
+    /// Forwarded without this member (and the comma that joined it).
+    Cut(std::ops::Range<usize>),
+}
+
+impl From<Option<Option<Vec<u8>>>> for Replace {
+    fn from(r: Option<Option<Vec<u8>>>) -> Replace {
+        match r {
+            None => Replace::Keep,
+            Some(None) => Replace::Drop,
+            Some(Some(d)) => Replace::With(d),
+        }
+    }
 }
 
 fn push_event(out: &mut Vec<u8>, data: &[u8]) {
@@ -173,6 +198,7 @@ impl Tracker {
             usage_chunk_sent: false,
             id: None,
             stop: None,
+            shape: skim::ShapeCache::default(),
         }
     }
 
@@ -217,22 +243,29 @@ impl Tracker {
                 Some(d) if d != b"[DONE]" => self.event(d),
                 Some(_) => {
                     self.done_seen = true;
-                    None
+                    Replace::Keep
                 }
-                None => None,
+                None => Replace::Keep,
             };
-            match replaced {
-                None => {
-                    if let Some(o) = out.as_mut() {
-                        o.extend_from_slice(event);
-                    }
+            if let Replace::Keep = replaced {
+                if let Some(o) = out.as_mut() {
+                    o.extend_from_slice(event);
                 }
-                Some(r) => {
-                    let o = out.get_or_insert_with(|| run[..s].to_vec());
-                    if let Some(d) = r {
-                        push_event(o, &d);
-                    }
+                continue;
+            }
+            let o = out.get_or_insert_with(|| {
+                let mut o = Vec::with_capacity(run.len());
+                o.extend_from_slice(&run[..s]);
+                o
+            });
+            match (replaced, data) {
+                (Replace::With(d), _) => push_event(o, &d),
+                (Replace::Cut(m), Some(d)) => {
+                    o.extend_from_slice(b"data: ");
+                    cut_member(o, d, m);
+                    o.extend_from_slice(b"\n\n");
                 }
+                _ => {}
             }
         }
         match out {
@@ -241,11 +274,10 @@ impl Tracker {
         }
     }
 
-    /// One data payload: `None` to forward it as is, `Some(None)` to drop it,
-    /// `Some(Some(d))` to send `d` instead.
-    fn event(&mut self, data: &[u8]) -> Option<Option<Vec<u8>>> {
+    /// What becomes of one data payload.
+    fn event(&mut self, data: &[u8]) -> Replace {
         match self.plan.route {
-            ApiRoute::Generate => self.generate_event(data),
+            ApiRoute::Generate => self.generate_event(data).into(),
             _ => self.openai_event(data),
         }
     }
@@ -329,8 +361,10 @@ impl Tracker {
         Some(serde_json::to_vec(&v).ok())
     }
 
-    fn openai_event(&mut self, data: &[u8]) -> Option<Option<Vec<u8>>> {
-        let c = skim::chunk(data)?;
+    fn openai_event(&mut self, data: &[u8]) -> Replace {
+        let Some(c) = self.shape.chunk(data) else {
+            return Replace::Keep;
+        };
         let completion_tokens = c.completion_tokens;
         if let Some(n) = completion_tokens {
             self.cur.completion_tokens = n;
@@ -379,29 +413,34 @@ impl Tracker {
             }
         }
         let usage_chunk = c.choices.is_empty() && c.usage.is_some();
+        let usage_member = c.usage_member.clone();
         let show_usage = if usage_chunk {
             self.plan.client_usage || self.plan.client_continuous_usage
         } else {
             self.plan.client_continuous_usage
         };
         if usage_chunk && !show_usage {
-            return Some(None);
+            return Replace::Drop;
         }
         if usage_chunk {
             self.usage_chunk_sent = true;
         }
         if self.segment == 0 {
-            return match c.usage_member {
-                Some(m) if !show_usage => Some(cut_member(data, m)),
-                _ => None,
+            return match usage_member {
+                Some(m) if !show_usage => Replace::Cut(m),
+                _ => Replace::Keep,
             };
         }
         if role_only {
             // The continuation's opening chunk (its role): the client has had one.
-            return Some(None);
+            return Replace::Drop;
         }
-        let mut v: Value = serde_json::from_slice(data).ok()?;
-        let o = v.as_object_mut()?;
+        let Ok(mut v) = serde_json::from_slice::<Value>(data) else {
+            return Replace::Keep;
+        };
+        let Some(o) = v.as_object_mut() else {
+            return Replace::Keep;
+        };
         if let Some(id) = &self.id {
             o.insert("id".into(), id.clone().into());
         }
@@ -426,7 +465,7 @@ impl Tracker {
         } else {
             o.remove("usage");
         }
-        Some(serde_json::to_vec(&v).ok())
+        serde_json::to_vec(&v).map_or(Replace::Drop, Replace::With)
     }
 
     /// The answer is complete (a finish reason was relayed): nothing is left to generate.
