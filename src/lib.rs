@@ -28,6 +28,7 @@ pub mod fleet;
 pub mod fuzzing;
 pub mod health;
 pub mod memory;
+pub mod metrics_listener;
 pub mod pd;
 pub mod policy;
 pub mod pool;
