@@ -455,3 +455,108 @@ fn the_readme_maps_every_flag() {
         "SGLang router flags missing from the README: {missing:?}"
     );
 }
+
+/// `--api-key K` as SGLang's router means it, on a running router: the client key (a
+/// request without it gets 401 and sends no leg), the admin token, and the key the engines
+/// get.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_is_client_key_admin_token_and_engine_key() {
+    use crate::support::common::{start_with_admin, GEN};
+    use pdgate_sim::EngineConfig;
+    let (flags, _) = serve(&["--api-key", "sk-one"]).unwrap();
+    let env = start_with_admin(
+        vec![crate::support::common::fast_engine(EngineConfig::prefill(
+            1,
+        ))],
+        vec![crate::support::common::fast_engine(EngineConfig::decode(1))],
+        |c| {
+            c.auth = flags.auth.clone();
+            c.admin = pdgate::config::AdminConfig {
+                host: c.admin.host,
+                port: c.admin.port,
+                ..flags.admin.clone()
+            };
+            c.upstream.api_key = flags.upstream.api_key.clone();
+        },
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    async fn post(
+        env: &crate::support::common::Env,
+        auth: Option<&str>,
+    ) -> hyper::Response<hyper::body::Incoming> {
+        let mut h = vec![("content-type", "application/json")];
+        if let Some(a) = auth {
+            h.push(("authorization", a));
+        }
+        env.send("POST", "/generate", &h, GEN.to_string()).await
+    }
+    assert_eq!(post(&env, None).await.status(), 401);
+    assert_eq!(post(&env, Some("Bearer sk-other")).await.status(), 401);
+    assert_eq!(
+        env.cluster.decodes[0].last_generate_headers().len(),
+        0,
+        "a refused request sent a leg"
+    );
+    let ok = post(&env, Some("Bearer sk-one")).await;
+    assert_eq!(ok.status(), 200);
+    let _ = http_body_util::BodyExt::collect(ok.into_body()).await;
+    for e in [&env.cluster.prefills[0], &env.cluster.decodes[0]] {
+        let seen = e
+            .last_generate_headers()
+            .into_iter()
+            .find(|(k, _)| k == "authorization")
+            .map(|(_, v)| v);
+        assert_eq!(
+            seen.as_deref(),
+            Some("Bearer sk-one"),
+            "the engines get the key"
+        );
+    }
+    assert_eq!(env.admin("GET", "/workers", None, "").await.0, 401);
+    assert_eq!(
+        env.admin("GET", "/workers", Some("sk-other"), "").await.0,
+        401
+    );
+    assert_eq!(
+        env.admin("GET", "/workers", Some("sk-one"), "").await.0,
+        200
+    );
+}
+
+/// `--log-level` takes SGLang's spellings and refuses what is not a level (tracing would
+/// take an unknown word for a target name and silence every line).
+#[test]
+fn log_levels_are_sglang_spellings_or_refused() {
+    let cases: &[(&str, Option<&str>)] = &[
+        ("info", Some("info")),
+        ("warning", Some("warn")),
+        ("WARNING", Some("warn")),
+        ("critical", Some("error")),
+        ("error", Some("error")),
+        ("debug", Some("debug")),
+        ("off", Some("off")),
+        ("pdgate=debug,warning", Some("pdgate=debug,warn")),
+        ("pdgate::pd=trace, critical", Some("pdgate::pd=trace,error")),
+        ("warnign", None),
+        ("pdgate", None),
+        ("pdgate=loud", None),
+        ("=info", None),
+        ("", None),
+        (" , ", None),
+    ];
+    for (level, want) in cases {
+        let cfg = Config {
+            log: pdgate::config::LogConfig {
+                level: level.to_string(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        match (cfg.validate(), want) {
+            (Ok(()), Some(w)) => assert_eq!(cfg.log.filter().unwrap(), *w, "{level:?}"),
+            (Err(e), None) => assert!(e.to_string().contains("log.level"), "{level:?}: {e}"),
+            (got, want) => panic!("{level:?}: {got:?}, want {want:?}"),
+        }
+    }
+}
