@@ -29,10 +29,10 @@ pub struct ServeArgs {
     /// A decode engine URL (repeatable).
     #[arg(long, action = clap::ArgAction::Append)]
     pub decode: Vec<String>,
-    /// Listen address (default 127.0.0.1).
+    /// Listen address.
     #[arg(long)]
     pub host: Option<std::net::IpAddr>,
-    /// Listen port (default 8000; 0 picks a free one).
+    /// Listen port (0 picks a free one).
     #[arg(long)]
     pub port: Option<u16>,
     /// Policy for both pools (overridden per pool by the two flags below): random,
@@ -93,19 +93,19 @@ pub struct ServeArgs {
     /// workers (comma-separated; `*` for any). Required there.
     #[arg(long, value_delimiter = ',', value_name = "NAMESPACES")]
     pub service_discovery_allowed_namespaces: Vec<String>,
-    /// The engines' HTTP port (default 80) when no container port has `--service-discovery-port-name`.
+    /// The engines' HTTP port when no container port has `--service-discovery-port-name`.
     #[arg(long)]
     pub service_discovery_port: Option<u16>,
     /// A named container port to take the engine's port from.
     #[arg(long)]
     pub service_discovery_port_name: Option<String>,
-    /// Annotation with a prefill pod's bootstrap port (default `sglang.ai/bootstrap-port`).
+    /// Annotation with a prefill pod's bootstrap port.
     #[arg(long)]
     pub bootstrap_port_annotation: Option<String>,
-    /// Admin listener address (default 127.0.0.1).
+    /// Admin listener address.
     #[arg(long)]
     pub admin_host: Option<std::net::IpAddr>,
-    /// Admin listener port (default 29000; 0 picks a free one).
+    /// Admin listener port (0 picks a free one).
     #[arg(long)]
     pub admin_port: Option<u16>,
     /// File holding the admin bearer token (else `PDGATE_ADMIN_API_KEY`).

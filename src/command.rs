@@ -53,7 +53,13 @@ pub struct CheckArgs {
 pub fn cli() -> clap::Command {
     use clap::CommandFactory;
     Cli::command()
-        .mut_subcommand("serve", pdgate::cli::with_defaults)
+        .mut_subcommand("serve", |c| {
+            pdgate::cli::with_defaults(c).after_help(
+                "Every other flag of SGLang's router (smg launch) is accepted as a no-op, \
+                 ignored with a warning at start, or refused with what replaces it: README, \
+                 \"Coming from SGLang's router\".",
+            )
+        })
         .mut_subcommand("check", |c| {
             pdgate::cli::for_check(pdgate::cli::with_defaults(c))
         })
