@@ -73,7 +73,9 @@ pub struct ServeArgs {
     /// Log format: text or json.
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
-    /// Log filter (`info`, `pdgate=debug`, ...); RUST_LOG wins.
+    /// Log level (trace, debug, info, warn or warning, error or critical, off) or
+    /// `target=level` directives (`pdgate=debug,info`); anything else is refused. RUST_LOG
+    /// wins.
     #[arg(long)]
     pub log_level: Option<String>,
     /// Discover engines as Kubernetes pods (see `[discovery]`).

@@ -71,12 +71,16 @@ fn init_logs(cfg: &LogConfig) -> tracing_appender::non_blocking::WorkerGuard {
 /// The first line `serve` logs: what runs (version, commit) and how it routes, then the
 /// SGLang router flags it accepted without a setting of their own.
 fn log_start(cfg: &pdgate::config::Config, notes: &[(bool, String)]) {
+    use clap::ValueEnum;
+    let name = |v: Option<clap::builder::PossibleValue>| {
+        v.map(|p| p.get_name().to_string()).unwrap_or_default()
+    };
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         commit = option_env!("PDGATE_COMMIT").unwrap_or("unknown"),
-        prefill_policy = ?cfg.policy.prefill,
-        decode_policy = ?cfg.policy.decode,
-        contract_mode = ?cfg.contract.mode,
+        prefill_policy = %name(cfg.policy.prefill.to_possible_value()),
+        decode_policy = %name(cfg.policy.decode.to_possible_value()),
+        contract_mode = %name(cfg.contract.mode.to_possible_value()),
         prefills = cfg.prefill.len(),
         decodes = cfg.decode.len(),
         discovery = cfg.discovery.enabled,

@@ -101,8 +101,8 @@ async fn json_logs_start_line_metrics_listener_and_drain_line() {
         first["commit"].as_str().is_some_and(|c| !c.is_empty()),
         "{first}"
     );
-    assert_eq!(first["prefill_policy"], "CacheAware");
-    assert_eq!(first["contract_mode"], "Modulo");
+    assert_eq!(first["prefill_policy"], "cache_aware");
+    assert_eq!(first["contract_mode"], "modulo");
     let notes: Vec<serde_json::Value> = lines.iter().map(|l| json(l)).collect();
     assert!(
         notes.iter().any(|v| v["level"] == "WARN"
