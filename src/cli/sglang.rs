@@ -1,8 +1,10 @@
 //! SGLang router (smg) flags on `pdgate serve`, so that a launch command written for SGLang's
 //! router starts pdgate unchanged or is refused with a message that says what to use.
 //!
-//! Every flag of `smg launch --help` (1.13; the captured text is the test fixture
-//! `tests/it/fixtures/smg-1.13-launch-help.txt`) has one entry in [`FLAGS`], with its fate:
+//! Every flag of `smg launch --help` (1.13) and of the older `sglang-router` package's
+//! `python -m sglang_router.launch_router --help` (0.3.2, whose flags smg kept but one,
+//! `--mini-lb`) has one entry in [`FLAGS`] (the captured texts are test fixtures in
+//! `tests/it/fixtures/`), with its fate:
 //! - [`Fate::Mapped`]: a real flag of [`SglangArgs`] (or of `ServeArgs` when pdgate has the
 //!   same name) sets pdgate's setting;
 //! - [`Fate::Always`]: accepted and unused, because pdgate always does it (`--dp-aware`);
@@ -117,7 +119,8 @@ const PRIORITY: Fate = Refused(
     "pdgate admits requests in arrival order (admission queue); it has no priority classes",
 );
 
-/// Every flag of `smg launch --help` (smg 1.13), sorted as that help lists them.
+/// Every flag of `smg launch --help` (smg 1.13), sorted as that help lists them, and
+/// `--mini-lb` of sglang-router 0.3.2.
 pub const FLAGS: &[Flag] = &[
     f("job-queue-capacity", Ignored("pdgate adds a worker at once (admin API, discovery); there is no job queue")),
     f("job-queue-concurrency", Ignored("pdgate adds a worker at once (admin API, discovery); there is no job queue")),
@@ -201,6 +204,11 @@ pub const FLAGS: &[Flag] = &[
     f("dp-minimum-tokens-scheduler", Ignored("pdgate picks the DP rank with its own policy")),
     f("enable-igw", Refused("pdgate routes one prefill/decode fleet; it is not a multi-fleet gateway")),
     f("pd-disaggregation", Always("pdgate always routes prefill/decode pairs")),
+    // sglang-router 0.3.2 (`python -m sglang_router.launch_router`) only:
+    f(
+        "mini-lb",
+        Ignored("pdgate is the load balancer; there is no separate mini load balancer"),
+    ),
     f("epd-disaggregation", EPD),
     f("encode", EPD),
     f("prefill", Mapped),

@@ -1,6 +1,6 @@
-//! SGLang router flags on `pdgate serve`, against the flag list of SGLang's router itself:
-//! `tests/it/fixtures/smg-1.13-launch-help.txt` is `smg launch --help` of smg 1.13 (see
-//! `tests/it/fixtures/README.md`). Every flag of that help is mapped (its pdgate setting is
+//! SGLang router flags on `pdgate serve`, against the flag lists of SGLang's router itself:
+//! `tests/it/fixtures/smg-1.13-launch-help.txt` (`smg launch --help` of smg 1.13) and
+//! `sglang-router-0.3.2-launch-router-help.txt` (see `tests/it/fixtures/README.md`). Every flag of that help is mapped (its pdgate setting is
 //! asserted), accepted as a no-op (the config is unchanged and a start-up note names it),
 //! or refused with a message naming what replaces it; a flag the table does not cover
 //! fails the test.
@@ -12,13 +12,22 @@ use pdgate::cli::sglang::{fate, Fate, FLAGS};
 use pdgate::cli::{prefill_groups, ServeArgs};
 use pdgate::config::{Config, LogFormat, PolicyKind};
 
-const FIXTURE: &str = include_str!("fixtures/smg-1.13-launch-help.txt");
+/// `smg launch --help` (smg 1.13) and `python -m sglang_router.launch_router --help`
+/// (sglang-router 0.3.2, the package SGLang's docs still install).
+const FIXTURES: &[&str] = &[
+    include_str!("fixtures/smg-1.13-launch-help.txt"),
+    include_str!("fixtures/sglang-router-0.3.2-launch-router-help.txt"),
+];
 
 /// Every long flag the help defines (aliases included): the option lines of argparse's
 /// help, up to the description.
 fn fixture_flags() -> BTreeSet<String> {
     let mut out = BTreeSet::new();
-    for line in FIXTURE.lines().filter(|l| l.starts_with("  -")) {
+    for line in FIXTURES
+        .iter()
+        .flat_map(|f| f.lines())
+        .filter(|l| l.starts_with("  -"))
+    {
         let def = line.split("   ").next().unwrap_or("");
         for w in def.split([' ', ',']) {
             if let Some(name) = w.strip_prefix("--") {
