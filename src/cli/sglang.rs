@@ -367,19 +367,22 @@ impl SglangCompat {
     /// a message that names the flag and what replaces it.
     pub fn check(&self) -> Result<(), ConfigError> {
         for (name, values) in &self.given {
-            let refusal = match fate(name) {
-                Some(Refused(why)) => why,
+            let message = match fate(name) {
+                Some(Refused(why)) => {
+                    format!("--{name} (an SGLang router flag) is not supported: {why}")
+                }
                 Some(Only { value, why })
                     if values.is_empty()
                         || values.iter().any(|v| !v.eq_ignore_ascii_case(value)) =>
                 {
-                    why
+                    format!(
+                        "--{name} {} (an SGLang router flag): pdgate supports only `{value}`: {why}",
+                        values.join(" ")
+                    )
                 }
                 _ => continue,
             };
-            return Err(ConfigError::Invalid(format!(
-                "--{name} (an SGLang router flag) is not supported: {refusal}"
-            )));
+            return Err(ConfigError::Invalid(message));
         }
         Ok(())
     }

@@ -127,6 +127,12 @@ async fn json_logs_start_line_metrics_listener_and_drain_line() {
     assert_eq!(s, 200);
     assert!(body.contains("# TYPE pdgate_"), "{body}");
     assert_eq!(get(&format!("{metrics}/liveness")).await.0, 200);
+    let post = http::Request::post(format!("{metrics}/metrics"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let r = common::client().request(post).await.unwrap();
+    assert_eq!(r.status(), 405);
+    assert_eq!(r.headers()["allow"], "GET, HEAD");
     for path in ["/workers", "/config", "/generate", "/readiness"] {
         let (s, body) = get(&format!("{metrics}{path}")).await;
         assert_eq!(s, 404, "{path}");
