@@ -17,8 +17,32 @@ fn pdgate() -> Command {
     Command::new(env!("CARGO_BIN_EXE_pdgate"))
 }
 
+/// A child killed when the test ends, passed or not (a failed assertion must not leave a
+/// router running).
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl std::ops::Deref for Running {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Running {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
 /// `pdgate serve ARGS` with stdout piped, its lines sent to the receiver.
-fn spawn(args: &[&str]) -> (Child, Receiver<String>) {
+fn spawn(args: &[&str]) -> (Running, Receiver<String>) {
     let mut child = pdgate()
         .arg("serve")
         .args(["--port", "0", "--admin-port", "0"])
@@ -34,7 +58,7 @@ fn spawn(args: &[&str]) -> (Child, Receiver<String>) {
             let _ = tx.send(line);
         }
     });
-    (child, rx)
+    (Running(child), rx)
 }
 
 /// Lines until one satisfies `f` (all of them, that one last).
