@@ -104,12 +104,28 @@ impl ClientKeys {
     /// secret first, so that one that cannot be read refuses the reload before anything
     /// changed). Per-key in-flight counts carry over to the same key ids.
     pub fn stage(&self, cfg: &Config) -> Result<StagedKeys, String> {
-        let Some(path) = &cfg.auth.api_keys_file else {
-            return Ok(StagedKeys(None));
+        let (path, mut parsed) = match &cfg.auth.api_keys_file {
+            None if cfg.auth.api_key.is_none() => return Ok(StagedKeys(None)),
+            None => (std::path::PathBuf::from("auth.api_key"), Vec::new()),
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    format!("cannot read auth.api_keys_file {}: {e}", path.display())
+                })?;
+                let parsed = parse_keys(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+                (path.clone(), parsed)
+            }
         };
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read auth.api_keys_file {}: {e}", path.display()))?;
-        let parsed = parse_keys(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        // The inline key (`--api-key`), under the id `api-key`.
+        if let Some(k) = &cfg.auth.api_key {
+            let d = digest(k.as_bytes());
+            if !parsed.iter().any(|p| p.digest == d) {
+                parsed.push(ParsedKey {
+                    id: Arc::from("api-key"),
+                    digest: d,
+                });
+            }
+        }
+        let path = &path;
         if parsed.is_empty() {
             return Err(format!(
                 "{} holds no key: every request would be refused (remove auth.api_keys_file \

@@ -7,6 +7,8 @@
 //! swapped in. Every flag is an `Option` that overrides the TOML file (`--config`); the
 //! defaults themselves live only in [`crate::config`].
 
+pub mod sglang;
+
 use std::path::PathBuf;
 
 use clap::{ArgMatches, Args};
@@ -27,20 +29,21 @@ pub struct ServeArgs {
     /// A decode engine URL (repeatable).
     #[arg(long, action = clap::ArgAction::Append)]
     pub decode: Vec<String>,
-    /// Listen address (default 127.0.0.1).
+    /// Listen address.
     #[arg(long)]
     pub host: Option<std::net::IpAddr>,
-    /// Listen port (default 8000; 0 picks a free one).
+    /// Listen port (0 picks a free one).
     #[arg(long)]
     pub port: Option<u16>,
-    /// Policy for both pools (overridden per pool by the two flags below).
-    #[arg(long, value_enum)]
+    /// Policy for both pools (overridden per pool by the two flags below): random,
+    /// round_robin, power_of_two, cache_aware (SGLang's prefix_hash is cache_aware).
+    #[arg(long, value_parser = sglang::parse_policy, value_name = "POLICY")]
     pub policy: Option<PolicyKind>,
     /// Policy for the prefill pool.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = sglang::parse_policy, value_name = "POLICY")]
     pub prefill_policy: Option<PolicyKind>,
     /// Policy for the decode pool.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = sglang::parse_policy, value_name = "POLICY")]
     pub decode_policy: Option<PolicyKind>,
     /// `modulo` (no DP field on the prefill leg) or `pinned` (routed_dp_rank and
     /// disagg_prefill_dp_rank on both legs).
@@ -70,7 +73,9 @@ pub struct ServeArgs {
     /// Log format: text or json.
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
-    /// Log filter (`info`, `pdgate=debug`, ...); RUST_LOG wins.
+    /// Log level (trace, debug, info, warn or warning, error or critical, off) or
+    /// `target=level` directives (`pdgate=debug,info`); anything else is refused. RUST_LOG
+    /// wins.
     #[arg(long)]
     pub log_level: Option<String>,
     /// Discover engines as Kubernetes pods (see `[discovery]`).
@@ -90,19 +95,19 @@ pub struct ServeArgs {
     /// workers (comma-separated; `*` for any). Required there.
     #[arg(long, value_delimiter = ',', value_name = "NAMESPACES")]
     pub service_discovery_allowed_namespaces: Vec<String>,
-    /// The engines' HTTP port (default 80) when no container port has `--service-discovery-port-name`.
+    /// The engines' HTTP port when no container port has `--service-discovery-port-name`.
     #[arg(long)]
     pub service_discovery_port: Option<u16>,
     /// A named container port to take the engine's port from.
     #[arg(long)]
     pub service_discovery_port_name: Option<String>,
-    /// Annotation with a prefill pod's bootstrap port (default `sglang.ai/bootstrap-port`).
+    /// Annotation with a prefill pod's bootstrap port.
     #[arg(long)]
     pub bootstrap_port_annotation: Option<String>,
-    /// Admin listener address (default 127.0.0.1).
+    /// Admin listener address.
     #[arg(long)]
     pub admin_host: Option<std::net::IpAddr>,
-    /// Admin listener port (default 29000; 0 picks a free one).
+    /// Admin listener port (0 picks a free one).
     #[arg(long)]
     pub admin_port: Option<u16>,
     /// File holding the admin bearer token (else `PDGATE_ADMIN_API_KEY`).
@@ -117,9 +122,13 @@ pub struct ServeArgs {
     /// Also serve `/metrics` on the front door.
     #[arg(long)]
     pub public_metrics: bool,
-    /// Accepted for compatibility with SGLang's router; pdgate is always PD.
-    #[arg(long, hide = true)]
-    pub pd_disaggregation: bool,
+    /// SGLang router flags that set a pdgate setting under SGLang's name.
+    #[command(flatten, next_help_heading = "SGLang router flags")]
+    pub sglang: sglang::SglangArgs,
+    /// SGLang router flags pdgate has no setting for (hidden; README, "Coming from SGLang's
+    /// router").
+    #[command(flatten)]
+    pub sglang_compat: sglang::SglangCompat,
 }
 
 /// Parses `--prefill URL [PORT]` groups from the matches of `serve`.
@@ -151,6 +160,7 @@ pub fn prefill_groups(m: &ArgMatches) -> Result<Vec<PrefillWorkerConfig>, Config
 impl ServeArgs {
     /// The file (if any), then the flags; the result is validated.
     pub fn into_config(self, prefills: Vec<PrefillWorkerConfig>) -> Result<Config, ConfigError> {
+        self.sglang_compat.check()?;
         let mut cfg = match &self.config {
             Some(p) => Config::load(p)?,
             None => Config::default(),
@@ -159,6 +169,7 @@ impl ServeArgs {
             cfg.prefill = prefills;
         }
         self.discovery_flags(&mut cfg);
+        self.sglang.apply(&mut cfg);
         if !self.decode.is_empty() {
             cfg.decode = self
                 .decode
@@ -272,4 +283,149 @@ impl ServeArgs {
             d.bootstrap_port_annotation = v.clone();
         }
     }
+}
+
+/// `serve`'s help with each flag's default, read from [`Config::default`] (the defaults live
+/// only there; clap is given none, so a flag left out never overrides the config file).
+pub fn with_defaults(cmd: clap::Command) -> clap::Command {
+    use clap::ValueEnum;
+    let c = Config::default();
+    let name = |v: Option<clap::builder::PossibleValue>| {
+        v.map(|p| p.get_name().to_string()).unwrap_or_default()
+    };
+    let secs = |ms: u64| format!("{}", ms as f64 / 1000.0);
+    let defaults: Vec<(&str, String)> = vec![
+        ("host", c.server.host.to_string()),
+        ("port", c.server.port.to_string()),
+        ("policy", name(c.policy.prefill.to_possible_value())),
+        ("prefill_policy", name(c.policy.prefill.to_possible_value())),
+        ("decode_policy", name(c.policy.decode.to_possible_value())),
+        ("contract_mode", name(c.contract.mode.to_possible_value())),
+        ("request_timeout_secs", c.timeouts.request_secs.to_string()),
+        (
+            "health_check_interval_secs",
+            c.health.interval_secs.to_string(),
+        ),
+        (
+            "health_check_timeout_secs",
+            c.health.timeout_secs.to_string(),
+        ),
+        (
+            "health_failure_threshold",
+            c.health.failure_threshold.to_string(),
+        ),
+        (
+            "health_success_threshold",
+            c.health.success_threshold.to_string(),
+        ),
+        ("worker_threads", c.server.worker_threads.to_string()),
+        ("max_payload_size", c.server.max_body_bytes.to_string()),
+        ("log_format", name(c.log.format.to_possible_value())),
+        ("log_level", c.log.level.clone()),
+        ("service_discovery_port", c.discovery.port.to_string()),
+        (
+            "bootstrap_port_annotation",
+            c.discovery.bootstrap_port_annotation.clone(),
+        ),
+        ("admin_host", c.admin.host.to_string()),
+        ("admin_port", c.admin.port.to_string()),
+        ("prometheus_port", c.metrics_listener.port.to_string()),
+        ("prometheus_host", c.metrics_listener.host.to_string()),
+        (
+            "max_concurrent_requests",
+            c.admission.max_in_flight.to_string(),
+        ),
+        ("queue_size", c.admission.max_queue.to_string()),
+        ("queue_timeout_secs", secs(c.admission.queue_timeout_ms)),
+        ("retry_max_retries", c.retry.max_retries.to_string()),
+        (
+            "cb_failure_threshold",
+            c.breaker.failure_threshold.to_string(),
+        ),
+        ("cb_timeout_duration_secs", secs(c.breaker.open_ms)),
+        (
+            "shutdown_grace_period_secs",
+            c.server.drain_secs.to_string(),
+        ),
+        (
+            "header_read_timeout_secs",
+            c.server.header_read_timeout_secs.to_string(),
+        ),
+        (
+            "idle_connection_timeout_secs",
+            c.server.idle_timeout_secs.to_string(),
+        ),
+        (
+            "stream_body_stall_timeout_secs",
+            c.server.body_read_timeout_secs.to_string(),
+        ),
+        (
+            "upstream_pool_idle_timeout_secs",
+            c.upstream.pool_idle_timeout_secs.to_string(),
+        ),
+        (
+            "load_monitor_interval",
+            match c.policy.load_poll_interval_ms {
+                0 => "off".to_string(),
+                ms => secs(ms),
+            },
+        ),
+        (
+            "prefix_hash_load_factor",
+            c.policy.cache_aware_balance_factor.to_string(),
+        ),
+    ];
+    defaults.into_iter().fold(cmd, |cmd, (id, v)| {
+        cmd.mut_arg(id, |a| {
+            let help = a.get_help().map(ToString::to_string).unwrap_or_default();
+            a.help(format!("{help} [default: {v}]"))
+        })
+    })
+}
+
+/// `serve` flags that `check` accepts (so that a `serve` command line can be checked by
+/// changing its first word) but does not use: hidden from `check --help`.
+pub const SERVE_ONLY: &[&str] = &[
+    "host",
+    "port",
+    "health_check_interval_secs",
+    "health_check_timeout_secs",
+    "health_failure_threshold",
+    "health_success_threshold",
+    "worker_threads",
+    "max_payload_size",
+    "log_format",
+    "log_level",
+    "admin_host",
+    "admin_port",
+    "admin_api_key_file",
+    "api_keys_file",
+    "access_log",
+    "public_metrics",
+    "prometheus_port",
+    "prometheus_host",
+    "max_concurrent_requests",
+    "queue_size",
+    "queue_timeout_secs",
+    "retry_max_retries",
+    "disable_retries",
+    "cb_failure_threshold",
+    "cb_timeout_duration_secs",
+    "disable_circuit_breaker",
+    "log_json",
+    "shutdown_grace_period_secs",
+    "header_read_timeout_secs",
+    "idle_connection_timeout_secs",
+    "stream_body_stall_timeout_secs",
+    "upstream_pool_idle_timeout_secs",
+    "load_monitor_interval",
+    "disable_load_monitoring",
+    "prefix_hash_load_factor",
+];
+
+/// `check`'s help: `serve`'s flags that `check` does not use are hidden.
+pub fn for_check(cmd: clap::Command) -> clap::Command {
+    SERVE_ONLY
+        .iter()
+        .fold(cmd, |cmd, id| cmd.mut_arg(*id, |a| a.hide(true)))
 }

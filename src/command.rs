@@ -19,12 +19,15 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+// Parsed once at start: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Run the router.
     Serve(ServeArgs),
     /// Probe every configured engine, and every engine discovery finds (the same flags and
-    /// config as `serve`), and report what is wrong and how to fix it. Exit code 0: all ✓;
-    /// 1: a ✗; 2: a config error.
+    /// config as `serve`: a `serve` command line is checked by changing its first word), and
+    /// report what is wrong and how to fix it. Exit code 0: all ✓; 1: a ✗; 2: a config
+    /// error.
     Check(CheckArgs),
     /// Run simulated SGLang engines (prefill + bootstrap server, decode), no GPU.
     Sim(pdgate_sim::cli::SimArgs),
@@ -43,6 +46,23 @@ pub struct CheckArgs {
     /// Also send one PD request end to end through an in-process router.
     #[arg(long)]
     pub probe_request: bool,
+}
+
+/// The command line, with `serve`'s defaults in its help and `check`'s help narrowed to
+/// what `check` uses.
+pub fn cli() -> clap::Command {
+    use clap::CommandFactory;
+    Cli::command()
+        .mut_subcommand("serve", |c| {
+            pdgate::cli::with_defaults(c).after_help(
+                "Every other flag of SGLang's router (smg launch) is accepted as a no-op, \
+                 ignored with a warning at start, or refused with what replaces it: README, \
+                 \"Coming from SGLang's router\".",
+            )
+        })
+        .mut_subcommand("check", |c| {
+            pdgate::cli::for_check(pdgate::cli::with_defaults(c))
+        })
 }
 
 #[cfg(test)]

@@ -29,6 +29,7 @@ pub mod fuzzing;
 pub mod health;
 pub mod memory;
 pub mod models;
+pub mod metrics_listener;
 pub mod pd;
 pub mod policy;
 pub mod pool;

@@ -4,7 +4,7 @@
 mod command;
 mod demo;
 
-use clap::{CommandFactory, FromArgMatches};
+use clap::FromArgMatches;
 use command::{Cli, Command};
 use pdgate::cli::prefill_groups;
 use pdgate::config::{LogConfig, LogFormat};
@@ -21,8 +21,11 @@ fn init_logs(cfg: &LogConfig) -> tracing_appender::non_blocking::WorkerGuard {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
+    // `log.level` was checked by `Config::validate`; SGLang's `warning` and `critical` are
+    // spelt as tracing's here.
+    let level = cfg.filter().unwrap_or_else(|_| "info".to_string());
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&cfg.level))
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&level))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     if let Ok(d) = access::EXCLUDE.parse() {
         filter = filter.add_directive(d);
@@ -33,12 +36,17 @@ fn init_logs(cfg: &LogConfig) -> tracing_appender::non_blocking::WorkerGuard {
         .thread_name("pdgate-log")
         .finish(std::io::stdout());
     let dropped = out.error_counter();
+    // Colours only for a terminal: a pipe or a log collector gets plain text. JSON lines
+    // carry `message` and the fields at the top level.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let main = match cfg.format {
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
+            .flatten_event(true)
             .with_writer(out.clone())
             .boxed(),
         LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_ansi(ansi)
             .with_writer(out.clone())
             .boxed(),
     };
@@ -58,6 +66,33 @@ fn init_logs(cfg: &LogConfig) -> tracing_appender::non_blocking::WorkerGuard {
         });
     }
     guard
+}
+
+/// The first line `serve` logs: what runs (version, commit) and how it routes, then the
+/// SGLang router flags it accepted without a setting of their own.
+fn log_start(cfg: &pdgate::config::Config, notes: &[(bool, String)]) {
+    use clap::ValueEnum;
+    let name = |v: Option<clap::builder::PossibleValue>| {
+        v.map(|p| p.get_name().to_string()).unwrap_or_default()
+    };
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        commit = option_env!("PDGATE_COMMIT").unwrap_or("unknown"),
+        prefill_policy = %name(cfg.policy.prefill.to_possible_value()),
+        decode_policy = %name(cfg.policy.decode.to_possible_value()),
+        contract_mode = %name(cfg.contract.mode.to_possible_value()),
+        prefills = cfg.prefill.len(),
+        decodes = cfg.decode.len(),
+        discovery = cfg.discovery.enabled,
+        "pdgate starting"
+    );
+    for (warn, line) in notes {
+        if *warn {
+            tracing::warn!("{line}");
+        } else {
+            tracing::info!("{line}");
+        }
+    }
 }
 
 async fn wait_for_signal() {
@@ -158,15 +193,17 @@ fn check(args: command::CheckArgs, matches: &clap::ArgMatches) -> std::process::
 }
 
 fn main() -> std::process::ExitCode {
-    let matches = Cli::command().get_matches();
+    let matches = command::cli().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
     // `serve` reads its config first: it says how many worker threads to run.
     let mut reload_source: Option<(pdgate::reload::Source, Option<std::path::PathBuf>)> = None;
+    let mut notes = Vec::new();
     let (command, serve_cfg) = match cli.command {
         Command::Serve(args) => {
+            notes = args.sglang_compat.notes();
             let sm = matches
                 .subcommand_matches("serve")
                 .cloned()
@@ -204,7 +241,21 @@ fn main() -> std::process::ExitCode {
         match (command, serve_cfg) {
             (_, Some(cfg)) => {
                 let _logs = init_logs(&cfg.log);
+                log_start(&cfg, &notes);
                 let watch = cfg.reload.watch();
+                // Bound before the router starts, so that a taken port refuses the start.
+                let metrics_socket = cfg
+                    .metrics_listener
+                    .enabled
+                    .then(|| {
+                        let m = &cfg.metrics_listener;
+                        let addr = std::net::SocketAddr::new(m.host, m.port);
+                        std::net::TcpListener::bind(addr)
+                            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                            .and_then(tokio::net::TcpListener::from_std)
+                            .map_err(|e| format!("cannot listen on {addr} (metrics_listener): {e}"))
+                    })
+                    .transpose()?;
                 let router = std::sync::Arc::new(
                     pdgate::router::start_with(
                         cfg,
@@ -214,12 +265,25 @@ fn main() -> std::process::ExitCode {
                     )
                     .await?,
                 );
+                let metrics = metrics_socket
+                    .map(|l| {
+                        pdgate::metrics_listener::MetricsListener::start(l, router.pool.clone())
+                    })
+                    .transpose()?;
                 if let Some((source, file)) = reload_source {
                     pdgate::reload::spawn(router.clone(), source, file, watch);
                 }
                 wait_for_signal().await;
                 tracing::info!("signal received");
+                let began = std::time::Instant::now();
                 router.shutdown().await;
+                if let Some(m) = &metrics {
+                    m.shutdown().await;
+                }
+                tracing::info!(
+                    drain_secs = began.elapsed().as_secs_f64(),
+                    "drain ended; pdgate exits"
+                );
                 Ok(())
             }
             (Some(Command::Sim(args)), None) => {

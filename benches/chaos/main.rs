@@ -194,7 +194,8 @@ fn breakers_from_log(path: &std::path::Path) -> Option<String> {
         let Ok(v) = serde_json::from_str::<Value>(line) else {
             continue;
         };
-        let f = &v["fields"];
+        // JSON logs carry the fields at the top level.
+        let f = &v;
         let s = |k: &str| f[k].as_str().unwrap_or("?").to_string();
         let e = last.entry((s("role"), s("worker"))).or_default();
         e.0 = s("to");

@@ -292,7 +292,7 @@ pub async fn refresh_once(
                     tracing::info!(prefill = %w.url, dp = layout.dp_size, follow_bootstrap_room = layout.follow_bootstrap_room,
                         page_size = ?layout.page_size, kv_cache_dtype = ?layout.kv_cache_dtype, "prefill layout");
                     if !layout.follow_bootstrap_room {
-                        tracing::warn!(prefill = %w.url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank (R8)");
+                        tracing::warn!(prefill = %w.url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank");
                     }
                 }
                 changed |= w.ranks.len() > layout.dp_size as usize;

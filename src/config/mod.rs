@@ -31,7 +31,7 @@ pub fn live(cfg: Config) -> LiveConfig {
 
 pub use capacity::CapacityConfig;
 pub use models::ModelsConfig;
-pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, ReloadConfig};
+pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, MetricsListenerConfig, ReloadConfig};
 pub use progress::ProgressConfig;
 pub use resilience::{BreakerConfig, HealthConfig, RetryConfig};
 
@@ -75,6 +75,7 @@ pub struct Config {
     pub reload: ReloadConfig,
     pub progress: ProgressConfig,
     pub models: ModelsConfig,
+    pub metrics_listener: MetricsListenerConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -215,10 +216,10 @@ impl PolicyConfig {
 #[serde(rename_all = "snake_case")]
 #[value(rename_all = "snake_case")]
 pub enum ContractMode {
-    /// R4/R5: no DP field on the prefill leg; the rank rides on `room % dp_P`.
+    /// No DP field on the prefill leg; the rank rides on `room % dp_P`.
     Modulo,
-    /// R5+R6: `routed_dp_rank` and `disagg_prefill_dp_rank` on both legs (engines with
-    /// SGLang PR #19268).
+    /// `routed_dp_rank` and `disagg_prefill_dp_rank` on both legs (SGLang engines that
+    /// take `disagg_prefill_dp_rank`).
     Pinned,
 }
 
@@ -427,7 +428,9 @@ pub enum LogFormat {
 #[serde(default, deny_unknown_fields)]
 pub struct LogConfig {
     pub format: LogFormat,
-    /// A `tracing` filter (`info`, `pdgate=debug,info`, ...); `RUST_LOG` wins when set.
+    /// A level (`trace`, `debug`, `info`, `warn`/`warning`, `error`/`critical`, `off`) or
+    /// a `tracing` filter of `target=level` directives (`pdgate=debug,info`); anything else
+    /// is refused at start. `RUST_LOG` wins when set.
     pub level: String,
     /// One JSON line per request on the `pdgate::access` target.
     pub access: bool,
@@ -444,6 +447,58 @@ impl Default for LogConfig {
             access: false,
             buffer_lines: 65_536,
         }
+    }
+}
+
+/// The level words `log.level` takes, SGLang's spellings included.
+const LOG_LEVELS: &[(&str, &str)] = &[
+    ("trace", "trace"),
+    ("debug", "debug"),
+    ("info", "info"),
+    ("warn", "warn"),
+    ("warning", "warn"),
+    ("error", "error"),
+    ("critical", "error"),
+    ("off", "off"),
+];
+
+impl LogConfig {
+    /// `level` as a `tracing` filter: SGLang's `warning` and `critical` spelt as tracing's
+    /// `warn` and `error`. Refused: a word that is not a level (tracing would read it as a
+    /// target name, and silence every line), or a `target=` directive without a level.
+    pub fn filter(&self) -> Result<String, ConfigError> {
+        let level = |w: &str| {
+            LOG_LEVELS
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(w.trim()))
+                .map(|(_, v)| *v)
+        };
+        let mut out = Vec::new();
+        for d in self
+            .level
+            .split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+        {
+            let fixed = match d.rsplit_once('=') {
+                None => level(d).map(str::to_string),
+                Some((target, lvl)) if !target.trim().is_empty() => {
+                    level(lvl).map(|l| format!("{}={l}", target.trim()))
+                }
+                Some(_) => None,
+            };
+            out.push(fixed.ok_or_else(|| {
+                invalid(format!(
+                    "log.level {:?}: {d:?} is not a log level (trace, debug, info, warning, \
+                     error, critical, off) nor a `target=level` directive",
+                    self.level
+                ))
+            })?);
+        }
+        if out.is_empty() {
+            return Err(invalid("log.level must not be empty".to_string()));
+        }
+        Ok(out.join(","))
     }
 }
 
@@ -696,9 +751,7 @@ impl Config {
                 a.max_bytes_in_flight, s.max_body_bytes
             )));
         }
-        if self.log.level.trim().is_empty() {
-            return Err(invalid("log.level must not be empty".to_string()));
-        }
+        self.log.filter()?;
         progress::validate(&self.progress)?;
         self.capacity.validate()?;
         ops::validate(self)

@@ -134,6 +134,32 @@ pub struct AuthConfig {
     pub api_keys_file: Option<PathBuf>,
     /// Requests in flight per key id (0 = no limit); beyond it, 429.
     pub per_key_max_in_flight: usize,
+    /// One more client key, given inline (key id `api-key`), beside the file's if any.
+    /// SGLang router's `--api-key` sets it (with the admin token and the engines' key).
+    pub api_key: Option<String>,
+}
+
+/// `[metrics_listener]`: a listener that serves only `/metrics` and `/liveness`, with no
+/// token (Prometheus and Kubernetes probes), apart from the front door and the admin
+/// listener. SGLang router's `--prometheus-host` / `--prometheus-port` turn it on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsListenerConfig {
+    /// Serve it at all.
+    pub enabled: bool,
+    pub host: IpAddr,
+    /// 0 picks a free port.
+    pub port: u16,
+}
+
+impl Default for MetricsListenerConfig {
+    fn default() -> Self {
+        MetricsListenerConfig {
+            enabled: false,
+            host: IpAddr::from([0, 0, 0, 0]),
+            port: 29000,
+        }
+    }
 }
 
 /// `[reload]`: applying a changed config without a restart (SIGHUP always does).
@@ -238,6 +264,25 @@ pub(super) fn validate(cfg: &super::Config) -> Result<(), ConfigError> {
         0,
         tokio::sync::Semaphore::MAX_PERMITS,
     )?;
+    if cfg
+        .auth
+        .api_key
+        .as_deref()
+        .is_some_and(|k| k.is_empty() || !k.bytes().all(|c| c.is_ascii_graphic()))
+    {
+        return Err(invalid(
+            "auth.api_key must be printable ASCII without spaces (it travels in an HTTP header)"
+                .to_string(),
+        ));
+    }
+    let m = &cfg.metrics_listener;
+    if m.enabled && a.enabled && m.port != 0 && m.port == a.port {
+        return Err(invalid(format!(
+            "metrics_listener.port = {} is also admin.port: move one (--prometheus-port N, \
+             or --admin-port N)",
+            m.port
+        )));
+    }
     if cfg.reload.watch_ms != 0 {
         range("reload.watch_ms", cfg.reload.watch_ms, 50, 3_600_000)?;
     }

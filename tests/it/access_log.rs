@@ -534,8 +534,8 @@ async fn a_stalled_stdout_drops_log_lines_and_never_blocks_requests() {
                 break;
             }
             if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                let u = v["fields"]["url"].as_str().map(str::to_string);
-                match v["fields"]["message"].as_str() {
+                let u = v["url"].as_str().map(str::to_string);
+                match v["message"].as_str() {
                     Some("pdgate listening") => url = u,
                     Some("admin API listening") => admin = u,
                     _ => {}

@@ -62,8 +62,8 @@ fn pdgate(kubeconfig: &std::path::Path, config: &std::path::Path) -> Pdgate {
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
             if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                if v["fields"]["message"] == "pdgate listening" {
-                    let _ = tx.send(v["fields"]["url"].as_str().unwrap_or("").to_string());
+                if v["message"] == "pdgate listening" {
+                    let _ = tx.send(v["url"].as_str().unwrap_or("").to_string());
                 }
                 keep.lock().expect("logs").push(v);
             }
@@ -79,8 +79,8 @@ fn pdgate(kubeconfig: &std::path::Path, config: &std::path::Path) -> Pdgate {
             .lock()
             .expect("logs")
             .iter()
-            .find(|v| v["fields"]["message"] == "admin API listening")
-            .and_then(|v| v["fields"]["url"].as_str().map(str::to_string));
+            .find(|v| v["message"] == "admin API listening")
+            .and_then(|v| v["url"].as_str().map(str::to_string));
         if let Some(a) = found {
             break a;
         }
@@ -137,12 +137,7 @@ impl Pdgate {
             .lock()
             .expect("logs")
             .iter()
-            .filter(|v| {
-                v["fields"]["pod"] == pod
-                    && v["fields"]["message"]
-                        .as_str()
-                        .is_some_and(|m| m.contains(text))
-            })
+            .filter(|v| v["pod"] == pod && v["message"].as_str().is_some_and(|m| m.contains(text)))
             .count()
     }
 }

@@ -257,11 +257,11 @@ async fn sighup_and_the_file_watch_reload_the_binary() {
         let v = rx
             .recv_timeout(Duration::from_secs(20))
             .unwrap_or_else(|_| panic!("pdgate never logged {what}"));
-        if v["fields"]["message"] == what {
+        if v["message"] == what {
             return v;
         }
     };
-    let url = next_log("pdgate listening")["fields"]["url"]
+    let url = next_log("pdgate listening")["url"]
         .as_str()
         .expect("url")
         .to_string();
@@ -298,7 +298,7 @@ async fn sighup_and_the_file_watch_reload_the_binary() {
         .expect("kill")
         .success());
     let v = next_log("config reloaded");
-    assert_eq!(v["fields"]["added"], 1, "{v}");
+    assert_eq!(v["added"], 1, "{v}");
     decodes_ready(2).await;
 
     // 2. An invalid file: logged with its key, nothing changes.
@@ -311,14 +311,14 @@ async fn sighup_and_the_file_watch_reload_the_binary() {
     )
     .expect("write");
     let v = next_log("config reload refused; the running config is kept");
-    let err = v["fields"]["error"].as_str().expect("error").to_string();
+    let err = v["error"].as_str().expect("error").to_string();
     assert!(err.contains("breaker.max_ejection_ratio = 3"), "{err}");
     decodes_ready(2).await;
 
     // 3. The watch: the file drops decode 1; no signal sent.
     std::fs::write(&file, toml(std::slice::from_ref(&d0), "")).expect("write");
     let v = next_log("config reloaded");
-    assert_eq!(v["fields"]["removed"], 1, "{v}");
+    assert_eq!(v["removed"], 1, "{v}");
     decodes_ready(1).await;
 
     let _ = Command::new("kill").args(["-TERM", &pid]).status();

@@ -63,11 +63,11 @@ async fn sigterm_drains_in_flight_requests() {
             Ok(v) => v,
             Err(_) => continue,
         };
-        if v["fields"]["message"] == "admin API listening" {
-            admin = v["fields"]["url"].as_str().map(str::to_string);
+        if v["message"] == "admin API listening" {
+            admin = v["url"].as_str().map(str::to_string);
         }
-        if v["fields"]["message"] == "pdgate listening" {
-            break v["fields"]["url"].as_str().unwrap().to_string();
+        if v["message"] == "pdgate listening" {
+            break v["url"].as_str().unwrap().to_string();
         }
     };
     let admin = admin.expect("pdgate serve opens its admin listener (before the front door)");

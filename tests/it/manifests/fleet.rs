@@ -34,6 +34,8 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once at start: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Cmd {
     Serve(ServeArgs),
     Sim(SimArgs),

@@ -1,5 +1,5 @@
 //! What the interop tests (real SGLang bootstrap server, uvicorn engine) share: where the
-//! venv is, the skip-or-fail rule, draining a child's pipes, and a default engine client.
+//! venv is, the skip-or-fail rule (promtool), the cannot-run rule (interop), draining a child's pipes, and a default engine client.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -30,6 +30,13 @@ pub fn skip_or_fail<T>(test: &str, why: &str) -> Option<T> {
         "\n{bar}\n!! SKIPPED {test}: {why}\n!! (set CI to make this a failure)\n{bar}\n"
     );
     None
+}
+
+/// An interop test that cannot run where it was asked to run: a failure, never a pass.
+/// The interop tests are `#[ignore]`d (a fresh clone shows them as ignored); `.ci/run`
+/// builds the venv and runs them with `--include-ignored`.
+pub fn cannot_run<T>(test: &str, why: &str) -> Option<T> {
+    panic!("{test} cannot run: {why}")
 }
 
 /// Appends every line of `r` to `buf` until EOF (keeps the child's pipes drained).
