@@ -37,6 +37,7 @@ mod preflight;
 mod reload;
 mod retries;
 mod self_healing;
+mod sglang_endpoints;
 mod shutdown;
 mod sim_bootstrap;
 mod sim_cli;
