@@ -161,6 +161,7 @@ pub fn spawn(
 ) {
     let p2 = pool.clone();
     p2.spawn_task(Role::Prefill, id, async move {
+        let (given, host_given) = (port.is_some(), host.is_some());
         let port = match port {
             Some(p) => p,
             None => discover_port(&up, &live, &engine).await,
@@ -177,6 +178,30 @@ pub fn spawn(
             w.bootstrap = Some(info);
             wake = w.refresh.clone();
         });
+        // No rank is read (so none is ready, and no request is sent) before the bootstrap
+        // server is proved to be this prefill's own.
+        let proof = Proof {
+            id,
+            engine: &engine,
+            bootstrap: &url,
+            port,
+            given,
+            host_given,
+        };
+        if let Some(m) = prove(&pool, &up, &live, proof).await {
+            let why = m.message();
+            tracing::error!(
+                prefill = %engine,
+                bootstrap = %url,
+                reason = m.label(),
+                error = %why,
+                "prefill refused: its bootstrap server is not its own"
+            );
+            metrics::counter!(crate::telemetry::BOOTSTRAP_REFUSED, "reason" => m.label())
+                .increment(1);
+            pool.update_worker(Role::Prefill, id, |w| w.bootstrap_refused = Some(why));
+            return;
+        }
         pool.spawn_task(
             Role::Prefill,
             id,
@@ -191,6 +216,75 @@ pub fn spawn(
         );
         refresher(pool, up, live, id, url, wake).await;
     });
+}
+
+/// What [`prove`] checks.
+struct Proof<'a> {
+    id: WorkerId,
+    engine: &'a BaseUrl,
+    bootstrap: &'a BaseUrl,
+    port: u16,
+    given: bool,
+    host_given: bool,
+}
+
+/// Proves that the bootstrap server is the prefill's own ([`super::ownership`]); waits
+/// (one heartbeat interval at a time) while the engine or the bootstrap server cannot tell
+/// yet. `Some`: it is not.
+async fn prove(
+    pool: &Pool,
+    up: &Upstream,
+    live: &LiveConfig,
+    p: Proof<'_>,
+) -> Option<super::ownership::Mismatch> {
+    use super::ownership::{judge, owner, Mismatch, Owner};
+    loop {
+        let cfg = live.load().bootstrap.clone();
+        let timeout = cfg.http_timeout();
+        let reported = if p.given && !p.host_given {
+            match client::server_info(up, p.engine, timeout).await {
+                Ok(info) => info.disaggregation_bootstrap_port,
+                Err(BootstrapError::BadAnswer { .. }) => None,
+                Err(_) => {
+                    tokio::time::sleep(cfg.heartbeat_interval()).await;
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
+        let owner_port = if p.host_given {
+            None
+        } else {
+            match owner(up, p.bootstrap, timeout).await {
+                Owner::Known(o) => o,
+                Owner::NotYet => {
+                    tokio::time::sleep(cfg.heartbeat_interval()).await;
+                    continue;
+                }
+            }
+        };
+        if let Some(m) = judge(
+            p.engine.port(),
+            p.port,
+            p.given,
+            p.host_given,
+            reported,
+            owner_port,
+        ) {
+            return Some(m);
+        }
+        let snap = pool.load();
+        let first = snap.prefills.iter().find(|w| {
+            w.id < p.id
+                && w.refused.is_none()
+                && w.bootstrap.as_ref().is_some_and(|b| b.url == *p.bootstrap)
+        });
+        return first.map(|w| Mismatch::Shared {
+            bootstrap: p.bootstrap.to_string(),
+            other: format!("prefill {}", w.url),
+        });
+    }
 }
 
 /// The engine's `disaggregation_bootstrap_port`, else 8998 (retrying while unreachable).

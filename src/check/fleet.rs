@@ -54,6 +54,7 @@ pub(super) fn fleet(cfg: &Config, probes: &[EngineProbe]) -> Vec<Check> {
         });
     }
     out.push(contract(cfg.contract.mode, probes));
+    out.push(shared_bootstrap(probes));
     let page = |p: &EngineProbe| {
         p.info
             .as_ref()
@@ -99,6 +100,36 @@ pub(super) fn fleet(cfg: &Config, probes: &[EngineProbe]) -> Vec<Check> {
 }
 
 /// Whether the contract mode can work with these prefills.
+/// No two prefills use one bootstrap server (`crate::bootstrap::ownership`, proof 3).
+fn shared_bootstrap(probes: &[EngineProbe]) -> Check {
+    let name = "bootstrap_shared";
+    let prefills: Vec<(&str, &str)> = probes
+        .iter()
+        .filter(|p| p.role == Role::Prefill)
+        .filter_map(|p| p.bootstrap.as_deref().map(|b| (p.target.as_str(), b)))
+        .collect();
+    for (i, (t, b)) in prefills.iter().enumerate() {
+        if let Some((first, _)) = prefills[..i].iter().find(|(_, b2)| b2 == b) {
+            return Check::fail(
+                FLEET,
+                name,
+                format!("prefills {first} and {t} both use the bootstrap server {b}"),
+                "each prefill has its own bootstrap server: give each its own port (its \
+                 --disaggregation-bootstrap-port), or leave the port out (pdgate reads it \
+                 from /server_info)",
+            );
+        }
+    }
+    Check::pass(
+        FLEET,
+        name,
+        format!(
+            "{} prefill bootstrap server(s), each used once",
+            prefills.len()
+        ),
+    )
+}
+
 fn contract(mode: ContractMode, probes: &[EngineProbe]) -> Check {
     let name = "contract_mode";
     match mode {

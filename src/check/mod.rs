@@ -181,6 +181,8 @@ struct EngineProbe {
     /// engine in the wrong role is left out of the fleet comparisons).
     info: Option<ServerInfo>,
     layout: Option<Layout>,
+    /// A prefill's bootstrap server as probed (`host:port`), when it answered.
+    bootstrap: Option<String>,
 }
 
 /// Probes every engine of `cfg` (a validated configuration) and the fleet as a whole; with
@@ -244,6 +246,7 @@ pub async fn run_with(cfg: &Config, opts: CheckOptions, kube: KubeSource) -> Rep
             discovered: matches!(e.listed, Listed::Pod { .. }),
             info: None,
             layout: None,
+            bootstrap: None,
         });
         probes.push(probe);
     }
@@ -300,6 +303,7 @@ async fn probe_engine(
         checks: Vec::new(),
         info: None,
         layout: None,
+        bootstrap: None,
     };
     if let Listed::Pod { row, .. } = &e.listed {
         p.checks.push(row.clone());
@@ -391,12 +395,55 @@ async fn probe_engine(
     ));
     if role == Role::Prefill && role_ok {
         p.checks.push(room_check(t, &info, mode));
-        p.layout = probe_bootstrap(up, &mut p.checks, e, &url, &info, timeout).await;
+        let (layout, bootstrap) = probe_bootstrap(up, &mut p.checks, e, &url, &info, timeout).await;
+        p.layout = layout;
+        p.bootstrap = bootstrap;
     }
     if role_ok {
         p.info = Some(info);
     }
     p
+}
+
+/// The bootstrap server is this prefill's own (`crate::bootstrap::ownership`, proofs 1
+/// and 2). `None` when it cannot tell yet (not every rank registered: reported below).
+#[allow(clippy::too_many_arguments)]
+async fn owner_check(
+    up: &Upstream,
+    t: &str,
+    engine: &BaseUrl,
+    url: &BaseUrl,
+    port: u16,
+    given: bool,
+    info: &ServerInfo,
+    timeout: Duration,
+) -> Option<Check> {
+    use crate::bootstrap::ownership::{judge, owner, Owner};
+    let Owner::Known(owner_port) = owner(up, url, timeout).await else {
+        return None;
+    };
+    let reported = info.disaggregation_bootstrap_port;
+    let name = "bootstrap_owner";
+    Some(
+        match judge(engine.port(), port, given, false, reported, owner_port) {
+            Some(m) => Check::fail(
+                t,
+                name,
+                format!("the bootstrap server on port {port} is not this prefill's: every request would wait for KV that never comes (then 504)"),
+                m.message(),
+            ),
+            None => Check::pass(
+                t,
+                name,
+                match owner_port {
+                    Some(o) => format!("registered by the prefill on HTTP port {o}: this one"),
+                    None => "the bootstrap server does not name its prefill (older SGLang): \
+                             not verified"
+                        .to_string(),
+                },
+            ),
+        },
+    )
 }
 
 /// The engine's `disaggregation_mode` is the role it was configured with (or its pod's
@@ -462,8 +509,9 @@ fn room_check(t: &str, info: &ServerInfo, mode: ContractMode) -> Check {
     }
 }
 
-/// The prefill's bootstrap server: alive, every rank registered, every rank's route.
-/// Returns the layout from the sentinel.
+/// The prefill's bootstrap server: alive, its own (`crate::bootstrap::ownership`), every
+/// rank registered, every rank's route. Returns the layout from the sentinel, and the
+/// server's `host:port` when it answered.
 async fn probe_bootstrap(
     up: &Upstream,
     checks: &mut Vec<Check>,
@@ -471,6 +519,20 @@ async fn probe_bootstrap(
     engine: &BaseUrl,
     info: &ServerInfo,
     timeout: Duration,
+) -> (Option<Layout>, Option<String>) {
+    let mut at = None;
+    let layout = probe_bootstrap_at(up, checks, e, engine, info, timeout, &mut at).await;
+    (layout, at)
+}
+
+async fn probe_bootstrap_at(
+    up: &Upstream,
+    checks: &mut Vec<Check>,
+    e: &Engine,
+    engine: &BaseUrl,
+    info: &ServerInfo,
+    timeout: Duration,
+    at: &mut Option<String>,
 ) -> Option<Layout> {
     let t = e.target.as_str();
     let (port, from) = match (e.bootstrap_port, info.disaggregation_bootstrap_port) {
@@ -502,6 +564,21 @@ async fn probe_bootstrap(
         "bootstrap_health",
         format!("bootstrap server {url} (port {from}) answers /health"),
     ));
+    *at = Some(format!("{}:{port}", url.host()));
+    if let Some(c) = owner_check(
+        up,
+        t,
+        engine,
+        &url,
+        port,
+        e.bootstrap_port.is_some(),
+        info,
+        timeout,
+    )
+    .await
+    {
+        checks.push(c);
+    }
     let layout = match client::sentinel(up, &url, None, timeout).await {
         Ok(Sentinel::Ready(l)) => l,
         Ok(Sentinel::NotReady(text)) => {

@@ -101,6 +101,29 @@ fn cases() -> Vec<Case> {
             failed: &[],
         },
         Case {
+            name: "a prefill given another prefill's bootstrap port",
+            prefill: vec![p2.clone(), p2.clone()],
+            decode: vec![d2.clone()],
+            wire: |c, cfg| {
+                add_sim_workers(cfg, c);
+                cfg.prefill[0].bootstrap_port = c.prefills[1].bootstrap_port();
+                cfg.prefill.truncate(1);
+            },
+            mode: modulo,
+            failed: &["bootstrap_owner"],
+        },
+        Case {
+            name: "two prefills given one bootstrap server",
+            prefill: vec![p2.clone(), p2.clone()],
+            decode: vec![d2.clone()],
+            wire: |c, cfg| {
+                add_sim_workers(cfg, c);
+                cfg.prefill[1].bootstrap_port = c.prefills[0].bootstrap_port();
+            },
+            mode: modulo,
+            failed: &["bootstrap_owner", "bootstrap_shared"],
+        },
+        Case {
             name: "page size mismatch",
             prefill: vec![p2.clone()],
             decode: vec![EngineConfig {
@@ -238,6 +261,8 @@ async fn a_healthy_fleet_reports_every_probe() {
         "prefill_configured",
         "decode_configured",
         "contract_mode",
+        "bootstrap_owner",
+        "bootstrap_shared",
         "page_size",
         "kv_cache_dtype",
         "transfer_backend",

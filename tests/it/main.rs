@@ -8,6 +8,7 @@ mod access_log;
 mod admin;
 mod api_keys;
 mod background_load;
+mod bootstrap_ownership;
 mod bootstrap_tracking;
 mod breaker_trials;
 mod capacity;
