@@ -55,6 +55,7 @@ pub(super) fn fleet(cfg: &Config, probes: &[EngineProbe]) -> Vec<Check> {
     }
     out.push(contract(cfg.contract.mode, probes));
     out.push(shared_bootstrap(probes));
+    out.extend(super::pairing::checks(probes));
     let page = |p: &EngineProbe| {
         p.info
             .as_ref()
@@ -145,8 +146,12 @@ fn contract(mode: ContractMode, probes: &[EngineProbe]) -> Check {
                 .iter()
                 .filter(|p| p.role == Role::Prefill)
                 .filter_map(|p| {
-                    let m = p.info.as_ref()?.load_balance_method.as_deref()?;
-                    (m != FOLLOW_BOOTSTRAP_ROOM).then(|| format!("{} ({m})", p.target))
+                    let info = p.info.as_ref()?;
+                    let m = info.load_balance_method.as_deref()?;
+                    // DP 1: every room lands on rank 0 whatever the method.
+                    let dp1 = info.dp_size.unwrap_or(1) <= 1
+                        && p.layout.as_ref().is_none_or(|l| l.dp_size <= 1);
+                    (m != FOLLOW_BOOTSTRAP_ROOM && !dp1).then(|| format!("{} ({m})", p.target))
                 })
                 .collect();
             if off.is_empty() {

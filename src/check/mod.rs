@@ -35,6 +35,7 @@ use crate::url::{parse_base_url, BaseUrl};
 
 mod discovered;
 mod fleet;
+mod pairing;
 
 pub use discovered::{KubeSource, DISCOVERY_WAIT};
 use fleet::{fleet, probe_request};
@@ -183,6 +184,8 @@ struct EngineProbe {
     layout: Option<Layout>,
     /// A prefill's bootstrap server as probed (`host:port`), when it answered.
     bootstrap: Option<String>,
+    /// The model facts of `/server_info` compared across pairs ([`pairing`]).
+    facts: pairing::Facts,
 }
 
 /// Probes every engine of `cfg` (a validated configuration) and the fleet as a whole; with
@@ -247,6 +250,7 @@ pub async fn run_with(cfg: &Config, opts: CheckOptions, kube: KubeSource) -> Rep
             info: None,
             layout: None,
             bootstrap: None,
+            facts: pairing::Facts::default(),
         });
         probes.push(probe);
     }
@@ -304,6 +308,7 @@ async fn probe_engine(
         info: None,
         layout: None,
         bootstrap: None,
+        facts: pairing::Facts::default(),
     };
     if let Listed::Pod { row, .. } = &e.listed {
         p.checks.push(row.clone());
@@ -380,6 +385,7 @@ async fn probe_engine(
             return p;
         }
     };
+    p.facts = pairing::Facts::read(up, &url, timeout).await;
     let role_ok = role_check(&mut p.checks, e, &info);
     p.checks.push(Check::pass(
         t,
@@ -496,6 +502,11 @@ fn room_check(t: &str, info: &ServerInfo, mode: ContractMode) -> Check {
             t,
             name,
             format!("{m} (fine under pinned contract mode: the rank rides on the request)"),
+        ),
+        (Some(m), ContractMode::Modulo) if info.dp_size.unwrap_or(1) <= 1 => Check::pass(
+            t,
+            name,
+            format!("{m} (fine at DP 1: every room lands on rank 0, as modulo expects)"),
         ),
         (Some(m), ContractMode::Modulo) => Check::fail(
             t,

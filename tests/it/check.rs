@@ -124,6 +124,39 @@ fn cases() -> Vec<Case> {
             failed: &["bootstrap_owner", "bootstrap_shared"],
         },
         Case {
+            name: "a decode serving another model",
+            prefill: vec![p2.clone()],
+            decode: vec![EngineConfig {
+                model: "another-model".into(),
+                ..d2.clone()
+            }],
+            wire: as_is,
+            mode: modulo,
+            failed: &["model"],
+        },
+        Case {
+            name: "a decode with a shorter context",
+            prefill: vec![p2.clone()],
+            decode: vec![EngineConfig {
+                context_length: 1024,
+                ..d2.clone()
+            }],
+            wire: as_is,
+            mode: modulo,
+            failed: &["context_length"],
+        },
+        Case {
+            name: "a DP 1 prefill without follow_bootstrap_room, under modulo",
+            prefill: vec![EngineConfig {
+                load_balance_method: "round_robin".into(),
+                ..EngineConfig::prefill(1)
+            }],
+            decode: vec![d2.clone()],
+            wire: as_is,
+            mode: modulo,
+            failed: &[],
+        },
+        Case {
             name: "page size mismatch",
             prefill: vec![p2.clone()],
             decode: vec![EngineConfig {
@@ -263,6 +296,9 @@ async fn a_healthy_fleet_reports_every_probe() {
         "contract_mode",
         "bootstrap_owner",
         "bootstrap_shared",
+        "model",
+        "context_length",
+        "tp_size",
         "page_size",
         "kv_cache_dtype",
         "transfer_backend",
