@@ -329,7 +329,13 @@ async fn probe_engine(
     let started = Instant::now();
     match up.get(&url, "/health", timeout).await {
         Err(err) => {
+            let unresolved = does_not_resolve(&url, timeout).await;
             let fix = match &e.listed {
+                _ if unresolved => format!(
+                    "the host {} does not resolve (no DNS answer): check its spelling; for a \
+                     Kubernetes Service, its name and namespace (NAME.NAMESPACE.svc)",
+                    url.host()
+                ),
                 Listed::Static => format!(
                     "start the {role} engine at {url}, or correct its URL (host, port); check \
                      that pdgate's host can connect to it"
@@ -375,12 +381,24 @@ async fn probe_engine(
             info
         }
         Err(e) => {
+            // A bootstrap server answers /health too: say so when that is what the URL is.
+            let bootstrap = client::sentinel(up, &url, None, timeout).await.is_ok();
+            let fix = if bootstrap {
+                format!(
+                    "{url} is a bootstrap server (it answers GET /route), not the engine: give \
+                     the engine's HTTP port (its --port) in the URL, and the bootstrap port \
+                     apart (bootstrap_port, or leave it out: /server_info tells)"
+                )
+            } else {
+                "pdgate reads the role, DP size, page size and KV dtype there: is this an \
+                 SGLang engine (and its API key, if any, in [upstream] api_key)?"
+                    .to_string()
+            };
             p.checks.push(Check::fail(
                 t,
                 "server_info",
                 format!("neither /server_info nor /get_server_info answered: {e}"),
-                "pdgate reads the role, DP size, page size and KV dtype there: is this an \
-                 SGLang engine (and its API key, if any, in [upstream] api_key)?",
+                fix,
             ));
             return p;
         }
@@ -450,6 +468,16 @@ async fn owner_check(
             ),
         },
     )
+}
+
+/// Whether the URL's host is a name that does not resolve (an IP literal always does).
+async fn does_not_resolve(url: &BaseUrl, timeout: Duration) -> bool {
+    let host = url.host();
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        return false;
+    }
+    let lookup = tokio::net::lookup_host((host, url.port()));
+    matches!(tokio::time::timeout(timeout, lookup).await, Ok(Err(_)))
 }
 
 /// The engine's `disaggregation_mode` is the role it was configured with (or its pod's

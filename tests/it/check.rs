@@ -270,6 +270,62 @@ async fn each_misconfiguration_fails_the_checks_that_name_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixes_say_what_is_wrong() {
+    // (case, wiring, the failed check, what its fix must say)
+    let table: [(&str, Wire, &str, &str); 2] = [
+        (
+            "the bootstrap port given as the engine URL",
+            |c, cfg| {
+                let port = c.prefills[0].bootstrap_port().unwrap_or(0);
+                cfg.prefill.push(PrefillWorkerConfig {
+                    url: format!("http://127.0.0.1:{port}"),
+                    bootstrap_port: None,
+                    bootstrap_host: None,
+                });
+                cfg.decode.push(DecodeWorkerConfig {
+                    url: c.decodes[0].url(),
+                });
+            },
+            "server_info",
+            "is a bootstrap server",
+        ),
+        (
+            "a host that does not resolve",
+            |c, cfg| {
+                cfg.prefill.push(PrefillWorkerConfig {
+                    url: "http://pdgate-no-such-host.invalid:30000".into(),
+                    bootstrap_port: None,
+                    bootstrap_host: None,
+                });
+                cfg.decode.push(DecodeWorkerConfig {
+                    url: c.decodes[0].url(),
+                });
+            },
+            "reachable",
+            "does not resolve",
+        ),
+    ];
+    for (case, wire, check, says) in table {
+        let report = run_case(
+            &[EngineConfig::prefill(1)],
+            &[EngineConfig::decode(1)],
+            wire,
+            ContractMode::Modulo,
+            CheckOptions::default(),
+        )
+        .await;
+        assert_eq!(report.failures(), [check], "{case}:\n{}", report.table());
+        let fix = report
+            .checks
+            .iter()
+            .find(|c| c.name == check)
+            .and_then(|c| c.fix.clone())
+            .unwrap_or_default();
+        assert!(fix.contains(says), "{case}: {fix}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_healthy_fleet_reports_every_probe() {
     let report = run_case(
         &[EngineConfig::prefill(2)],
