@@ -64,10 +64,18 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, _now: Inst
             RankReadiness::Failed { reason, .. } => reason.label(),
             _ => "",
         };
-        tracing::info!(
-            prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
-            "bootstrap rank state"
-        );
+        // Start-up (from unknown) at INFO; every later transition at WARN.
+        if *old == RankReadiness::Unknown {
+            tracing::info!(
+                prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
+                "bootstrap rank state"
+            );
+        } else {
+            tracing::warn!(
+                prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
+                "bootstrap rank state"
+            );
+        }
         metrics::counter!(crate::telemetry::BOOTSTRAP_RANK_TRANSITIONS, "to" => new.label())
             .increment(1);
         if *old == RankReadiness::Ready {

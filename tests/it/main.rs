@@ -49,6 +49,7 @@ mod stalls;
 mod stream_moves;
 mod upstream_leg_errors;
 mod upstream_legs;
+mod worker_logs;
 
 // The chaos soak's driver, shared with `benches/chaos` (whose modules name each other
 // from the crate root).
