@@ -20,7 +20,8 @@
 //! (no `bootstrap_host`): behind another address, ports may be mapped. A fact an engine
 //! does not report (an older SGLang) is not compared.
 //!
-//! Invariant: a refused prefill is never routable (`WorkerState::bootstrap_refused`), its
+//! Invariant: a prefill is not routable until the proof is done ([`UNPROVED`]); a refused
+//! prefill is never routable (`WorkerState::bootstrap_refused`), its
 //! refusal is logged at ERROR with what to fix, and counted in
 //! `pdgate_bootstrap_refused_total{reason}`.
 
@@ -30,6 +31,11 @@ use http::StatusCode;
 
 use super::client::SENTINEL_V3;
 use crate::upstream::{BaseUrl, Upstream};
+
+/// The refusal a prefill carries until its proof is done.
+pub const UNPROVED: &str =
+    "its bootstrap server is not yet proved to be its own (waiting for the engine and every \
+     rank's registration)";
 
 /// Why a bootstrap server is not the prefill's own.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -186,29 +186,39 @@ pub fn spawn(
             w.bootstrap = Some(info);
             wake = w.refresh.clone();
         });
-        // No rank is read (so none is ready, and no request is sent) before the bootstrap
-        // server is proved to be this prefill's own.
-        let proof = Proof {
-            id,
-            engine: &engine,
-            bootstrap: &url,
-            port,
-            given,
-            host_given,
-        };
-        if let Some(m) = prove(&pool, &up, &live, proof).await {
-            let why = m.message();
-            tracing::error!(
-                prefill = %engine,
-                bootstrap = %url,
-                reason = m.label(),
-                error = %why,
-                "prefill refused: its bootstrap server is not its own"
-            );
-            metrics::counter!(crate::telemetry::BOOTSTRAP_REFUSED, "reason" => m.label())
-                .increment(1);
-            pool.update_worker(Role::Prefill, id, |w| w.bootstrap_refused = Some(why));
-            return;
+        // Not routable (no request is sent to it) before its bootstrap server is proved to
+        // be its own; the proof runs beside the tracker, which follows the ranks meanwhile.
+        pool.update_worker(Role::Prefill, id, |w| {
+            w.bootstrap_refused = Some(super::ownership::UNPROVED.to_string());
+        });
+        {
+            let (pool2, up2, live2) = (pool.clone(), up.clone(), live.clone());
+            let (engine2, url2) = (engine.clone(), url.clone());
+            pool.spawn_task(Role::Prefill, id, async move {
+                let proof = Proof {
+                    id,
+                    engine: &engine2,
+                    bootstrap: &url2,
+                    port,
+                    given,
+                    host_given,
+                };
+                let verdict = prove(&pool2, &up2, &live2, proof).await;
+                if let Some(m) = &verdict {
+                    tracing::error!(
+                        prefill = %engine2,
+                        bootstrap = %url2,
+                        reason = m.label(),
+                        error = %m.message(),
+                        "prefill refused: its bootstrap server is not its own"
+                    );
+                    metrics::counter!(crate::telemetry::BOOTSTRAP_REFUSED, "reason" => m.label())
+                        .increment(1);
+                }
+                pool2.update_worker(Role::Prefill, id, |w| {
+                    w.bootstrap_refused = verdict.map(|m| m.message());
+                });
+            });
         }
         pool.spawn_task(
             Role::Prefill,
@@ -282,10 +292,16 @@ async fn prove(
         ) {
             return Some(m);
         }
+        // Proof 3, where the server does not name its owner (else proof 2 settled it).
+        if owner_port.is_some() && !p.host_given {
+            return None;
+        }
         let snap = pool.load();
         let first = snap.prefills.iter().find(|w| {
             w.id < p.id
-                && w.refused.is_none()
+                && w.refused
+                    .as_deref()
+                    .is_none_or(|r| r == super::ownership::UNPROVED)
                 && w.bootstrap.as_ref().is_some_and(|b| b.url == *p.bootstrap)
         });
         return first.map(|w| Mismatch::Shared {
