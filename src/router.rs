@@ -240,6 +240,12 @@ pub async fn start_with(
             source,
         }
     })?;
+    // SGLang's router serves its control routes on its main port: so does pdgate, under the
+    // admin listener's token (refused where none runs).
+    server.serve_control(crate::admin::FrontControl::new(
+        fleet.clone(),
+        admin.as_ref().map(AdminServer::token),
+    ));
     tracing::info!(url = %server.url(), "pdgate listening");
     Ok(Router {
         server,

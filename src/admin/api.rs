@@ -212,7 +212,7 @@ impl Api {
                 redact(&mut v);
                 Ok(json_response(StatusCode::OK, &v))
             }
-            Route::AddWorker => self.sglang_add(&params),
+            Route::AddWorker => self.sglang_add(&params).await,
             Route::RemoveWorker => self.sglang_remove(&params),
             Route::ListWorkers => Ok(self.sglang_list()),
         }
@@ -457,7 +457,11 @@ impl Api {
     }
 
     /// `POST /add_worker?url=U&worker_type=prefill|decode[&bootstrap_port=N]` (SGLang).
-    fn sglang_add(&self, params: &HashMap<String, String>) -> Answer {
+    /// Like SGLang's router, it answers once the worker takes traffic (200), up to
+    /// `admin.add_worker_wait_secs`; past that, 202 says it is registered but not yet
+    /// checked. A worker refused by its checks (a layout or bootstrap mismatch) is 409, and
+    /// stays registered and visible in `/workers` with the reason.
+    async fn sglang_add(&self, params: &HashMap<String, String>) -> Answer {
         let url = params.get("url").ok_or_else(|| {
             fail(
                 FailReason::InvalidRequest,
@@ -487,14 +491,34 @@ impl Api {
             .or_else(|| params.get("model_id"))
             .cloned();
         let id = self.add_spec(role, url, port, host, model)?;
-        Ok(text_response(
-            StatusCode::OK,
-            format!(
-                "Successfully added {role} worker: {url} ({}; it takes traffic once its \
-                 /server_info and first health check pass)",
-                worker_ref(role, id)
-            ),
-        ))
+        let reference = worker_ref(role, id);
+        let within = self.fleet.live().load().admin.add_worker_wait();
+        match wait_routable(self.fleet.pool(), role, id, within).await {
+            Admitted::Routable => Ok(text_response(
+                StatusCode::OK,
+                format!("Successfully added {role} worker: {url} ({reference}; healthy, taking traffic)"),
+            )),
+            Admitted::Refused(why) => Err(fail(
+                FailReason::Conflict,
+                format!(
+                    "{role} worker {url} ({reference}) is registered but refused by its checks: \
+                     {why} (GET /workers/{reference}; remove it with POST /remove_worker?url=...)"
+                ),
+            )),
+            Admitted::Gone => Err(fail(
+                FailReason::NotFound,
+                format!("{role} worker {url} ({reference}) was removed while it was being added"),
+            )),
+            Admitted::NotYet => Ok(text_response(
+                StatusCode::ACCEPTED,
+                format!(
+                    "Registered {role} worker: {url} ({reference}), not yet checked: it takes \
+                     traffic once its /server_info answers and its first health check passes \
+                     (waited {}s; GET /workers/{reference} shows its state)",
+                    within.as_secs()
+                ),
+            )),
+        }
     }
 
     /// `POST /remove_worker?url=U[&worker_type=...]` (SGLang): drains, then removes.
@@ -547,6 +571,48 @@ impl Api {
             StatusCode::OK,
             &json!({"urls": all, "prefill": p, "decode": d}),
         )
+    }
+}
+
+/// Where a newly added worker stands after [`wait_routable`].
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Admitted {
+    /// In the snapshot's routable set: it takes traffic.
+    Routable,
+    /// Its checks refused it (the reason, as `/workers` shows it).
+    Refused(String),
+    /// Removed meanwhile.
+    Gone,
+    /// Still unchecked when the wait ended.
+    NotYet,
+}
+
+/// How often [`wait_routable`] reads the snapshot.
+const ADMIT_POLL: Duration = Duration::from_millis(25);
+
+/// Waits up to `within` for worker `id` to be routable (or refused, or gone).
+pub(crate) async fn wait_routable(
+    pool: &crate::pool::Pool,
+    role: Role,
+    id: WorkerId,
+    within: Duration,
+) -> Admitted {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let snap = pool.load();
+        let Some(w) = snap.worker(role, id) else {
+            return Admitted::Gone;
+        };
+        if snap.routable(role).iter().any(|r| r.worker == id) {
+            return Admitted::Routable;
+        }
+        if let Some(why) = &w.refused {
+            return Admitted::Refused(why.clone());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Admitted::NotYet;
+        }
+        tokio::time::sleep(ADMIT_POLL).await;
     }
 }
 

@@ -28,6 +28,7 @@
 //! open ones finish their request and close.
 
 mod api;
+pub mod front;
 pub mod guard;
 pub mod token;
 pub mod view;
@@ -45,6 +46,7 @@ use tower_http::validate_request::ValidateRequestHeaderLayer;
 use crate::config::Config;
 use crate::fleet::Fleet;
 
+pub use front::FrontControl;
 pub use token::AdminToken;
 
 /// Connections the admin listener serves at once.
@@ -90,6 +92,11 @@ impl AdminServer {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The token this listener checks (the front door's control routes check the same).
+    pub fn token(&self) -> Arc<AdminToken> {
+        self.token.clone()
     }
 
     /// Takes the admin token of a changed config (refused, keeping the token in use, when

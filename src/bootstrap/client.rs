@@ -92,7 +92,7 @@ fn one() -> u32 {
     1
 }
 
-const SENTINEL_V3: &str =
+pub(crate) const SENTINEL_V3: &str =
     "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1";
 const SENTINEL_V2: &str = "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1";
 const SENTINEL_V1: &str = "/route?engine_rank=-1&target_dp_group=-1";

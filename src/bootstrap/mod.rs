@@ -3,6 +3,7 @@
 //! plus the request-path preflight.
 
 pub mod client;
+pub mod ownership;
 pub mod preflight;
 pub mod tracker;
 

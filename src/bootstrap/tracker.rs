@@ -64,10 +64,18 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, _now: Inst
             RankReadiness::Failed { reason, .. } => reason.label(),
             _ => "",
         };
-        tracing::info!(
-            prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
-            "bootstrap rank state"
-        );
+        // Start-up (from unknown) at INFO; every later transition at WARN.
+        if *old == RankReadiness::Unknown {
+            tracing::info!(
+                prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
+                "bootstrap rank state"
+            );
+        } else {
+            tracing::warn!(
+                prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
+                "bootstrap rank state"
+            );
+        }
         metrics::counter!(crate::telemetry::BOOTSTRAP_RANK_TRANSITIONS, "to" => new.label())
             .increment(1);
         if *old == RankReadiness::Ready {
@@ -161,6 +169,7 @@ pub fn spawn(
 ) {
     let p2 = pool.clone();
     p2.spawn_task(Role::Prefill, id, async move {
+        let (given, host_given) = (port.is_some(), host.is_some());
         let port = match port {
             Some(p) => p,
             None => discover_port(&up, &live, &engine).await,
@@ -177,6 +186,40 @@ pub fn spawn(
             w.bootstrap = Some(info);
             wake = w.refresh.clone();
         });
+        // Not routable (no request is sent to it) before its bootstrap server is proved to
+        // be its own; the proof runs beside the tracker, which follows the ranks meanwhile.
+        pool.update_worker(Role::Prefill, id, |w| {
+            w.bootstrap_refused = Some(super::ownership::UNPROVED.to_string());
+        });
+        {
+            let (pool2, up2, live2) = (pool.clone(), up.clone(), live.clone());
+            let (engine2, url2) = (engine.clone(), url.clone());
+            pool.spawn_task(Role::Prefill, id, async move {
+                let proof = Proof {
+                    id,
+                    engine: &engine2,
+                    bootstrap: &url2,
+                    port,
+                    given,
+                    host_given,
+                };
+                let verdict = prove(&pool2, &up2, &live2, proof).await;
+                if let Some(m) = &verdict {
+                    tracing::error!(
+                        prefill = %engine2,
+                        bootstrap = %url2,
+                        reason = m.label(),
+                        error = %m.message(),
+                        "prefill refused: its bootstrap server is not its own"
+                    );
+                    metrics::counter!(crate::telemetry::BOOTSTRAP_REFUSED, "reason" => m.label())
+                        .increment(1);
+                }
+                pool2.update_worker(Role::Prefill, id, |w| {
+                    w.bootstrap_refused = verdict.map(|m| m.message());
+                });
+            });
+        }
         pool.spawn_task(
             Role::Prefill,
             id,
@@ -191,6 +234,81 @@ pub fn spawn(
         );
         refresher(pool, up, live, id, url, wake).await;
     });
+}
+
+/// What [`prove`] checks.
+struct Proof<'a> {
+    id: WorkerId,
+    engine: &'a BaseUrl,
+    bootstrap: &'a BaseUrl,
+    port: u16,
+    given: bool,
+    host_given: bool,
+}
+
+/// Proves that the bootstrap server is the prefill's own ([`super::ownership`]); waits
+/// (one heartbeat interval at a time) while the engine or the bootstrap server cannot tell
+/// yet. `Some`: it is not.
+async fn prove(
+    pool: &Pool,
+    up: &Upstream,
+    live: &LiveConfig,
+    p: Proof<'_>,
+) -> Option<super::ownership::Mismatch> {
+    use super::ownership::{judge, owner, Mismatch, Owner};
+    loop {
+        let cfg = live.load().bootstrap.clone();
+        let timeout = cfg.http_timeout();
+        let reported = if p.given && !p.host_given {
+            match client::server_info(up, p.engine, timeout).await {
+                Ok(info) => info.disaggregation_bootstrap_port,
+                Err(BootstrapError::BadAnswer { .. }) => None,
+                Err(_) => {
+                    tokio::time::sleep(cfg.heartbeat_interval()).await;
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
+        let owner_port = if p.host_given {
+            None
+        } else {
+            match owner(up, p.bootstrap, timeout).await {
+                Owner::Known(o) => o,
+                Owner::NotYet => {
+                    tokio::time::sleep(cfg.heartbeat_interval()).await;
+                    continue;
+                }
+            }
+        };
+        if let Some(m) = judge(
+            p.engine.port(),
+            p.port,
+            p.given,
+            p.host_given,
+            reported,
+            owner_port,
+        ) {
+            return Some(m);
+        }
+        // Proof 3, where the server does not name its owner (else proof 2 settled it).
+        if owner_port.is_some() && !p.host_given {
+            return None;
+        }
+        let snap = pool.load();
+        let first = snap.prefills.iter().find(|w| {
+            w.id < p.id
+                && w.refused
+                    .as_deref()
+                    .is_none_or(|r| r == super::ownership::UNPROVED)
+                && w.bootstrap.as_ref().is_some_and(|b| b.url == *p.bootstrap)
+        });
+        return first.map(|w| Mismatch::Shared {
+            bootstrap: p.bootstrap.to_string(),
+            other: format!("prefill {}", w.url),
+        });
+    }
 }
 
 /// The engine's `disaggregation_bootstrap_port`, else 8998 (retrying while unreachable).

@@ -54,6 +54,8 @@ pub(super) fn fleet(cfg: &Config, probes: &[EngineProbe]) -> Vec<Check> {
         });
     }
     out.push(contract(cfg.contract.mode, probes));
+    out.push(shared_bootstrap(probes));
+    out.extend(super::pairing::checks(probes));
     let page = |p: &EngineProbe| {
         p.info
             .as_ref()
@@ -99,6 +101,36 @@ pub(super) fn fleet(cfg: &Config, probes: &[EngineProbe]) -> Vec<Check> {
 }
 
 /// Whether the contract mode can work with these prefills.
+/// No two prefills use one bootstrap server (`crate::bootstrap::ownership`, proof 3).
+fn shared_bootstrap(probes: &[EngineProbe]) -> Check {
+    let name = "bootstrap_shared";
+    let prefills: Vec<(&str, &str)> = probes
+        .iter()
+        .filter(|p| p.role == Role::Prefill)
+        .filter_map(|p| p.bootstrap.as_deref().map(|b| (p.target.as_str(), b)))
+        .collect();
+    for (i, (t, b)) in prefills.iter().enumerate() {
+        if let Some((first, _)) = prefills[..i].iter().find(|(_, b2)| b2 == b) {
+            return Check::fail(
+                FLEET,
+                name,
+                format!("prefills {first} and {t} both use the bootstrap server {b}"),
+                "each prefill has its own bootstrap server: give each its own port (its \
+                 --disaggregation-bootstrap-port), or leave the port out (pdgate reads it \
+                 from /server_info)",
+            );
+        }
+    }
+    Check::pass(
+        FLEET,
+        name,
+        format!(
+            "{} prefill bootstrap server(s), each used once",
+            prefills.len()
+        ),
+    )
+}
+
 fn contract(mode: ContractMode, probes: &[EngineProbe]) -> Check {
     let name = "contract_mode";
     match mode {
@@ -114,8 +146,12 @@ fn contract(mode: ContractMode, probes: &[EngineProbe]) -> Check {
                 .iter()
                 .filter(|p| p.role == Role::Prefill)
                 .filter_map(|p| {
-                    let m = p.info.as_ref()?.load_balance_method.as_deref()?;
-                    (m != FOLLOW_BOOTSTRAP_ROOM).then(|| format!("{} ({m})", p.target))
+                    let info = p.info.as_ref()?;
+                    let m = info.load_balance_method.as_deref()?;
+                    // DP 1: every room lands on rank 0 whatever the method.
+                    let dp1 = info.dp_size.unwrap_or(1) <= 1
+                        && p.layout.as_ref().is_none_or(|l| l.dp_size <= 1);
+                    (m != FOLLOW_BOOTSTRAP_ROOM && !dp1).then(|| format!("{} ({m})", p.target))
                 })
                 .collect();
             if off.is_empty() {

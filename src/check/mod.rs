@@ -35,6 +35,7 @@ use crate::url::{parse_base_url, BaseUrl};
 
 mod discovered;
 mod fleet;
+mod pairing;
 
 pub use discovered::{KubeSource, DISCOVERY_WAIT};
 use fleet::{fleet, probe_request};
@@ -181,6 +182,10 @@ struct EngineProbe {
     /// engine in the wrong role is left out of the fleet comparisons).
     info: Option<ServerInfo>,
     layout: Option<Layout>,
+    /// A prefill's bootstrap server as probed (`host:port`), when it answered.
+    bootstrap: Option<String>,
+    /// The model facts of `/server_info` compared across pairs ([`pairing`]).
+    facts: pairing::Facts,
 }
 
 /// Probes every engine of `cfg` (a validated configuration) and the fleet as a whole; with
@@ -244,6 +249,8 @@ pub async fn run_with(cfg: &Config, opts: CheckOptions, kube: KubeSource) -> Rep
             discovered: matches!(e.listed, Listed::Pod { .. }),
             info: None,
             layout: None,
+            bootstrap: None,
+            facts: pairing::Facts::default(),
         });
         probes.push(probe);
     }
@@ -304,6 +311,8 @@ async fn probe_engine(
         checks: Vec::new(),
         info: None,
         layout: None,
+        bootstrap: None,
+        facts: pairing::Facts::default(),
     };
     if let Listed::Pod { row, .. } = &e.listed {
         p.checks.push(row.clone());
@@ -324,7 +333,13 @@ async fn probe_engine(
     let started = Instant::now();
     match up.get(&url, "/health", timeout).await {
         Err(err) => {
+            let unresolved = does_not_resolve(&url, timeout).await;
             let fix = match &e.listed {
+                _ if unresolved => format!(
+                    "the host {} does not resolve (no DNS answer): check its spelling; for a \
+                     Kubernetes Service, its name and namespace (NAME.NAMESPACE.svc)",
+                    url.host()
+                ),
                 Listed::Static => format!(
                     "start the {role} engine at {url}, or correct its URL (host, port); check \
                      that pdgate's host can connect to it"
@@ -370,16 +385,29 @@ async fn probe_engine(
             info
         }
         Err(e) => {
+            // A bootstrap server answers /health too: say so when that is what the URL is.
+            let bootstrap = client::sentinel(up, &url, None, timeout).await.is_ok();
+            let fix = if bootstrap {
+                format!(
+                    "{url} is a bootstrap server (it answers GET /route), not the engine: give \
+                     the engine's HTTP port (its --port) in the URL, and the bootstrap port \
+                     apart (bootstrap_port, or leave it out: /server_info tells)"
+                )
+            } else {
+                "pdgate reads the role, DP size, page size and KV dtype there: is this an \
+                 SGLang engine (and its API key, if any, in [upstream] api_key)?"
+                    .to_string()
+            };
             p.checks.push(Check::fail(
                 t,
                 "server_info",
                 format!("neither /server_info nor /get_server_info answered: {e}"),
-                "pdgate reads the role, DP size, page size and KV dtype there: is this an \
-                 SGLang engine (and its API key, if any, in [upstream] api_key)?",
+                fix,
             ));
             return p;
         }
     };
+    p.facts = pairing::Facts::read(up, &url, timeout).await;
     let role_ok = role_check(&mut p.checks, e, &info);
     p.checks.push(Check::pass(
         t,
@@ -395,12 +423,65 @@ async fn probe_engine(
     ));
     if role == Role::Prefill && role_ok {
         p.checks.push(room_check(t, &info, mode));
-        p.layout = probe_bootstrap(up, &mut p.checks, e, &url, &info, timeout).await;
+        let (layout, bootstrap) = probe_bootstrap(up, &mut p.checks, e, &url, &info, timeout).await;
+        p.layout = layout;
+        p.bootstrap = bootstrap;
     }
     if role_ok {
         p.info = Some(info);
     }
     p
+}
+
+/// The bootstrap server is this prefill's own (`crate::bootstrap::ownership`, proofs 1
+/// and 2). `None` when it cannot tell yet (not every rank registered: reported below).
+#[allow(clippy::too_many_arguments)]
+async fn owner_check(
+    up: &Upstream,
+    t: &str,
+    engine: &BaseUrl,
+    url: &BaseUrl,
+    port: u16,
+    given: bool,
+    info: &ServerInfo,
+    timeout: Duration,
+) -> Option<Check> {
+    use crate::bootstrap::ownership::{judge, owner, Owner};
+    let Owner::Known(owner_port) = owner(up, url, timeout).await else {
+        return None;
+    };
+    let reported = info.disaggregation_bootstrap_port;
+    let name = "bootstrap_owner";
+    Some(
+        match judge(engine.port(), port, given, false, reported, owner_port) {
+            Some(m) => Check::fail(
+                t,
+                name,
+                format!("the bootstrap server on port {port} is not this prefill's: every request would wait for KV that never comes (then 504)"),
+                m.message(),
+            ),
+            None => Check::pass(
+                t,
+                name,
+                match owner_port {
+                    Some(o) => format!("registered by the prefill on HTTP port {o}: this one"),
+                    None => "the bootstrap server does not name its prefill (older SGLang): \
+                             not verified"
+                        .to_string(),
+                },
+            ),
+        },
+    )
+}
+
+/// Whether the URL's host is a name that does not resolve (an IP literal always does).
+async fn does_not_resolve(url: &BaseUrl, timeout: Duration) -> bool {
+    let host = url.host();
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        return false;
+    }
+    let lookup = tokio::net::lookup_host((host, url.port()));
+    matches!(tokio::time::timeout(timeout, lookup).await, Ok(Err(_)))
 }
 
 /// The engine's `disaggregation_mode` is the role it was configured with (or its pod's
@@ -454,6 +535,11 @@ fn room_check(t: &str, info: &ServerInfo, mode: ContractMode) -> Check {
             name,
             format!("{m} (fine under pinned contract mode: the rank rides on the request)"),
         ),
+        (Some(m), ContractMode::Modulo) if info.dp_size.unwrap_or(1) <= 1 => Check::pass(
+            t,
+            name,
+            format!("{m} (fine at DP 1: every room lands on rank 0, as modulo expects)"),
+        ),
         (Some(m), ContractMode::Modulo) => Check::fail(
             t,
             name,
@@ -466,8 +552,9 @@ fn room_check(t: &str, info: &ServerInfo, mode: ContractMode) -> Check {
     }
 }
 
-/// The prefill's bootstrap server: alive, every rank registered, every rank's route.
-/// Returns the layout from the sentinel.
+/// The prefill's bootstrap server: alive, its own (`crate::bootstrap::ownership`), every
+/// rank registered, every rank's route. Returns the layout from the sentinel, and the
+/// server's `host:port` when it answered.
 async fn probe_bootstrap(
     up: &Upstream,
     checks: &mut Vec<Check>,
@@ -475,6 +562,20 @@ async fn probe_bootstrap(
     engine: &BaseUrl,
     info: &ServerInfo,
     timeout: Duration,
+) -> (Option<Layout>, Option<String>) {
+    let mut at = None;
+    let layout = probe_bootstrap_at(up, checks, e, engine, info, timeout, &mut at).await;
+    (layout, at)
+}
+
+async fn probe_bootstrap_at(
+    up: &Upstream,
+    checks: &mut Vec<Check>,
+    e: &Engine,
+    engine: &BaseUrl,
+    info: &ServerInfo,
+    timeout: Duration,
+    at: &mut Option<String>,
 ) -> Option<Layout> {
     let t = e.target.as_str();
     let (port, from) = match (e.bootstrap_port, info.disaggregation_bootstrap_port) {
@@ -506,6 +607,21 @@ async fn probe_bootstrap(
         "bootstrap_health",
         format!("bootstrap server {url} (port {from}) answers /health"),
     ));
+    *at = Some(format!("{}:{port}", url.host()));
+    if let Some(c) = owner_check(
+        up,
+        t,
+        engine,
+        &url,
+        port,
+        e.bootstrap_port.is_some(),
+        info,
+        timeout,
+    )
+    .await
+    {
+        checks.push(c);
+    }
     let layout = match client::sentinel(up, &url, None, timeout).await {
         Ok(Sentinel::Ready(l)) => l,
         Ok(Sentinel::NotReady(text)) => {

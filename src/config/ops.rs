@@ -101,6 +101,11 @@ pub struct AdminConfig {
     /// Names (besides IP literals and `localhost`) the admin listener accepts as `Host`,
     /// e.g. a Service's DNS name; any other Host is refused (DNS rebinding).
     pub allowed_hosts: Vec<String>,
+    /// How long SGLang's `POST /add_worker` waits for the new worker to take traffic (its
+    /// `/server_info` read and first health check passed), as SGLang's router does; past
+    /// it the answer says the worker is registered but not yet checked (202). 0: answer
+    /// at once.
+    pub add_worker_wait_secs: u64,
 }
 
 impl Default for AdminConfig {
@@ -113,6 +118,7 @@ impl Default for AdminConfig {
             api_key_file: None,
             remove_drain_secs: 300,
             allowed_hosts: Vec::new(),
+            add_worker_wait_secs: 30,
         }
     }
 }
@@ -120,6 +126,10 @@ impl Default for AdminConfig {
 impl AdminConfig {
     pub fn remove_drain(&self) -> Duration {
         Duration::from_secs(self.remove_drain_secs)
+    }
+
+    pub fn add_worker_wait(&self) -> Duration {
+        Duration::from_secs(self.add_worker_wait_secs)
     }
 }
 
@@ -244,6 +254,12 @@ pub(super) fn validate(cfg: &super::Config) -> Result<(), ConfigError> {
         a.remove_drain_secs,
         0,
         super::DAY,
+    )?;
+    range(
+        "admin.add_worker_wait_secs",
+        a.add_worker_wait_secs,
+        0,
+        3600,
     )?;
     if let Some(h) = a.allowed_hosts.iter().find(|h| {
         h.is_empty()

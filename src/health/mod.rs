@@ -179,10 +179,16 @@ pub fn spawn(
             if verdict != Verdict::Keep {
                 let good = verdict == Verdict::Up;
                 pool.update_worker(role, id, |w| {
+                    let first = !w.health_checked;
                     w.healthy = good;
                     w.health_checked = true;
                     // `pdgate_worker_healthy` is read from the pool at scrape time.
-                    tracing::info!(role = %role, worker = %w.url, healthy = good, "worker health");
+                    // The first verdict at INFO; every later change at WARN.
+                    if !first {
+                        tracing::warn!(role = %role, worker = %w.url, healthy = good, "worker health");
+                    } else {
+                        tracing::info!(role = %role, worker = %w.url, healthy = good, "worker health");
+                    }
                     if good && ever_up && role == Role::Prefill {
                         // Back after being down (maybe a restart): its bootstrap tracker
                         // re-reads the rank routes now.

@@ -261,7 +261,21 @@ impl Dispatcher {
                 Err(af) => {
                     let f = &af.failure;
                     record::failed(f.reason, Phase::BeforeFirstByte);
-                    tracing::warn!(request_id = %ctx.id, attempt = attempt_no, reason = f.reason.as_str(), error = %f.message, "attempt failed");
+                    // The line names the worker blamed (id and URL), when one is.
+                    let blamed = af.blame.map(|(role, w)| {
+                        let url = self.pool.load().worker(role, w).map(|v| v.url.to_string());
+                        (role, w, url.unwrap_or_default())
+                    });
+                    tracing::warn!(
+                        request_id = %ctx.id,
+                        attempt = attempt_no,
+                        reason = f.reason.as_str(),
+                        error = %f.message,
+                        role = blamed.as_ref().map_or("-", |b| b.0.as_str()),
+                        worker_id = ?blamed.as_ref().map(|b| b.1 .0),
+                        worker = blamed.as_ref().map_or("-", |b| b.2.as_str()),
+                        "attempt failed"
+                    );
                     // A keep-alive race (the engine closed the leg's pooled connection just
                     // as it was sent) is nobody's fault: no breaker count, no exclusion.
                     let blame = af.blame.filter(|_| !f.stale_connection);

@@ -305,7 +305,8 @@ impl Pool {
         if to == BreakerState::Closed {
             b.consecutive.store(0, Ordering::Relaxed);
         }
-        tracing::info!(role = %role, worker = %id, from = from.label(), to = to.label(), "circuit breaker");
+        let url = self.load().worker(role, id).map(|w| w.url.to_string());
+        tracing::warn!(role = %role, worker_id = %id, worker = url.as_deref().unwrap_or("-"), from = from.label(), to = to.label(), "circuit breaker");
         metrics::counter!(telemetry::BREAKER_TRANSITIONS, "role" => role.as_str(), "to" => to.label()).increment(1);
         // Rebuild the snapshot so routability follows the new state.
         self.rebuild_soon();

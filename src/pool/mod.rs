@@ -154,6 +154,10 @@ pub struct WorkerState {
     /// Why the worker can never take a leg (e.g. a DP size above the limit); never
     /// routable while set.
     pub refused: Option<String>,
+    /// Why the prefill's bootstrap server is not its own (`crate::bootstrap::ownership`);
+    /// kept apart from `refused`, which the health checker sets and clears from
+    /// `/server_info` alone. Never routable while set.
+    pub bootstrap_refused: Option<String>,
     /// Request-path rank checks in flight (prefill only).
     pub probes: Arc<RankProbes>,
     /// Learned leg times and progress (stall detection), per DP rank.
@@ -659,6 +663,7 @@ impl Master {
             model: None,
             breaker: Arc::new(Breaker::default()),
             refused: None,
+            bootstrap_refused: None,
             probes: Arc::new(RankProbes::new(1)),
             progress: Arc::new(WorkerProgress::new(1)),
         });
@@ -708,7 +713,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             lost: w.lost_tx.subscribe(),
             breaker: w.breaker.clone(),
             conns: w.conns.clone(),
-            refused: w.refused.clone(),
+            refused: w.refused.clone().or_else(|| w.bootstrap_refused.clone()),
             probes: w.probes.clone(),
             progress: w.progress.clone(),
             incremental_stream: w
@@ -720,7 +725,10 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             model,
         };
         // Out of rotation whatever its health: breaker open, refused, or draining.
-        let out = w.breaker.state().is_out() || w.refused.is_some() || w.drain.any();
+        let out = w.breaker.state().is_out()
+            || w.refused.is_some()
+            || w.bootstrap_refused.is_some()
+            || w.drain.any();
         match w.role {
             Role::Prefill => {
                 if w.healthy && !out && w.layout.is_some() {

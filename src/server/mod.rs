@@ -10,6 +10,7 @@
 
 mod conn;
 mod routes;
+mod sglang;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -73,6 +74,12 @@ impl Server {
 
     pub fn reconfigure(&self, cfg: Arc<crate::config::Config>) {
         self.app.reconfigure(cfg);
+    }
+
+    /// Serves the admin API's control routes on this port too (SGLang's router does), under
+    /// the admin token ([`crate::admin::front`]). Set once; a second call is ignored.
+    pub fn serve_control(&self, control: crate::admin::FrontControl) {
+        let _ = self.app.control.set(control);
     }
 
     /// Stops accepting, drains in-flight requests (up to the drain deadline), then returns.

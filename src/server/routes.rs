@@ -52,9 +52,12 @@ pub struct App {
     /// Swapped whole by a config reload; each request loads it once.
     pub dispatcher: ArcSwap<Dispatcher>,
     pub draining: AtomicBool,
-    admission: Arc<Admission>,
+    pub(super) admission: Arc<Admission>,
     /// Client API keys (reloaded in place by whoever holds the `Arc`).
-    keys: std::sync::Arc<ClientKeys>,
+    pub(super) keys: std::sync::Arc<ClientKeys>,
+    /// The admin API's control routes on this port (SGLang's router serves them on its
+    /// main port), set once by the router when an admin listener runs.
+    pub(super) control: std::sync::OnceLock<crate::admin::FrontControl>,
 }
 
 enum Endpoint {
@@ -63,6 +66,8 @@ enum Endpoint {
     Health,
     Readiness,
     Metrics,
+    /// SGLang router's other routes ([`super::sglang`]).
+    Sglang(super::sglang::Call),
 }
 
 impl Endpoint {
@@ -73,12 +78,13 @@ impl Endpoint {
             Endpoint::Health => Route::Other("health"),
             Endpoint::Readiness => Route::Other("readiness"),
             Endpoint::Metrics => Route::Other("metrics"),
+            Endpoint::Sglang(c) => Route::Other(c.label()),
         }
     }
 }
 
 /// A request answered with `f`, accounted for in `rec`.
-fn reject(mut rec: RequestRecord, f: Failure, rid: &HeaderValue) -> Response<RespBody> {
+pub(super) fn reject(mut rec: RequestRecord, f: Failure, rid: &HeaderValue) -> Response<RespBody> {
     rec.fail(f.reason);
     rec.answer(f.into_response(Some(rid)))
 }
@@ -96,7 +102,10 @@ fn route(path: &str, public_metrics: bool) -> Option<(Endpoint, &'static [Method
         "/health" | "/liveness" => (Endpoint::Health, GET),
         "/readiness" => (Endpoint::Readiness, GET),
         "/metrics" if public_metrics => (Endpoint::Metrics, GET),
-        _ => return None,
+        p => match super::sglang::route(p) {
+            Some((c, methods)) => (Endpoint::Sglang(c), methods),
+            None => return None,
+        },
     })
 }
 
@@ -160,7 +169,7 @@ fn valid_request_id(v: &HeaderValue) -> bool {
     !b.is_empty() && b.len() <= 128 && b.iter().all(|c| c.is_ascii_graphic())
 }
 
-fn json_response(
+pub(super) fn json_response(
     status: StatusCode,
     body: impl Into<Bytes>,
     rid: &HeaderValue,
@@ -182,6 +191,7 @@ impl App {
             dispatcher: ArcSwap::from_pointee(dispatcher),
             draining: AtomicBool::new(false),
             keys,
+            control: std::sync::OnceLock::new(),
         }
     }
 
@@ -273,6 +283,7 @@ impl App {
                 );
                 rec.answer(r)
             }
+            Endpoint::Sglang(c) => self.sglang(d.clone(), c, req, rid_header, rec).await,
             Endpoint::Models => match self.keys.identify(req.headers()) {
                 Ok(_) => match self.models(&rid_header).await {
                     Ok(r) => rec.answer(r),
@@ -466,7 +477,7 @@ impl App {
 /// keys on (`client_key`), the client's `Authorization` is its pdgate key and is never
 /// forwarded, whatever `upstream.forward_authorization` says: engines get
 /// `upstream.api_key` or nothing.
-fn forward_headers(
+pub(super) fn forward_headers(
     up: &crate::upstream::Upstream,
     incoming: &HeaderMap,
     rid: &HeaderValue,

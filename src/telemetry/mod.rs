@@ -112,6 +112,7 @@ pub const BREAKER_EJECTION_CAPPED: &str = "pdgate_breaker_ejection_capped_total"
 pub const PREFLIGHT_CHECKS: &str = "pdgate_preflight_checks_total";
 pub const BOOTSTRAP_RANK_TRANSITIONS: &str = "pdgate_bootstrap_rank_transitions_total";
 pub const BOOTSTRAP_HEARTBEAT_LOST: &str = "pdgate_bootstrap_heartbeat_lost_total";
+pub const BOOTSTRAP_REFUSED: &str = "pdgate_bootstrap_refused_total";
 pub const CONFIG_RELOADS: &str = "pdgate_config_reloads_total";
 pub const CONFIG_LAST_RELOAD: &str = "pdgate_config_last_reload_success_timestamp_seconds";
 pub const BUILD_INFO: &str = "pdgate_build_info";
@@ -224,6 +225,8 @@ pub static SERIES: &[Series] = &[
         "Bootstrap state changes of (prefill, DP rank)s, by new state (unknown, bootstrapping, ready, failed)."),
     s(BOOTSTRAP_HEARTBEAT_LOST, C, Unit::Count, &[],
         "Times a prefill's bootstrap server missed heartbeat_max_failures heartbeats in a row (its requests in flight are failed)."),
+    s(BOOTSTRAP_REFUSED, C, Unit::Count, &["reason"],
+        "Prefills refused because their bootstrap server is not their own, by reason (port_disagrees, not_its_own, shared)."),
     s(CONFIG_RELOADS, C, Unit::Count, &["result"],
         "Config reloads, by result (ok, error)."),
     s(CONFIG_LAST_RELOAD, G, Unit::Seconds, &[],

@@ -666,7 +666,11 @@ async fn a_web_page_cannot_reach_the_admin_api() {
     let env = start_with_admin(
         vec![fast_engine(EngineConfig::prefill(1))],
         vec![fast_engine(EngineConfig::decode(1))],
-        |c| c.admin.allowed_hosts = vec!["pdgate-admin.ops.svc".to_string()],
+        |c| {
+            c.admin.allowed_hosts = vec!["pdgate-admin.ops.svc".to_string()];
+            // The rogue worker never answers: /add_worker's wait for it stays short.
+            c.admin.add_worker_wait_secs = 1;
+        },
     )
     .await;
     env.wait_routable(1, 1).await;

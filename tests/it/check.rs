@@ -103,6 +103,62 @@ fn cases() -> Vec<Case> {
             failed: &[],
         },
         Case {
+            name: "a prefill given another prefill's bootstrap port",
+            prefill: vec![p2.clone(), p2.clone()],
+            decode: vec![d2.clone()],
+            wire: |c, cfg| {
+                add_sim_workers(cfg, c);
+                cfg.prefill[0].bootstrap_port = c.prefills[1].bootstrap_port();
+                cfg.prefill.truncate(1);
+            },
+            mode: modulo,
+            failed: &["bootstrap_owner"],
+        },
+        Case {
+            name: "two prefills given one bootstrap server",
+            prefill: vec![p2.clone(), p2.clone()],
+            decode: vec![d2.clone()],
+            wire: |c, cfg| {
+                add_sim_workers(cfg, c);
+                cfg.prefill[1].bootstrap_port = c.prefills[0].bootstrap_port();
+            },
+            mode: modulo,
+            failed: &["bootstrap_owner", "bootstrap_shared"],
+        },
+        Case {
+            name: "a decode serving another model",
+            prefill: vec![p2.clone()],
+            decode: vec![EngineConfig {
+                model: "another-model".into(),
+                ..d2.clone()
+            }],
+            wire: as_is,
+            mode: modulo,
+            failed: &["model"],
+        },
+        Case {
+            name: "a decode with a shorter context",
+            prefill: vec![p2.clone()],
+            decode: vec![EngineConfig {
+                context_length: 1024,
+                ..d2.clone()
+            }],
+            wire: as_is,
+            mode: modulo,
+            failed: &["context_length"],
+        },
+        Case {
+            name: "a DP 1 prefill without follow_bootstrap_room, under modulo",
+            prefill: vec![EngineConfig {
+                load_balance_method: "round_robin".into(),
+                ..EngineConfig::prefill(1)
+            }],
+            decode: vec![d2.clone()],
+            wire: as_is,
+            mode: modulo,
+            failed: &[],
+        },
+        Case {
             name: "page size mismatch",
             prefill: vec![p2.clone()],
             decode: vec![EngineConfig {
@@ -217,6 +273,62 @@ async fn each_misconfiguration_fails_the_checks_that_name_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixes_say_what_is_wrong() {
+    // (case, wiring, the failed check, what its fix must say)
+    let table: [(&str, Wire, &str, &str); 2] = [
+        (
+            "the bootstrap port given as the engine URL",
+            |c, cfg| {
+                let port = c.prefills[0].bootstrap_port().unwrap_or(0);
+                cfg.prefill.push(PrefillWorkerConfig {
+                    url: format!("http://127.0.0.1:{port}"),
+                    bootstrap_port: None,
+                    bootstrap_host: None,
+                });
+                cfg.decode.push(DecodeWorkerConfig {
+                    url: c.decodes[0].url(),
+                });
+            },
+            "server_info",
+            "is a bootstrap server",
+        ),
+        (
+            "a host that does not resolve",
+            |c, cfg| {
+                cfg.prefill.push(PrefillWorkerConfig {
+                    url: "http://pdgate-no-such-host.invalid:30000".into(),
+                    bootstrap_port: None,
+                    bootstrap_host: None,
+                });
+                cfg.decode.push(DecodeWorkerConfig {
+                    url: c.decodes[0].url(),
+                });
+            },
+            "reachable",
+            "does not resolve",
+        ),
+    ];
+    for (case, wire, check, says) in table {
+        let report = run_case(
+            &[EngineConfig::prefill(1)],
+            &[EngineConfig::decode(1)],
+            wire,
+            ContractMode::Modulo,
+            CheckOptions::default(),
+        )
+        .await;
+        assert_eq!(report.failures(), [check], "{case}:\n{}", report.table());
+        let fix = report
+            .checks
+            .iter()
+            .find(|c| c.name == check)
+            .and_then(|c| c.fix.clone())
+            .unwrap_or_default();
+        assert!(fix.contains(says), "{case}: {fix}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_healthy_fleet_reports_every_probe() {
     let report = run_case(
         &[EngineConfig::prefill(2)],
@@ -241,6 +353,11 @@ async fn a_healthy_fleet_reports_every_probe() {
         "prefill_configured",
         "decode_configured",
         "contract_mode",
+        "bootstrap_owner",
+        "bootstrap_shared",
+        "model",
+        "context_length",
+        "tp_size",
         "page_size",
         "kv_cache_dtype",
         "transfer_backend",

@@ -8,6 +8,7 @@ mod access_log;
 mod admin;
 mod api_keys;
 mod background_load;
+mod bootstrap_ownership;
 mod bootstrap_tracking;
 mod breaker_trials;
 mod capacity;
@@ -41,6 +42,7 @@ mod retries;
 mod self_healing;
 mod serve_binary;
 mod sglang_flags;
+mod sglang_endpoints;
 mod shutdown;
 mod sim_bootstrap;
 mod sim_cli;
@@ -51,6 +53,7 @@ mod stalls;
 mod stream_moves;
 mod upstream_leg_errors;
 mod upstream_legs;
+mod worker_logs;
 
 // The chaos soak's driver, shared with `benches/chaos` (whose modules name each other
 // from the crate root).
