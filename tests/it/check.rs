@@ -284,9 +284,11 @@ async fn fixes_say_what_is_wrong() {
                     url: format!("http://127.0.0.1:{port}"),
                     bootstrap_port: None,
                     bootstrap_host: None,
+                    model: None,
                 });
                 cfg.decode.push(DecodeWorkerConfig {
                     url: c.decodes[0].url(),
+                    model: None,
                 });
             },
             "server_info",
@@ -299,9 +301,11 @@ async fn fixes_say_what_is_wrong() {
                     url: "http://pdgate-no-such-host.invalid:30000".into(),
                     bootstrap_port: None,
                     bootstrap_host: None,
+                    model: None,
                 });
                 cfg.decode.push(DecodeWorkerConfig {
                     url: c.decodes[0].url(),
+                    model: None,
                 });
             },
             "reachable",

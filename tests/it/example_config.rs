@@ -16,6 +16,10 @@ fn listed(text: &str) -> BTreeSet<(String, String)> {
         let l = line.trim().trim_start_matches('#').trim();
         if let Some(name) = l.strip_prefix('[').and_then(|r| r.split(']').next()) {
             section = name.trim_matches(['[', ']']).to_string();
+            // `[a.b]` is the key `b` of section `a` (a table of free-form keys).
+            if let Some((outer, inner)) = section.split_once('.') {
+                out.insert((outer.to_string(), inner.to_string()));
+            }
             continue;
         }
         if let Some((key, _)) = l.split_once('=') {
