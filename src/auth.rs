@@ -193,24 +193,34 @@ impl ClientKeys {
     /// Like [`ClientKeys::identify`], and counts the request against its key's limit: 429
     /// past it. The hold goes with the request's admission slot.
     pub fn admit(&self, headers: &HeaderMap) -> Result<Option<Admitted>, Failure> {
+        self.admit_keyed(headers).map_err(|(f, _)| f)
+    }
+
+    /// [`ClientKeys::admit`], a refusal with the key id when the key was known (a 429 over
+    /// its limit): the access log and `pdgate_client_requests_total` name whose it was.
+    pub fn admit_keyed(
+        &self,
+        headers: &HeaderMap,
+    ) -> Result<Option<Admitted>, (Failure, Option<Arc<str>>)> {
         let set = self.set.load();
         let Some(set) = set.as_ref() else {
             return Ok(None);
         };
-        let entry = set.lookup(headers)?;
+        let entry = set.lookup(headers).map_err(|f| (f, None))?;
         let hold = match set.max_in_flight {
             0 => None,
             max => match ClientHold::try_take(&entry.in_flight, max) {
                 Some(h) => Some(h),
                 None => {
                     tracing::warn!(key_id = %entry.id, limit = max, "client key over its in-flight limit");
-                    return Err(Failure::new(
+                    let f = Failure::new(
                         FailReason::KeyInFlightLimit,
                         format!(
                             "API key {} already has {max} requests in flight (auth.per_key_max_in_flight)",
                             entry.id
                         ),
-                    ));
+                    );
+                    return Err((f, Some(entry.id.clone())));
                 }
             },
         };

@@ -376,7 +376,8 @@ impl Failure {
         }
     }
 
-    /// `{"error": {"message", "type", "code"}}` (OpenAI's `type`, `param` and string `code`
+    /// `{"error": {"message", "type", "param", "code"}}`, OpenAI's shape (`param` null
+    /// unless a request field is at fault; OpenAI's `type`, `param` and string `code`
     /// for the client-key failures: [`FailReason::openai_type_and_code`]); the message is
     /// [`Failure::client_message`].
     pub fn json(&self) -> Bytes {
@@ -393,6 +394,7 @@ impl Failure {
                 "error": {
                     "message": self.client_message(),
                     "type": self.reason.as_str(),
+                    "param": self.reason.openai_param(),
                     "code": self.status().as_u16(),
                 }
             }),
@@ -522,6 +524,39 @@ mod tests {
                 .unwrap();
             serde_json::from_str::<serde_json::Value>(first).unwrap();
             assert!(s.ends_with("data: [DONE]\n\n"));
+        }
+    }
+
+    /// Every error pdgate writes has OpenAI's shape: exactly `message` (a string), `type`
+    /// (a string), `param` (null or the field at fault) and `code` (OpenAI's string for the
+    /// reasons it names, else the HTTP status), over every reason, as a body and as an SSE
+    /// event.
+    #[test]
+    fn every_reason_has_openai_error_shape() {
+        for r in FailReason::ALL {
+            let f = Failure::new(r, "m");
+            let sse = f.sse_event();
+            let event = std::str::from_utf8(&sse)
+                .unwrap()
+                .strip_prefix("data: ")
+                .and_then(|s| s.split("\n\n").next())
+                .unwrap()
+                .to_string();
+            for text in [String::from_utf8(f.json().to_vec()).unwrap(), event] {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                let top = v.as_object().unwrap();
+                assert_eq!(top.len(), 1, "{text}");
+                let e = v["error"].as_object().unwrap();
+                let mut keys: Vec<&str> = e.keys().map(String::as_str).collect();
+                keys.sort_unstable();
+                assert_eq!(keys, ["code", "message", "param", "type"], "{text}");
+                assert!(e["message"].is_string() && e["type"].is_string(), "{text}");
+                assert_eq!(e["param"].as_str(), r.openai_param(), "{text}");
+                match r.openai_type_and_code() {
+                    Some((_, code)) => assert_eq!(e["code"], code, "{text}"),
+                    None => assert_eq!(e["code"], f.status().as_u16(), "{text}"),
+                }
+            }
         }
     }
 

@@ -18,6 +18,14 @@ pub use sglang_pd::Role;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerId(pub u32);
 
+impl WorkerId {
+    /// Its stable id with its role, as the admin API and `/metrics` (`worker_id`) show it:
+    /// `prefill-3`, `decode-0` (ids count per role and are never reused in it).
+    pub fn reference(self, role: Role) -> String {
+        format!("{}-{}", role.as_str(), self.0)
+    }
+}
+
 impl fmt::Display for WorkerId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "w{}", self.0)

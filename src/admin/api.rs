@@ -2,7 +2,7 @@
 //! `/metrics`, and SGLang router's legacy worker calls.
 //!
 //! Answers are JSON; errors go through [`Failure::into_response`] like the front door's
-//! (`{"error":{"message","type","code"}}`: 400 bad input, 404 unknown worker or path, 405
+//! (`{"error":{"message","type","param","code"}}`: 400 bad input, 404 unknown worker or path, 405
 //! wrong method, 409 a worker that exists or is not the admin API's to remove). The SGLang
 //! aliases answer success as SGLang's router does, in plain text.
 

@@ -13,7 +13,7 @@ use crate::types::{Role, WorkerId};
 
 /// A worker's id in the admin API: `prefill-3`, `decode-0`.
 pub fn worker_ref(role: Role, id: WorkerId) -> String {
-    format!("{}-{}", role.as_str(), id.0)
+    id.reference(role)
 }
 
 /// The worker an id names (its form only: the worker may not exist).

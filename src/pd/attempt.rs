@@ -434,6 +434,7 @@ impl Dispatcher {
                 ctx.queue.as_ref().map(|a| a.bytes().clone()),
             ),
             c.prefill.progress.clone(),
+            c.prefill.stats.clone(),
             pt.rank,
             size,
         ));

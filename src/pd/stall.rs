@@ -28,7 +28,7 @@ use super::legs::PrefillDone;
 use super::Dispatcher;
 use crate::config::ProgressConfig;
 use crate::error::{FailReason, Failure};
-use crate::pool::WorkerView;
+use crate::pool::{WorkerStats, WorkerView};
 use crate::progress::{self, Estimate, Kind, Limits, Peers, Verdict, WorkerProgress};
 use crate::types::{DpRank, Pair, Role, WorkerId};
 
@@ -54,9 +54,11 @@ fn stamp(at: Instant) -> u64 {
 
 /// The prefill leg, timed: an answer that came back well is a sample of its worker's rank
 /// and marks the worker as progressing.
+/// Its time is also observed in the worker's `/metrics` histogram.
 pub(super) async fn timed_prefill<F>(
     leg: F,
     progress: Arc<WorkerProgress>,
+    stats: Arc<WorkerStats>,
     rank: DpRank,
     size: u32,
 ) -> Result<PrefillDone, Failure>
@@ -66,7 +68,9 @@ where
     let start = Instant::now();
     let r = leg.await;
     if r.is_ok() {
-        progress.record(Kind::Prefill, rank, start.elapsed(), size);
+        let took = start.elapsed();
+        stats.prefill_done(took);
+        progress.record(Kind::Prefill, rank, took, size);
         progress.completed(stamp(start));
     }
     r
@@ -91,6 +95,9 @@ pub(super) struct StallWatch {
     size: u32,
     prefill: Arc<WorkerProgress>,
     decode: Arc<WorkerProgress>,
+    /// The decode's `/metrics` stats, and when the legs were sent (its first-byte time).
+    decode_stats: Arc<WorkerStats>,
+    sent: Instant,
     prefill_limits: Limits,
     first_token_limits: Limits,
     phase: Phase,
@@ -115,6 +122,8 @@ impl StallWatch {
             size,
             prefill: prefill.progress.clone(),
             decode: decode.progress.clone(),
+            decode_stats: decode.stats.clone(),
+            sent: now,
             prefill_limits: limits(cfg, Kind::Prefill),
             first_token_limits: limits(cfg, Kind::FirstToken),
             phase: Phase::Prefill,
@@ -225,6 +234,7 @@ impl StallWatch {
     /// Decode's first event is in hand: a sample of its time after the prefill (when the
     /// prefill answered first), and the decode is progressing.
     pub fn first_byte(&self) {
+        self.decode_stats.first_byte(self.sent.elapsed());
         if self.phase == Phase::FirstToken && self.streamed {
             let rank = self.pair.decode.rank;
             self.decode

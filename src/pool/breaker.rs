@@ -162,7 +162,7 @@ fn open_for(cfg: &BreakerConfig, reopens: u32) -> Duration {
 impl Pool {
     /// A leg on `id` succeeded.
     pub fn report_success(self: &Arc<Self>, role: Role, id: WorkerId) {
-        let Some(b) = self.breaker(role, id) else {
+        let Some(b) = self.breaker_counting(role, id, None) else {
             return;
         };
         b.consecutive.store(0, Ordering::Relaxed);
@@ -223,10 +223,11 @@ impl Pool {
                 w.refresh.notify_one();
             }
         }
+        let counted = self.breaker_counting(role, id, Some(reason));
         if !reason.is_worker_fault() || reason.leg() != Some(role) || cfg.failure_threshold == 0 {
             return;
         }
-        let Some(b) = self.breaker(role, id) else {
+        let Some(b) = counted else {
             return;
         };
         let n = b.consecutive.fetch_add(1, Ordering::Relaxed) + 1;
@@ -251,6 +252,20 @@ impl Pool {
             }
             _ => {}
         }
+    }
+
+    /// The worker's breaker, the leg's outcome counted in its stats on the way
+    /// (`None`: it succeeded).
+    fn breaker_counting(
+        &self,
+        role: Role,
+        id: WorkerId,
+        failed: Option<FailReason>,
+    ) -> Option<Arc<Breaker>> {
+        let snap = self.load();
+        let w = snap.worker(role, id)?;
+        w.stats.outcome(failed);
+        Some(w.breaker.clone())
     }
 
     fn breaker(&self, role: Role, id: WorkerId) -> Option<Arc<Breaker>> {

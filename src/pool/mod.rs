@@ -30,12 +30,14 @@ pub mod groups;
 pub mod mismatch;
 mod ranks;
 mod series;
+pub mod stats;
 
 pub use breaker::{Breaker, BreakerState, TrialGuard};
 pub use capacity::{CapacitySignal, RankCapacity, Reservation};
 pub use freshness::RankFreshness;
 pub use groups::{Group, ModelView};
 pub use ranks::{PreflightOutcome, Probe, RankFailure, RankProbes, RankReadiness};
+pub use stats::WorkerStats;
 use tokio::sync::watch;
 
 use crate::engine::{HandoffKey, Layout, ServerInfo};
@@ -162,6 +164,8 @@ pub struct WorkerState {
     pub probes: Arc<RankProbes>,
     /// Learned leg times and progress (stall detection), per DP rank.
     pub progress: Arc<WorkerProgress>,
+    /// Leg outcomes and times, for `/metrics` ([`stats`]).
+    pub stats: Arc<WorkerStats>,
 }
 
 /// Loss counters of one prefill, in one channel so that a request in flight waits on a
@@ -206,6 +210,7 @@ pub struct WorkerView {
     pub refused: Option<String>,
     pub probes: Arc<RankProbes>,
     pub progress: Arc<WorkerProgress>,
+    pub stats: Arc<WorkerStats>,
     /// The engine streams `/generate` incrementally (`/server_info`
     /// `incremental_streaming_output`), not SGLang's default cumulative text.
     pub incremental_stream: bool,
@@ -666,6 +671,7 @@ impl Master {
             bootstrap_refused: None,
             probes: Arc::new(RankProbes::new(1)),
             progress: Arc::new(WorkerProgress::new(1)),
+            stats: Arc::default(),
         });
         id
     }
@@ -716,6 +722,7 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
             refused: w.refused.clone().or_else(|| w.bootstrap_refused.clone()),
             probes: w.probes.clone(),
             progress: w.progress.clone(),
+            stats: w.stats.clone(),
             incremental_stream: w
                 .info
                 .as_ref()

@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use crate::telemetry::{self, Exposition, Source};
 use crate::types::Role;
 
-use super::{BreakerState, Pool, Snapshot};
+use super::{BreakerState, Pool, Snapshot, WorkerView};
 
 const BREAKER_STATES: [BreakerState; 4] = [
     BreakerState::Closed,
@@ -21,6 +21,21 @@ const BREAKER_STATES: [BreakerState; 4] = [
 ];
 
 const RANK_STATES: [&str; 4] = ["unknown", "bootstrapping", "ready", "failed"];
+
+/// A worker's labels: its role, its stable id (`prefill-0`) and its URL, then `extra`.
+fn labels<'a>(
+    w: &'a WorkerView,
+    id: &'a str,
+    extra: Option<(&'static str, &'a str)>,
+) -> Vec<(&'static str, &'a str)> {
+    let mut l = vec![
+        ("role", w.role.as_str()),
+        ("worker_id", id),
+        ("worker", w.url.as_str()),
+    ];
+    l.extend(extra);
+    l
+}
 
 fn flag(b: bool) -> u8 {
     u8::from(b)
@@ -34,37 +49,52 @@ impl Source for Pool {
 
 impl Source for Snapshot {
     fn write_series(&self, out: &mut Exposition) {
-        let workers = || self.prefills.iter().chain(self.decodes.iter());
+        // Each worker with its stable id (`prefill-0`): two workers that share a URL (one
+        // re-added while the other drains) are never one series.
+        let all = || self.prefills.iter().chain(self.decodes.iter());
+        let ids: Vec<String> = all().map(|w| w.id.reference(w.role)).collect();
+        let workers = || all().zip(ids.iter().map(String::as_str));
 
         out.family(telemetry::WORKER_HEALTHY);
-        for w in workers() {
-            let labels = [("role", w.role.as_str()), ("worker", w.url.as_str())];
-            out.sample(&labels, flag(w.healthy));
+        for (w, id) in workers() {
+            out.sample(&labels(w, id, None), flag(w.healthy));
         }
 
         out.family(telemetry::WORKER_IN_FLIGHT);
-        for w in workers() {
+        for (w, id) in workers() {
             for (rank, n) in w.loads.iter().enumerate() {
                 let rank = rank.to_string();
-                let labels = [
-                    ("role", w.role.as_str()),
-                    ("worker", w.url.as_str()),
-                    ("rank", rank.as_str()),
-                ];
-                out.sample(&labels, n.load(Ordering::Relaxed));
+                let l = labels(w, id, Some(("rank", &rank)));
+                out.sample(&l, n.load(Ordering::Relaxed));
             }
         }
 
         out.family(telemetry::WORKER_BREAKER_STATE);
-        for w in workers() {
+        for (w, id) in workers() {
             let now = w.breaker.state();
             for st in BREAKER_STATES {
-                let labels = [
-                    ("role", w.role.as_str()),
-                    ("worker", w.url.as_str()),
-                    ("state", st.label()),
-                ];
-                out.sample(&labels, flag(st == now));
+                out.sample(&labels(w, id, Some(("state", st.label()))), flag(st == now));
+            }
+        }
+
+        out.family(telemetry::WORKER_REQUESTS);
+        for (w, id) in workers() {
+            for (outcome, n) in w.stats.outcomes() {
+                out.sample(&labels(w, id, Some(("outcome", outcome))), n);
+            }
+        }
+
+        for (family, role) in [
+            (telemetry::WORKER_PREFILL_DURATION, Role::Prefill),
+            (telemetry::WORKER_FIRST_BYTE, Role::Decode),
+        ] {
+            out.family(family);
+            for (w, id) in workers().filter(|(w, _)| w.role == role) {
+                let h = match role {
+                    Role::Prefill => &w.stats.prefill,
+                    Role::Decode => &w.stats.first_byte,
+                };
+                out.histogram(&labels(w, id, None), h);
             }
         }
 
@@ -127,15 +157,49 @@ mod tests {
         let text = telemetry::render_derived(&pool);
         drop(guard);
         for line in [
-            "pdgate_worker_healthy{role=\"decode\",worker=\"http://127.0.0.1:9\"} 1\n",
-            "pdgate_worker_in_flight_requests{role=\"decode\",worker=\"http://127.0.0.1:9\",rank=\"0\"} 0\n",
-            "pdgate_worker_in_flight_requests{role=\"decode\",worker=\"http://127.0.0.1:9\",rank=\"1\"} 1\n",
-            "pdgate_worker_breaker_state{role=\"decode\",worker=\"http://127.0.0.1:9\",state=\"closed\"} 1\n",
-            "pdgate_worker_breaker_state{role=\"decode\",worker=\"http://127.0.0.1:9\",state=\"open\"} 0\n",
+            "pdgate_worker_healthy{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\"} 1\n",
+            "pdgate_worker_in_flight_requests{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",rank=\"0\"} 0\n",
+            "pdgate_worker_in_flight_requests{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",rank=\"1\"} 1\n",
+            "pdgate_worker_breaker_state{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",state=\"closed\"} 1\n",
+            "pdgate_worker_breaker_state{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",state=\"open\"} 0\n",
+            "pdgate_worker_requests_total{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",outcome=\"ok\"} 0\n",
+            "pdgate_worker_first_byte_seconds_count{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\"} 0\n",
             "pdgate_routable_ranks{role=\"decode\"} 2\n",
             "pdgate_routable_ranks{role=\"prefill\"} 0\n",
         ] {
             assert!(text.contains(line), "{line} not in\n{text}");
+        }
+    }
+
+    /// Every sample's name and labels in `text` (no duplicates), by parsing the exposition.
+    fn series_keys(text: &str) -> Vec<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|l| l.rsplit_once(' ').map(|(k, _)| k.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn two_workers_on_one_url_are_two_series() {
+        let pool = std::sync::Arc::new(Pool::new());
+        let url = parse_base_url("http://127.0.0.1:9").unwrap();
+        for role in [Role::Prefill, Role::Decode] {
+            // One leaving (re-added by the operator while it drains) and its successor.
+            let a = pool.add_worker(role, url.clone(), None);
+            let b = pool.add_worker(role, url.clone(), None);
+            assert_ne!(a, b);
+        }
+        pool.report_success(Role::Decode, crate::types::WorkerId(1));
+        let text = telemetry::render_derived(&*pool);
+        let keys = series_keys(&text);
+        let mut uniq = keys.clone();
+        uniq.sort_unstable();
+        uniq.dedup();
+        assert_eq!(uniq.len(), keys.len(), "duplicate series in\n{text}");
+        for id in ["prefill-0", "prefill-1", "decode-0", "decode-1"] {
+            let ok = format!("worker_id=\"{id}\",worker=\"http://127.0.0.1:9\",outcome=\"ok\"}}");
+            let n = if id == "decode-1" { 1 } else { 0 };
+            assert!(text.contains(&format!("{ok} {n}\n")), "{id} in\n{text}");
         }
     }
 }

@@ -252,13 +252,17 @@ impl App {
                 // The client key first: a refused request takes no admission slot and sends
                 // no leg.
                 let mut rec = rec;
-                let hold = match self.keys.admit(req.headers()) {
+                let hold = match self.keys.admit_keyed(req.headers()) {
                     Ok(Some(k)) => {
                         rec.key_id = Some(k.id);
                         k.hold
                     }
                     Ok(None) => None,
-                    Err(f) => return reject(rec, f, &rid_header),
+                    Err((f, key)) => {
+                        // A 429 over the key's limit is counted and logged under its key.
+                        rec.key_id = key;
+                        return reject(rec, f, &rid_header);
+                    }
                 };
                 let slot = match self.admission.admit().await {
                     Ok(s) => s.with_client(hold),

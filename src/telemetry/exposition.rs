@@ -6,7 +6,7 @@
 
 use std::fmt::Write;
 
-use super::{series, Origin};
+use super::{series, AtomicHistogram, Origin};
 
 /// What derives series at scrape time (the pool: per worker, per DP rank).
 pub trait Source {
@@ -56,13 +56,38 @@ impl Exposition {
 
     /// One sample of the family last started.
     pub fn sample(&mut self, labels: &[(&str, &str)], value: impl std::fmt::Display) {
+        self.line("", labels, None, value);
+    }
+
+    /// The samples of one histogram of the family last started (a histogram family):
+    /// `_bucket` per bound and `+Inf`, `_sum`, `_count`.
+    pub fn histogram(&mut self, labels: &[(&str, &str)], h: &AtomicHistogram) {
+        let (buckets, sum) = h.read();
+        let mut count = 0;
+        for (le, n) in buckets {
+            let le = le.map_or_else(|| "+Inf".to_string(), |b| b.to_string());
+            self.line("_bucket", labels, Some(("le", &le)), n);
+            count = n;
+        }
+        self.line("_sum", labels, None, sum);
+        self.line("_count", labels, None, count);
+    }
+
+    fn line(
+        &mut self,
+        suffix: &str,
+        labels: &[(&str, &str)],
+        extra: Option<(&str, &str)>,
+        value: impl std::fmt::Display,
+    ) {
         let Some(name) = self.open else {
             return;
         };
         self.text.push_str(name);
-        if !labels.is_empty() {
+        self.text.push_str(suffix);
+        if !labels.is_empty() || extra.is_some() {
             self.text.push('{');
-            for (i, (k, v)) in labels.iter().enumerate() {
+            for (i, (k, v)) in labels.iter().chain(extra.iter()).enumerate() {
                 if i > 0 {
                     self.text.push(',');
                 }

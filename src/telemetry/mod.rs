@@ -21,6 +21,7 @@
 
 pub mod access;
 mod exposition;
+mod histogram;
 
 use std::sync::OnceLock;
 
@@ -28,6 +29,7 @@ use metrics::Unit;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 pub use exposition::{Exposition, Source};
+pub use histogram::AtomicHistogram;
 
 /// The kind of a series.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +131,9 @@ pub const WORKER_IN_FLIGHT: &str = "pdgate_worker_in_flight_requests";
 pub const WORKER_BREAKER_STATE: &str = "pdgate_worker_breaker_state";
 pub const BOOTSTRAP_RANK_STATE: &str = "pdgate_bootstrap_rank_state";
 pub const ROUTABLE_RANKS: &str = "pdgate_routable_ranks";
+pub const WORKER_REQUESTS: &str = "pdgate_worker_requests_total";
+pub const WORKER_PREFILL_DURATION: &str = "pdgate_worker_prefill_duration_seconds";
+pub const WORKER_FIRST_BYTE: &str = "pdgate_worker_first_byte_seconds";
 
 const fn s(
     name: &'static str,
@@ -168,6 +173,14 @@ const fn derived(
     Series {
         origin: Origin::Derived,
         ..s(name, Kind::Gauge, Unit::Count, labels, help)
+    }
+}
+
+/// A derived series of another kind than a gauge (per-worker counters and histograms).
+const fn derived_of(series: Series) -> Series {
+    Series {
+        origin: Origin::Derived,
+        ..series
     }
 }
 
@@ -243,11 +256,17 @@ pub static SERIES: &[Series] = &[
         "Unix time of the last complete pod LIST of every discovery selector (age: time() minus this)."),
     s(DISCOVERY_WORKERS, G, Unit::Count, &["role"],
         "Workers discovery has in the pool, by role."),
-    derived(WORKER_HEALTHY, &["role", "worker"],
+    derived_of(s(WORKER_REQUESTS, C, Unit::Count, &["role", "worker_id", "worker", "outcome"],
+        "Legs by worker and outcome: ok, or the failure reason blamed on this worker's leg; counted where its circuit breaker hears it (a stall probe's leg included). Only workers in the pool: a removed worker's series leave the next scrape.")),
+    derived_of(histogram(WORKER_PREFILL_DURATION, &["role", "worker_id", "worker"], LATENCY_BUCKETS,
+        "Prefill legs that answered: time from the leg's send to the prefill's answer, per prefill worker.")),
+    derived_of(histogram(WORKER_FIRST_BYTE, &["role", "worker_id", "worker"], LATENCY_BUCKETS,
+        "Decode legs: time from the legs' send to the decode's first bytes (it waits for its prefill), per decode worker.")),
+    derived(WORKER_HEALTHY, &["role", "worker_id", "worker"],
         "1 when the worker passes its active health checks, else 0."),
-    derived(WORKER_IN_FLIGHT, &["role", "worker", "rank"],
+    derived(WORKER_IN_FLIGHT, &["role", "worker_id", "worker", "rank"],
         "Legs pdgate has in flight on a worker's DP rank (what the policies balance; sum by worker for the worker's total)."),
-    derived(WORKER_BREAKER_STATE, &["role", "worker", "state"],
+    derived(WORKER_BREAKER_STATE, &["role", "worker_id", "worker", "state"],
         "1 for the circuit breaker's current state (closed, open, half_open, stalled) of each worker, else 0."),
     derived(BOOTSTRAP_RANK_STATE, &["prefill", "rank", "state"],
         "1 for the current bootstrap state (unknown, bootstrapping, ready, failed) of each (prefill, DP rank), else 0."),
@@ -379,8 +398,8 @@ mod tests {
                 s.name
             );
             assert!(s.buckets.windows(2).all(|w| w[0] < w[1]), "{}", s.name);
-            if s.origin == Origin::Derived {
-                assert_eq!(s.kind, Kind::Gauge, "{}", s.name);
+            if s.origin == Origin::Derived && s.labels.contains(&"worker") {
+                assert!(s.labels.contains(&"worker_id"), "{}", s.name);
             }
         }
         assert_eq!(LATENCY_BUCKETS.first(), Some(&0.01));

@@ -603,3 +603,70 @@ async fn a_stalled_stdout_drops_log_lines_and_never_blocks_requests() {
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A request refused (429) because its client key is over its in-flight limit names the
+/// key: the access line's `key_id`, and `pdgate_client_requests_total{key}` (a key name no
+/// other test uses, so its count is exact though the recorder is process-wide).
+#[tokio::test]
+async fn a_429_over_a_key_limit_names_the_key() {
+    let cap = Capture::default();
+    let _guard = cap.install();
+    let file = std::env::temp_dir().join(format!("pdgate-it-429-{}.keys", std::process::id()));
+    std::fs::write(&file, "team-429: sk-429-secret\n").unwrap();
+    let hang = Faults {
+        prefill_hang: true,
+        ..Faults::default()
+    };
+    let env = Arc::new(
+        start(
+            vec![common::with_faults(EngineConfig::prefill(1), hang)],
+            vec![EngineConfig::decode(1)],
+            |c| {
+                c.log.access = true;
+                c.auth.api_keys_file = Some(file.clone());
+                c.auth.per_key_max_in_flight = 1;
+            },
+        )
+        .await,
+    );
+    env.wait_routable(1, 1).await;
+    let keyed = |rid: &'static str| {
+        let e = env.clone();
+        async move {
+            let h = [
+                ("x-request-id", rid),
+                ("content-type", "application/json"),
+                ("x-api-key", "sk-429-secret"),
+            ];
+            let resp = e.send("POST", "/generate", &h, GEN.to_string()).await;
+            let st = resp.status().as_u16();
+            let _ = resp.into_body().collect().await;
+            st
+        }
+    };
+    // The key's one request hangs in the prefill...
+    let held = tokio::spawn(keyed("k-held"));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while env.cluster.prefills[0].stats().held_now < 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the prefill never got the leg"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ...so its next one is refused at once, under its key.
+    assert_eq!(keyed("k-429").await, 429);
+    let v = cap.line_for("k-429").await;
+    assert_eq!(v["status"], 429, "{v}");
+    assert_eq!(v["fail_reason"], "key_in_flight_limit", "{v}");
+    assert_eq!(v["key_id"], "team-429", "{v}");
+    let scrape = pdgate::telemetry::render(&());
+    let want = format!(
+        "pdgate_client_requests_total{{key=\"team-429\",outcome=\"{}\"}} 1\n",
+        pdgate::error::FailReason::KeyInFlightLimit.as_str()
+    );
+    assert!(scrape.contains(&want), "{want} not in\n{scrape}");
+    assert!(!scrape.contains("sk-429-secret"), "a key in the metrics");
+    held.abort();
+    let _ = std::fs::remove_file(&file);
+}

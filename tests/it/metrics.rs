@@ -298,6 +298,85 @@ async fn an_on_call_scrape() {
     promtool_check("an_on_call_scrape", &text);
 }
 
+/// Per worker: after N requests through one pair (streamed and not), the scrape shows N
+/// `ok` legs for that prefill and that decode, and N observations in each of their leg-time
+/// histograms; every per-worker series carries the worker's stable id; no series twice;
+/// promtool accepts the text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_and_leg_times_per_worker() {
+    let env = start_with_admin(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let bodies = [GEN, GEN_STREAM, GEN, GEN_STREAM, GEN];
+    for body in bodies {
+        let (st, _, bytes) = env.post("/generate", body).await;
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+    }
+    let n = bodies.len() as f64;
+    let (p, d) = (env.cluster.prefills[0].url(), env.cluster.decodes[0].url());
+    let pw = [
+        ("role", "prefill"),
+        ("worker_id", "prefill-0"),
+        ("worker", p.as_str()),
+    ];
+    let dw = [
+        ("role", "decode"),
+        ("worker_id", "decode-0"),
+        ("worker", d.as_str()),
+    ];
+    fn with<'a>(w: &[(&'a str, &'a str)], extra: (&'a str, &'a str)) -> Vec<(&'a str, &'a str)> {
+        let mut v = w.to_vec();
+        v.push(extra);
+        v
+    }
+    // A prefill's verdict may come after its decode's answer ended: wait for it.
+    let ok = ("outcome", "ok");
+    let text = scrape_until(&env, "every leg's verdict", |s| {
+        value(s, "pdgate_worker_requests_total", &with(&pw, ok)) == Some(n)
+            && value(s, "pdgate_worker_requests_total", &with(&dw, ok)) == Some(n)
+    })
+    .await;
+    let s = parse(&text);
+    for (name, w) in [
+        ("pdgate_worker_prefill_duration_seconds", &pw),
+        ("pdgate_worker_first_byte_seconds", &dw),
+    ] {
+        assert_eq!(must(&s, &format!("{name}_count"), &w[..]), n, "{name}");
+        let inf = must(&s, &format!("{name}_bucket"), &with(&w[..], ("le", "+Inf")));
+        assert_eq!(inf, n, "{name}");
+        assert!(must(&s, &format!("{name}_sum"), &w[..]) > 0.0, "{name}");
+    }
+    // No failure outcome, and each role's histogram only for its own workers.
+    let failed = s
+        .iter()
+        .filter(|x| x.name == "pdgate_worker_requests_total")
+        .filter(|x| x.labels.get("outcome").is_some_and(|o| o != "ok"))
+        .count();
+    assert_eq!(failed, 0, "{text}");
+    assert_eq!(
+        value(&s, "pdgate_worker_first_byte_seconds_count", &pw[..]),
+        None
+    );
+    for x in s.iter().filter(|x| x.name.starts_with("pdgate_worker_")) {
+        assert!(x.labels.contains_key("worker_id"), "{x:?}");
+    }
+    let mut keys: Vec<String> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' ').map(|(k, _)| k.to_string()))
+        .collect();
+    let all = keys.len();
+    keys.sort_unstable();
+    keys.dedup();
+    assert_eq!(keys.len(), all, "a series twice in\n{text}");
+    families_are_described(&text);
+    promtool_check("outcomes_and_leg_times_per_worker", &text);
+}
+
 /// Scrapes until `cond` holds on the samples (bounded: 200 scrapes, 20 ms apart); returns
 /// the text that satisfied it.
 async fn scrape_until(env: &Env, what: &str, cond: impl Fn(&[Sample]) -> bool) -> String {
