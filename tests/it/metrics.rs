@@ -496,13 +496,18 @@ fn the_dashboard_error_ratio_counts_exactly_the_5xx_outcomes() {
     let path = manifest().join("docker/grafana/pdgate.json");
     let text = std::fs::read_to_string(&path).expect("the dashboard");
     let mut all = Vec::new();
-    exprs(&serde_json::from_str(&text).expect("dashboard JSON"), &mut all);
+    exprs(
+        &serde_json::from_str(&text).expect("dashboard JSON"),
+        &mut all,
+    );
     let ratio: Vec<&String> = all
         .iter()
         .filter(|e| e.contains("pdgate_requests_total") && e.contains(" / "))
         .collect();
     assert_eq!(ratio.len(), 1, "one error ratio: {ratio:?}");
-    let (_, rest) = ratio[0].split_once("outcome=~\"").expect("an outcome=~ matcher");
+    let (_, rest) = ratio[0]
+        .split_once("outcome=~\"")
+        .expect("an outcome=~ matcher");
     let (rx, _) = rest.split_once('"').expect("closed");
     let used: std::collections::BTreeSet<&str> = rx.split('|').collect();
     let want: std::collections::BTreeSet<&str> = pdgate::error::FailReason::ALL
@@ -511,7 +516,11 @@ fn the_dashboard_error_ratio_counts_exactly_the_5xx_outcomes() {
         .map(|r| r.as_str())
         .collect();
     assert_eq!(used, want);
-    for client in ["invalid_request", "key_in_flight_limit", "client_disconnected"] {
+    for client in [
+        "invalid_request",
+        "key_in_flight_limit",
+        "client_disconnected",
+    ] {
         assert!(!used.contains(client), "{client}");
     }
 }

@@ -70,10 +70,16 @@ fn every_copy_source_exists_and_is_in_the_build_context() {
         let words: Vec<&str> = rest.split_whitespace().collect();
         sources.extend(words[..words.len() - 1].iter().map(|s| s.to_string()));
     }
-    assert!(sources.iter().any(|s| s == "build.rs"), "build.rs is not copied");
+    assert!(
+        sources.iter().any(|s| s == "build.rs"),
+        "build.rs is not copied"
+    );
     for s in &sources {
         assert!(root().join(s).exists(), "COPY {s}: no such file");
-        assert!(in_context(&ignore, s), "COPY {s}: left out by the ignore file");
+        assert!(
+            in_context(&ignore, s),
+            "COPY {s}: left out by the ignore file"
+        );
     }
     // The checker itself: what the ignore file leaves out is refused.
     assert!(!in_context(&ignore, "target/release/pdgate"));
@@ -106,7 +112,10 @@ fn the_stub_stage_has_every_bench_and_the_binary_is_stripped() {
         i.strip_prefix("ENV CARGO_PROFILE_RELEASE_STRIP=")
             .is_some_and(|v| ["true", "debuginfo", "symbols"].contains(&v))
     });
-    assert!(strip || env, "the release binary in the image is not stripped");
+    assert!(
+        strip || env,
+        "the release binary in the image is not stripped"
+    );
 }
 
 /// `argv` with pdgate's parser; for `serve`, the effective config, where `files` maps
@@ -129,7 +138,9 @@ fn parse(argv: &[String], files: &[(&str, &Path)]) -> Result<(), String> {
             }
             let sm = m.subcommand_matches("serve").ok_or("serve")?;
             let groups = prefill_groups(sm).map_err(|e| e.to_string())?;
-            args.into_config(groups).map(|_| ()).map_err(|e| e.to_string())
+            args.into_config(groups)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
         }
     }
 }
@@ -152,7 +163,11 @@ fn the_default_command_and_the_documented_docker_runs_parse() {
     // The documented runs: what follows the image name, or the CMD when nothing does.
     let mut runs = 0;
     for line in text.lines() {
-        let Some(run) = line.trim_start_matches('#').trim().strip_prefix("docker run ") else {
+        let Some(run) = line
+            .trim_start_matches('#')
+            .trim()
+            .strip_prefix("docker run ")
+        else {
             continue;
         };
         let words: Vec<&str> = run.split_whitespace().collect();

@@ -136,7 +136,7 @@ impl<'a> Fleet<'a> {
             .and_then(|m| m.labels.clone());
         super::monitoring::check(
             &self.objs,
-            (&router.name, &router.ns),
+            (router.name.as_str(), &router.ns),
             &labels.unwrap_or_default(),
             c,
         )?;
