@@ -557,8 +557,50 @@ fn the_dashboard_names_only_exported_series() {
         telemetry::BOOTSTRAP_RANK_STATE,
         telemetry::RETRIES,
         telemetry::CONFIG_RELOADS,
+        telemetry::CLIENT_REQUESTS,
+        telemetry::DISCOVERY_PODS,
+        telemetry::DISCOVERY_WORKERS,
+        telemetry::DISCOVERY_WATCH_RESTARTS,
+        telemetry::DISCOVERY_WATCH_ERRORS,
+        telemetry::DISCOVERY_LAST_SYNC,
     ] {
         assert!(used.contains(n), "the dashboard does not show {n}");
+    }
+}
+
+/// The dashboard's error ratio counts exactly the outcomes answered with a 5xx: client 4xx
+/// (and 429 shedding, 499 gone clients) are left out, and a new 5xx reason must be added.
+#[test]
+fn the_dashboard_error_ratio_counts_exactly_the_5xx_outcomes() {
+    let path = manifest().join("docker/grafana/pdgate.json");
+    let text = std::fs::read_to_string(&path).expect("the dashboard");
+    let mut all = Vec::new();
+    exprs(
+        &serde_json::from_str(&text).expect("dashboard JSON"),
+        &mut all,
+    );
+    let ratio: Vec<&String> = all
+        .iter()
+        .filter(|e| e.contains("pdgate_requests_total") && e.contains(" / "))
+        .collect();
+    assert_eq!(ratio.len(), 1, "one error ratio: {ratio:?}");
+    let (_, rest) = ratio[0]
+        .split_once("outcome=~\"")
+        .expect("an outcome=~ matcher");
+    let (rx, _) = rest.split_once('"').expect("closed");
+    let used: std::collections::BTreeSet<&str> = rx.split('|').collect();
+    let want: std::collections::BTreeSet<&str> = pdgate::error::FailReason::ALL
+        .iter()
+        .filter(|r| r.status(None).is_server_error())
+        .map(|r| r.as_str())
+        .collect();
+    assert_eq!(used, want);
+    for client in [
+        "invalid_request",
+        "key_in_flight_limit",
+        "client_disconnected",
+    ] {
+        assert!(!used.contains(client), "{client}");
     }
 }
 

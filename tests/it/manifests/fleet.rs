@@ -28,15 +28,15 @@ use super::{round_trip, Engines, Root};
 /// lives in src/command.rs, with the same two argument structs).
 #[derive(Parser)]
 #[command(name = "pdgate")]
-struct Cli {
+pub struct Cli {
     #[command(subcommand)]
-    command: Cmd,
+    pub command: Cmd,
 }
 
 #[derive(Subcommand)]
 // Parsed once at start: the size of the largest variant costs nothing.
 #[allow(clippy::large_enum_variant)]
-enum Cmd {
+pub enum Cmd {
     Serve(ServeArgs),
     Sim(SimArgs),
 }
@@ -129,6 +129,17 @@ impl<'a> Fleet<'a> {
         self.check_router(router, c, &cfg)?;
         self.check_rbac(router, &cfg)?;
         self.check_services_and_budgets()?;
+        let labels = router
+            .template
+            .metadata
+            .as_ref()
+            .and_then(|m| m.labels.clone());
+        super::monitoring::check(
+            &self.objs,
+            (router.name.as_str(), &router.ns),
+            &labels.unwrap_or_default(),
+            c,
+        )?;
         self.check_engines(router, &cfg)
     }
 
@@ -251,19 +262,44 @@ impl<'a> Fleet<'a> {
 
     fn check_router(&self, w: &Pods, c: &Container, cfg: &Config) -> Res<()> {
         let spec = w.template.spec.as_ref().ok_or("no pod spec")?;
-        if !cfg.server.host.is_unspecified() || !cfg.admin.host.is_unspecified() {
-            return Err("server.host and admin.host must be 0.0.0.0 in a pod".into());
+        let m = &cfg.metrics_listener;
+        if !cfg.server.host.is_unspecified() || !m.enabled || !m.host.is_unspecified() {
+            return Err("the front door and the metrics listener must be on 0.0.0.0".into());
         }
         let port = |name: &str| container_port(c, name);
         if port("http")? != i32::from(cfg.server.port) {
             return Err("container port http is not server.port".into());
         }
-        if port("admin")? != i32::from(cfg.admin.port) {
-            return Err("container port admin is not admin.port".into());
+        if port("metrics")? != i32::from(m.port) {
+            return Err("container port metrics is not metrics_listener.port".into());
+        }
+        // The admin API: on the pod's loopback without a token (no container port, so
+        // neither a Service nor a NetworkPolicy can expose it), or on the network with its
+        // token from a Secret the build mounts.
+        if cfg.admin.host.is_loopback() {
+            if cfg.admin.api_key.is_some() || cfg.admin.api_key_file.is_some() {
+                return Err("a loopback admin listener needs no token here".into());
+            }
+            let exposed = c.ports.iter().flatten().any(|p| {
+                p.container_port == i32::from(cfg.admin.port) || p.name.as_deref() == Some("admin")
+            });
+            if exposed {
+                return Err("the loopback admin port is declared as a container port".into());
+            }
+        } else {
+            let token = cfg
+                .admin
+                .api_key_file
+                .as_ref()
+                .ok_or("an admin listener on the network without admin.api_key_file")?;
+            if self.mounted(w, c, token)?.0 != "Secret" {
+                return Err("the admin token is not from a Secret".into());
+            }
         }
         probe(c, c.readiness_probe.as_ref(), "/readiness", cfg.server.port)?;
-        probe(c, c.liveness_probe.as_ref(), "/health", cfg.server.port)?;
-        // Prometheus scrapes the admin listener's /metrics.
+        // Liveness is not behind the front door's connection limit.
+        probe(c, c.liveness_probe.as_ref(), "/liveness", m.port)?;
+        // Prometheus scrapes the metrics listener's /metrics.
         let ann = w
             .template
             .metadata
@@ -272,21 +308,13 @@ impl<'a> Fleet<'a> {
         let ann = ann.unwrap_or_default();
         let want = [
             ("prometheus.io/scrape", "true".to_string()),
-            ("prometheus.io/port", cfg.admin.port.to_string()),
+            ("prometheus.io/port", m.port.to_string()),
             ("prometheus.io/path", "/metrics".to_string()),
         ];
         for (k, v) in want {
             if ann.get(k) != Some(&v) {
                 return Err(format!("annotation {k} is {:?}, not {v}", ann.get(k)));
             }
-        }
-        let token = cfg
-            .admin
-            .api_key_file
-            .as_ref()
-            .ok_or("no admin.api_key_file")?;
-        if self.mounted(w, c, token)?.0 != "Secret" {
-            return Err("the admin token is not from a Secret".into());
         }
         // Kubernetes waits preStop, then SIGTERM; pdgate then drains for drain_secs.
         let grace = spec.termination_grace_period_seconds.unwrap_or(30);
@@ -657,7 +685,7 @@ fn quantity_bytes(q: &str) -> Res<u64> {
         .map_err(|_| format!("memory quantity {q:?} is not understood"))
 }
 
-fn container_port(c: &Container, name: &str) -> Res<i32> {
+pub fn container_port(c: &Container, name: &str) -> Res<i32> {
     c.ports
         .iter()
         .flatten()
@@ -698,7 +726,7 @@ fn pre_stop_secs(c: &Container) -> Res<i64> {
     }
 }
 
-fn matches(
+pub fn matches(
     sel: Option<&BTreeMap<String, String>>,
     labels: Option<&BTreeMap<String, String>>,
 ) -> bool {
