@@ -38,6 +38,7 @@ pub struct Api {
 
 enum Route {
     Metrics,
+    Liveness,
     Readiness,
     Workers,
     Worker(String),
@@ -57,6 +58,7 @@ fn route(path: &str) -> Option<(Route, &'static [Method])> {
     let segs: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
     Some(match segs.as_slice() {
         ["metrics"] => (Route::Metrics, GET),
+        ["liveness"] => (Route::Liveness, GET),
         ["readiness"] => (Route::Readiness, GET),
         ["workers"] => (Route::Workers, WORKERS),
         ["workers", id] => (Route::Worker((*id).to_string()), WORKER),
@@ -196,6 +198,9 @@ impl Api {
                 );
                 Ok(resp)
             }
+            // The process serves: what a liveness probe asks (not behind the front door's
+            // connection limit, and answered while a drain runs).
+            Route::Liveness => Ok(json_response(StatusCode::OK, &json!({"status": "ok"}))),
             Route::Workers if req.method() == Method::POST => self.add(&read_body(req).await?),
             Route::Workers => Ok(self.list()),
             Route::Readiness => Ok(self.readiness()),
@@ -662,6 +667,7 @@ mod tests {
     fn routes_and_their_methods() {
         let table = [
             ("/metrics", true),
+            ("/liveness", true),
             ("/readiness", true),
             ("/workers", true),
             ("/workers/", true),

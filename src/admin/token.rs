@@ -30,8 +30,9 @@ use crate::error::{FailReason, Failure};
 /// The environment variable the admin token may come from.
 pub const TOKEN_ENV: &str = "PDGATE_ADMIN_API_KEY";
 
-/// The one admin path served without the token.
-pub const OPEN_PATH: &str = "/metrics";
+/// The admin paths served without the token: the scrape, and the liveness probe (a kubelet
+/// holds no token; the answer says only that the process serves).
+pub const OPEN_PATHS: &[&str] = &["/metrics", "/liveness"];
 
 /// A token read and checked by [`AdminToken::stage`], not yet in use.
 pub struct StagedToken(Option<Arc<KeyDigest>>);
@@ -144,7 +145,7 @@ impl AdminToken {
 
     /// Whether a request with these headers may use `path`.
     pub fn allows(&self, path: &str, headers: &http::HeaderMap) -> bool {
-        if path == OPEN_PATH {
+        if OPEN_PATHS.contains(&path) {
             return true;
         }
         let want = self.digest.load();

@@ -219,6 +219,12 @@ async fn every_route_needs_the_token_but_metrics_and_errors_have_one_shape() {
     // ... and not from the front door, by default.
     let resp = env.send("GET", "/metrics", &[], "").await;
     assert_eq!(resp.status(), 404);
+    // A kubelet's liveness probe holds no token either; nothing else is open.
+    let (st, _, b) = env.admin("GET", "/liveness", None, "").await;
+    assert_eq!(st, 200);
+    assert_eq!(json(&b)["status"], "ok");
+    let (st, _, _) = env.admin("GET", "/readiness", None, "").await;
+    assert_eq!(st, 401);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
