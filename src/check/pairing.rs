@@ -306,7 +306,7 @@ mod tests {
         }
     }
 
-    fn model_ok(p: &[(&str, &Facts)], d: &[(&str, &Facts)]) -> bool {
+    fn all_ok(p: &[(&str, &Facts)], d: &[(&str, &Facts)]) -> bool {
         models(p, d).iter().all(|c| c.ok)
     }
 
@@ -336,7 +336,7 @@ mod tests {
             (vec![("p", &a)], vec![("d", &unknown)], true, true),
         ];
         for (p, d, model_ok, ctx_ok) in table {
-            assert_eq!(model_ok(&p, &d), model_ok, "{p:?} {d:?}");
+            assert_eq!(all_ok(&p, &d), model_ok, "{p:?} {d:?}");
             assert_eq!(context(&p, &d).ok, ctx_ok, "{p:?} {d:?}");
             assert!(tp(&p, &d).ok);
         }
