@@ -121,7 +121,7 @@ fn decode_component(s: &str) -> Option<String> {
 }
 
 /// The query's parameters (the first of each name).
-fn query(req_query: Option<&str>) -> Result<HashMap<String, String>, Failure> {
+pub(crate) fn query(req_query: Option<&str>) -> Result<HashMap<String, String>, Failure> {
     let mut out = HashMap::new();
     for pair in req_query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));

@@ -28,6 +28,7 @@
 //! open ones finish their request and close.
 
 mod api;
+pub(crate) use api::query;
 pub mod front;
 pub mod guard;
 pub mod token;

@@ -307,6 +307,7 @@ fn engine(p: &FoundPod, ep: &Endpoint, plan: &Plan) -> Engine {
         role: ep.role,
         url: ep.url.to_string(),
         bootstrap_port: ep.bootstrap_port,
+        model: ep.model.clone(),
         listed: Listed::Pod {
             row: Check::pass(
                 &t,

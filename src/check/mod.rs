@@ -168,6 +168,8 @@ struct Engine {
     target: String,
     url: String,
     bootstrap_port: Option<u16>,
+    /// The operator's name for its model (config `model`, the pod's model annotation).
+    model: Option<String>,
     listed: Listed,
 }
 
@@ -202,17 +204,25 @@ pub async fn run_with(cfg: &Config, opts: CheckOptions, kube: KubeSource) -> Rep
     let mut engines: Vec<Engine> = cfg
         .prefill
         .iter()
-        .map(|p| (Role::Prefill, p.url.clone(), p.bootstrap_port))
+        .map(|p| {
+            (
+                Role::Prefill,
+                p.url.clone(),
+                p.bootstrap_port,
+                p.model.clone(),
+            )
+        })
         .chain(
             cfg.decode
                 .iter()
-                .map(|d| (Role::Decode, d.url.clone(), None)),
+                .map(|d| (Role::Decode, d.url.clone(), None, d.model.clone())),
         )
-        .map(|(role, url, bootstrap_port)| Engine {
+        .map(|(role, url, bootstrap_port, model)| Engine {
             role,
             target: url.clone(),
             url,
             bootstrap_port,
+            model,
             listed: Listed::Static,
         })
         .collect();
@@ -407,7 +417,7 @@ async fn probe_engine(
             return p;
         }
     };
-    p.facts = pairing::Facts::read(up, &url, timeout).await;
+    p.facts = pairing::Facts::read(up, &url, timeout, e.model.as_deref()).await;
     let role_ok = role_check(&mut p.checks, e, &info);
     p.checks.push(Check::pass(
         t,

@@ -2,15 +2,21 @@
 //! the model (`served_model_name`, else `model_path`), the context length, and the TP size
 //! (reported, not required to match: SGLang's transfer backends pair different TP sizes).
 //!
-//! Many models behind one router (each pair serving one) are fine: a prefill needs a decode
-//! of its own model and a decode a prefill of its own, and the context length is compared
-//! within a model only. A fact an engine does not report is not compared.
+//! Many models behind one router (each pair serving one) are fine: the `model` check is
+//! reported per model. Within a model, engines are put in handoff groups by what a KV
+//! handoff needs them to agree on ([`HandoffKey`]: the served name, model path, weight
+//! version, page size, KV dtype, transfer backend, speculative settings), as the router
+//! does; a model's ✓ lists its groups and which decodes each prefill may pair with, its ✗
+//! names the model and each engine that has no compatible partner (the router would never
+//! pick it). The context length is compared within a model only. A fact an engine does
+//! not report is not compared.
 
 use std::time::Duration;
 
 use serde_json::Value;
 
 use super::{Check, EngineProbe, FLEET};
+use crate::engine::{HandoffKey, ServerInfo};
 use crate::types::Role;
 use crate::upstream::{BaseUrl, Upstream};
 
@@ -21,34 +27,54 @@ pub(super) struct Facts {
     pub model: Option<String>,
     pub context_length: Option<u64>,
     pub tp_size: Option<u64>,
+    /// Its handoff facts (`model` as above): engines pair only where these are compatible.
+    pub key: HandoffKey,
 }
 
 impl Facts {
     /// Reads them (`/server_info`, else `/get_server_info`); all unknown when neither answers.
-    pub(super) async fn read(up: &Upstream, url: &BaseUrl, timeout: Duration) -> Facts {
+    /// `model` is the operator's name for the engine (config or pod annotation): it wins.
+    pub(super) async fn read(
+        up: &Upstream,
+        url: &BaseUrl,
+        timeout: Duration,
+        model: Option<&str>,
+    ) -> Facts {
         for path in ["/server_info", "/get_server_info"] {
             if let Ok((s, body)) = up.get(url, path, timeout).await {
                 if s.is_success() {
                     if let Ok(v) = serde_json::from_slice::<Value>(&body) {
-                        return Facts::from_json(&v);
+                        return Facts::from_json(&v, model);
                     }
                 }
             }
         }
-        Facts::default()
+        let key = HandoffKey::of(None, model);
+        Facts {
+            model: key.model.clone(),
+            key,
+            ..Facts::default()
+        }
     }
 
-    fn from_json(v: &Value) -> Facts {
+    fn from_json(v: &Value, model: Option<&str>) -> Facts {
         let text = |k: &str| {
             v.get(k)
                 .and_then(Value::as_str)
                 .filter(|s| !s.is_empty())
                 .map(str::to_string)
         };
+        let info = serde_json::from_value::<ServerInfo>(v.clone()).ok();
+        let mut key = HandoffKey::of(info.as_ref(), model);
+        key.model = model
+            .map(str::to_string)
+            .or_else(|| text("served_model_name"))
+            .or_else(|| text("model_path"));
         Facts {
-            model: text("served_model_name").or_else(|| text("model_path")),
+            model: key.model.clone(),
             context_length: v.get("context_length").and_then(Value::as_u64),
             tp_size: v.get("tp_size").and_then(Value::as_u64),
+            key,
         }
     }
 }
@@ -63,64 +89,142 @@ pub(super) fn checks(probes: &[EngineProbe]) -> Vec<Check> {
             .collect()
     };
     let (prefills, decodes) = (of(Role::Prefill), of(Role::Decode));
-    vec![
-        model(&prefills, &decodes),
-        context(&prefills, &decodes),
-        tp(&prefills, &decodes),
-    ]
+    let mut out = models(&prefills, &decodes);
+    out.push(context(&prefills, &decodes));
+    out.push(tp(&prefills, &decodes));
+    out
 }
 
-/// Every prefill has a decode of its model, and every decode a prefill of its.
-fn model(prefills: &[(&str, &Facts)], decodes: &[(&str, &Facts)]) -> Check {
+/// Per model (one `model` row each): every prefill has a decode it may hand its KV to,
+/// and every decode a prefill; the ✓ lists the model's handoff groups and its pairs.
+fn models(prefills: &[(&str, &Facts)], decodes: &[(&str, &Facts)]) -> Vec<Check> {
     let name = "model";
     let known = |xs: &[(&str, &Facts)]| xs.iter().any(|(_, f)| f.model.is_some());
     if !known(prefills) || !known(decodes) {
-        return Check::pass(
+        return vec![Check::pass(
             FLEET,
             name,
             "model: not reported by both a prefill and a decode, not compared",
-        );
+        )];
     }
-    let mut alone = Vec::new();
-    for (mine, theirs, role, other) in [
-        (prefills, decodes, "prefill", "decode"),
-        (decodes, prefills, "decode", "prefill"),
-    ] {
-        for (t, f) in mine {
-            let Some(m) = &f.model else { continue };
-            if !theirs
-                .iter()
-                .any(|(_, g)| g.model.as_ref().is_none_or(|x| x == m))
-            {
-                alone.push(format!("{role} {t} serves {m}, which no {other} serves"));
-            }
-        }
-    }
-    if !alone.is_empty() {
-        return Check::fail(
-            FLEET,
-            name,
-            alone.join("; "),
-            "a prefill's KV is only usable by a decode of the same model: start both with the \
-             same --model-path (and --served-model-name), or list the engine in its own \
-             model's pair",
-        );
-    }
-    let mut seen: Vec<&str> = prefills
+    let mut names: Vec<&str> = prefills
         .iter()
         .chain(decodes.iter())
         .filter_map(|(_, f)| f.model.as_deref())
         .collect();
-    seen.sort_unstable();
-    seen.dedup();
+    names.sort_unstable();
+    names.dedup();
+    names
+        .into_iter()
+        .map(|m| one_model(m, prefills, decodes))
+        .collect()
+}
+
+/// The `model` row of model `m`.
+fn one_model(m: &str, prefills: &[(&str, &Facts)], decodes: &[(&str, &Facts)]) -> Check {
+    let mine = |xs: &[(&str, &Facts)]| -> Vec<(String, HandoffKey)> {
+        xs.iter()
+            .filter(|(_, f)| f.model.as_deref() == Some(m))
+            .map(|(t, f)| (t.to_string(), f.key.clone()))
+            .collect()
+    };
+    let (ps, ds) = (mine(prefills), mine(decodes));
+    // The model's handoff groups, in first-seen order (prefills, then decodes).
+    let mut groups: Vec<&HandoffKey> = Vec::new();
+    for (_, k) in ps.iter().chain(ds.iter()) {
+        if !groups.contains(&k) {
+            groups.push(k);
+        }
+    }
+    let group_of = |k: &HandoffKey| groups.iter().position(|g| *g == k).map_or(0, |i| i + 1);
+    let partners = |k: &HandoffKey, others: &[(&str, &Facts)]| -> Vec<String> {
+        others
+            .iter()
+            .filter(|(_, f)| f.key.compatible(k))
+            .map(|(t, _)| t.to_string())
+            .collect()
+    };
+    let mut alone = Vec::new();
+    let mut pairs = Vec::new();
+    for (t, k) in &ps {
+        let ds = partners(k, decodes);
+        if ds.is_empty() {
+            alone.push(format!(
+                "prefill {t} (group {}) has no compatible decode",
+                group_of(k)
+            ));
+        } else {
+            pairs.push(format!("prefill {t} → decode {}", ds.join(", ")));
+        }
+    }
+    for (t, k) in &ds {
+        if partners(k, prefills).is_empty() {
+            alone.push(format!(
+                "decode {t} (group {}) has no compatible prefill",
+                group_of(k)
+            ));
+        }
+    }
+    let listed: Vec<String> = groups
+        .iter()
+        .enumerate()
+        .map(|(i, k)| format!("group {} ({})", i + 1, describe(k)))
+        .collect();
+    if !alone.is_empty() {
+        return Check::fail(
+            FLEET,
+            "model",
+            format!(
+                "{m}: {}; handoff groups: {}",
+                alone.join("; "),
+                listed.join(", ")
+            ),
+            format!(
+                "a prefill's KV is only usable by a decode of the same model, weights (path and \
+                 version), KV page size and dtype, transfer backend and speculative settings: \
+                 start {m}'s missing role with the same settings, or name each engine's model \
+                 (`model = ...` in its [[prefill]]/[[decode]] entry, the pod's model annotation)"
+            ),
+        );
+    }
     Check::pass(
         FLEET,
-        name,
+        "model",
         format!(
-            "every prefill and decode has a peer of its model ({})",
-            seen.join(", ")
+            "{m}: {} handoff group(s): {}; pairs: {}",
+            groups.len(),
+            listed.join(", "),
+            pairs.join("; ")
         ),
     )
+}
+
+/// A handoff group's facts, those reported.
+fn describe(k: &HandoffKey) -> String {
+    let mut f = Vec::new();
+    if let Some(v) = &k.model_path {
+        f.push(format!("path {v}"));
+    }
+    if let Some(v) = &k.weight_version {
+        f.push(format!("weight_version {v}"));
+    }
+    if let Some(v) = k.page_size {
+        f.push(format!("page_size {v}"));
+    }
+    if let Some(v) = &k.kv_cache_dtype {
+        f.push(format!("kv_cache_dtype {v}"));
+    }
+    if let Some(v) = &k.transfer_backend {
+        f.push(format!("backend {v}"));
+    }
+    if let Some(v) = &k.speculative {
+        f.push(format!("speculative {v}"));
+    }
+    if f.is_empty() {
+        "nothing reported".to_string()
+    } else {
+        f.join(", ")
+    }
 }
 
 /// Within a model, prefills and decodes agree on the context length.
@@ -195,7 +299,15 @@ mod tests {
             model: model.map(str::to_string),
             context_length: ctx,
             tp_size: tp,
+            key: HandoffKey {
+                model: model.map(str::to_string),
+                ..HandoffKey::default()
+            },
         }
+    }
+
+    fn all_ok(p: &[(&str, &Facts)], d: &[(&str, &Facts)]) -> bool {
+        models(p, d).iter().all(|c| c.ok)
     }
 
     #[test]
@@ -224,11 +336,61 @@ mod tests {
             (vec![("p", &a)], vec![("d", &unknown)], true, true),
         ];
         for (p, d, model_ok, ctx_ok) in table {
-            assert_eq!(model(&p, &d).ok, model_ok, "{p:?} {d:?}");
+            assert_eq!(all_ok(&p, &d), model_ok, "{p:?} {d:?}");
             assert_eq!(context(&p, &d).ok, ctx_ok, "{p:?} {d:?}");
             assert!(tp(&p, &d).ok);
         }
         let json = serde_json::json!({"model_path": "/m", "served_model_name": "", "context_length": 8, "tp_size": 2});
-        assert_eq!(Facts::from_json(&json), f(Some("/m"), Some(8), Some(2)));
+        let read = Facts::from_json(&json, None);
+        assert_eq!(read.model.as_deref(), Some("/m"));
+        assert_eq!((read.context_length, read.tp_size), (Some(8), Some(2)));
+        assert_eq!(read.key.model_path.as_deref(), Some("/m"));
+        let named = Facts::from_json(&json, Some("mine"));
+        assert_eq!(named.model.as_deref(), Some("mine"));
+    }
+
+    /// One row per model; a model whose prefill has no decode of its weight version is a ✗
+    /// naming it (and its group), the other model's row still a ✓ listing its pairs.
+    #[test]
+    fn per_model_rows_with_handoff_groups() {
+        let v = |m: &str, w: &str| {
+            Facts::from_json(
+                &serde_json::json!({"served_model_name": m, "model_path": m, "weight_version": w}),
+                None,
+            )
+        };
+        let (a1, a2, b1) = (v("a", "v1"), v("a", "v2"), v("b", "v1"));
+        let rows = models(
+            &[("pa1", &a1), ("pa2", &a2), ("pb", &b1)],
+            &[("da1", &a1), ("db", &b1)],
+        );
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        assert!(!rows[0].ok && rows[0].detail.starts_with("a: "), "{rows:?}");
+        assert!(
+            rows[0]
+                .detail
+                .contains("prefill pa2 (group 2) has no compatible decode")
+                && rows[0].detail.contains("weight_version v2"),
+            "{rows:?}"
+        );
+        assert!(rows[0]
+            .fix
+            .as_deref()
+            .is_some_and(|f| f.contains("start a's")));
+        assert!(rows[1].ok, "{rows:?}");
+        assert!(
+            rows[1].detail.contains("1 handoff group(s)")
+                && rows[1].detail.contains("prefill pb → decode db"),
+            "{rows:?}"
+        );
+        // Both versions with their decode: two groups, each prefill paired within its own.
+        let rows = models(&[("pa1", &a1), ("pa2", &a2)], &[("da1", &a1), ("da2", &a2)]);
+        assert!(rows[0].ok, "{rows:?}");
+        assert!(
+            rows[0].detail.contains("2 handoff group(s)")
+                && rows[0].detail.contains("prefill pa1 → decode da1;")
+                && rows[0].detail.contains("prefill pa2 → decode da2"),
+            "{rows:?}"
+        );
     }
 }

@@ -11,6 +11,10 @@
 //! | GET | `/get_loads` | admin token | each worker's last reported engine load and pdgate's in-flight count, by worker id |
 //! | * | `/workers[/{id}[/drain\|/undrain]]`, `/add_worker`, `/remove_worker`, `/list_workers` | admin token | the admin API itself ([`crate::admin::FrontControl`]) |
 //!
+//! The info routes and `/health_generate` take an optional `model` query parameter (`?model=...`, resolved like a
+//! request's `model`: aliases, `base:adapter`, 404 `model_not_found` when unknown) and
+//! answer for that model's engines; without it, for `models.default`'s, else any.
+//!
 //! Decisions:
 //! - **`/health_generate` is a real request** through one (prefill, decode) pair, chosen
 //!   and sent like any `/generate` (`max_new_tokens` 1): for a PD router "can it generate"
@@ -200,10 +204,23 @@ impl App {
         } else if let Err(f) = self.keys.identify(req.headers()) {
             return reject(rec, f, &rid);
         }
+        let scope = match call {
+            Call::ServerInfo | Call::ModelInfo | Call::HealthGenerate => {
+                match model_scope(&d, req.uri().query()) {
+                    Ok(s) => s,
+                    Err(f) => return reject(rec, f, &rid),
+                }
+            }
+            _ => None,
+        };
         let answer = match call {
-            Call::ServerInfo => self.server_info(&d, &rid).await,
-            Call::ModelInfo => self.model_info(&d, &rid).await,
-            Call::HealthGenerate => return self.health_generate(d, req, rid, rec).await,
+            Call::ServerInfo => self.server_info(&d, scope.as_deref(), &rid).await,
+            Call::ModelInfo => self.model_info(&d, scope.as_deref(), &rid).await,
+            Call::HealthGenerate => {
+                return self
+                    .health_generate(d, scope.as_deref(), req, rid, rec)
+                    .await
+            }
             Call::FlushCache => Ok(self.flush_cache(&d, &rid).await),
             Call::GetLoads => Ok(get_loads(&d, &rid)),
             Call::Workers => {
@@ -223,10 +240,12 @@ impl App {
         }
     }
 
-    /// The first healthy worker's (decodes first) JSON answer on one of `paths`.
+    /// The first healthy worker's (decodes first) JSON answer on one of `paths`, among
+    /// the workers of `model` when given.
     async fn engine_json(
         &self,
         d: &Dispatcher,
+        model: Option<&str>,
         paths: &'static [&'static str],
     ) -> Result<Value, Failure> {
         let snap = d.pool.load_full();
@@ -237,6 +256,7 @@ impl App {
             .iter()
             .chain(snap.prefills.iter())
             .filter(|w| w.healthy && w.refused.is_none())
+            .filter(|w| model.is_none() || w.model.as_deref() == model)
             .map(|w| w.url.clone())
             .collect();
         for url in &healthy {
@@ -258,7 +278,11 @@ impl App {
                 break;
             }
         }
-        let reason = if snap.decodes.iter().any(|w| w.healthy) {
+        let reason = if snap
+            .decodes
+            .iter()
+            .any(|w| w.healthy && (model.is_none() || w.model.as_deref() == model))
+        {
             FailReason::DecodeStatus
         } else {
             FailReason::NoDecodeAvailable
@@ -272,10 +296,11 @@ impl App {
     async fn server_info(
         &self,
         d: &Dispatcher,
+        model: Option<&str>,
         rid: &HeaderValue,
     ) -> Result<Response<RespBody>, Failure> {
         let v = self
-            .engine_json(d, &["/server_info", "/get_server_info"])
+            .engine_json(d, model, &["/server_info", "/get_server_info"])
             .await?;
         let mut out = facts(&v, SERVER_FACTS);
         if let Some(states) = v.get("internal_states").and_then(Value::as_array) {
@@ -302,10 +327,11 @@ impl App {
     async fn model_info(
         &self,
         d: &Dispatcher,
+        model: Option<&str>,
         rid: &HeaderValue,
     ) -> Result<Response<RespBody>, Failure> {
         let v = self
-            .engine_json(d, &["/model_info", "/get_model_info"])
+            .engine_json(d, model, &["/model_info", "/get_model_info"])
             .await?;
         let out = facts(&v, MODEL_FACTS);
         Ok(json_response(
@@ -371,6 +397,7 @@ impl App {
     async fn health_generate(
         &self,
         d: Arc<Dispatcher>,
+        model: Option<&str>,
         req: Request<Incoming>,
         rid: HeaderValue,
         rec: RequestRecord,
@@ -379,9 +406,16 @@ impl App {
             Ok(s) => s,
             Err(f) => return reject(rec, f, &rid),
         };
-        let probe = Bytes::from_static(
-            br#"{"text":"ping","sampling_params":{"max_new_tokens":1,"temperature":0},"stream":false}"#,
-        );
+        let mut probe = json!({
+            "text": "ping",
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "stream": false,
+        });
+        if let Some(m) = model {
+            // `/generate`'s `model` picks the pairs (it is not forwarded).
+            probe["model"] = Value::String(m.to_string());
+        }
+        let probe = Bytes::from(probe.to_string());
         let parsed = match request::parse(ApiRoute::Generate, probe) {
             Ok(p) => p,
             Err(f) => return reject(rec, f, &rid),
@@ -422,6 +456,18 @@ impl App {
             &rid,
         )
     }
+}
+
+/// The model an info or probe route answers for: the `model` query parameter, else
+/// `models.default`; resolved as a request's `model` is (aliases, `base:adapter`; an
+/// unknown name is a 404 `model_not_found`). `None`: any engine (no name given and no
+/// default, or one handoff group serving every name).
+fn model_scope(d: &Dispatcher, query: Option<&str>) -> Result<Option<Arc<str>>, Failure> {
+    let given = crate::admin::query(query)?.remove("model");
+    let Some(name) = given.or_else(|| d.cfg.models.default.clone()) else {
+        return Ok(None);
+    };
+    crate::models::resolve(&d.cfg.models, &d.pool, || Some(name.into()))
 }
 
 /// Reads a (small) answer to its end: true when it ended without an error.

@@ -134,6 +134,20 @@ fn cases() -> Vec<Case> {
             }],
             wire: as_is,
             mode: modulo,
+            failed: &["model", "model"],
+        },
+        Case {
+            name: "a new weight version's prefill without its decode",
+            prefill: vec![
+                p2.clone(),
+                EngineConfig {
+                    weight_version: "v2".into(),
+                    ..p2.clone()
+                },
+            ],
+            decode: vec![d2.clone()],
+            wire: as_is,
+            mode: modulo,
             failed: &["model"],
         },
         Case {
@@ -167,7 +181,7 @@ fn cases() -> Vec<Case> {
             }],
             wire: as_is,
             mode: modulo,
-            failed: &["page_size"],
+            failed: &["model", "page_size"],
         },
         Case {
             name: "KV dtype mismatch",
@@ -178,7 +192,7 @@ fn cases() -> Vec<Case> {
             decode: vec![d2.clone()],
             wire: as_is,
             mode: modulo,
-            failed: &["kv_cache_dtype"],
+            failed: &["model", "kv_cache_dtype"],
         },
         Case {
             name: "bootstrap server down",

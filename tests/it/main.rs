@@ -35,6 +35,7 @@ mod manifests;
 mod memory_budget;
 mod metrics;
 mod models;
+mod models_rollout;
 mod policies;
 mod preflight;
 mod reload;

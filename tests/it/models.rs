@@ -521,3 +521,79 @@ async fn a_reload_applies_aliases_and_renames_a_worker() {
     let (status, _, _) = env.post("/v1/chat/completions", &chat("model-c")).await;
     assert_eq!(status, 503);
 }
+
+/// A GET on the front door: status and JSON body.
+async fn get_json(env: &Env, path: &str) -> (http::StatusCode, Value) {
+    let resp = env.send("GET", path, &[], "").await;
+    let status = resp.status();
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    (status, json(&body))
+}
+
+/// SGLang router's info and probe routes take `?model=` and answer for that model's
+/// engines (an alias and `base:adapter` resolve as a request's `model` does; an unknown
+/// name is a 404); without it, for `models.default`'s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_and_health_generate_answer_per_model() {
+    let env = two_models(|c| {
+        c.models.default = Some("model-b".into());
+        c.models.aliases.insert("gpt-4o".into(), "model-a".into());
+    })
+    .await;
+    let cases = [
+        ("/get_server_info?model=model-a", "model-a"),
+        ("/server_info?model=gpt-4o", "model-a"),
+        ("/get_server_info?model=model-b%3Amy-lora", "model-b"),
+        ("/get_server_info", "model-b"),
+        ("/get_model_info?model=model-a", "model-a"),
+        ("/model_info", "model-b"),
+    ];
+    for (path, model) in cases {
+        let (status, v) = get_json(&env, path).await;
+        assert_eq!(status, 200, "{path}: {v}");
+        assert_eq!(v["model_path"], model, "{path}: {v}");
+        if path.contains("server_info") {
+            assert_eq!(v["served_model_name"], model, "{path}: {v}");
+        }
+    }
+    for path in [
+        "/get_server_info?model=model-c",
+        "/get_model_info?model=model-c",
+        "/health_generate?model=model-c",
+    ] {
+        let resp = env.send("GET", path, &[], "").await;
+        let status = resp.status();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("body")
+            .to_bytes();
+        assert_model_not_found(status, &body);
+    }
+
+    // The probe goes through the named model's pair, else the default's.
+    let (status, v) = get_json(&env, "/health_generate?model=model-a").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(env.cluster.prefills[0].stats().requests_total, 1);
+    assert_eq!(env.cluster.prefills[1].stats().requests_total, 0);
+    let (status, v) = get_json(&env, "/health_generate").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(env.cluster.prefills[1].stats().requests_total, 1);
+    assert_eq!(env.cluster.prefills[0].stats().requests_total, 1);
+
+    // A model whose decodes are down: its probe fails, the other's still passes.
+    env.cluster.decodes[1].set_down(true);
+    env.wait_pool("model-b's decode out", |s| {
+        s.model("model-b")
+            .is_some_and(|m| m.decode_routable.is_empty())
+    })
+    .await;
+    let (status, v) = get_json(&env, "/health_generate?model=model-b").await;
+    assert_eq!(status, 503, "{v}");
+    let (status, v) = get_json(&env, "/health_generate?model=model-a").await;
+    assert_eq!(status, 200, "{v}");
+    let s = env.settled_stats().await;
+    assert_eq!(s.violation_kv_layout_mismatch, 0, "{s:?}");
+}
