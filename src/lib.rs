@@ -27,6 +27,7 @@ pub mod fleet;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod health;
+pub mod listen;
 pub mod memory;
 pub mod metrics_listener;
 pub mod models;

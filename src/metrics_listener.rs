@@ -15,9 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{header, HeaderValue, Method, Request, Response};
-use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 
 use crate::body::{full_body, RespBody};
 use crate::error::{FailReason, Failure};
@@ -98,54 +97,15 @@ fn answer(pool: &Pool, req: &Request<hyper::body::Incoming>) -> Response<RespBod
     }
 }
 
-async fn accept_loop(listener: TcpListener, pool: Arc<Pool>, mut stop: watch::Receiver<bool>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        tokio::select! {
-            r = listener.accept() => {
-                let stream = match r {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "metrics listener: accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let Ok(slot) = slots.clone().try_acquire_owned() else {
-                    tracing::warn!(max = MAX_CONNECTIONS, "metrics listener: connection refused, too many open");
-                    continue;
-                };
-                let pool = pool.clone();
-                let stop = stop.clone();
-                tokio::spawn(async move {
-                    let _slot = slot;
-                    serve(stream, pool, stop).await;
-                });
-            }
-            _ = stop.changed() => break,
-        }
-    }
-}
-
-async fn serve(stream: tokio::net::TcpStream, pool: Arc<Pool>, mut stop: watch::Receiver<bool>) {
-    let _ = stream.set_nodelay(true);
-    let svc = hyper::service::service_fn(move |req| {
+async fn accept_loop(listener: TcpListener, pool: Arc<Pool>, stop: watch::Receiver<bool>) {
+    let limits = crate::listen::Limits {
+        name: "metrics",
+        max_connections: MAX_CONNECTIONS,
+        header_within: HEADER_WITHIN,
+    };
+    let svc = tower::service_fn(move |req: Request<hyper::body::Incoming>| {
         let resp = answer(&pool, &req);
         async move { Ok::<_, std::convert::Infallible>(resp) }
     });
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_WITHIN)
-        .serve_connection(TokioIo::new(stream), svc);
-    tokio::pin!(conn);
-    tokio::select! {
-        r = conn.as_mut() => {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "metrics connection ended with an error");
-            }
-            return;
-        }
-        _ = stop.changed() => conn.as_mut().graceful_shutdown(),
-    }
-    let _ = conn.await;
+    crate::listen::serve(listener, limits, svc, stop).await;
 }

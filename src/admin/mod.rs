@@ -38,10 +38,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
-use tower::{Service, ServiceBuilder, ServiceExt};
+use tokio::sync::watch;
+use tower::ServiceBuilder;
 use tower_http::validate_request::ValidateRequestHeaderLayer;
 
 use crate::config::Config;
@@ -131,7 +130,7 @@ async fn accept_loop(
     listener: TcpListener,
     fleet: Arc<Fleet>,
     token: Arc<AdminToken>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let live = fleet.live().clone();
     let api = Arc::new(api::Api { fleet });
@@ -144,60 +143,10 @@ async fn accept_loop(
             token,
         )))
         .service(tower::service_fn(move |req| api::serve(api.clone(), req)));
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        tokio::select! {
-            r = listener.accept() => {
-                let stream = match r {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "admin accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let Ok(slot) = slots.clone().try_acquire_owned() else {
-                    tracing::warn!(max = MAX_CONNECTIONS, "admin connection refused: too many open");
-                    continue;
-                };
-                let stack = stack.clone();
-                let stop = stop.clone();
-                tokio::spawn(async move {
-                    let _slot = slot;
-                    serve(stream, stack, stop).await;
-                });
-            }
-            _ = stop.changed() => break,
-        }
-    }
-}
-
-async fn serve<S>(stream: tokio::net::TcpStream, stack: S, mut stop: watch::Receiver<bool>)
-where
-    S: Service<
-            http::Request<hyper::body::Incoming>,
-            Response = http::Response<crate::body::RespBody>,
-            Error = std::convert::Infallible,
-        > + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-{
-    let _ = stream.set_nodelay(true);
-    let svc = hyper::service::service_fn(move |req| stack.clone().oneshot(req));
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_WITHIN)
-        .serve_connection(TokioIo::new(stream), svc);
-    tokio::pin!(conn);
-    tokio::select! {
-        r = conn.as_mut() => {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "admin connection ended with an error");
-            }
-            return;
-        }
-        _ = stop.changed() => conn.as_mut().graceful_shutdown(),
-    }
-    let _ = conn.await;
+    let limits = crate::listen::Limits {
+        name: "admin",
+        max_connections: MAX_CONNECTIONS,
+        header_within: HEADER_WITHIN,
+    };
+    crate::listen::serve(listener, limits, stack, stop).await;
 }
