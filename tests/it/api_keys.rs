@@ -2,9 +2,7 @@
 //! lines, the 401 answered before any leg is sent, the per-key 429, the key id (never the
 //! key) in logs, and a client's key never reaching an engine.
 
-use std::io::Write;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http_body_util::BodyExt;
@@ -12,7 +10,7 @@ use pdgate::auth::{digest, hex, line_id};
 use pdgate_sim::EngineConfig;
 use serde_json::Value;
 
-use crate::support::common::{fast_engine, sse_events, start, start_as_is, Env, GEN};
+use crate::support::common::{fast_engine, sse_events, start, start_as_is, Captured, Env, GEN};
 
 /// A keys file of its own for one test.
 fn keys_file(test: &str, text: &str) -> PathBuf {
@@ -188,22 +186,6 @@ async fn a_key_over_its_in_flight_limit_gets_429_and_others_do_not() {
             "team A's count never came back"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A `MakeWriter` into a shared buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        if let Ok(mut v) = self.0.lock() {
-            v.extend_from_slice(b);
-        }
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
     }
 }
 

@@ -1,27 +1,8 @@
 //! A failed attempt's log line names the worker it blames (id and URL), at WARN.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use pdgate_sim::{EngineConfig, Faults};
 
-use crate::support::common::{start, with_faults, GEN};
-
-/// A `MakeWriter` into a shared buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        if let Ok(mut v) = self.0.lock() {
-            v.extend_from_slice(b);
-        }
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+use crate::support::common::{start, with_faults, Captured, GEN};
 
 /// Current-thread runtime: every task logs on this thread, into this test's subscriber.
 #[tokio::test]

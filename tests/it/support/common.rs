@@ -422,3 +422,19 @@ pub async fn finish_clean(resp: hyper::Response<Incoming>) -> usize {
     );
     events.len()
 }
+
+/// A `MakeWriter` into a shared buffer (a test's captured log lines; `.0` holds the bytes).
+#[derive(Clone, Default)]
+pub struct Captured(pub std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut v) = self.0.lock() {
+            v.extend_from_slice(b);
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
