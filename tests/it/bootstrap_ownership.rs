@@ -9,13 +9,16 @@ use pdgate_sim::EngineConfig;
 
 use crate::support::common::{gen_body, start};
 
-/// The refusal reason the pool shows for prefill `i`, once set (bounded wait).
+/// The refusal reason the pool shows for prefill `i`, once its proof has been decided
+/// (bounded wait): until then the pool shows it as not yet proved.
 async fn refusal(env: &crate::support::common::Env, i: usize) -> String {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let snap = env.router.pool.load();
         if let Some(r) = snap.prefills.get(i).and_then(|w| w.refused.clone()) {
-            return r;
+            if !r.contains("not yet proved") {
+                return r;
+            }
         }
         assert!(Instant::now() < deadline, "prefill {i} not refused in time");
         tokio::time::sleep(Duration::from_millis(20)).await;
