@@ -339,14 +339,15 @@ pub fn engine_json(data: &[u8]) {
                 &Bytes::from_static(PREFILL_LOGPROBS),
                 crate::memory::Charge::none(),
             );
+            // JSON's grammar, not serde_json's number range: `1E999` is JSON that a
+            // `Value` refuses (it overflows f64), and a merge copies such a number through
+            // as the engine wrote it.
+            let is_json = |b: &[u8]| serde_json::from_slice::<serde::de::IgnoredAny>(b).is_ok();
             for merged in [from.merge_answer(body), from.merge_chunk(body)]
                 .into_iter()
                 .flatten()
             {
-                assert!(
-                    serde_json::from_slice::<serde_json::Value>(&merged).is_ok(),
-                    "a merge wrote invalid JSON"
-                );
+                assert!(is_json(&merged), "a merge wrote invalid JSON");
             }
         }
         _ => {
