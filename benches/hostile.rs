@@ -16,6 +16,20 @@
 //! bound (`pdgate::memory::rss_bound` of the default config: README, "Memory"), and what each
 //! kind of hostile client got.
 //!
+//! The requests that reach engines (normal ones, maximum-size bodies, logprob bombs) name a
+//! model: normal clients one simulator's (`normal`), hostile clients another's (`hostile`),
+//! so that the normal clients measure what the router costs them, not a queue in an engine
+//! the bombs share (each simulator's CPU is reported too). `PDGATE_HOSTILE_SHARED=1` puts
+//! everything on one simulator instead (no model named), as an operator with one model sees
+//! it. The normal clients run on a thread and runtime of their own, apart from the hostile
+//! ones (which would otherwise delay the measuring clients in the bench process itself).
+//!
+//! On a machine this small the bench's own load generators and the hostile model's
+//! simulator share the router's cores; in a fleet they are other machines (clients, GPU
+//! engines). So the hostile clients' runtime thread and the hostile simulator run at
+//! `nice 19` (`PDGATE_HOSTILE_NICE`, 0 to turn it off): what is left of the normal clients'
+//! latency is the router's own work, hostile connections included, plus the normal side's.
+//!
 //! Every loop is bounded in count and in time (the phase deadline). The machine is shared:
 //! runs are short (`PDGATE_HOSTILE_SECS`, default 4 s per phase).
 //!
@@ -40,7 +54,8 @@ use support::*;
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 const NORMAL_CLIENTS: usize = 8;
-const NORMAL_BODY: &str =
+const NORMAL_BODY: &str = r#"{"model":"normal","text":"The capital of France is","sampling_params":{"max_new_tokens":4,"temperature":0}}"#;
+const NORMAL_BODY_SHARED: &str =
     r#"{"text":"The capital of France is","sampling_params":{"max_new_tokens":4,"temperature":0}}"#;
 const SLOW_HEADS: usize = 300;
 const SLOW_BODIES: usize = 50;
@@ -83,8 +98,12 @@ impl Counts {
 
 struct Phase {
     lat: Vec<Duration>,
+    /// The router-only probe's latencies (`GET /liveness`), sorted.
+    probe: Vec<Duration>,
     errors: u64,
     cpu_share: f64,
+    /// Each simulator's CPU, as a share of one core.
+    sim_cpu: Vec<f64>,
     peak_rss_kib: u64,
 }
 
@@ -98,7 +117,12 @@ fn pct(v: &[Duration], p: f64) -> Duration {
 
 /// The normal clients, each sending requests back to back until `until` (at most 100,000
 /// in all); their latencies, sorted, and their errors.
-async fn normal_clients(client: HttpClient, url: String, until: Instant) -> (Vec<Duration>, u64) {
+async fn normal_clients(
+    client: HttpClient,
+    url: String,
+    body: &'static str,
+    until: Instant,
+) -> (Vec<Duration>, u64, Vec<Duration>) {
     let lat = Arc::new(std::sync::Mutex::new(Vec::new()));
     let errors = Arc::new(AtomicU64::new(0));
     let sent = Arc::new(AtomicU64::new(0));
@@ -115,7 +139,7 @@ async fn normal_clients(client: HttpClient, url: String, until: Instant) -> (Vec
             while Instant::now() < until && sent.fetch_add(1, Ordering::Relaxed) < 100_000 {
                 let req = Request::post(format!("{url}/generate"))
                     .header("content-type", "application/json")
-                    .body(Full::new(Bytes::from_static(NORMAL_BODY.as_bytes())))
+                    .body(Full::new(Bytes::from_static(body.as_bytes())))
                     .expect("request");
                 let t0 = Instant::now();
                 let ok = match tokio::time::timeout(Duration::from_secs(20), client.request(req))
@@ -137,12 +161,37 @@ async fn normal_clients(client: HttpClient, url: String, until: Instant) -> (Vec
             }
         }));
     }
+    // The probe: `GET /liveness`, answered by the router alone, every 2 ms: the router's
+    // own responsiveness, with no engine in the way.
+    let probe = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move {
+            let mut lat = Vec::new();
+            while Instant::now() < until && lat.len() < 100_000 {
+                let req = Request::get(format!("{url}/liveness"))
+                    .body(Full::new(Bytes::new()))
+                    .expect("request");
+                let t0 = Instant::now();
+                if let Ok(Ok(resp)) =
+                    tokio::time::timeout(Duration::from_secs(20), client.request(req)).await
+                {
+                    if resp.into_body().collect().await.is_ok() {
+                        lat.push(t0.elapsed());
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            lat.sort();
+            lat
+        })
+    };
     for t in tasks {
         let _ = t.await;
     }
+    let probe = probe.await.unwrap_or_default();
     let mut v = std::mem::take(&mut *lat.lock().expect("lock"));
     v.sort();
-    (v, errors.load(Ordering::Relaxed))
+    (v, errors.load(Ordering::Relaxed), probe)
 }
 
 /// Samples the router's RSS every 50 ms until `until`; the highest seen, in KiB.
@@ -155,30 +204,87 @@ async fn rss_sampler(pid: u32, until: Instant) -> u64 {
     peak
 }
 
+/// The normal clients on a thread and a single-threaded runtime of their own.
+fn normal_clients_apart(
+    url: String,
+    body: &'static str,
+    until: Instant,
+) -> std::thread::JoinHandle<(Vec<Duration>, u64, Vec<Duration>)> {
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let client: HttpClient = Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(64)
+                .build_http();
+            normal_clients(client, url, body, until).await
+        })
+    })
+}
+
+/// Sets the niceness of this process's threads named `name`; how many it set.
+fn renice_threads(name: &str, nice: i32) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    let mut n = 0;
+    for e in dir.flatten() {
+        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+        if comm.trim() != name {
+            continue;
+        }
+        let tid = e.file_name().to_string_lossy().to_string();
+        let ok = std::process::Command::new("renice")
+            .args(["-n", &nice.to_string(), "-p", &tid])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        n += usize::from(ok);
+    }
+    n
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn run_phase(
-    client: &HttpClient,
     url: &str,
+    body: &'static str,
     pid: u32,
+    sims: &[u32],
     secs: Duration,
-    hostile: Option<Arc<Hostile>>,
+    hostile: Option<(Arc<Hostile>, tokio::runtime::Handle)>,
 ) -> Phase {
     let until = Instant::now() + secs;
-    let attack = hostile.map(|h| tokio::spawn(h.run(until)));
+    let attack = hostile.map(|(h, rt)| rt.spawn(h.run(until)));
     // Let the hostile clients take their connections first.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let cpu0 = cpu_ns(pid);
+    let sims0: Vec<u64> = sims.iter().map(|p| cpu_ns(*p)).collect();
     let t0 = Instant::now();
     let sampler = tokio::spawn(rss_sampler(pid, until));
-    let (lat, errors) = normal_clients(client.clone(), url.to_string(), until).await;
-    let cpu_share = (cpu_ns(pid) - cpu0) as f64 / t0.elapsed().as_nanos().max(1) as f64;
+    let normal = normal_clients_apart(url.to_string(), body, until);
+    let (lat, errors, probe) = tokio::task::spawn_blocking(move || normal.join())
+        .await
+        .expect("join")
+        .expect("the normal clients' thread");
+    let wall = t0.elapsed().as_nanos().max(1) as f64;
+    let cpu_share = (cpu_ns(pid) - cpu0) as f64 / wall;
+    let sim_cpu = sims
+        .iter()
+        .zip(sims0)
+        .map(|(p, c0)| (cpu_ns(*p) - c0) as f64 / wall)
+        .collect();
     let peak_rss_kib = sampler.await.unwrap_or(0);
     if let Some(a) = attack {
         let _ = tokio::time::timeout(Duration::from_secs(10), a).await;
     }
     Phase {
         lat,
+        probe,
         errors,
         cpu_share,
+        sim_cpu,
         peak_rss_kib,
     }
 }
@@ -194,6 +300,30 @@ struct Hostile {
     bombs: Counts,
     slow_bodies: Counts,
     held: AtomicU64,
+    kinds: Kinds,
+}
+
+/// Which kinds of hostile client run (`PDGATE_HOSTILE_ONLY`, a comma-separated list of
+/// `idle`, `prefaces`, `heads`, `bodies`, `big`, `bombs`; unset, all of them): to tell what
+/// each costs the normal clients.
+struct Kinds(Option<Vec<String>>);
+
+impl Kinds {
+    fn from_env() -> Kinds {
+        Kinds(
+            std::env::var("PDGATE_HOSTILE_ONLY")
+                .ok()
+                .map(|v| v.split(',').map(|k| k.trim().to_string()).collect()),
+        )
+    }
+
+    /// `n`, or 0 when `kind` is not selected.
+    fn count(&self, kind: &str, n: usize) -> usize {
+        match &self.0 {
+            Some(only) if !only.iter().any(|k| k == kind) => 0,
+            _ => n,
+        }
+    }
 }
 
 async fn connect(addr: &str) -> Option<TcpStream> {
@@ -238,13 +368,14 @@ impl Hostile {
     async fn run(self: Arc<Self>, until: Instant) {
         let mut tasks = Vec::new();
         // Idle connections and partial prefaces: opened, then held to the deadline.
-        for i in 0..(IDLE + PREFACES) {
+        let idle = self.kinds.count("idle", IDLE);
+        for i in 0..(idle + self.kinds.count("prefaces", PREFACES)) {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
                 let Some(mut s) = connect(&h.addr).await else {
                     return;
                 };
-                if i >= IDLE {
+                if i >= idle {
                     let prefix: &[u8] = [&b"P"[..], b"PRI * HT", b"PRI * HTTP/2.0\r\n"][i % 3];
                     let _ = s.write_all(prefix).await;
                 }
@@ -254,7 +385,7 @@ impl Hostile {
         }
         // Slowloris heads: half send one byte every 200 ms; half fill a head of about
         // 15 KiB (a long header, 1 KiB every 100 ms), then stall.
-        for i in 0..SLOW_HEADS {
+        for i in 0..self.kinds.count("heads", SLOW_HEADS) {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
                 let Some(mut s) = connect(&h.addr).await else {
@@ -283,7 +414,7 @@ impl Hostile {
             }));
         }
         // Slowloris bodies: a maximum-size body declared, 1 KiB sent every 100 ms.
-        for _ in 0..SLOW_BODIES {
+        for _ in 0..self.kinds.count("bodies", SLOW_BODIES) {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
                 let Some(mut s) = connect(&h.addr).await else {
@@ -310,7 +441,7 @@ impl Hostile {
             }));
         }
         // Maximum-size bodies, back to back.
-        for _ in 0..BIG_SENDERS {
+        for _ in 0..self.kinds.count("big", BIG_SENDERS) {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
                 for _ in 0..1000 {
@@ -339,7 +470,7 @@ impl Hostile {
             }));
         }
         // Logprob bombs.
-        for i in 0..(BOMBS_UNDER + BOMBS_OVER) {
+        for i in 0..self.kinds.count("bombs", BOMBS_UNDER + BOMBS_OVER) {
             let h = self.clone();
             tasks.push(tokio::spawn(async move {
                 let body = if i < BOMBS_UNDER {
@@ -377,24 +508,43 @@ impl Hostile {
     }
 }
 
-/// A streamed `/generate` with `return_logprob` and a prompt of `n` token ids.
-fn bomb(n: usize, tokens: u32) -> Bytes {
+/// A streamed `/generate` with `return_logprob` and a prompt of `n` token ids; `model`
+/// names the model, or nothing when empty.
+fn bomb(model: &str, n: usize, tokens: u32) -> Bytes {
     let ids: Vec<String> = (0..n).map(|i| (1000 + i % 30_000).to_string()).collect();
     Bytes::from(format!(
-        r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":{tokens}}},"return_logprob":true,"stream":true}}"#,
+        r#"{{{}"input_ids":[{}],"sampling_params":{{"max_new_tokens":{tokens}}},"return_logprob":true,"stream":true}}"#,
+        model_member(model),
         ids.join(",")
     ))
 }
 
+/// `"model":"<m>",`, or nothing for an empty `m`.
+fn model_member(m: &str) -> String {
+    if m.is_empty() {
+        String::new()
+    } else {
+        format!(r#""model":"{m}","#)
+    }
+}
+
 fn report(name: &str, p: &Phase) {
     println!(
-        "| {name} | {} | {:.2} | {:.2} | {:.2} | {} | {:.0}% | {:.1} |",
+        "| {name} | {} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} / {:.2} | {} | {:.0}% | {} | {:.1} |",
         p.lat.len(),
         pct(&p.lat, 0.5).as_secs_f64() * 1e3,
         pct(&p.lat, 0.99).as_secs_f64() * 1e3,
         p.lat.last().copied().unwrap_or_default().as_secs_f64() * 1e3,
+        pct(&p.probe, 0.5).as_secs_f64() * 1e3,
+        pct(&p.probe, 0.99).as_secs_f64() * 1e3,
+        p.probe.last().copied().unwrap_or_default().as_secs_f64() * 1e3,
         p.errors,
         p.cpu_share * 100.0,
+        p.sim_cpu
+            .iter()
+            .map(|c| format!("{:.0}%", c * 100.0))
+            .collect::<Vec<_>>()
+            .join(" / "),
         p.peak_rss_kib as f64 / 1024.0,
     );
 }
@@ -406,10 +556,73 @@ fn main() {
         .unwrap_or(4)
         .clamp(1, 60);
     let phase = Duration::from_secs(secs);
+    let shared = std::env::var("PDGATE_HOSTILE_SHARED").is_ok_and(|v| v == "1");
+    let nice = std::env::var("PDGATE_HOSTILE_NICE")
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+        .unwrap_or(19)
+        .clamp(0, 19);
     let bin = pdgate_bin();
-    let (_sim, info) = start_sim(&bin, 4);
-    let (router, url) = start_router(&bin, &info);
+    let mut sims = Vec::new();
+    // A 128K-context model, so that a prompt can carry more input logprobs than the
+    // stream cap allows.
+    let long = ["--context-length", "131072"];
+    if shared {
+        sims.push(start_sim_with(&bin, 4, &long, None));
+    } else {
+        sims.push(start_sim_with(
+            &bin,
+            4,
+            &["--served-model-name", "normal"],
+            None,
+        ));
+        let hostile_args = [&["--served-model-name", "hostile"][..], &long].concat();
+        sims.push(start_sim_with(
+            &bin,
+            4,
+            &hostile_args,
+            (nice > 0).then_some(nice),
+        ));
+    }
+    // The hostile clients' runtime: one worker thread, reniced once it runs.
+    let hostile_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("hostile-load")
+        .enable_all()
+        .build()
+        .expect("runtime");
+    hostile_rt.block_on(async {
+        tokio::spawn(async {})
+            .await
+            .expect("the hostile runtime runs");
+    });
+    let reniced = if nice > 0 {
+        renice_threads("hostile-load", nice)
+    } else {
+        0
+    };
+    let hostile_rt = hostile_rt.handle().clone();
+    let infos: Vec<&SimInfo> = sims.iter().map(|(_, i)| i).collect();
+    let (router, url) = start_router_over(&bin, &infos);
+    let sim_pids: Vec<u32> = sims.iter().map(|(p, _)| p.pid()).collect();
+    let (normal_body, hostile_model) = if shared {
+        (NORMAL_BODY_SHARED, "")
+    } else {
+        (NORMAL_BODY, "hostile")
+    };
     let pid = router.pid();
+    // `PDGATE_HOSTILE_PIN=1`: the router on core 0, the simulators and this process on
+    // core 1 (`taskset`, every thread), as a router with a core of its own would run.
+    let pinned = std::env::var("PDGATE_HOSTILE_PIN").is_ok_and(|v| v == "1");
+    if pinned {
+        let others = sim_pids.iter().copied().chain([std::process::id()]);
+        for (p, core) in std::iter::once((pid, "0")).chain(others.map(|p| (p, "1"))) {
+            let _ = std::process::Command::new("taskset")
+                .args(["-a", "-p", "-c", core, &p.to_string()])
+                .stdout(std::process::Stdio::null())
+                .status();
+        }
+    }
     let cfg = pdgate::config::Config::default();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -425,7 +638,7 @@ fn main() {
         loop {
             let req = Request::post(format!("{url}/generate"))
                 .header("content-type", "application/json")
-                .body(Full::new(Bytes::from_static(NORMAL_BODY.as_bytes())))
+                .body(Full::new(Bytes::from_static(normal_body.as_bytes())))
                 .expect("request");
             if let Ok(r) = client.request(req).await {
                 if r.status() == 200 {
@@ -436,36 +649,69 @@ fn main() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let base_kib = rss_kib(pid).0;
-        let quiet = run_phase(&client, &url, pid, phase, None).await;
+        let quiet = run_phase(&url, normal_body, pid, &sim_pids, phase, None).await;
         let max_body = cfg.server.max_body_bytes;
         let big_text = "a".repeat(max_body - 64);
-        let big_body = Bytes::from(format!(r#"{{"text":"{big_text}"}}"#));
+        let big_body = Bytes::from(format!(
+            r#"{{{}"text":"{big_text}"}}"#,
+            model_member(hostile_model)
+        ));
         let hostile = Arc::new(Hostile {
             addr: url.trim_start_matches("http://").to_string(),
             max_body,
             big_body,
-            // ~25 bytes of logprobs per token: 8,000 tokens stay under the 1 MiB stream
-            // cap, 60,000 are over it.
-            bomb_under: bomb(8_000, 64),
-            bomb_over: bomb(60_000, 64),
+            // ~26 bytes of input logprobs per prompt token (the simulator's token and top
+            // logprobs): 8,000 tokens stay under the 1 MiB stream cap, 60,000 are over it
+            // (and inside the 128K context, so that the router's cap is what refuses them).
+            bomb_under: bomb(hostile_model, 8_000, 64),
+            bomb_over: bomb(hostile_model, 60_000, 64),
             big: Counts::default(),
             bombs: Counts::default(),
             slow_bodies: Counts::default(),
             held: AtomicU64::new(0),
+            kinds: Kinds::from_env(),
         });
-        let loud = run_phase(&client, &url, pid, phase, Some(hostile.clone())).await;
+        let loud = run_phase(
+            &url,
+            normal_body,
+            pid,
+            &sim_pids,
+            phase,
+            Some((hostile.clone(), hostile_rt)),
+        )
+        .await;
         let (_, hwm_kib) = rss_kib(pid);
-        let conns = IDLE + PREFACES + SLOW_HEADS + SLOW_BODIES + BIG_SENDERS + BOMBS_UNDER + BOMBS_OVER + NORMAL_CLIENTS;
+        let k = &hostile.kinds;
+        let conns = k.count("idle", IDLE)
+            + k.count("prefaces", PREFACES)
+            + k.count("heads", SLOW_HEADS)
+            + k.count("bodies", SLOW_BODIES)
+            + k.count("big", BIG_SENDERS)
+            + k.count("bombs", BOMBS_UNDER + BOMBS_OVER)
+            + NORMAL_CLIENTS;
         let bound = pdgate::memory::rss_bound(cfg.admission.max_bytes_in_flight, conns);
         println!("\n## hostile bench ({secs} s per phase, shared 2-core machine)\n");
+        if shared {
+            println!("engines: one simulator (prefill + decode) for every client (PDGATE_HOSTILE_SHARED=1)");
+        } else {
+            println!("engines: a simulator (prefill + decode) for the normal clients (model `normal`), another for the hostile ones (model `hostile`, 128K context, nice {nice})");
+        }
+        println!("hostile clients: one runtime thread in the bench process, nice {nice} ({reniced} thread(s) reniced)");
+        if pinned {
+            println!("pinned (PDGATE_HOSTILE_PIN=1): the router on core 0; the simulators and the bench on core 1");
+        }
         println!("router: default settings (max_body_bytes {} MiB, admission.max_bytes_in_flight {} MiB, upstream.max_stream_logprob_bytes {} KiB); RSS after start {:.1} MiB", max_body >> 20, cfg.admission.max_bytes_in_flight >> 20, cfg.upstream.max_stream_logprob_bytes >> 10, base_kib as f64 / 1024.0);
+        if let Some(only) = &hostile.kinds.0 {
+            println!("only these hostile kinds (PDGATE_HOSTILE_ONLY): {}", only.join(", "));
+        }
         println!("hostile: {IDLE} idle connections, {PREFACES} partial HTTP/2 prefaces, {SLOW_HEADS} slowloris heads, {SLOW_BODIES} slowloris bodies, {BIG_SENDERS} senders of {} MiB bodies, {BOMBS_UNDER}+{BOMBS_OVER} logprob bombs (8,000 / 60,000 prompt tokens, 64 events)\n", max_body >> 20);
-        println!("| phase | normal requests | p50 ms | p99 ms | max ms | errors | router CPU (one core) | peak RSS MiB |");
-        println!("|---|---|---|---|---|---|---|---|");
+        println!("| phase | normal requests | p50 ms | p99 ms | max ms | router-only probe p50 / p99 / max ms | errors | router CPU (one core) | simulators' CPU | peak RSS MiB |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
         report("quiet", &quiet);
         report("hostile", &loud);
         let ratio = pct(&loud.lat, 0.99).as_secs_f64() / pct(&quiet.lat, 0.99).as_secs_f64().max(1e-9);
-        println!("\np99 hostile / quiet: {ratio:.2}x (target <= 2x); normal requests over 1 s: {}", loud.lat.iter().filter(|d| d.as_secs_f64() > 1.0).count());
+        let probe_ratio = pct(&loud.probe, 0.99).as_secs_f64() / pct(&quiet.probe, 0.99).as_secs_f64().max(1e-9);
+        println!("\np99 hostile / quiet: {ratio:.2}x (target <= 2x); router-only probe {probe_ratio:.2}x; normal requests over 1 s: {}", loud.lat.iter().filter(|d| d.as_secs_f64() > 1.0).count());
         println!(
             "peak RSS: {:.1} MiB sampled, {:.1} MiB high-water mark; documented bound (README, Memory) for {conns} connections {:.1} MiB",
             loud.peak_rss_kib as f64 / 1024.0,

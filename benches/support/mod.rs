@@ -133,7 +133,26 @@ pub fn spawn_sim(
     n: usize,
     name: &'static str,
 ) -> Result<(Proc, Vec<Ready>), String> {
-    let mut child = Command::new(bin)
+    spawn_sim_niced(bin, args, n, name, None)
+}
+
+/// [`spawn_sim`] under `nice -n <nice>` (every thread of the simulator at that niceness).
+pub fn spawn_sim_niced(
+    bin: &Path,
+    args: &[String],
+    n: usize,
+    name: &'static str,
+    nice: Option<i32>,
+) -> Result<(Proc, Vec<Ready>), String> {
+    let mut cmd = match nice {
+        Some(k) => {
+            let mut c = Command::new("nice");
+            c.args(["-n", &k.to_string()]).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    };
+    let mut child = cmd
         .arg("sim")
         .args(args)
         .env("RUST_LOG", "warn")
@@ -179,6 +198,18 @@ pub fn spawn_sim(
 
 /// `pdgate sim --prefill 1 --decode 1` with tiny latencies; parses its `READY` lines.
 pub fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
+    start_sim_with(bin, tokens, &[], None)
+}
+
+/// [`start_sim`] with more `pdgate sim` arguments (e.g. `--served-model-name`), maybe under
+/// `nice -n <nice>`.
+#[allow(dead_code)]
+pub fn start_sim_with(
+    bin: &Path,
+    tokens: u32,
+    extra: &[&str],
+    nice: Option<i32>,
+) -> (Proc, SimInfo) {
     let args: Vec<String> = [
         "--prefill",
         "1",
@@ -197,8 +228,10 @@ pub fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
     .iter()
     .map(|s| s.to_string())
     .chain(std::iter::once(tokens.to_string()))
+    .chain(extra.iter().map(|s| s.to_string()))
     .collect();
-    let (proc, ready) = spawn_sim(bin, &args, 2, "sim").unwrap_or_else(|e| panic!("{e}"));
+    let (proc, ready) =
+        spawn_sim_niced(bin, &args, 2, "sim", nice).unwrap_or_else(|e| panic!("{e}"));
     let prefill = ready.iter().find(|r| r.role == "prefill");
     let decode = ready.iter().find(|r| r.role == "decode");
     let (Some(p), Some(d)) = (prefill, decode) else {
@@ -217,18 +250,27 @@ pub fn free_port() -> u16 {
     l.local_addr().expect("addr").port()
 }
 
+#[allow(dead_code)]
 pub fn start_router(bin: &Path, sim: &SimInfo) -> (Proc, String) {
+    start_router_over(bin, &[sim])
+}
+
+/// [`start_router`] in front of the pairs of several simulators.
+pub fn start_router_over(bin: &Path, sims: &[&SimInfo]) -> (Proc, String) {
     let port = free_port();
-    let child = Command::new(bin)
-        .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
+    let mut cmd = Command::new(bin);
+    cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
         // No fixed admin port for a bench's router.
-        .args(["--admin-port", "0"])
-        .args([
+        .args(["--admin-port", "0"]);
+    for sim in sims {
+        cmd.args([
             "--prefill",
             &sim.prefill_url,
             &sim.bootstrap_port.to_string(),
         ])
-        .args(["--decode", &sim.decode_url])
+        .args(["--decode", &sim.decode_url]);
+    }
+    let child = cmd
         .args(
             std::env::var("PDGATE_BENCH_ROUTER_ARGS")
                 .unwrap_or_default()
