@@ -1,5 +1,6 @@
 //! Response body type used by every handler: boxed so that JSON answers, pass-through
-//! streams and PD streams share one type.
+//! streams and PD streams share one type; and where a large body's bytes are read
+//! ([`off_loop`]).
 
 use std::convert::Infallible;
 
@@ -16,4 +17,24 @@ pub fn full_body(b: impl Into<Bytes>) -> RespBody {
     Full::new(b.into())
         .map_err(|e: Infallible| match e {})
         .boxed_unsync()
+}
+
+/// Bodies of at least this many bytes are read (validated, parsed) on the blocking pool by
+/// [`off_loop`]. Reading JSON runs at roughly a gigabyte a second, so a maximum-size request
+/// body held the event loop, and every request on it, for tens of milliseconds
+/// (`benches/hostile.rs`); below this size the hand-off would cost more than the read.
+pub const OFF_LOOP_BYTES: usize = 256 << 10;
+
+/// `f()`, which reads `len` bytes: inline below [`OFF_LOOP_BYTES`], else on the blocking
+/// pool, so that the event loop keeps serving other requests meanwhile. `None` when the
+/// pool could not run it (a panic in `f`, or the runtime shutting down).
+pub async fn off_loop<T, F>(len: usize, f: F) -> Option<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> T + Send + 'static,
+{
+    if len < OFF_LOOP_BYTES {
+        return Some(f());
+    }
+    tokio::task::spawn_blocking(f).await.ok()
 }

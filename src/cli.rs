@@ -285,8 +285,9 @@ impl ServeArgs {
     }
 }
 
-/// `serve`'s help with each flag's default, read from [`Config::default`] (the defaults live
-/// only there; clap is given none, so a flag left out never overrides the config file).
+/// `serve`'s help (and `demo`'s) with each flag's default, read from [`Config::default`] (the
+/// defaults live only there; clap is given none, so a flag left out never overrides the
+/// config file).
 pub fn with_defaults(cmd: clap::Command) -> clap::Command {
     use clap::ValueEnum;
     let c = Config::default();
@@ -375,7 +376,11 @@ pub fn with_defaults(cmd: clap::Command) -> clap::Command {
             c.policy.cache_aware_balance_factor.to_string(),
         ),
     ];
+    // A command with only some of these flags (`demo`: host and port) shows those.
     defaults.into_iter().fold(cmd, |cmd, (id, v)| {
+        if !cmd.get_arguments().any(|a| a.get_id() == id) {
+            return cmd;
+        }
         cmd.mut_arg(id, |a| {
             let help = a.get_help().map(ToString::to_string).unwrap_or_default();
             a.help(format!("{help} [default: {v}]"))

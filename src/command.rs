@@ -63,6 +63,7 @@ pub fn cli() -> clap::Command {
         .mut_subcommand("check", |c| {
             pdgate::cli::for_check(pdgate::cli::with_defaults(c))
         })
+        .mut_subcommand("demo", pdgate::cli::with_defaults)
 }
 
 #[cfg(test)]

@@ -9,12 +9,17 @@ use pdgate::pd::RngSource;
 use pdgate::types::Role;
 use pdgate_sim::{EngineConfig, SimCluster};
 
-/// Flags of `pdgate demo`.
+/// Flags of `pdgate demo`. Unset, each takes `serve`'s default (`server.host`,
+/// `server.port`); the engines and the admin API stay on loopback whatever the router's
+/// address (e.g. `--host 0.0.0.0` in a container).
 #[derive(Debug, Args)]
 pub struct DemoArgs {
+    /// Router address (the engines and the admin API stay on loopback).
+    #[arg(long)]
+    pub host: Option<std::net::IpAddr>,
     /// Router port.
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
+    #[arg(long)]
+    pub port: Option<u16>,
 }
 
 pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -22,7 +27,12 @@ pub async fn run(args: DemoArgs) -> Result<(), Box<dyn std::error::Error + Send 
     let decode = [EngineConfig::decode(2), EngineConfig::decode(2)];
     let cluster = SimCluster::spawn(&prefill, &decode).await?;
     let mut cfg = Config::default();
-    cfg.server.port = args.port;
+    if let Some(host) = args.host {
+        cfg.server.host = host;
+    }
+    if let Some(port) = args.port {
+        cfg.server.port = port;
+    }
     // The demo's `/metrics` is on the front door too; its admin listener (worker detail,
     // `/readiness` with every worker) is on a free loopback port, without a token.
     cfg.server.public_metrics = true;

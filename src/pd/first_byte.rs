@@ -160,14 +160,25 @@ where
         .done
         .as_ref()
         .map_or_else(Charge::none, |d| d.charge.sibling());
-    let logprobs = progress
-        .done
-        .as_mut()
-        .filter(|_| req.return_logprob)
-        .map(|done| {
-            let charge = std::mem::take(&mut done.charge);
-            Arc::new(PrefillLogprobs::from_prefill_body(&done.body, charge))
-        });
+    let logprobs = match progress.done.as_mut().filter(|_| req.return_logprob) {
+        Some(done) => {
+            let (body, charge) = (done.body.clone(), std::mem::take(&mut done.charge));
+            // A long prompt's answer is megabytes: read off the event loop.
+            let read = crate::body::off_loop(body.len(), move || {
+                PrefillLogprobs::from_prefill_body(&body, charge)
+            });
+            match read.await {
+                Some(lp) => Some(Arc::new(lp)),
+                None => {
+                    return Err(failed(Failure::new(
+                        FailReason::Internal,
+                        "the prefill's logprobs could not be read (the runtime is stopping)",
+                    )))
+                }
+            }
+        }
+        None => None,
+    };
     let cap = d.cfg.upstream.max_stream_logprob_bytes;
     if let Some(lp) = logprobs.as_ref().filter(|l| req.stream && l.bytes() > cap) {
         // Each event would repeat them: refused rather than merged (see `pd::logprobs`).
@@ -216,8 +227,21 @@ where
         }
     }
     // A non-streamed answer with logprobs was read whole: merge and send it.
-    if let (Some(lp), None, true) = (logprobs.as_ref(), sse.as_ref(), ended) {
-        if let Some(merged) = lp.merge_answer(&first) {
+    if let (Some(lp), None, true) = (logprobs.clone(), sse.as_ref(), ended) {
+        let len = first.len() + lp.bytes();
+        let (answer, merged) = crate::body::off_loop(len, move || {
+            let merged = lp.merge_answer(&first);
+            (first, merged)
+        })
+        .await
+        .ok_or_else(|| {
+            failed(Failure::new(
+                FailReason::Internal,
+                "the answer's logprobs could not be merged (the runtime is stopping)",
+            ))
+        })?;
+        first = answer;
+        if let Some(merged) = merged {
             // Held until sent: best effort (the merge is at most the two parts it joins,
             // both already bounded).
             let _ = held.resize(merged.len());

@@ -156,6 +156,18 @@ async fn read_body(
     Ok((first.unwrap_or_else(|| Bytes::from(rest)), charge))
 }
 
+/// [`request::parse`], off the event loop for a large body (`crate::body::off_loop`).
+async fn parse_body(route: ApiRoute, bytes: Bytes) -> Result<request::ParsedRequest, Failure> {
+    crate::body::off_loop(bytes.len(), move || request::parse(route, bytes))
+        .await
+        .unwrap_or_else(|| {
+            Err(Failure::new(
+                FailReason::Internal,
+                "the request body could not be parsed (the runtime is stopping)",
+            ))
+        })
+}
+
 /// An answer after which the connection is closed: the rest of the request body was not
 /// read (too large, or too slow), so the connection cannot carry another request.
 fn closing(mut r: Response<RespBody>) -> Response<RespBody> {
@@ -383,7 +395,7 @@ impl App {
         if let Some(s) = slot.as_mut() {
             s.hold_bytes(charge);
         }
-        let parsed = match request::parse(route, bytes) {
+        let parsed = match parse_body(route, bytes).await {
             Ok(p) => p,
             Err(f) => return reject(rec, f, &rid_header),
         };

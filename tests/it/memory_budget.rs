@@ -143,3 +143,58 @@ async fn a_streamed_logprob_merge_past_its_cap_is_refused_and_a_whole_answer_is_
         );
     }
 }
+
+/// Bodies and answers of at least `pdgate::body::OFF_LOOP_BYTES` are read on the blocking
+/// pool (so that the event loop keeps serving meanwhile, see `benches/hostile.rs`): the
+/// request body's parse, the prefill's input logprobs and their merge into a whole answer.
+/// What comes back is what the inline path gives: each case on both sides of the size.
+#[tokio::test]
+async fn large_bodies_and_answers_read_off_the_event_loop_give_the_same_answers() {
+    let env = common::start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let off = pdgate::body::OFF_LOOP_BYTES;
+    // A request body just under and well over the size.
+    for size in [off / 2, off * 4] {
+        let (st, _, bytes) = env.post("/generate", &big(size)).await;
+        assert_eq!(st, 200, "{size}: {}", String::from_utf8_lossy(&bytes));
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert!(v["text"].is_string(), "{v}");
+    }
+    // An invalid large body is refused as an inline one is.
+    let bad = format!(r#"{{"text":"{}""#, "a".repeat(off * 2));
+    let (st, _, bytes) = env.post("/generate", &bad).await;
+    assert_eq!(st, 400, "{}", String::from_utf8_lossy(&bytes));
+    // A prompt whose input logprobs (about 26 bytes a token) are over the size: read and
+    // merged off the loop, whole (non-streamed) and per event (streamed).
+    let tokens = off / 10;
+    let ids: Vec<String> = (0..tokens).map(|i| (1000 + i).to_string()).collect();
+    let body = |stream: bool| {
+        format!(
+            r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":2}},"return_logprob":true,"stream":{stream}}}"#,
+            ids.join(",")
+        )
+    };
+    let (st, _, bytes) = env.post("/generate", &body(false)).await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+    assert!(bytes.len() > off, "the answer is {} bytes", bytes.len());
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    let lp = v["meta_info"]["input_token_logprobs"].as_array().unwrap();
+    assert_eq!(lp.len(), tokens);
+    assert!(lp[0][0].is_null());
+    assert_eq!(lp[tokens - 1][1], serde_json::json!(1000 + tokens - 1));
+    let (st, _, bytes) = env.post("/generate", &body(true)).await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+    let (events, done) = sse_events(&bytes);
+    assert!(done && !events.is_empty());
+    for e in &events {
+        let n = e["meta_info"]["input_token_logprobs"]
+            .as_array()
+            .map(Vec::len);
+        assert_eq!(n, Some(tokens));
+    }
+}

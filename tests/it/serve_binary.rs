@@ -43,9 +43,14 @@ impl std::ops::DerefMut for Running {
 
 /// `pdgate serve ARGS` with stdout piped, its lines sent to the receiver.
 fn spawn(args: &[&str]) -> (Running, Receiver<String>) {
+    let mut all = vec!["serve", "--port", "0", "--admin-port", "0"];
+    all.extend_from_slice(args);
+    spawn_pdgate(&all)
+}
+
+/// `pdgate ARGS` with stdout piped, its lines sent to the receiver.
+fn spawn_pdgate(args: &[&str]) -> (Running, Receiver<String>) {
     let mut child = pdgate()
-        .arg("serve")
-        .args(["--port", "0", "--admin-port", "0"])
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -300,7 +305,74 @@ fn help_shows_defaults_and_check_shows_what_check_uses() {
     ] {
         assert!(!check.contains(unused), "check --help shows {unused}");
     }
+    // `demo` takes serve's address flags, with serve's defaults.
+    let demo = help("demo");
+    for (flag, default) in [
+        ("--host", d.server.host.to_string()),
+        ("--port", d.server.port.to_string()),
+    ] {
+        let at = demo
+            .find(&format!("{flag} "))
+            .unwrap_or_else(|| panic!("{flag} in {demo}"));
+        let entry = demo[at..].split("\n  -").next().unwrap_or("");
+        assert!(
+            entry.contains(&format!("[default: {default}]")),
+            "demo {flag}: {entry}"
+        );
+    }
     for (name, text) in [("serve", &serve), ("check", &check), ("pdgate", &help(""))] {
         assert_eq!(internal_id(text), None, "{name} --help");
     }
+}
+
+/// The README's first command: `pdgate demo` starts simulated engines and a router that
+/// answers the commands it prints (here on a free port: `--port 0`, and `--host`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_serves_the_requests_it_prints() {
+    let (mut child, rx) = spawn_pdgate(&["demo", "--host", "127.0.0.1", "--port", "0"]);
+    let lines = until(&rx, "naming the router", |l| {
+        l.contains("router on http://")
+    });
+    let line = lines.last().unwrap();
+    let url = line
+        .split("router on ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or_else(|| panic!("{line}"))
+        .to_string();
+    assert!(url.starts_with("http://127.0.0.1:"), "{line}");
+    let post = |path: &'static str, body: &'static str| {
+        let req = http::Request::post(format!("{url}{path}"))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                body.as_bytes(),
+            )))
+            .unwrap();
+        async move {
+            let r = common::client().request(req).await.unwrap();
+            let st = r.status().as_u16();
+            let b = r.into_body().collect().await.unwrap().to_bytes();
+            (st, String::from_utf8_lossy(&b).into_owned())
+        }
+    };
+    let (st, body) = post(
+        "/v1/chat/completions",
+        r#"{"model":"sim-model","messages":[{"role":"user","content":"Hello"}],"max_tokens":8}"#,
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    assert!(
+        json(&body)["choices"][0]["message"]["content"].is_string(),
+        "{body}"
+    );
+    let (st, body) = post(
+        "/generate",
+        r#"{"text":"The capital of France is","sampling_params":{"max_new_tokens":8}}"#,
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let (st, body) = get(&format!("{url}/metrics")).await;
+    assert_eq!(st, 200);
+    assert!(body.contains("pdgate_requests_total"), "{body}");
+    term(&mut child);
 }
