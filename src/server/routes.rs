@@ -121,7 +121,7 @@ enum BodyError {
 /// The whole request body, at most `limit` bytes, each frame charged to `charge` as it
 /// arrives (a slow body holds only what it sent). A body that arrives in one frame (the
 /// usual case: a small JSON body with a content-length) is returned as that frame, without
-/// a copy.
+/// a copy. A large body lets other requests run every MiB (`crate::body::Pacer`).
 async fn read_body(
     mut body: Incoming,
     limit: usize,
@@ -131,11 +131,13 @@ async fn read_body(
     let mut first: Option<Bytes> = None;
     let mut rest: Vec<u8> = Vec::new();
     let mut total = 0usize;
+    let mut pacer = crate::body::Pacer::default();
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame.map_err(BodyError::Read)?.into_data() else {
             continue; // trailers
         };
-        total = total.saturating_add(data.len());
+        let len = data.len();
+        total = total.saturating_add(len);
         if total > limit {
             return Err(BodyError::TooLarge);
         }
@@ -152,6 +154,7 @@ async fn read_body(
                 rest.extend_from_slice(&data);
             }
         }
+        pacer.moved(len).await;
     }
     Ok((first.unwrap_or_else(|| Bytes::from(rest)), charge))
 }

@@ -158,7 +158,8 @@ impl From<Vec<u8>> for Payload {
 }
 
 /// Writes `head` then `body` with as few `writev`s as the socket allows (at most
-/// [`MAX_IOV`] slices each), never copying the body.
+/// [`MAX_IOV`] slices each), never copying the body, and letting other tasks run every MiB
+/// (`crate::body::Pacer`).
 pub(crate) async fn write_all(
     stream: &mut TcpStream,
     head: &[u8],
@@ -167,6 +168,7 @@ pub(crate) async fn write_all(
     // The parts in order, and how much of the current one was written.
     let parts: SmallVec<[&[u8]; 16]> = std::iter::once(head).chain(body.slices()).collect();
     let (mut i, mut off) = (0usize, 0usize);
+    let mut pacer = crate::body::Pacer::default();
     loop {
         // Skip what is written (and empty parts).
         while i < parts.len() && parts[i].len() == off {
@@ -188,6 +190,7 @@ pub(crate) async fn write_all(
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
+        pacer.moved(n).await;
         while n > 0 && i < parts.len() {
             let left = parts[i].len() - off;
             if n >= left {
