@@ -215,6 +215,7 @@ impl Mover {
             id: self.id,
             request_id: self.request_id.clone(),
             forward: self.forward.to_vec(),
+            trace: None,
             slot: None,
             // A move does not wait for a decode slot: a full fleet fails the move at once
             // and the stream ends with its error frame.
