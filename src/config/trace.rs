@@ -106,3 +106,57 @@ impl TraceConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_settings_are_checked() {
+        type Tweak = fn(&mut TraceConfig);
+        let cases: &[(Tweak, &str)] = &[
+            (|t| t.sample_ratio = f64::NAN, "trace.sample_ratio = NaN"),
+            (|t| t.sample_ratio = 1.5, "trace.sample_ratio = 1.5"),
+            (|t| t.sample_ratio = -0.1, "trace.sample_ratio = -0.1"),
+            (|t| t.max_batch_spans = 0, "trace.max_batch_spans = 0"),
+            (|t| t.max_queue_spans = 0, "trace.max_queue_spans = 0"),
+            (|t| t.export_interval_ms = 0, "trace.export_interval_ms = 0"),
+            (
+                |t| t.export_timeout_ms = 1_000_000,
+                "trace.export_timeout_ms",
+            ),
+            (|t| t.service_name = String::new(), "trace.service_name"),
+            (
+                |t| t.endpoint = "https://c:4318".into(),
+                "not an http:// URL",
+            ),
+            (|t| t.endpoint = "c:4318".into(), "not an http:// URL"),
+            (|t| t.endpoint = String::new(), "not an http:// URL"),
+        ];
+        for (tweak, want) in cases {
+            let mut t = TraceConfig::default();
+            tweak(&mut t);
+            let err = t.validate().unwrap_err().to_string();
+            assert!(err.contains(want), "{err} does not contain {want}");
+        }
+        TraceConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn spans_go_to_v1_traces_under_the_endpoint() {
+        let cases = [
+            ("http://c:4318", "http://c:4318/v1/traces"),
+            ("http://c:4318/", "http://c:4318/v1/traces"),
+            ("http://c:4318/v1/traces", "http://c:4318/v1/traces"),
+            ("http://c/otlp", "http://c/otlp/v1/traces"),
+        ];
+        for (endpoint, want) in cases {
+            let t = TraceConfig {
+                endpoint: endpoint.into(),
+                ..TraceConfig::default()
+            };
+            assert_eq!(t.traces_url(), want);
+            t.validate().unwrap();
+        }
+    }
+}

@@ -273,6 +273,8 @@ impl Dispatcher {
                     }
                     attempt::record_success(&self.pool, &mut ready);
                     let slot = ctx.slot.take();
+                    // A move's attempts hang under the request's span, as this one did.
+                    ctx.trace = root.clone();
                     let mover = match plan {
                         Some(p) if ready.body.sse.is_some() => Some(Box::new(moves::Mover::new(
                             self.clone(),

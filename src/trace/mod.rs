@@ -325,3 +325,6 @@ impl std::fmt::Debug for RequestTrace {
         f.debug_struct("RequestTrace").field("span", &id).finish()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -387,3 +387,57 @@ async fn a_down_or_slow_collector_never_holds_a_request() {
             .expect("shutdown within 5 s");
     }
 }
+
+/// A stream moved off a decode that died mid-stream: the move's attempt hangs under the
+/// request's span with `retry.reason = stream_move`, and its legs carry the same trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_move_is_an_attempt_span_under_the_request() {
+    let col = Collector::start(Duration::ZERO).await;
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1), EngineConfig::decode(1)],
+        traced(&col.url),
+    )
+    .await;
+    env.wait_routable(1, 2).await;
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_die_mid_stream_after: Some(2),
+        ..Faults::default()
+    });
+    let body = r#"{"text":"hello","sampling_params":{"max_new_tokens":8},"stream":true}"#;
+    let mut moved = None;
+    for i in 0..4 {
+        let id = format!("{:032x}", 0xabc0 + i);
+        let tp = format!("00-{id}-{CALLER_SPAN}-01");
+        let (status, answer) = post(&env, "/generate", &[("traceparent", &tp)], body).await;
+        assert_eq!(status, 200);
+        assert!(!String::from_utf8_lossy(&answer).contains("\"error\""));
+        let spans = col.wait_for(&id, "POST /generate").await;
+        if spans.iter().filter(|s| s.name == "attempt").count() == 2 {
+            moved = Some(spans);
+            break;
+        }
+    }
+    let spans = moved.expect("a stream reached the dying decode and moved");
+    let root = one(&spans, "POST /generate");
+    assert_eq!(root.attr("pdgate.moves").as_deref(), Some("1"));
+    let relay = one(&spans, "relay");
+    within(relay, root);
+    let moved: Vec<&Got> = spans
+        .iter()
+        .filter(|s| s.name == "attempt" && s.attr("retry.reason").as_deref() == Some("stream_move"))
+        .collect();
+    assert_eq!(moved.len(), 1, "{spans:#?}");
+    within(moved[0], root);
+    // The move's legs: a decode_first_byte under its attempt, whose id the new decode got.
+    let first: Vec<&Got> = spans
+        .iter()
+        .filter(|s| s.name == "decode_first_byte" && s.parent.as_deref() == Some(&moved[0].span_id))
+        .collect();
+    assert_eq!(first.len(), 1, "{spans:#?}");
+    let (trace, parent) = engine_parent(&env.cluster.decodes[1]);
+    assert_eq!(
+        (trace.as_str(), parent.as_str()),
+        (root.trace_id.as_str(), first[0].span_id.as_str())
+    );
+}
