@@ -41,7 +41,8 @@ use crate::pd::{Dispatcher, ReqCtx};
 use crate::types::REQUEST_ID;
 use crate::types::{RequestId, Role};
 
-/// Headers forwarded to engines as they are.
+/// Headers forwarded to engines as they are. `traceparent` first: a traced request skips
+/// it (its legs carry their own, [`forward_headers`]).
 static FORWARD: [HeaderName; 2] = [
     HeaderName::from_static("traceparent"),
     HeaderName::from_static("tracestate"),
