@@ -39,6 +39,7 @@ pub mod reload;
 pub mod router;
 pub mod server;
 pub mod telemetry;
+pub mod trace;
 pub mod types;
 pub mod upstream;
 pub mod url;

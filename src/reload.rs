@@ -160,6 +160,7 @@ fn keep_restart_only(old: &Config, new: &mut Config, changed: &mut Vec<&'static 
     keep!(discovery, "discovery");
     keep!(reload, "reload");
     keep!(upstream, "upstream");
+    keep!(trace, "trace");
     keep!(log.format, "log.format");
     keep!(log.level, "log.level");
     keep!(log.buffer_lines, "log.buffer_lines");

@@ -34,6 +34,8 @@ pub struct Router {
     pub admin: Option<AdminServer>,
     /// Kubernetes discovery, when enabled (stops when the router is dropped).
     pub discovery: Option<crate::discovery::Discovery>,
+    /// The OTLP trace exporter, when `[trace]` is on (flushed by [`Router::shutdown`]).
+    pub traces: Option<crate::trace::Exporter>,
 }
 
 impl Router {
@@ -47,11 +49,15 @@ impl Router {
     }
 
     /// Drains the front door (up to `server.drain_secs`), then closes the admin listener
-    /// (kept open meanwhile, so that `/metrics` shows the drain).
+    /// (kept open meanwhile, so that `/metrics` shows the drain), then sends the spans
+    /// still queued (bounded by `trace.export_timeout_ms`).
     pub async fn shutdown(&self) {
         self.server.shutdown().await;
         if let Some(a) = &self.admin {
             a.shutdown().await;
+        }
+        if let Some(t) = &self.traces {
+            t.shutdown().await;
         }
     }
 }
@@ -233,7 +239,14 @@ pub async fn start_with(
         }
     };
     let drain = std::time::Duration::from_secs(cfg.server.drain_secs);
-    let dispatcher = Dispatcher::new(pool.clone(), up, cfg, rng);
+    let (tracer, traces) = match cfg.trace.enabled {
+        true => {
+            let (t, e) = crate::trace::start(&cfg.trace);
+            (Some(t), Some(e))
+        }
+        false => (None, None),
+    };
+    let dispatcher = Dispatcher::new(pool.clone(), up, cfg, rng).with_tracer(tracer);
     let server = Server::start(listener, dispatcher, keys.clone(), drain).map_err(|source| {
         StartError::Bind {
             addr: "listener".into(),
@@ -254,5 +267,6 @@ pub async fn start_with(
         keys,
         admin,
         discovery,
+        traces,
     })
 }

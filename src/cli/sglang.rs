@@ -320,8 +320,8 @@ pub const FLAGS: &[Flag] = &[
     f("ca-cert-paths", MTLS),
     f("tls-cert-path", TLS),
     f("tls-key-path", TLS),
-    f("enable-trace", Refused("pdgate exports no OTLP traces; follow a request by its x-request-id in the access log (--access-log)")),
-    f("otlp-traces-endpoint", Refused("pdgate exports no OTLP traces; follow a request by its x-request-id in the access log (--access-log)")),
+    f("enable-trace", Mapped),
+    f("otlp-traces-endpoint", Mapped),
     f("api-key", Mapped),
     f("control-plane-api-keys", Refused("the admin listener takes one bearer token: --admin-api-key-file or PDGATE_ADMIN_API_KEY")),
     f("control-plane-audit-enabled", Refused("pdgate has no control-plane audit log; the admin listener takes one bearer token (--admin-api-key-file)")),
@@ -513,6 +513,13 @@ pub struct SglangArgs {
     /// cache_aware's bounded-load factor (policy.cache_aware_balance_factor).
     #[arg(long)]
     pub prefix_hash_load_factor: Option<f64>,
+    /// Export OpenTelemetry traces (trace.enabled).
+    #[arg(long)]
+    pub enable_trace: bool,
+    /// The OTLP collector, `host:port` or a URL (trace.endpoint). pdgate sends OTLP over
+    /// HTTP (JSON): the collector's port 4318, not gRPC's 4317.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub otlp_traces_endpoint: Option<String>,
 }
 
 /// Seconds as milliseconds, saturating (the range check then names the key).
@@ -595,6 +602,16 @@ impl SglangArgs {
         }
         if self.disable_load_monitoring {
             cfg.policy.load_poll_interval_ms = 0;
+        }
+        if self.enable_trace {
+            cfg.trace.enabled = true;
+        }
+        if let Some(e) = &self.otlp_traces_endpoint {
+            cfg.trace.endpoint = if e.contains("://") {
+                e.clone()
+            } else {
+                format!("http://{e}")
+            };
         }
         if let Some(v) = self.prefix_hash_load_factor {
             cfg.policy.cache_aware_balance_factor = v;

@@ -19,6 +19,7 @@ pub mod models;
 mod ops;
 mod progress;
 mod resilience;
+mod trace;
 
 /// The config as it is now: swapped whole on reload, read by background tasks at each step
 /// (a health check reads `load().health` before each probe).
@@ -34,6 +35,7 @@ pub use models::ModelsConfig;
 pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, MetricsListenerConfig, ReloadConfig};
 pub use progress::ProgressConfig;
 pub use resilience::{BreakerConfig, HealthConfig, RetryConfig};
+pub use trace::TraceConfig;
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +78,7 @@ pub struct Config {
     pub progress: ProgressConfig,
     pub models: ModelsConfig,
     pub metrics_listener: MetricsListenerConfig,
+    pub trace: TraceConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -754,6 +757,7 @@ impl Config {
         self.log.filter()?;
         progress::validate(&self.progress)?;
         self.capacity.validate()?;
+        self.trace.validate()?;
         ops::validate(self)
     }
 }

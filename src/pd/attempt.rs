@@ -37,6 +37,7 @@ use crate::pool::{
     BootstrapInfo, LoadGuard, PreflightOutcome, RankFailure, RankReadiness, Reservation, Snapshot,
     TrialGuard, WorkerView,
 };
+use crate::trace::{Span, SpanKind};
 use crate::types::{Pair, Role, WorkerId};
 use crate::upstream::{LegBody, LegError, LegRequest};
 
@@ -157,6 +158,8 @@ pub(super) struct LegsInFlight<D> {
     pub decode_load: LoadGuard,
     /// Stall detection until decode's first event.
     pub stall: super::stall::StallWatch,
+    /// The `decode_first_byte` span, when the request is traced.
+    pub span: Option<crate::trace::Span>,
 }
 
 /// What the decode leg's send resolves to.
@@ -173,6 +176,7 @@ impl Dispatcher {
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
         let need = self.capacity_need(req);
+        let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap;
         let (chosen, slot) = loop {
@@ -198,7 +202,7 @@ impl Dispatcher {
                     None => super::capacity::full_failure(),
                 },
                 Err(af) if super::capacity::is_full(&af) => af,
-                Err(af) => return Err(af),
+                Err(af) => return Err(failed(pick, af)),
             };
             // At capacity: join the admission queue once (then look again, listening), or
             // wait for a wake-up under the queue's deadline.
@@ -211,6 +215,19 @@ impl Dispatcher {
                 q.wait(w).await.map_err(AttemptFailure::unblamed)?;
             }
         };
+        if let Some(mut sp) = pick {
+            sp.set(
+                "pdgate.prefill.worker_id",
+                u64::from(chosen.pair.prefill.worker.0),
+            );
+            sp.set("pdgate.prefill.dp_rank", chosen.pair.prefill.rank);
+            sp.set(
+                "pdgate.decode.worker_id",
+                u64::from(chosen.pair.decode.worker.0),
+            );
+            sp.set("pdgate.decode.dp_rank", chosen.pair.decode.rank);
+            sp.set("pdgate.queued", queued.is_some());
+        }
         *trace = LegTrace {
             prefill: Some((chosen.prefill.url.clone(), chosen.pair.prefill.rank)),
             decode: Some((chosen.decode.url.clone(), chosen.pair.decode.rank)),
@@ -218,12 +235,15 @@ impl Dispatcher {
         };
         let mut chosen = chosen;
         let trials = std::mem::take(&mut chosen.trials);
+        let check = span(ctx, "bootstrap_check", SpanKind::Internal);
         if let Err(mut af) = self.preflight(&chosen).await {
             af.trials = trials;
-            return Err(af);
+            return Err(failed(check, af));
         }
-        let legs = self.send_legs(req, ctx, attempt_no, &chosen, slot);
+        drop(check);
+        let mut legs = self.send_legs(req, ctx, attempt_no, &chosen, slot);
         trace.room = legs.room;
+        let first_byte = legs.span.take();
         let incremental = chosen.decode.incremental_stream;
         match super::first_byte::wait_first_bytes(self, req, legs).await {
             Ok(mut ready) => {
@@ -233,7 +253,7 @@ impl Dispatcher {
             }
             Err(mut af) => {
                 af.trials = trials;
-                Err(af)
+                Err(failed(first_byte, af))
             }
         }
     }
@@ -418,7 +438,11 @@ impl Dispatcher {
             LegRequest::post_json(&c.prefill.conns, path, prefill_body, &ctx.forward);
         // The prefill's answer headers are never read (decode's go to the client).
         prefill_req.keep_headers = false;
-        let decode_req = LegRequest::post_json(&c.decode.conns, path, decode_body, &ctx.forward);
+        let mut decode_req =
+            LegRequest::post_json(&c.decode.conns, path, decode_body, &ctx.forward);
+        // Traced: each leg names its own span as the engine's parent.
+        let prefill_span = leg_span(ctx, "prefill", c.prefill, pt.rank, &mut prefill_req);
+        let decode_span = leg_span(ctx, "decode_first_byte", c.decode, dt.rank, &mut decode_req);
         tracing::debug!(request_id = %ctx.id, prefill = %c.prefill.url, prefill_rank = pt.rank,
             decode = %c.decode.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
 
@@ -438,6 +462,16 @@ impl Dispatcher {
             pt.rank,
             size,
         ));
+        let prefill_leg = match prefill_span {
+            None => prefill_leg,
+            Some(mut sp) => Box::pin(async move {
+                let r = prefill_leg.await;
+                if let Err(f) = &r {
+                    sp.fail(f.reason.as_str());
+                }
+                r
+            }),
+        };
         let prefill = PrefillWatch::new(
             prefill_leg,
             c.prefill.lost.clone(),
@@ -462,8 +496,40 @@ impl Dispatcher {
                 size,
                 req.stream,
             ),
+            span: decode_span,
         }
     }
+}
+
+/// A child of the attempt's span, when the request is traced.
+fn span(ctx: &ReqCtx, name: &'static str, kind: SpanKind) -> Option<Span> {
+    ctx.trace.as_ref().map(|s| s.child(name, kind))
+}
+
+/// A stage's span marked with the failure that ended the attempt.
+fn failed(sp: Option<Span>, af: AttemptFailure) -> AttemptFailure {
+    if let Some(mut sp) = sp {
+        sp.fail(af.failure.reason.as_str());
+    }
+    af
+}
+
+/// A leg's span (kind CLIENT) and its `traceparent` on the leg, when the request is traced.
+fn leg_span(
+    ctx: &ReqCtx,
+    name: &'static str,
+    w: &crate::pool::WorkerView,
+    rank: crate::types::DpRank,
+    leg: &mut LegRequest,
+) -> Option<Span> {
+    let mut sp = span(ctx, name, SpanKind::Client)?;
+    sp.set("pdgate.worker_id", u64::from(w.id.0));
+    sp.set("pdgate.dp_rank", rank);
+    sp.set("server.address", w.url.to_string());
+    if let Some(tp) = sp.traceparent() {
+        leg.push_header(crate::trace::TRACEPARENT, &tp);
+    }
+    Some(sp)
 }
 
 /// Why no prefill target is eligible: the most telling reason over the healthy prefills

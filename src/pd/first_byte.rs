@@ -102,6 +102,7 @@ where
         mut decode_cancel,
         decode_load,
         mut stall,
+        span: _,
     } = legs;
     let failed = |f: Failure| AttemptFailure::on(&pair, f);
     let timeouts = &d.cfg.timeouts;

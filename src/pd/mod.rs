@@ -122,6 +122,9 @@ pub struct ReqCtx {
     /// The admission queue a request at decode capacity waits in (`None`: it is
     /// answered 429 at once).
     pub queue: Option<Arc<crate::admission::Admission>>,
+    /// Where this attempt's spans hang, when the request is traced (set per attempt by
+    /// [`Dispatcher::dispatch`]).
+    pub trace: Option<crate::trace::Scope>,
 }
 
 /// Everything the request path needs. Immutable: a config reload builds a new one with
@@ -136,6 +139,8 @@ pub struct Dispatcher {
     decode_policy: Arc<dyn Policy>,
     budget: Arc<RetryBudget>,
     pub rng: Arc<RngSource>,
+    /// Traces (`[trace]`), when enabled: kept across reloads (a restart-only section).
+    pub tracer: Option<crate::trace::Tracer>,
 }
 
 impl Dispatcher {
@@ -151,7 +156,14 @@ impl Dispatcher {
             up,
             cfg,
             rng: Arc::new(rng),
+            tracer: None,
         }
+    }
+
+    /// The same dispatcher, tracing requests with `tracer`.
+    pub fn with_tracer(mut self, tracer: Option<crate::trace::Tracer>) -> Dispatcher {
+        self.tracer = tracer;
+        self
     }
 
     /// The same dispatcher under a new config: policies are rebuilt only when the policy
@@ -183,6 +195,7 @@ impl Dispatcher {
             up: self.up.clone(),
             cfg,
             rng: self.rng.clone(),
+            tracer: self.tracer.clone(),
         }
     }
 
@@ -223,8 +236,19 @@ impl Dispatcher {
         // Retries counted against `retry.max_retries`: a keep-alive race (the engine
         // closed a pooled connection as the leg was sent) is retried without counting.
         let mut counted = 0u32;
+        let root = record.trace.as_ref().and_then(|t| t.scope());
+        let mut retry_reason: Option<&'static str> = None;
         let failure = loop {
             record.set_attempts(attempt_no + 1);
+            let mut attempt_span = root.as_ref().map(|s| {
+                let mut sp = s.child("attempt", crate::trace::SpanKind::Internal);
+                sp.set("pdgate.attempt", attempt_no);
+                if let Some(why) = retry_reason {
+                    sp.set("retry.reason", why);
+                }
+                sp
+            });
+            ctx.trace = attempt_span.as_ref().and_then(|s| s.scope());
             let trace = &mut record.legs;
             let fut = self.attempt(&req, &ctx, attempt_no, &exclude_p, &exclude_d, trace);
             let res = match tokio::time::timeout_at(deadline, fut).await {
@@ -243,8 +267,14 @@ impl Dispatcher {
             };
             match res {
                 Ok(mut ready) => {
+                    drop(attempt_span);
+                    if let Some(t) = record.trace.as_mut() {
+                        t.relay_started();
+                    }
                     attempt::record_success(&self.pool, &mut ready);
                     let slot = ctx.slot.take();
+                    // A move's attempts hang under the request's span, as this one did.
+                    ctx.trace = root.clone();
                     let mover = match plan {
                         Some(p) if ready.body.sse.is_some() => Some(Box::new(moves::Mover::new(
                             self.clone(),
@@ -261,6 +291,13 @@ impl Dispatcher {
                 Err(af) => {
                     let f = &af.failure;
                     record::failed(f.reason, Phase::BeforeFirstByte);
+                    if let Some(sp) = attempt_span.as_mut() {
+                        sp.fail(f.reason.as_str());
+                        if let Some((role, w)) = af.blame {
+                            sp.set("pdgate.blamed_role", role.as_str());
+                            sp.set("pdgate.blamed_worker_id", u64::from(w.0));
+                        }
+                    }
                     // The line names the worker blamed (id and URL), when one is.
                     let blamed = af.blame.map(|(role, w)| {
                         let url = self.pool.load().worker(role, w).map(|v| v.url.to_string());
@@ -297,6 +334,7 @@ impl Dispatcher {
                         && self.has_alternative(req.scope.as_deref(), &exclude_p, &exclude_d);
                     if can_retry && self.budget.try_withdraw() {
                         record::retried(f.reason);
+                        retry_reason = Some(f.reason.as_str());
                         if !f.stale_connection {
                             counted += 1;
                         }

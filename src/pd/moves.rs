@@ -46,6 +46,8 @@ pub struct Mover {
     moves_left: u32,
     next_attempt: u32,
     exclude_d: Vec<WorkerId>,
+    /// The request's span, when it is traced: each move's attempts hang under it.
+    trace: Option<crate::trace::Scope>,
 }
 
 /// Whether an attempt failed only because no pair could be picked right now (no worker
@@ -139,6 +141,7 @@ impl Mover {
             tracker: Tracker::new(plan, mode),
             next_attempt: attempts,
             exclude_d: Vec::new(),
+            trace: ctx.trace.clone(),
         }
     }
 
@@ -211,10 +214,12 @@ impl Mover {
         self.moves_left -= 1;
         self.tracker.next_segment(sent);
         let d = self.d.clone();
-        let ctx = ReqCtx {
+        let root = self.trace.clone();
+        let mut ctx = ReqCtx {
             id: self.id,
             request_id: self.request_id.clone(),
             forward: self.forward.to_vec(),
+            trace: None,
             slot: None,
             // A move does not wait for a decode slot: a full fleet fails the move at once
             // and the stream ends with its error frame.
@@ -242,6 +247,14 @@ impl Mover {
             let mut n = 0;
             loop {
                 let mut trace = LegTrace::default();
+                // Traced: an attempt span per try, its reason the move.
+                let mut span = root.as_ref().map(|s| {
+                    let mut sp = s.child("attempt", crate::trace::SpanKind::Internal);
+                    sp.set("pdgate.attempt", first + n);
+                    sp.set("retry.reason", "stream_move");
+                    sp
+                });
+                ctx.trace = span.as_ref().and_then(|s| s.scope());
                 let r = d
                     .attempt(&follow, &ctx, first + n, &exclude_p, &exclude_d, &mut trace)
                     .await;
@@ -258,6 +271,9 @@ impl Mover {
                     }
                     Err(af) => {
                         let f = af.failure;
+                        if let Some(sp) = span.as_mut() {
+                            sp.fail(f.reason.as_str());
+                        }
                         tracing::warn!(request_id = %ctx.id, reason = f.reason.as_str(), error = %f.message, "stream move attempt failed");
                         if let Some((role, w)) = af.blame.filter(|_| !f.stale_connection) {
                             d.pool.report_failure(role, w, f.reason, &d.cfg.breaker);

@@ -45,6 +45,8 @@ impl Dispatcher {
             decode_policy: self.decode_policy.clone(),
             budget: self.budget.clone(),
             rng: self.rng.clone(),
+            // A probe is pdgate's own request: not traced.
+            tracer: None,
         }
     }
 
@@ -116,6 +118,7 @@ impl Dispatcher {
             // A probe is one 1-token request per stalled worker: it takes no decode slot
             // and never waits in the admission queue.
             queue: None,
+            trace: None,
         };
         let snap = self.pool.load_full();
         let chosen = self.choose_probe_pair(&snap, role, worker)?;

@@ -107,6 +107,8 @@ pub struct RequestRecord {
     /// The largest gap between two events relayed (stall detection learns it).
     max_gap: Option<Duration>,
     access: bool,
+    /// The request's span, when it is traced (`[trace]`): ended when the record is.
+    pub trace: Option<Box<crate::trace::RequestTrace>>,
 }
 
 impl RequestRecord {
@@ -129,6 +131,7 @@ impl RequestRecord {
             last_event: None,
             max_gap: None,
             access,
+            trace: None,
         }
     }
 
@@ -219,6 +222,26 @@ impl RequestRecord {
         })
     }
 
+    /// The request's span ends with its status, outcome, model and attempts.
+    fn end_trace(&self, mut t: Box<crate::trace::RequestTrace>, outcome: Outcome) {
+        let status = self.status.unwrap_or_else(|| match outcome {
+            Outcome::Ok => StatusCode::OK,
+            Outcome::Failed(r) => r.status(None),
+        });
+        if let Some(m) = &self.model {
+            t.set("pdgate.model", m.to_string());
+        }
+        t.set("pdgate.attempts", self.attempts);
+        if self.moves > 0 {
+            t.set("pdgate.moves", self.moves);
+        }
+        let failure = match outcome {
+            Outcome::Ok => None,
+            Outcome::Failed(r) => Some(r.as_str()),
+        };
+        t.finish(status.as_u16(), failure);
+    }
+
     fn write_access(&self, took: Duration, outcome: Outcome) {
         let rid = self
             .request_id
@@ -286,6 +309,9 @@ impl Drop for RequestRecord {
         }
         if self.access && access::wanted() {
             self.write_access(took, outcome);
+        }
+        if let Some(t) = self.trace.take() {
+            self.end_trace(t, outcome);
         }
     }
 }

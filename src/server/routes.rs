@@ -41,7 +41,8 @@ use crate::pd::{Dispatcher, ReqCtx};
 use crate::types::REQUEST_ID;
 use crate::types::{RequestId, Role};
 
-/// Headers forwarded to engines as they are.
+/// Headers forwarded to engines as they are. `traceparent` first: a traced request skips
+/// it (its legs carry their own, [`forward_headers`]).
 static FORWARD: [HeaderName; 2] = [
     HeaderName::from_static("traceparent"),
     HeaderName::from_static("tracestate"),
@@ -267,6 +268,9 @@ impl App {
                 // The client key first: a refused request takes no admission slot and sends
                 // no leg.
                 let mut rec = rec;
+                if let Some(t) = &d.tracer {
+                    start_trace(t, &d, route, req.headers(), &mut rec);
+                }
                 let hold = match self.keys.admit_keyed(req.headers()) {
                     Ok(Some(k)) => {
                         rec.key_id = Some(k.id);
@@ -402,13 +406,22 @@ impl App {
             Ok(p) => p,
             Err(f) => return reject(rec, f, &rid_header),
         };
-        let forward = forward_headers(&d.up, &parts.headers, &rid_header, rec.key_id.is_some());
+        // Traced: the legs carry their own `traceparent` instead of the caller's.
+        let traced = rec.trace.is_some();
+        let forward = forward_headers(
+            &d.up,
+            &parts.headers,
+            &rid_header,
+            rec.key_id.is_some(),
+            traced,
+        );
         let ctx = ReqCtx {
             id: rec.id(),
             request_id: rid_header,
             forward,
             slot,
             queue: Some(self.admission.clone()),
+            trace: None,
         };
         d.dispatch(parsed, ctx, rec).await
     }
@@ -492,15 +505,45 @@ impl App {
     }
 }
 
+/// The request's span, when `[trace]` is on and the request is sampled (the caller's
+/// `traceparent` decides, else `trace.sample_ratio` drawn from the dispatcher's randomness).
+fn start_trace(
+    t: &crate::trace::Tracer,
+    d: &Dispatcher,
+    route: ApiRoute,
+    headers: &HeaderMap,
+    rec: &mut RequestRecord,
+) {
+    let name = match route {
+        ApiRoute::Generate => "POST /generate",
+        ApiRoute::ChatCompletions => "POST /v1/chat/completions",
+        ApiRoute::Completions => "POST /v1/completions",
+    };
+    rec.trace = d
+        .rng
+        .with(|rng| t.start_request(headers, std::borrow::Cow::Borrowed(name), rng));
+    let id = rec.id();
+    if let Some(tr) = rec.trace.as_mut() {
+        tr.set("http.request.method", "POST");
+        tr.set("http.route", route.path());
+        tr.set("pdgate.request_id", id.as_str().to_string());
+        if let Some(v) = headers.get(REQUEST_ID).and_then(|v| v.to_str().ok()) {
+            tr.set("pdgate.client_request_id", v.to_string());
+        }
+    }
+}
+
 /// The allow-listed headers both legs carry, as `name: value\r\n` lines. With client
 /// keys on (`client_key`), the client's `Authorization` is its pdgate key and is never
 /// forwarded, whatever `upstream.forward_authorization` says: engines get
-/// `upstream.api_key` or nothing.
+/// `upstream.api_key` or nothing. A traced request (`traced`) does not forward the
+/// caller's `traceparent`: each leg carries its own (`crate::trace`).
 pub(super) fn forward_headers(
     up: &crate::upstream::Upstream,
     incoming: &HeaderMap,
     rid: &HeaderValue,
     client_key: bool,
+    traced: bool,
 ) -> Vec<u8> {
     let mut out = Vec::with_capacity(64);
     let auth = match &up.auth {
@@ -510,6 +553,7 @@ pub(super) fn forward_headers(
     };
     let fwd = FORWARD
         .iter()
+        .skip(usize::from(traced))
         .filter_map(|name| incoming.get(name).map(|v| (name, v)));
     crate::upstream::header_lines(
         std::iter::once((&REQUEST_ID, rid))

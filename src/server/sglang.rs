@@ -421,13 +421,14 @@ impl App {
             Err(f) => return reject(rec, f, &rid),
         };
         let forward =
-            super::routes::forward_headers(&d.up, req.headers(), &rid, rec.key_id.is_some());
+            super::routes::forward_headers(&d.up, req.headers(), &rid, rec.key_id.is_some(), false);
         let ctx = ReqCtx {
             id: RequestId::random(),
             request_id: rid.clone(),
             forward,
             slot: Some(slot),
             queue: Some(self.admission.clone()),
+            trace: None,
         };
         let started = Instant::now();
         let resp = d.dispatch(parsed, ctx, rec).await;

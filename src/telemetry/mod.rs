@@ -108,6 +108,9 @@ pub const STALE_RETRIES: &str = "pdgate_upstream_stale_retries_total";
 pub const LEG_ABORTS: &str = "pdgate_leg_aborts_total";
 pub const LEG_ABORTS_DROPPED: &str = "pdgate_leg_aborts_dropped_total";
 pub const LOG_LINES_DROPPED: &str = "pdgate_log_lines_dropped_total";
+// OpenTelemetry traces (`crate::trace`).
+pub const TRACE_SPANS_EXPORTED: &str = "pdgate_trace_spans_exported_total";
+pub const TRACE_SPANS_DROPPED: &str = "pdgate_trace_spans_dropped_total";
 pub const LAYOUT_MISMATCHES: &str = "pdgate_layout_mismatches";
 pub const BREAKER_TRANSITIONS: &str = "pdgate_breaker_transitions_total";
 pub const BREAKER_EJECTION_CAPPED: &str = "pdgate_breaker_ejection_capped_total";
@@ -224,6 +227,10 @@ pub static SERIES: &[Series] = &[
         "abort_request calls sent to engines for cancelled legs."),
     s(LOG_LINES_DROPPED, C, Unit::Count, &[],
         "Log and access-log lines dropped because stdout could not keep up (the writer never blocks a request)."),
+    s(TRACE_SPANS_EXPORTED, C, Unit::Count, &[],
+        "Trace spans the OTLP collector accepted ([trace])."),
+    s(TRACE_SPANS_DROPPED, C, Unit::Count, &["why"],
+        "Trace spans dropped: the export queue was full (queue_full) or their batch was not accepted (export_failed); a request never waits for the exporter."),
     s(LEG_ABORTS_DROPPED, C, Unit::Count, &[],
         "abort_request calls not sent because too many were in flight (the leg's connection was still closed)."),
     s(LAYOUT_MISMATCHES, G, Unit::Count, &[],

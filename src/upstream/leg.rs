@@ -264,6 +264,19 @@ impl LegRequest {
     }
 }
 
+impl LegRequest {
+    /// Adds a header line (`name: value`) to the head, before its blank line: a leg's
+    /// own `traceparent`. The value must be a valid header value.
+    pub fn push_header(&mut self, name: &str, value: &[u8]) {
+        let end = self.head.len().saturating_sub(2);
+        self.head.truncate(end);
+        self.head.extend_from_slice(name.as_bytes());
+        self.head.extend_from_slice(b": ");
+        self.head.extend_from_slice(value);
+        self.head.extend_from_slice(b"\r\n\r\n");
+    }
+}
+
 /// Serializes headers to forward on legs as `name: value\r\n` lines, once per request.
 /// Headers that framing owns (host, length, type, transfer-encoding, connection) are
 /// skipped: the leg writes its own.

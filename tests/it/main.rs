@@ -52,6 +52,7 @@ mod sim_pd;
 mod stale_connection;
 mod stalls;
 mod stream_moves;
+mod traces;
 mod upstream_leg_errors;
 mod upstream_legs;
 mod worker_logs;

@@ -210,7 +210,10 @@ fn bad_start_flags_are_refused_with_what_replaces_them() {
             &["--cors-allowed-origins", "ingress"],
         ),
         (&["--log-dir", "/tmp/x"], &["--log-dir", "stdout"]),
-        (&["--enable-trace"], &["--enable-trace", "access log"]),
+        (
+            &["--enable-trace", "--otlp-traces-endpoint", "https://c:4317"],
+            &["trace.endpoint", "4318"],
+        ),
         (
             &["--rate-limit-tokens-per-second", "10"],
             &["--max-concurrent-requests"],

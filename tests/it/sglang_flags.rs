@@ -163,6 +163,14 @@ const MAPPED: &[(&str, &[&str], Check)] = &[
     ("log-json", &["--log-json"], |c| {
         c.log.format == LogFormat::Json
     }),
+    ("enable-trace", &["--enable-trace"], |c| {
+        c.trace.enabled && c.trace.endpoint == "http://127.0.0.1:4318"
+    }),
+    (
+        "otlp-traces-endpoint",
+        &["--enable-trace", "--otlp-traces-endpoint", "collector:4318"],
+        |c| c.trace.enabled && c.trace.traces_url() == "http://collector:4318/v1/traces",
+    ),
     ("prometheus-port", &["--prometheus-port", "29100"], |c| {
         c.metrics_listener.enabled && c.metrics_listener.port == 29100
     }),
