@@ -140,6 +140,40 @@ fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's setting that `serve` runs with (README, "Memory").
+const PURGE_DELAY_VAR: &str = "MIMALLOC_PURGE_DELAY";
+
+/// Makes mimalloc give freed memory back at once. By default it keeps pages freed by large
+/// bodies resident until a later collection (its purge delay), so a flood of maximum-size
+/// bodies left RSS at up to ~1.9x the bytes in flight (the hostile bench), past the bound
+/// that the README's formula and the manifests' memory limit rely on; with the delay at 0
+/// RSS follows the byte budget, and the request path makes no more `madvise` calls than
+/// before (strace). mimalloc reads the option from the environment as it starts, before
+/// `main`, and setting it from inside would take unsafe code: so `serve` re-executes itself
+/// once with the variable set (same pid, arguments and streams). An operator's own value is
+/// kept; a failed exec (e.g. the binary replaced on disk) is reported and `serve` runs on.
+fn purge_freed_memory_promptly() {
+    use std::os::unix::process::CommandExt;
+    if std::env::var_os(PURGE_DELAY_VAR).is_some() {
+        return;
+    }
+    let Ok(exe) = std::env::current_exe() else {
+        return;
+    };
+    let mut args = std::env::args_os();
+    let arg0 = args.next().unwrap_or_else(|| exe.clone().into_os_string());
+    let err = std::process::Command::new(&exe)
+        .arg0(arg0)
+        .args(args)
+        .env(PURGE_DELAY_VAR, "0")
+        .exec();
+    eprintln!(
+        "pdgate: could not re-execute {} with {PURGE_DELAY_VAR}=0 ({err}); memory freed by \
+         large bodies may stay resident longer than README's Memory formula allows",
+        exe.display()
+    );
+}
+
 /// `pdgate check`: exit code 0 when every check passed, 1 on any ✗, 2 on a config error
 /// (a malformed discovery selector included). Discovery's client comes from the
 /// environment (`KUBECONFIG`, else the in-cluster service account), as `serve`'s.
@@ -203,6 +237,7 @@ fn main() -> std::process::ExitCode {
     let mut notes = Vec::new();
     let (command, serve_cfg) = match cli.command {
         Command::Serve(args) => {
+            purge_freed_memory_promptly();
             notes = args.sglang_compat.notes();
             let sm = matches
                 .subcommand_matches("serve")

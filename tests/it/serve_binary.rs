@@ -379,3 +379,41 @@ async fn the_demo_serves_the_requests_it_prints() {
     assert!(body.contains("pdgate_requests_total"), "{body}");
     term(&mut child);
 }
+
+/// `serve` runs with mimalloc giving freed memory back at once (`MIMALLOC_PURGE_DELAY=0`,
+/// set by re-executing itself: README, "Memory"); an operator's own value is kept. Read from
+/// the running process's environment, once it logged its start.
+#[test]
+fn serve_runs_with_the_allocator_giving_freed_memory_back_at_once() {
+    for (given, want) in [(None, "0"), (Some("25"), "25")] {
+        let mut cmd = pdgate();
+        cmd.args(["serve", "--port", "0", "--admin-port", "0"])
+            .args(["--log-json", "--decode", "http://127.0.0.1:9"])
+            .env_remove("MIMALLOC_PURGE_DELAY")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(v) = given {
+            cmd.env("MIMALLOC_PURGE_DELAY", v);
+        }
+        let mut child = Running(cmd.spawn().expect("pdgate binary"));
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        until(&rx, "starting", |l| l.contains("pdgate starting"));
+        let environ = std::fs::read(format!("/proc/{}/environ", child.id())).unwrap();
+        let vars: Vec<String> = environ
+            .split(|b| *b == 0)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .filter(|v| v.starts_with("MIMALLOC_PURGE_DELAY="))
+            .collect();
+        assert_eq!(
+            vars,
+            [format!("MIMALLOC_PURGE_DELAY={want}")],
+            "given {given:?}"
+        );
+    }
+}
