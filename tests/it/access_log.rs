@@ -389,7 +389,9 @@ async fn the_binary_writes_json_lines_under_a_text_log() {
     .unwrap();
     let p = &cluster.prefills[0];
     let mut child = Command::new(env!("CARGO_BIN_EXE_pdgate"))
-        .args(["serve", "--port", "0", "--access-log"])
+        // The admin listener on a free port too (its default, 29000, may be taken by
+        // another router on this machine: the binary then exits before it listens).
+        .args(["serve", "--port", "0", "--admin-port", "0", "--access-log"])
         .args(["--log-level", "warn,pdgate::router=info"])
         .args(["--health-check-interval-secs", "0.05"])
         .args([
