@@ -12,7 +12,8 @@
 //!   the router's); a prefill "kill" is its `down` fault;
 //! - load: open-loop lanes in this process (`--lanes`, 16 by default).
 //!
-//! Run: `cargo bench --bench chaos -- --secs 120` (`--lanes N`, `--seed N`). It prints a
+//! Run: `cargo bench --bench chaos -- --secs 120` (`--lanes N`, `--seed N`;
+//! `PDGATE_BENCH_ROUTER_ARGS="--worker-threads 2"` passes extra flags to the router). It prints a
 //! summary and one verdict per check; like every bench here it asserts nothing (the exit
 //! code is 0 either way). Logs: `$TMPDIR/pdgate-bench-chaos-*.log`.
 
@@ -100,8 +101,11 @@ impl Fleet for Processes {
 
     fn describe(&self) -> String {
         format!(
-            "router `{} serve` (pid {}); decodes D0, D1 are `pdgate sim --role decode` processes, killed with SIGKILL and restarted on the same port; prefills P0, P1 run in the bench's process (a prefill kill is its `down` fault); D1 has the legacy bootstrap bug",
+            "router `{} serve{}` (pid {}); decodes D0, D1 are `pdgate sim --role decode` processes, killed with SIGKILL and restarted on the same port; prefills P0, P1 run in the bench's process (a prefill kill is its `down` fault); D1 has the legacy bootstrap bug",
             self.bin.display(),
+            std::env::var("PDGATE_BENCH_ROUTER_ARGS")
+                .map(|a| format!(" {}", a.trim()))
+                .unwrap_or_default(),
             self.router.pid()
         )
     }
@@ -300,6 +304,12 @@ fn main() {
             .args(["serve", "--config"])
             .arg(&cfg_file)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            // e.g. `--worker-threads 2`: the soak with the router on several threads.
+            .args(
+                std::env::var("PDGATE_BENCH_ROUTER_ARGS")
+                    .unwrap_or_default()
+                    .split_whitespace(),
+            )
             .stdin(std::process::Stdio::null())
             .stdout(support::log_file("chaos-router-out"))
             .stderr(support::log_file("chaos-router"))

@@ -18,6 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::body::{full_body, RespBody};
+use crate::bootstrap::ownership::UNPROVED;
 use crate::error::{FailReason, Failure};
 use crate::fleet::{Fleet, FleetError, Removed, WorkerSpec};
 use crate::pool::WorkerSource;
@@ -595,7 +596,7 @@ pub(crate) enum Admitted {
 /// How often [`wait_routable`] reads the snapshot.
 const ADMIT_POLL: Duration = Duration::from_millis(25);
 
-/// Waits up to `within` for worker `id` to be routable (or refused, or gone).
+/// Waits up to `within` for worker `id` to be routable (or refused for good, or gone).
 pub(crate) async fn wait_routable(
     pool: &crate::pool::Pool,
     role: Role,
@@ -611,7 +612,9 @@ pub(crate) async fn wait_routable(
         if snap.routable(role).iter().any(|r| r.worker == id) {
             return Admitted::Routable;
         }
-        if let Some(why) = &w.refused {
+        // A prefill whose bootstrap server is not yet proved its own is refused only for
+        // now: the proof is under way (its verdict is final, either way).
+        if let Some(why) = w.refused.as_ref().filter(|r| *r != UNPROVED) {
             return Admitted::Refused(why.clone());
         }
         if tokio::time::Instant::now() >= deadline {

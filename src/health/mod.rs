@@ -14,7 +14,8 @@
 //! - The server info is read again whenever the engine comes back after being down (a
 //!   restart may change its DP size or role); an engine whose `disaggregation_mode` is not
 //!   its role, or whose DP size is past the bound, is refused (out of rotation, named in
-//!   `/readiness`) until a later read admits it.
+//!   `/readiness`) until a later read admits it: a refused engine's info is read at
+//!   every good check, so a restart quicker than a failed check is caught too.
 //! - Health probes on PD engines use a fake bootstrap (spec R10), so for prefills this is
 //!   combined with the bootstrap tracker's readiness in the pool.
 
@@ -128,6 +129,9 @@ pub fn spawn(
     p2.spawn_task(role, id, async move {
         let mut run = HealthRun::default();
         let mut have_info = false;
+        // Refused at the last read: read again at every good check (it is out of rotation
+        // anyway), so that a restart as another engine no check saw down is caught too.
+        let mut refused = false;
         let mut ever_up = false;
         let conns = pool.with_worker(role, id, |w| w.conns.clone());
         loop {
@@ -136,10 +140,11 @@ pub fn spawn(
                 (c.health.clone(), c.bootstrap.clone())
             };
             let good = matches!(up.get(&url, "/health", cfg.timeout()).await, Ok((s, _)) if s.is_success());
-            if good && !have_info {
+            if good && (!have_info || refused) {
                 if let Ok(info) = client::server_info(&up, &url, bcfg.http_timeout()).await {
                     have_info = true;
                     let verdict = admit_info(role, &info);
+                    refused = verdict.is_err();
                     let caps = info.max_running_per_dp.clone();
                     pool.update_worker(role, id, |w| {
                         match &verdict {

@@ -301,12 +301,17 @@ impl Dispatcher {
             (p, d, among)
         });
         let Some(prefill_pick) = prefill_pick else {
+            // Scoped or not, the same telling reason over the prefills that could serve
+            // it (a fleet is briefly two groups while engines' server info is read).
             let (reason, msg) = match scope {
-                Some(m) => (
-                    FailReason::NoPrefillAvailable,
-                    format!("no routable prefill worker serves model {m}"),
-                ),
-                None => no_prefill_detail(snap),
+                Some(m) => match no_prefill_detail(snap, Some(m)) {
+                    (FailReason::NoPrefillAvailable, _) => (
+                        FailReason::NoPrefillAvailable,
+                        format!("no routable prefill worker serves model {m}"),
+                    ),
+                    (reason, msg) => (reason, format!("model {m}: {msg}")),
+                },
+                None => no_prefill_detail(snap, None),
             };
             return Err(AttemptFailure::unblamed(Failure::new(reason, msg)));
         };
@@ -533,13 +538,14 @@ fn leg_span(
 }
 
 /// Why no prefill target is eligible: the most telling reason over the healthy prefills
-/// (an unreachable bootstrap, then a missing rank, then registration still under way),
-/// and a few words per worker.
+/// (of `model`, when the request names one) — an unreachable bootstrap, then a missing
+/// rank, then registration still under way — and a few words per worker.
 #[cfg(test)]
 mod pairing_props;
 
-fn no_prefill_detail(snap: &Snapshot) -> (FailReason, String) {
-    if snap.prefills.is_empty() {
+fn no_prefill_detail(snap: &Snapshot, model: Option<&str>) -> (FailReason, String) {
+    let of_model = |w: &&WorkerView| model.is_none_or(|m| w.model.as_deref() == Some(m));
+    if !snap.prefills.iter().any(|w| of_model(&w)) {
         return (
             FailReason::NoPrefillAvailable,
             "no prefill workers are configured".into(),
@@ -553,7 +559,7 @@ fn no_prefill_detail(snap: &Snapshot) -> (FailReason, String) {
     };
     let mut reason = FailReason::NoPrefillAvailable;
     let mut parts = Vec::new();
-    for w in &snap.prefills {
+    for w in snap.prefills.iter().filter(of_model) {
         let mut why = FailReason::BootstrapNotReady;
         let mut labels = Vec::new();
         for (r, st) in w.ranks.iter().enumerate() {

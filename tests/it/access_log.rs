@@ -4,8 +4,8 @@
 //! timings.
 //!
 //! The in-process tests capture the access layer's output with a subscriber of their own,
-//! set for the test's thread (the tests run on a current-thread runtime, so the router's
-//! tasks log through it). The last test runs the binary with a text main log.
+//! set for the test's runtime (`support::rt::set_default`: every thread the router's tasks
+//! run on logs through it). The last test runs the binary with a text main log.
 
 use crate::support::common::{self, start, Env, GEN, GEN_STREAM};
 
@@ -35,11 +35,11 @@ impl std::io::Write for Capture {
 }
 
 impl Capture {
-    /// Routes this thread's access lines here until the guard drops.
-    fn install(&self) -> tracing::subscriber::DefaultGuard {
+    /// Routes the test's access lines here until the guard drops.
+    fn install(&self) -> crate::support::rt::LogGuard {
         let w = self.clone();
         let sub = tracing_subscriber::registry().with(access::layer(move || w.clone()));
-        tracing::subscriber::set_default(sub)
+        crate::support::rt::set_default(sub)
     }
 
     /// Every line, each of which must be one JSON object.
@@ -160,7 +160,7 @@ fn assert_legs(v: &Value, env: &Env, prefill_dp: u64) {
     assert_eq!(room % prefill_dp, rank, "{v}");
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn one_line_per_request_served_or_rejected() {
     let cap = Capture::default();
     let _guard = cap.install();
@@ -219,7 +219,7 @@ async fn one_line_per_request_served_or_rejected() {
 }
 
 /// Without `log.access` nothing is written, even with a subscriber that wants the target.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn off_unless_enabled() {
     let cap = Capture::default();
     let _guard = cap.install();
@@ -232,7 +232,7 @@ async fn off_unless_enabled() {
     assert!(cap.lines().is_empty(), "{:?}", cap.lines());
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn failed_mid_stream_and_abandoned_requests() {
     let cap = Capture::default();
     let _guard = cap.install();
@@ -305,7 +305,7 @@ async fn failed_mid_stream_and_abandoned_requests() {
     cap.assert_once_each(&["b-cut", "b-gone"]);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn shed_and_gone_before_the_answer() {
     let cap = Capture::default();
     let _guard = cap.install();
@@ -389,7 +389,9 @@ async fn the_binary_writes_json_lines_under_a_text_log() {
     .unwrap();
     let p = &cluster.prefills[0];
     let mut child = Command::new(env!("CARGO_BIN_EXE_pdgate"))
-        .args(["serve", "--port", "0", "--access-log"])
+        // The admin listener on a free port too (its default, 29000, may be taken by
+        // another router on this machine: the binary then exits before it listens).
+        .args(["serve", "--port", "0", "--admin-port", "0", "--access-log"])
         .args(["--log-level", "warn,pdgate::router=info"])
         .args(["--health-check-interval-secs", "0.05"])
         .args([
@@ -491,7 +493,7 @@ async fn the_binary_writes_json_lines_under_a_text_log() {
 
 /// A stdout nobody reads must not stall requests: the log writer drops and counts lines
 /// once its buffer is full, rather than block the runtime on a full pipe.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_stalled_stdout_drops_log_lines_and_never_blocks_requests() {
     let cluster = pdgate_sim::SimCluster::spawn(
         &[common::fast_engine(EngineConfig::prefill(1))],
@@ -607,7 +609,7 @@ async fn a_stalled_stdout_drops_log_lines_and_never_blocks_requests() {
 /// A request refused (429) because its client key is over its in-flight limit names the
 /// key: the access line's `key_id`, and `pdgate_client_requests_total{key}` (a key name no
 /// other test uses, so its count is exact though the recorder is process-wide).
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_429_over_a_key_limit_names_the_key() {
     let cap = Capture::default();
     let _guard = cap.install();

@@ -559,7 +559,7 @@ async fn drain_undrain_and_delete_let_a_stream_in_flight_finish() {
     wait_worker(&env, &other_id, "gone", |v| v.is_null()).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn config_is_the_effective_one_with_secrets_redacted() {
     let env = start_with_admin(
         vec![fast_engine(EngineConfig::prefill(1))],
@@ -585,7 +585,7 @@ async fn config_is_the_effective_one_with_secrets_redacted() {
     assert_eq!(v["decode"][0]["url"], env.cluster.decodes[0].url());
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn an_exposed_admin_listener_needs_a_token() {
     let front = || async {
         tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -773,7 +773,7 @@ async fn a_web_page_cannot_reach_the_admin_api() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn readiness_detail_is_on_the_admin_listener_only() {
     let env = env_with_token().await;
     env.wait_routable(2, 1).await;

@@ -189,9 +189,9 @@ async fn a_key_over_its_in_flight_limit_gets_429_and_others_do_not() {
     }
 }
 
-/// Current-thread runtime: every task (router, engines, client) logs on this thread, into
-/// this test's subscriber.
-#[tokio::test]
+/// Every task (router, engines, client) logs into this test's subscriber, on whichever
+/// thread it runs (`support::rt::set_default`).
+#[tokio::test(crate = "crate::support::rt")]
 async fn logs_carry_the_key_id_never_the_key() {
     let buf = Captured::default();
     let sink = buf.clone();
@@ -200,7 +200,7 @@ async fn logs_carry_the_key_id_never_the_key() {
         .with_ansi(false)
         .with_writer(move || sink.clone())
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = crate::support::rt::set_default(subscriber);
     let file = keys_file("logs", "team-logs: sk-log-secret-1\nsk-log-secret-2\n");
     let env = start(
         vec![EngineConfig::prefill(1)],
@@ -321,7 +321,7 @@ async fn until_status(env: &Env, key: &str, want: u16) {
     }
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_rotated_keys_file_takes_effect_without_a_signal() {
     let file = keys_file("rotate", "team-a: sk-old\n");
     let mut cfg_seen = None;

@@ -22,6 +22,8 @@ const IDLE: Duration = Duration::from_secs(60);
 /// `GET /health`).
 const BOOTSTRAP_BUDGET_PER_SEC: f64 = 3.0;
 
+// Paused time needs the current-thread runtime: this test stays on one thread under
+// PDGATE_TEST_THREADS (see `support::rt`).
 #[tokio::test(start_paused = true)]
 async fn an_idle_router_keeps_to_the_bootstrap_budget_and_rebuilds_nothing() {
     let env = start(

@@ -182,7 +182,7 @@ fn old_answer(gen: Generation, path: &str, q: &str) -> (u16, String) {
     }
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn older_bootstrap_generations_are_understood() {
     let up = Upstream::new(&pdgate::router::upstream_settings(
         &pdgate::config::Config::default(),
@@ -285,7 +285,7 @@ async fn info_server(knows_it: bool) -> (String, tokio::task::JoinHandle<()>) {
 }
 
 /// Engines older than `/server_info` answer `/get_server_info`; both are tried in turn.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn server_info_falls_back_to_get_server_info() {
     let up = Upstream::new(&pdgate::router::upstream_settings(
         &pdgate::config::Config::default(),

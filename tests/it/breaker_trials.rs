@@ -162,7 +162,7 @@ async fn heal(env: &Env) {
     env.wait_routable(1, 1).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn every_trial_ends_in_a_verdict_or_is_released() {
     let cases: &[(Role, Outcome, Option<&str>)] = &[
         (Role::Prefill, Outcome::Rejected, Some("prefill_rejected")),

@@ -90,7 +90,7 @@ async fn env_with(tweak_more: impl FnOnce(&mut Config)) -> Env {
     env
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_decode_at_capacity_never_runs_more_than_it_can() {
     let env = env_with(|_| {}).await;
     learned(&env.router.pool, u64::from(CAP)).await;
@@ -111,7 +111,7 @@ async fn a_decode_at_capacity_never_runs_more_than_it_can() {
     assert_eq!(s.failed, 0, "no leg failed (no bootstrap timeout): {s:?}");
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn without_the_cap_the_engine_queues_what_it_cannot_run() {
     // The same burst with capacity ignored: the decode holds more than it runs, which is
     // what the test above proves pdgate prevents.
@@ -137,7 +137,7 @@ async fn without_the_cap_the_engine_queues_what_it_cannot_run() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_config_override_wins_over_the_engine_figure() {
     let env = env_with(|c| c.capacity.decode_max_running_per_rank = 2).await;
     learned(&env.router.pool, u64::from(CAP)).await;
@@ -185,7 +185,7 @@ async fn second_request_while_full(
     (status, headers, dispatched)
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_full_queue_answers_429_and_dispatches_nothing() {
     let (status, headers, dispatched) = second_request_while_full(0, 10_000).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
@@ -193,7 +193,7 @@ async fn a_full_queue_answers_429_and_dispatches_nothing() {
     assert_eq!(dispatched, 0, "no leg was sent");
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn an_expired_wait_answers_503_and_dispatches_nothing() {
     let (status, headers, dispatched) = second_request_while_full(8, 150).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
@@ -201,7 +201,7 @@ async fn an_expired_wait_answers_503_and_dispatches_nothing() {
     assert_eq!(dispatched, 0, "no leg was sent");
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn two_replicas_stay_within_the_stated_overshoot() {
     let (p, d) = engines();
     let cluster = SimCluster::spawn(&p, &d).await.expect("sim cluster");
@@ -248,7 +248,7 @@ async fn two_replicas_stay_within_the_stated_overshoot() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn the_simulator_reports_its_cap_only_when_it_has_one() {
     use crate::support::sim_support::get;
     // (cap, what /server_info's internal_states and /v1/loads report per rank)

@@ -85,7 +85,7 @@ async fn assert_refused(env: &Env) {
     );
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn http1_connections_are_bounded_and_idle_ones_closed() {
     let env = env().await;
     let mut idle = Vec::new();
@@ -104,7 +104,7 @@ async fn http1_connections_are_bounded_and_idle_ones_closed() {
     assert_eq!(health_http1(&mut s).await, 200);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn silent_connections_count_and_are_closed() {
     let env = env().await;
     let mut silent = Vec::new();
@@ -153,7 +153,7 @@ async fn health_h2(
     status
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn h2c_connections_are_bounded_and_idle_ones_closed() {
     let env = env().await;
     let mut conns = Vec::new();
@@ -177,7 +177,7 @@ async fn h2c_connections_are_bounded_and_idle_ones_closed() {
     assert_eq!(health_h2(&mut send, &env).await, 200);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn an_h2c_connection_with_a_stream_open_is_not_idle() {
     // A stream that lasts longer than the idle timeout keeps its connection.
     let env = start(

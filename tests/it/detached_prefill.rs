@@ -10,7 +10,7 @@ use pdgate_sim::{EngineConfig, Faults};
 
 const GEN: &str = r#"{"text":"hello","sampling_params":{"max_new_tokens":3}}"#;
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_detached_prefill_counts_until_it_ends() {
     // The prefill answers 1.5 s after its KV hand-off; decode finishes long before.
     let slow_answer = EngineConfig {

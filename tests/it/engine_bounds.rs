@@ -52,7 +52,7 @@ async fn huge_engine(dp_size: u64) -> String {
     format!("http://{addr}")
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn engines_reporting_a_huge_dp_size_are_refused() {
     let prefill = huge_engine(5_000).await;
     let decode = huge_engine(100_000).await;

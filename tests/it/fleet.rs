@@ -31,7 +31,7 @@ fn decode_spec(url: &str, source: WorkerSource) -> WorkerSpec {
     }
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_worker_added_at_run_time_takes_traffic_once_checked() {
     let env = common::start_pair().await;
     let extra = pdgate_sim::spawn(fast_engine(EngineConfig::decode(2)))
@@ -113,7 +113,7 @@ pub(crate) async fn health_only_engine() -> (String, Arc<AtomicUsize>) {
     (url, checks)
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_run_time_worker_without_server_info_is_never_routable() {
     let env = common::start_pair().await;
     let (url, checks) = health_only_engine().await;
@@ -133,7 +133,7 @@ async fn a_run_time_worker_without_server_info_is_never_routable() {
     assert_eq!(snap.routable_ranks(Role::Decode), 1);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn drain_then_remove_lets_a_stream_finish_and_ids_are_not_reused() {
     // Two decodes; tokens every 40 ms, so a 25-token stream runs about a second.
     let slow = || EngineConfig {
@@ -212,7 +212,7 @@ async fn drain_then_remove_lets_a_stream_finish_and_ids_are_not_reused() {
     ));
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn drain_and_undrain() {
     let env = start(
         vec![EngineConfig::prefill(1)],
@@ -287,7 +287,7 @@ async fn one_url_added_at_once_from_many_threads_is_one_worker() {
     assert_eq!(same, vec![format!("http://localhost:{port}")]);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_removal_with_an_endless_deadline_still_removes() {
     // A pod can carry any grace period; a deadline past the clock's range must not
     // panic the removal task and leave a zombie worker.
@@ -328,7 +328,7 @@ async fn spawn_on(mut cfg: EngineConfig, port: u16) -> pdgate_sim::SimEngine {
     }
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn an_engine_that_comes_back_as_another_engine_is_read_again() {
     let env = common::start_pair().await;
     let first = pdgate_sim::spawn(fast_engine(EngineConfig::decode(1)))

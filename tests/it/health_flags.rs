@@ -35,7 +35,7 @@ async fn start_with_decode_down(down_decode: Option<usize>) -> Env {
     .await
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn workers_are_routable_after_their_first_good_check() {
     let env = start_with_decode_down(None).await;
     // Before the fix the success threshold (2) held every worker out until the second
@@ -45,7 +45,7 @@ async fn workers_are_routable_after_their_first_good_check() {
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_worker_that_comes_up_later_is_probed_at_the_unhealthy_interval() {
     let env = start_with_decode_down(Some(1)).await;
     env.wait_routable(2, 1).await;

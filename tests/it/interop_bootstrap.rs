@@ -229,7 +229,7 @@ fn assert_not_ready(s: &Sentinel, what: &str) {
 // 1. Full layouts: dp 1, 2, 4
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn full_layouts_dp1_dp2_dp4() {
     let Some(py) = python_or_skip("full_layouts_dp1_dp2_dp4") else {
@@ -321,7 +321,7 @@ async fn full_layouts_dp1_dp2_dp4() {
 // 2. Partial registration: 503 for the sentinel and every rank
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn partial_registration_is_not_ready() {
     let Some(py) = python_or_skip("partial_registration_is_not_ready") else {
@@ -352,7 +352,7 @@ async fn partial_registration_is_not_ready() {
 // 3. Duplicate registration: the server says ready, rank 1 is missing
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn duplicate_registration_ready_but_rank_missing() {
     let Some(py) = python_or_skip("duplicate_registration_ready_but_rank_missing") else {
@@ -395,7 +395,7 @@ async fn duplicate_registration_ready_but_rank_missing() {
 // 4. Health while alive, Unreachable once killed
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn health_then_unreachable_after_kill() {
     let Some(py) = python_or_skip("health_then_unreachable_after_kill") else {
@@ -504,7 +504,7 @@ fn failed(reason: RankFailure) -> impl Fn(&RankReadiness) -> bool {
     move |r| matches!(r, RankReadiness::Failed { reason: got, .. } if *got == reason)
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn tracker_follows_registration_and_loss() {
     let Some(py) = python_or_skip("tracker_follows_registration_and_loss") else {
@@ -570,7 +570,7 @@ async fn tracker_follows_registration_and_loss() {
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn tracker_marks_duplicate_registration_rank_missing() {
     let Some(py) = python_or_skip("tracker_marks_duplicate_registration_rank_missing") else {

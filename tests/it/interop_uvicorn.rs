@@ -234,7 +234,7 @@ fn sglang_error(code: u16, message: &str) -> Value {
 
 /// Non-streamed and streamed answers of both routes, error JSON and abort chunks arrive as
 /// SGLang writes them, all on one kept-alive connection.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn answers_arrive_as_sglang_writes_them() {
     per_parser(
@@ -339,7 +339,7 @@ async fn answers_arrive_as_sglang_writes_them() {
 }
 
 /// `POST /abort_request` ends a running stream with SGLang's abort chunk and `[DONE]`.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn abort_request_ends_a_running_stream() {
     per_parser("abort_request_ends_a_running_stream", TEST_WAIT, |e, up| async move {
@@ -369,7 +369,7 @@ async fn abort_request_ends_a_running_stream() {
 /// leaves its connection reusable. (The legs go back to back and are checked afterwards:
 /// checking them in between can take long enough in a loaded debug build for the idle
 /// connection to age out.)
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn answers_larger_than_the_read_buffer_arrive_whole() {
     per_parser("answers_larger_than_the_read_buffer_arrive_whole", TEST_WAIT, |e, up| async move {
@@ -414,7 +414,7 @@ async fn answers_larger_than_the_read_buffer_arrive_whole() {
 /// An engine that rejects a request before reading its (32 MiB) body gets its answer
 /// reported, whether uvicorn then closes with the body unread or reads it away and keeps
 /// the connection; an error after reading the body keeps the connection.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn early_errors_are_answered() {
     per_parser("early_errors_are_answered", TEST_WAIT, |e, up| async move {
@@ -467,7 +467,7 @@ async fn early_errors_are_answered() {
 
 /// Sequential legs within the keep-alive share one connection; a leg after pdgate's idle
 /// timeout (300 ms here) goes on a new one; each request reaches the engine once.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn connections_are_reused_only_within_the_idle_timeout() {
     per_parser(
@@ -509,7 +509,7 @@ async fn connections_are_reused_only_within_the_idle_timeout() {
 /// next leg neither uses that connection nor reaches the engine twice: with the default
 /// idle timeout (4 s) the connection was dropped by age; with the 90 s pdgate used to keep
 /// them, it is found closed before the write. Both parsers and both settings wait together.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn a_connection_uvicorn_closed_is_not_used() {
     let Some(py) = python_or_skip("a_connection_uvicorn_closed_is_not_used") else {
@@ -577,7 +577,7 @@ async fn a_connection_uvicorn_closed_is_not_used() {
 /// A client that goes away mid-stream (the leg's body dropped) closes the connection, and
 /// uvicorn reports the disconnect to the app, which stops the stream; a stream read to its
 /// end is not reported as cut.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 #[ignore = "needs the SGLang venv (target/sglang-venv); .ci/run builds it and runs these with --include-ignored"]
 async fn a_client_gone_mid_stream_cancels_it() {
     per_parser("a_client_gone_mid_stream_cancels_it", TEST_WAIT, |e, up| async move {

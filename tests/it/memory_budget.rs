@@ -148,7 +148,7 @@ async fn a_streamed_logprob_merge_past_its_cap_is_refused_and_a_whole_answer_is_
 /// pool (so that the event loop keeps serving meanwhile, see `benches/hostile.rs`): the
 /// request body's parse, the prefill's input logprobs and their merge into a whole answer.
 /// What comes back is what the inline path gives: each case on both sides of the size.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn large_bodies_and_answers_read_off_the_event_loop_give_the_same_answers() {
     let env = common::start(
         vec![EngineConfig::prefill(1)],

@@ -107,7 +107,7 @@ async fn checks(pool: &Arc<Pool>, up: &Upstream, rank: u32, n: usize) -> Vec<Pre
     out
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn concurrent_stale_requests_share_one_check() {
     let (url, count) = slow_bootstrap(Duration::from_millis(300), StatusCode::OK).await;
     let pool = pool_with_prefill(&url);
@@ -132,7 +132,7 @@ async fn concurrent_stale_requests_share_one_check() {
     assert_eq!(count.load(Ordering::SeqCst), 3);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_failed_check_is_shared_too() {
     let (url, count) = slow_bootstrap(Duration::from_millis(200), StatusCode::NOT_FOUND).await;
     let pool = pool_with_prefill(&url);
@@ -194,7 +194,7 @@ async fn layout_server(dp: u32, delay: Duration) -> (String, Arc<AtomicU64>) {
     (format!("http://{addr}"), seen_peak)
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn the_refresher_asks_for_rank_routes_concurrently() {
     let (url, peak) = layout_server(8, Duration::from_millis(200)).await;
     let pool = Arc::new(Pool::new());

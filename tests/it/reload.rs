@@ -28,7 +28,7 @@ fn current(env: &common::Env) -> Config {
     (**env.router.fleet.live().load()).clone()
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_reload_while_streams_run_disturbs_none_of_them() {
     let env = start_as_is(
         vec![fast_engine(EngineConfig::prefill(1))],
@@ -81,7 +81,7 @@ async fn a_reload_while_streams_run_disturbs_none_of_them() {
     assert!(extra.stats().requests_total > 0, "the added decode serves");
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn an_invalid_config_changes_nothing_and_is_counted() {
     let env = start_as_is(
         vec![fast_engine(EngineConfig::prefill(1))],
@@ -133,7 +133,7 @@ async fn an_invalid_config_changes_nothing_and_is_counted() {
     assert!(n >= 3.0, "{line}");
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_removed_static_worker_drains_its_stream_then_goes() {
     let env = start_as_is(
         vec![fast_engine(EngineConfig::prefill(1))],
@@ -169,7 +169,7 @@ async fn a_removed_static_worker_drains_its_stream_then_goes() {
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn restart_only_sections_keep_their_running_values() {
     let env = start_as_is(
         vec![fast_engine(EngineConfig::prefill(1))],
@@ -326,7 +326,7 @@ async fn sighup_and_the_file_watch_reload_the_binary() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_static_worker_drained_by_an_operator_is_still_removed_by_a_reload() {
     let env = start_as_is(
         vec![fast_engine(EngineConfig::prefill(1))],
@@ -361,7 +361,7 @@ async fn a_static_worker_drained_by_an_operator_is_still_removed_by_a_reload() {
 
 /// A reload that turns engine load polling on (or changes its pace, or turns it off)
 /// applies to the workers already in the pool, not only to workers added later.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_reload_applies_load_polling_to_existing_workers() {
     let env = start_as_is(
         vec![fast_engine(EngineConfig::prefill(1))],

@@ -83,7 +83,7 @@ async fn run_rows(engine: &pdgate_sim::SimEngine, rows: &[Row<'_>]) {
     }
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_fresh_server() {
     let e = fresh(Duration::from_secs(120)).await;
     let rows: Vec<Row> = vec![
@@ -211,7 +211,7 @@ async fn a_fresh_server() {
     run_rows(&e, &rows).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn b_partial_then_ready() {
     let e = fresh(Duration::from_secs(120)).await;
     let rows: Vec<Row> = vec![
@@ -312,7 +312,7 @@ async fn b_partial_then_ready() {
     run_rows(&e, &rows).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn c_tp2_layout_latched_by_first_put() {
     let e = fresh(Duration::from_secs(120)).await;
     let mut rows: Vec<Row> = Vec::new();
@@ -360,7 +360,7 @@ async fn c_tp2_layout_latched_by_first_put() {
     run_rows(&e, &rows).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn d_duplicate_put_counts_twice() {
     let e = fresh(Duration::from_secs(120)).await;
     let rows: Vec<Row> = vec![
@@ -394,7 +394,7 @@ async fn d_duplicate_put_counts_twice() {
     run_rows(&e, &rows).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn e_system_dp_mode() {
     let e = fresh(Duration::from_secs(120)).await;
     let mut rows: Vec<Row> = Vec::new();
@@ -423,7 +423,7 @@ async fn e_system_dp_mode() {
     run_rows(&e, &rows).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn f_bad_puts() {
     let e = fresh(Duration::from_secs(120)).await;
     let mut missing_ip = put(2, 0, 1, 0, 17000);
@@ -528,7 +528,7 @@ async fn f_bad_puts() {
     run_rows(&e2, &rows).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn g_rooms() {
     let e = fresh(Duration::from_millis(200)).await;
     let q = |b: &str| ("POST", "/query_dp_ranks".to_string(), Some(b.to_string()));
@@ -621,7 +621,7 @@ async fn g_rooms() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn engine_registers_its_own_ranks() {
     let e = pdgate_sim::spawn(EngineConfig::prefill(2))
         .await
@@ -674,7 +674,7 @@ async fn engine_registers_its_own_ranks() {
     assert_eq!(status, 200);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn bootstrap_down_drops_connections_but_keeps_port() {
     let e = pdgate_sim::spawn(EngineConfig::prefill(1))
         .await

@@ -49,7 +49,7 @@ fn flags_override_only_what_they_name() {
     assert!(Cli::try_parse_from(["sim", "--role", "router"]).is_err());
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn ready_lines() {
     let p = pdgate_sim::spawn(EngineConfig::prefill(2))
         .await

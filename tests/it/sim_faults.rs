@@ -33,7 +33,7 @@ async fn held_zero(c: &SimCluster) {
     assert!(ok, "{:?}", c.total_stats());
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn prefill_status_faults_use_sglang_shapes() {
     let mut p = fast(EngineConfig::prefill(1));
     p.faults.prefill_status = Some(500);
@@ -70,7 +70,7 @@ async fn prefill_status_faults_use_sglang_shapes() {
     assert_eq!((s.requests_total, s.failed), (3, 3), "{s:?}");
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn missing_room_and_conflicting_routed_rank() {
     let c = SimCluster::spawn(
         &[fast(EngineConfig::prefill(2))],
@@ -108,7 +108,7 @@ async fn missing_room_and_conflicting_routed_rank() {
     held_zero(&c).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn bootstrap_down_fails_decode_after_sentinel_attempts() {
     let mut p = fast(EngineConfig::prefill(1));
     p.faults.bootstrap_down = true;
@@ -145,7 +145,7 @@ async fn bootstrap_down_fails_decode_after_sentinel_attempts() {
     held_zero(&c).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn unregistered_rank_fails_decode_at_once() {
     let c = SimCluster::spawn(
         &[fast(EngineConfig::prefill(2))],
@@ -193,7 +193,7 @@ async fn unregistered_rank_fails_decode_at_once() {
     held_zero(&c).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn legacy_bug_waits_until_waiting_timeout() {
     let mut d = fast(EngineConfig::decode(1));
     d.legacy_bootstrap_bug = true;
@@ -228,7 +228,7 @@ async fn legacy_bug_waits_until_waiting_timeout() {
     held_zero(&c).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn abort_request_ends_a_waiting_decode() {
     let c = SimCluster::spawn(
         &[fast(EngineConfig::prefill(1))],
@@ -260,7 +260,7 @@ async fn abort_request_ends_a_waiting_decode() {
     assert_eq!(c.decodes[0].stats().aborted, 1);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn client_disconnect_is_counted() {
     let c = SimCluster::spawn(
         &[fast(EngineConfig::prefill(1))],
@@ -281,7 +281,7 @@ async fn client_disconnect_is_counted() {
     held_zero(&c).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn decode_dies_mid_stream() {
     let mut d = fast(EngineConfig::decode(1));
     d.faults.decode_die_mid_stream_after = Some(2);
@@ -304,7 +304,7 @@ async fn decode_dies_mid_stream() {
     assert_eq!(c.decodes[0].stats().failed, 1);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn prefill_death_is_noticed_by_the_decode_heartbeat() {
     let mut d = fast(EngineConfig::decode(1));
     d.heartbeat_interval = Duration::from_millis(30);
@@ -341,7 +341,7 @@ async fn prefill_death_is_noticed_by_the_decode_heartbeat() {
     held_zero(&c).await;
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn sim_endpoints_and_info() {
     let e = pdgate_sim::spawn(EngineConfig::decode(2))
         .await

@@ -63,7 +63,7 @@ fn assert_clean(s: &StatsSnapshot, instances: u64) {
     assert_eq!(s.ok, 2 * instances, "{s:?}");
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn generate_non_stream_dp1_with_logprobs() {
     let c = cluster(1, 1).await;
     let body = with_bootstrap(
@@ -100,7 +100,7 @@ async fn generate_non_stream_dp1_with_logprobs() {
     assert_clean(&s, 1);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn generate_stream_dp2_cumulative_chunks() {
     let c = cluster(2, 2).await;
     for room in [7u64, 8] {
@@ -144,7 +144,7 @@ async fn generate_stream_dp2_cumulative_chunks() {
     assert_eq!(c.prefills[0].stats().requests_per_rank, vec![1, 1]);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn chat_non_stream_dp2() {
     let c = cluster(2, 2).await;
     let body = with_bootstrap(
@@ -165,7 +165,7 @@ async fn chat_non_stream_dp2() {
     assert_clean(&s, 1);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn chat_stream_dp1_with_usage() {
     let c = cluster(1, 1).await;
     let body = with_bootstrap(
@@ -200,7 +200,7 @@ async fn chat_stream_dp1_with_usage() {
     assert_clean(&s, 1);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn generate_batch_with_room_list() {
     let c = cluster(2, 1).await;
     let body = with_bootstrap(
@@ -219,7 +219,7 @@ async fn generate_batch_with_room_list() {
     assert_eq!(c.prefills[0].stats().requests_per_rank, vec![1, 1]);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn completions_non_stream_query_mode() {
     // A prefill that does not follow rooms registers each room's rank; the
     // decode resolves it through /query_dp_ranks.
@@ -249,7 +249,7 @@ async fn completions_non_stream_query_mode() {
         .all(|n| *n > 0));
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn rank_mismatch_is_counted_and_both_legs_time_out() {
     let mut p = fast(EngineConfig::prefill(2));
     p.bootstrap_timeout = Duration::from_millis(300);
@@ -279,7 +279,7 @@ async fn rank_mismatch_is_counted_and_both_legs_time_out() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn decode_first_then_prefill_and_room_reuse() {
     let c = cluster(1, 1).await;
     let body = with_bootstrap(
@@ -316,7 +316,7 @@ async fn decode_first_then_prefill_and_room_reuse() {
     assert_eq!(s.kv_transfers, 2);
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn decode_at_wrong_prefill_is_a_bootstrap_mismatch() {
     let mut d = fast(EngineConfig::decode(1));
     d.waiting_timeout = Duration::from_millis(200);
@@ -370,7 +370,7 @@ async fn many_concurrent_pairs_settle_cleanly() {
 /// A decode of other weights asking a prefill for its KV (a cross-model pair) is refused
 /// by the prefill at once and counted; the sim's `/server_info` and `/v1/models` name the
 /// model as SGLang does.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_cross_model_handoff_is_refused_and_counted() {
     let mut d = fast(EngineConfig::decode(1));
     d.model = "/models/other".into();

@@ -113,7 +113,7 @@ async fn racing_decode() -> (String, Arc<Seen>) {
 
 /// With retries configured and with none (`retry.max_retries = 0`): a keep-alive race is
 /// nobody's fault and does not count against the retries.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_keep_alive_race_is_retried_on_the_same_worker_with_fresh_rooms() {
     for max_retries in [2, 0] {
         keep_alive_race(max_retries).await;

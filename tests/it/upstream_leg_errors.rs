@@ -10,7 +10,7 @@ use upstream_support::*;
 /// Malformed or cut answers on a new connection: the documented error, where expected,
 /// no retry (a retry would wait forever on a connection nobody answers), and the
 /// connection closed by the client even while it still holds the body.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn malformed_and_cut_answers_are_errors() {
     type Check = fn(&LegError) -> bool;
     let mut big_head = b"HTTP/1.1 200 OK\r\nx-big: ".to_vec();
@@ -75,7 +75,7 @@ async fn malformed_and_cut_answers_are_errors() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn connect_refused_is_a_connect_error() {
     bounded(async {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -91,7 +91,7 @@ async fn connect_refused_is_a_connect_error() {
 
 /// A background call to a port nobody listens on fails as `Transport`, which keeps
 /// hyper's error as its source (down to the `io::Error`), and says why in its message.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn background_call_errors_keep_their_cause() {
     bounded(async {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -132,7 +132,7 @@ async fn assert_refused(answer: &[u8]) {
 }
 
 /// A complete head larger than the 64 KiB limit is refused like an incomplete one.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn complete_head_larger_than_limit_is_refused() {
     let mut head = b"HTTP/1.1 200 OK\r\nx-big: ".to_vec();
     head.resize(100 * 1024, b'a');
@@ -141,7 +141,7 @@ async fn complete_head_larger_than_limit_is_refused() {
 }
 
 /// `Content-Length` is `1*DIGIT`; a sign is not a length.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn signed_content_length_is_refused() {
     bounded(assert_refused(
         b"HTTP/1.1 200 OK\r\ncontent-length: +5\r\n\r\nhello",
@@ -151,7 +151,7 @@ async fn signed_content_length_is_refused() {
 
 /// `keep_headers = false` drops the answer's headers but not what they mean for framing
 /// and reuse.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn answer_headers_kept_only_when_asked() {
     #[rustfmt::skip]
     let cases: &[(&[u8], &[&str], bool)] = &[
@@ -182,7 +182,7 @@ async fn answer_headers_kept_only_when_asked() {
 
 /// Dropping the leg (its send future or its body) before the answer's end closes the
 /// connection at once, and it is not pooled.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn dropping_a_leg_early_closes_its_connection() {
     // (answer written, data frames read before the drop, drop the send future instead)
     #[rustfmt::skip]
@@ -231,7 +231,7 @@ async fn dropping_a_leg_early_closes_its_connection() {
 /// What the engine receives: request line, host, JSON content type, exact length and
 /// body (1 MiB too, which takes several writes), forwarded headers once each, and none of
 /// the headers the client owns taken from the forward map.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn request_is_written_exactly() {
     let mib: Vec<u8> = (0..1 << 20)
         .map(|i: u32| b"{\"x\":[1,2]}"[(i % 11) as usize])
@@ -288,7 +288,7 @@ async fn request_is_written_exactly() {
 
 /// `sweep` closes connections idle for the given time; a zero idle timeout in the config
 /// means a pooled connection is never reused.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn idle_connections_age_out() {
     bounded(async {
         let mut srv = serve(|c| c.answer_all(OK2)).await;
@@ -315,7 +315,7 @@ async fn idle_connections_age_out() {
 
 /// Two concurrent legs open two connections; when both finish, at most `max_idle` stay
 /// pooled and the others are closed.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn max_idle_per_host_bounds_the_pool() {
     for (max_idle, idle) in [(0usize, 0usize), (1, 1), (256, 2)] {
         bounded(async {
@@ -360,7 +360,7 @@ async fn max_idle_per_host_bounds_the_pool() {
 /// connection as on a kept-alive one, and the connection is not pooled (the request was
 /// never written whole). The body (32 MiB) is more than the socket buffers hold, so the
 /// client's write is still going when the engine closes.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn an_early_answer_is_reported_not_the_failed_write() {
     let big = Arc::new(vec![b' '; 32 << 20]);
     #[rustfmt::skip]
@@ -406,7 +406,7 @@ async fn an_early_answer_is_reported_not_the_failed_write() {
 
 /// When the request cannot be written and nothing was answered, the leg fails as a write
 /// error (the engine cannot have read it) without waiting for an answer.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_failed_write_without_an_answer_is_a_write_error() {
     bounded(async {
         let srv = serve(|mut c| async move {
@@ -428,7 +428,7 @@ async fn a_failed_write_without_an_answer_is_a_write_error() {
 
 /// An answer with both Transfer-Encoding and Content-Length is framed by the former, and
 /// the length is not kept for the client (RFC 9112 §6.3).
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_length_beside_transfer_encoding_is_dropped() {
     #[rustfmt::skip]
     let answers: &[&[u8]] = &[

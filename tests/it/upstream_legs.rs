@@ -77,7 +77,7 @@ fn scripts() -> Vec<(&'static str, Vec<Step>, bool)> {
 
 /// Runs each script on a fresh server, then checks that the next leg goes on the same
 /// connection exactly when `reused`.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn framing_scripts() {
     for (name, steps, reused) in scripts() {
         bounded(run_script(name, steps, reused)).await;
@@ -149,7 +149,7 @@ async fn run_script(name: &str, steps: Vec<Step>, reused: bool) {
 
 /// N sequential legs on one server: one connection for all when the answer allows
 /// keep-alive, one per leg otherwise.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn sequential_legs_share_one_connection() {
     // (name, answer, the server closes after it, body, reused)
     type Case = (&'static str, &'static [u8], bool, &'static [u8], bool);
@@ -211,7 +211,7 @@ enum Conn0 {
 /// all of it: its connection was seen closed before the write, or the write failed part-way.
 /// Once it was written whole, an EOF or reset before the answer is `ClosedAfterWrite`, never
 /// a resend (the same rid and bootstrap room would run twice).
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_request_the_engine_may_have_read_is_never_resent() {
     type Check = fn(&LegError) -> bool;
     fn after_write(e: &LegError) -> bool {
@@ -303,7 +303,7 @@ async fn a_request_the_engine_may_have_read_is_never_resent() {
 /// it yet): either the close was seen and the leg goes on a new connection, or the leg was
 /// written into the closed connection and fails as `ClosedAfterWrite`. Never both: the
 /// request reaches an engine at most once.
-#[tokio::test]
+#[tokio::test(crate = "crate::support::rt")]
 async fn idle_close_racing_the_leg_reaches_the_engine_at_most_once() {
     for reset in [false, true] {
         bounded(async {

@@ -4,8 +4,9 @@ use pdgate_sim::{EngineConfig, Faults};
 
 use crate::support::common::{start, with_faults, Captured, GEN};
 
-/// Current-thread runtime: every task logs on this thread, into this test's subscriber.
-#[tokio::test]
+/// Every task logs into this test's subscriber, on whichever thread it runs
+/// (`support::rt::set_default`).
+#[tokio::test(crate = "crate::support::rt")]
 async fn a_failed_attempt_names_its_worker() {
     let buf = Captured::default();
     let sink = buf.clone();
@@ -14,7 +15,7 @@ async fn a_failed_attempt_names_its_worker() {
         .with_ansi(false)
         .with_writer(move || sink.clone())
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = crate::support::rt::set_default(subscriber);
     let failing = with_faults(
         EngineConfig::prefill(1),
         Faults {
