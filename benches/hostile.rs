@@ -204,6 +204,13 @@ async fn rss_sampler(pid: u32, until: Instant) -> u64 {
     peak
 }
 
+/// The normal clients' HTTP client (keep-alive, enough idle connections for all of them).
+fn http_client() -> HttpClient {
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(64)
+        .build_http()
+}
+
 /// The normal clients on a thread and a single-threaded runtime of their own.
 fn normal_clients_apart(
     url: String,
@@ -215,12 +222,7 @@ fn normal_clients_apart(
             .enable_all()
             .build()
             .expect("runtime");
-        rt.block_on(async move {
-            let client: HttpClient = Client::builder(TokioExecutor::new())
-                .pool_max_idle_per_host(64)
-                .build_http();
-            normal_clients(client, url, body, until).await
-        })
+        rt.block_on(async move { normal_clients(http_client(), url, body, until).await })
     })
 }
 
@@ -630,9 +632,7 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async move {
-        let client: HttpClient = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(64)
-            .build_http();
+        let client = http_client();
         // Ready: a normal request answers (bounded: 20 s).
         let ready_until = Instant::now() + Duration::from_secs(20);
         loop {

@@ -24,6 +24,23 @@ fn traced(collector: &str) -> impl FnOnce(&mut Config) + '_ {
     }
 }
 
+/// A collector, and a router tracing to it (then `tweak`) in front of one prefill and one
+/// decode, routable.
+async fn traced_pair(tweak: impl FnOnce(&mut Config)) -> (Collector, Env) {
+    let col = Collector::start(Duration::ZERO).await;
+    let env = start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            traced(&col.url)(c);
+            tweak(c);
+        },
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    (col, env)
+}
+
 /// POSTs `body` to `path` with the given extra headers; the whole answer (bounded: 20 s).
 async fn post(env: &Env, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, Vec<u8>) {
     let mut h = vec![("content-type", "application/json")];
@@ -88,14 +105,7 @@ fn header(e: &pdgate_sim::SimEngine, name: &str) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_continues_the_callers_trace_as_one_span_tree() {
-    let col = Collector::start(Duration::ZERO).await;
-    let env = start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        traced(&col.url),
-    )
-    .await;
-    env.wait_routable(1, 1).await;
+    let (col, env) = traced_pair(|_| {}).await;
     let tp = format!("00-{TRACE}-{CALLER_SPAN}-01");
     for (path, body, root_name) in [
         ("/generate", GEN_STREAM, "POST /generate"),
@@ -236,18 +246,10 @@ async fn a_retry_is_an_attempt_span_with_its_reason() {
 /// caller's headers as they came.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampling_follows_the_caller_then_the_ratio() {
-    let col = Collector::start(Duration::ZERO).await;
-    let url = col.url.clone();
-    let env = start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        move |c| {
-            traced(&url)(c);
-            c.trace.sample_ratio = 0.0;
-        },
-    )
+    let (col, env) = traced_pair(|c| {
+        c.trace.sample_ratio = 0.0;
+    })
     .await;
-    env.wait_routable(1, 1).await;
     let unsampled = format!("00-{TRACE}-{CALLER_SPAN}-00");
     let malformed = format!("00-{}-{CALLER_SPAN}-01", TRACE.to_uppercase());
     // (traceparent sent, what the engines get): none of them is traced.
@@ -282,14 +284,7 @@ async fn sampling_follows_the_caller_then_the_ratio() {
 /// get the new trace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_traceparent_starts_a_new_trace() {
-    let col = Collector::start(Duration::ZERO).await;
-    let env = start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        traced(&col.url),
-    )
-    .await;
-    env.wait_routable(1, 1).await;
+    let (col, env) = traced_pair(|_| {}).await;
     for bad in [
         "garbage",
         "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
@@ -309,18 +304,10 @@ async fn a_malformed_traceparent_starts_a_new_trace() {
 /// is far longer than the test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_spans_are_flushed_at_shutdown() {
-    let col = Collector::start(Duration::ZERO).await;
-    let url = col.url.clone();
-    let env = start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        move |c| {
-            traced(&url)(c);
-            c.trace.export_interval_ms = 600_000;
-        },
-    )
+    let (col, env) = traced_pair(|c| {
+        c.trace.export_interval_ms = 600_000;
+    })
     .await;
-    env.wait_routable(1, 1).await;
     let tp = format!("00-{TRACE}-{CALLER_SPAN}-01");
     let (status, _) = post(&env, "/generate", &[("traceparent", &tp)], GEN).await;
     assert_eq!(status, 200);
