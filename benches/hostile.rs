@@ -248,7 +248,6 @@ fn renice_threads(name: &str, nice: i32) -> usize {
     n
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn run_phase(
     url: &str,
     body: &'static str,

@@ -15,6 +15,7 @@ use std::time::Duration;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
+use tower::util::BoxCloneService;
 use tower::{Service, ServiceExt};
 
 use crate::body::RespBody;
@@ -44,6 +45,7 @@ pub async fn serve<S>(
         + 'static,
     S::Future: Send,
 {
+    let svc = SideService::new(svc);
     let slots = std::sync::Arc::new(Semaphore::new(limits.max_connections));
     loop {
         tokio::select! {
@@ -76,17 +78,17 @@ pub async fn serve<S>(
     }
 }
 
-async fn connection<S>(stream: TcpStream, limits: Limits, svc: S, mut stop: watch::Receiver<bool>)
-where
-    S: Service<
-            http::Request<hyper::body::Incoming>,
-            Response = http::Response<RespBody>,
-            Error = Infallible,
-        > + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-{
+/// The service every connection of one side listener shares (boxed once per listener: these
+/// listeners are off the request path).
+type SideService =
+    BoxCloneService<http::Request<hyper::body::Incoming>, http::Response<RespBody>, Infallible>;
+
+async fn connection(
+    stream: TcpStream,
+    limits: Limits,
+    svc: SideService,
+    mut stop: watch::Receiver<bool>,
+) {
     let _ = stream.set_nodelay(true);
     let svc = hyper::service::service_fn(move |req| svc.clone().oneshot(req));
     let conn = hyper::server::conn::http1::Builder::new()

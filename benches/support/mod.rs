@@ -203,7 +203,6 @@ pub fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
 
 /// [`start_sim`] with more `pdgate sim` arguments (e.g. `--served-model-name`), maybe under
 /// `nice -n <nice>`.
-#[allow(dead_code)]
 pub fn start_sim_with(
     bin: &Path,
     tokens: u32,
@@ -250,7 +249,6 @@ pub fn free_port() -> u16 {
     l.local_addr().expect("addr").port()
 }
 
-#[allow(dead_code)]
 pub fn start_router(bin: &Path, sim: &SimInfo) -> (Proc, String) {
     start_router_over(bin, &[sim])
 }
