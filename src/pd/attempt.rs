@@ -276,13 +276,18 @@ impl Dispatcher {
         // The request's model (none: one handoff group serves all); the decode comes from
         // the picked prefill's handoff group, never another.
         let scope = req.scope.as_deref();
+        let prefill_among = (scope.is_some() || snap.groups.len() > 1)
+            .then(|| snap.routable_for(Role::Prefill, scope));
+        // A retry that excluded decodes picks only among prefills whose handoff group still
+        // has a decode left: another group of the model, not the one whose partners all
+        // failed (a retry's slow path; the first attempt never allocates here).
+        let narrowed = with_partner_left(snap, prefill_among, exclude_d);
         let (prefill_pick, decode_pick, decode_among) = self.rng.with(|rng| {
             let pctx = PickCtx {
                 exclude: exclude_p,
                 prefix_hash,
                 need: None,
-                among: (scope.is_some() || snap.groups.len() > 1)
-                    .then(|| snap.routable_for(Role::Prefill, scope)),
+                among: narrowed.as_deref().or(prefill_among),
             };
             let policy = self.prefill_policy.as_ref();
             let p = policy::select(policy, snap, Role::Prefill, &pctx, rng);
@@ -597,4 +602,25 @@ fn no_prefill_detail(snap: &Snapshot, model: Option<&str>) -> (FailReason, Strin
         reason,
         format!("no prefill rank can bootstrap now ({})", parts.join("; ")),
     )
+}
+
+/// The prefills of `among` whose handoff group has a routable decode outside `exclude_d`,
+/// when excluding decodes leaves some group without one and another with one; `None` to
+/// pick among `among` as it is (one group, nothing excluded, or no group with a decode
+/// left: the decode pick then fails with its own reason).
+fn with_partner_left(
+    snap: &Snapshot,
+    among: Option<&[crate::pool::Routable]>,
+    exclude_d: &[WorkerId],
+) -> Option<Vec<crate::pool::Routable>> {
+    let among = among?;
+    if exclude_d.is_empty() || snap.groups.len() <= 1 {
+        return None;
+    }
+    let left = |p: &crate::pool::Routable| {
+        snap.decodes_for(p.worker)
+            .is_none_or(|ds| ds.iter().any(|d| !exclude_d.contains(&d.worker)))
+    };
+    let kept: Vec<_> = among.iter().filter(|p| left(p)).cloned().collect();
+    (!kept.is_empty() && kept.len() < among.len()).then_some(kept)
 }

@@ -597,3 +597,52 @@ async fn info_and_health_generate_answer_per_model() {
     let s = env.settled_stats().await;
     assert_eq!(s.violation_kv_layout_mismatch, 0, "{s:?}");
 }
+
+/// One model in two handoff groups (weights `v1` and `v2`); `v1`'s decode fails every
+/// request (500) while its health is fine. A retry excludes that decode; the next attempt
+/// must then pick a prefill whose group still has a decode left (here `v2`'s), never
+/// `v1`'s prefill, whose only partner is excluded (that answered 503 `no decode`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_moves_to_another_handoff_group_of_the_model() {
+    let version = |prefill: bool, v: &str| {
+        let mut e = engine(prefill, "org/model");
+        e.weight_version = v.to_string();
+        e
+    };
+    let mut bad = version(false, "v1");
+    bad.faults = pdgate_sim::Faults {
+        decode_status: Some(500),
+        ..pdgate_sim::Faults::default()
+    };
+    let env = start(
+        vec![version(true, "v1"), version(true, "v2")],
+        vec![bad, version(false, "v2")],
+        |cfg| {
+            // Passive ejection off: the failing decode stays routable, so every request
+            // that meets it must be moved by its retry.
+            cfg.breaker.failure_threshold = 0;
+            cfg.policy.prefill = pdgate::config::PolicyKind::Random;
+            cfg.policy.decode = pdgate::config::PolicyKind::Random;
+        },
+    )
+    .await;
+    env.wait_routable(2, 2).await;
+    env.wait_pool("one model in two groups", |s| {
+        s.models.len() == 1 && s.groups.len() == 2
+    })
+    .await;
+    for i in 0..24 {
+        let (status, _, body) = env.post("/v1/chat/completions", &chat("org/model")).await;
+        assert_eq!(
+            status,
+            200,
+            "request {i}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    assert!(
+        env.cluster.decodes[0].stats().requests_total > 0,
+        "the failing decode was met (the test exercised a retry)"
+    );
+    assert_eq!(env.stats().violation_kv_layout_mismatch, 0);
+}
