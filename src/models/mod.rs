@@ -100,6 +100,26 @@ fn lookup(cfg: &ModelsConfig, snap: &Snapshot, name: &str) -> Option<Arc<str>> {
     )
 }
 
+/// The name a request's legs carry instead of the client's, when the client named an alias
+/// (`resolved` is the model it resolved to): the served name, keeping a LoRA adapter
+/// (`alias:adapter` → `model:adapter`). `None` for every other name (a served name,
+/// `base:adapter` of a served base, any name in the loose single-model case): the engine
+/// gets it unchanged. SGLang parses `model` for `base:adapter` and otherwise echoes it in
+/// its answers, so an engine sees a name it serves and the answer names the model served
+/// (as OpenAI answers an alias with the model behind it).
+pub fn leg_name(cfg: &ModelsConfig, requested: &str, resolved: &str) -> Option<String> {
+    if cfg.aliases.is_empty() || requested == resolved {
+        return None;
+    }
+    if cfg.aliases.contains_key(requested) {
+        return Some(resolved.to_string());
+    }
+    let (base, adapter) = requested.split_once(':')?;
+    cfg.aliases
+        .contains_key(base)
+        .then(|| format!("{resolved}:{adapter}"))
+}
+
 fn not_found(name: &str) -> Failure {
     let mut shown = name;
     if shown.len() > ECHO_BYTES {

@@ -192,3 +192,24 @@ fn unreported_facts_are_not_compared() {
     assert_eq!(partners.len(), 1);
     assert_eq!(partners[0].worker, did);
 }
+
+#[test]
+fn legs_carry_the_served_name_of_an_alias() {
+    let c = cfg(false, None, &[("gpt-4o", "org/m"), ("x:y", "org/m")]);
+    let rows: &[(&str, &str, Option<&str>)] = &[
+        ("gpt-4o", "org/m", Some("org/m")),
+        ("gpt-4o:sql", "org/m", Some("org/m:sql")),
+        ("x:y", "org/m", Some("org/m")),
+        ("org/m", "org/m", None),
+        ("org/m:sql", "org/m", None),
+        ("other:sql", "org/m", None),
+    ];
+    for (asked, resolved, want) in rows {
+        assert_eq!(
+            leg_name(&c, asked, resolved).as_deref(),
+            *want,
+            "{asked} -> {resolved}"
+        );
+    }
+    assert_eq!(leg_name(&cfg(false, None, &[]), "gpt-4o", "org/m"), None);
+}

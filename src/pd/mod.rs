@@ -199,6 +199,23 @@ impl Dispatcher {
         }
     }
 
+    /// An OpenAI request that named an alias carries the model served on its legs
+    /// (`models::leg_name`); nothing is looked at without aliases.
+    fn alias_on_legs(&self, req: &mut ParsedRequest, resolved: &str) {
+        if self.cfg.models.aliases.is_empty() || req.route == request::ApiRoute::Generate {
+            return;
+        }
+        let name = req
+            .model()
+            .and_then(|asked| crate::models::leg_name(&self.cfg.models, &asked, resolved));
+        if let Some(n) = name {
+            match serde_json::to_string(&n) {
+                Ok(json) => req.override_on_legs("model", json),
+                Err(_) => tracing::debug!("model name not encodable: kept"),
+            }
+        }
+    }
+
     /// Runs a parsed request to its response: retries before the first byte, errors mapped
     /// once by [`Failure::into_response`]. `record` (the request's account since it
     /// arrived) ends up on the response's body.
@@ -214,6 +231,9 @@ impl Dispatcher {
         match crate::models::resolve(&self.cfg.models, &self.pool, || req.model()) {
             Ok(scope) => {
                 record.model = scope.clone();
+                if let Some(m) = scope.as_deref() {
+                    self.alias_on_legs(&mut req, m);
+                }
                 req.scope = scope;
             }
             Err(f) => {

@@ -180,8 +180,9 @@ impl Mover {
         let body =
             continuation::follow_up(&self.req, self.tracker.plan(), &sent).map_err(|r| r.0)?;
         let mut follow = request::parse(self.req.route, body).map_err(|f| f.message.to_string())?;
-        // The follow-up goes to the same model's workers (a `/generate` body names none).
-        follow.scope = self.req.scope.clone();
+        // The follow-up goes to the same model's workers (a `/generate` body names none),
+        // its legs naming the model as the first attempt's did.
+        follow.follow(&self.req);
         prepare_legs(&mut follow, self.tracker.plan());
         // Only the decode that just failed is avoided: one that failed an earlier move
         // may be back (its breaker says whether it is routable).

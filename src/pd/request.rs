@@ -99,9 +99,10 @@ pub struct ParsedRequest {
     /// `prompt` or `messages`).
     prompt: Option<Range<usize>>,
     prefix_hash: OnceLock<Option<u64>>,
-    /// A top-level member the legs carry instead of the client's (`stream_options` on a
-    /// continuable OpenAI stream, see `pd::continuation`).
-    leg_override: Option<(&'static str, Box<str>)>,
+    /// Top-level members the legs carry instead of the client's (`stream_options` on a
+    /// continuable OpenAI stream, see `pd::continuation`; `model` when the client named an
+    /// alias, see `crate::models::leg_name`). Empty (no allocation) on most requests.
+    leg_overrides: Vec<(&'static str, Box<str>)>,
     /// Byte range of the top-level `model` string (its raw JSON, quotes included). Kept on
     /// OpenAI legs; SGLang's `/generate` has no such field, so it is not sent there.
     model: Option<Range<usize>>,
@@ -206,7 +207,18 @@ impl ParsedRequest {
     /// The legs carry `raw` as the value of `key` instead of the client's member (added
     /// when the client had none). The client's value stays readable in [`Self::members`].
     pub fn override_on_legs(&mut self, key: &'static str, raw: String) {
-        self.leg_override = Some((key, raw.into_boxed_str()));
+        let raw = raw.into_boxed_str();
+        match self.leg_overrides.iter_mut().find(|(k, _)| *k == key) {
+            Some(slot) => slot.1 = raw,
+            None => self.leg_overrides.push((key, raw)),
+        }
+    }
+
+    /// A follow-up of `first` (a moved stream's continuation) goes where `first` went and
+    /// carries what `first`'s legs carried instead of the client's members.
+    pub fn follow(&mut self, first: &ParsedRequest) {
+        self.scope = first.scope.clone();
+        self.leg_overrides = first.leg_overrides.clone();
     }
 
     /// Whether the bootstrap fields go as lists (one entry per instance).
@@ -241,8 +253,9 @@ impl ParsedRequest {
         // Where the last member written ends in the body.
         let mut prev_end: Option<usize> = None;
         for f in &self.fields {
-            if let Some((k, _)) = &self.leg_override {
-                if self.key_of(f) == *k {
+            if !self.leg_overrides.is_empty() {
+                let key = self.key_of(f);
+                if self.leg_overrides.iter().any(|(k, _)| key == *k) {
                     continue;
                 }
             }
@@ -282,7 +295,7 @@ impl ParsedRequest {
 /// port and room(s), then what differs between the legs.
 fn push_fields(out: &mut Payload, leg: &LegFields<'_>, req: &ParsedRequest) {
     out.own(|out| {
-        if let Some((k, v)) = &req.leg_override {
+        for (k, v) in &req.leg_overrides {
             push_key(out, k);
             out.extend_from_slice(v.as_bytes());
             out.push(b',');
@@ -695,7 +708,7 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
         replaced,
         prompt,
         prefix_hash: OnceLock::new(),
-        leg_override: None,
+        leg_overrides: Vec::new(),
         model,
         scope: None,
     };

@@ -186,13 +186,32 @@ async fn generate_default_alias_and_adapter() {
         "the default"
     );
 
+    // An alias reaches the engines as the model they serve (both legs), a LoRA adapter
+    // of an alias as `model:adapter`, a served base's adapter unchanged.
+    let leg_models = |n: usize| -> Vec<String> {
+        let mut names: Vec<String> = [&env.cluster.prefills[0], &env.cluster.decodes[0]]
+            .iter()
+            .chain(&[&env.cluster.decodes[2]])
+            .flat_map(|e| e.recent_generate_bodies())
+            .filter_map(|(_, b)| b["model"].as_str().map(str::to_string))
+            .collect();
+        names.sort();
+        names.dedup();
+        assert!(names.len() <= n, "{names:?}");
+        names
+    };
     let (status, _, body) = env.post("/v1/chat/completions", &chat("gpt-4o")).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(leg_models(1), ["model-a"]);
     let (status, _, body) = env
         .post("/v1/chat/completions", &chat("model-a:my-lora"))
         .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-    assert_eq!(env.cluster.prefills[0].stats().requests_total, 3);
+    assert_eq!(leg_models(2), ["model-a", "model-a:my-lora"]);
+    let (status, _, body) = env.post("/v1/chat/completions", &chat("gpt-4o:sql")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(leg_models(3), ["model-a", "model-a:my-lora", "model-a:sql"]);
+    assert_eq!(env.cluster.prefills[0].stats().requests_total, 4);
     assert_eq!(env.cluster.prefills[1].stats().requests_total, 1);
     let (status, _, body) = env
         .post("/v1/chat/completions", &chat("model-z:my-lora"))
