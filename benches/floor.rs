@@ -20,7 +20,9 @@
 //! is sampled at the clock tick, like the `load` bench's figures.
 //!
 //! Run: `cargo build --release --bin pdgate && cargo bench --bench floor`
-//! (`PDGATE_BENCH_QUICK=1` for one short round; `PDGATE_FLOOR_ROUNDS=N` to set the rounds).
+//! (`PDGATE_BENCH_QUICK=1` for one short round; `PDGATE_FLOOR_ROUNDS=N` to set the rounds;
+//! `PDGATE_FLOOR_ONLY=generate` or `chat` for one route). Beside CPU, each line counts the
+//! times the process was put on a CPU and its minor page faults, per request.
 //! This is a measurement, not a test: nothing here asserts on a time.
 
 use std::net::SocketAddr;
@@ -547,6 +549,9 @@ struct Point {
     cpu_ms: f64,
     user_ms: f64,
     sys_ms: f64,
+    /// Times on a CPU and minor page faults, per request (`sched_counts`).
+    runs: f64,
+    minflt: f64,
     errors: u64,
 }
 
@@ -554,12 +559,15 @@ async fn measure(t: &Target, route: Route, conc: usize, s: &Settings, tck: f64) 
     drive(t.addr, route, conc, Instant::now() + s.warmup, u64::MAX).await;
     let (u0, s0) = cpu_ticks(t.pid);
     let ns0 = cpu_ns(t.pid);
+    let (r0, f0) = sched_counts(t.pid);
     let t0 = Instant::now();
     let tally = drive(t.addr, route, conc, t0 + s.duration, s.max_requests).await;
     let secs = t0.elapsed().as_secs_f64();
     let (u1, s1) = cpu_ticks(t.pid);
     let ns1 = cpu_ns(t.pid);
+    let (r1, f1) = sched_counts(t.pid);
     let per = |ticks: u64| ticks as f64 / tck * 1000.0 / tally.ok.max(1) as f64;
+    let each = |n: u64| n as f64 / tally.ok.max(1) as f64;
     Point {
         req_s: tally.ok as f64 / secs,
         p50_ms: tally
@@ -569,6 +577,8 @@ async fn measure(t: &Target, route: Route, conc: usize, s: &Settings, tck: f64) 
         cpu_ms: ns1.saturating_sub(ns0) as f64 / 1e6 / tally.ok.max(1) as f64,
         user_ms: per(u1.saturating_sub(u0)),
         sys_ms: per(s1.saturating_sub(s0)),
+        runs: each(r1.saturating_sub(r0)),
+        minflt: each(f1.saturating_sub(f0)),
         errors: tally.errors,
     }
 }
@@ -692,8 +702,11 @@ fn main() {
         .expect("runtime");
     // (route, target, conc) -> one point per round
     let conc = s.concurrency;
+    // `PDGATE_FLOOR_ONLY=generate` (or `chat`) measures one route only.
+    let only = std::env::var("PDGATE_FLOOR_ONLY").unwrap_or_default();
     let cases: Vec<(Route, usize, usize)> = Route::ALL
         .iter()
+        .filter(|r| only.is_empty() || r.path().contains(only.as_str()))
         .flat_map(|&r| (0..targets.len()).flat_map(move |t| conc.map(|c| (r, t, c))))
         .collect();
     let mut points: Vec<Vec<Point>> = cases.iter().map(|_| Vec::new()).collect();
@@ -714,7 +727,7 @@ fn main() {
                 let t = &targets[ti];
                 let p = measure(t, route, conc, &s, tck).await;
                 eprintln!(
-                    "[floor] round {} {:<24} {:<22} c={conc:<3} {:>7.0} req/s  p50 {:.3} ms  CPU {:.4} ms/req (user {:.4} sys {:.4})  errors {}",
+                    "[floor] round {} {:<24} {:<22} c={conc:<3} {:>7.0} req/s  p50 {:.3} ms  CPU {:.4} ms/req (user {:.4} sys {:.4})  runs {:.2} minflt {:.3} /req  errors {}",
                     round + 1,
                     route.label(),
                     t.name,
@@ -723,6 +736,8 @@ fn main() {
                     p.cpu_ms,
                     p.user_ms,
                     p.sys_ms,
+                    p.runs,
+                    p.minflt,
                     p.errors
                 );
                 points[i].push(p);

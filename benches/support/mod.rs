@@ -335,6 +335,30 @@ pub fn cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
+/// Times a process's threads were put on a CPU (`/proc/<pid>/task/*/schedstat`, third
+/// field: wake-ups and preemptions), and its minor page faults (`/proc/<pid>/stat` field
+/// 10). Counts, not times: a change in them explains a change in CPU per request without
+/// hardware counters (which a VM may not have).
+pub fn sched_counts(pid: u32) -> (u64, u64) {
+    let runs = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .flatten()
+                .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+                .filter_map(|s| s.split_whitespace().nth(2)?.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0);
+    let minflt = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 1..];
+            rest.split_whitespace().nth(10 - 3)?.parse::<u64>().ok()
+        })
+        .unwrap_or(0);
+    (runs, minflt)
+}
+
 /// System-wide `TcpExt: ListenOverflows` (accept queue full → SYN dropped → the client
 /// retransmits its SYN after 1 s).
 pub fn listen_overflows() -> u64 {
