@@ -26,6 +26,12 @@
 //! it can never fit, 503 with `Retry-After` when the budget is full now); the body's charge
 //! rides on the [`Slot`], so it ends with the response body like the slot itself.
 //!
+//! A model with its own limits (`[models.settings."NAME".admission]`) has an admission of
+//! its own ([`Admission::for_model`], held by the dispatcher): a request of that model takes
+//! a slot there too once its model is known, held inside its replica-wide [`Slot`]
+//! ([`Slot::hold_model`]) so that both end together. Its series carry a `model` label
+//! (`pdgate_model_*`); its byte budget is never charged (bytes stay replica-wide).
+//!
 //! Gauges (handles registered once): `pdgate_in_flight_requests` counts the PD requests
 //! admitted whose response has not ended (also when `max_in_flight` is 0, i.e. no limit),
 //! `pdgate_admission_queue` those waiting for a slot. Both are moved by drop guards, so
