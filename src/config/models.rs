@@ -231,7 +231,12 @@ pub(super) fn validate_settings(cfg: &Config) -> Result<(), ConfigError> {
             settings.len()
         )));
     }
-    let mut scratch = cfg.clone();
+    // The top level passed: its worker lists need no second look per model.
+    let mut scratch = Config {
+        prefill: Vec::new(),
+        decode: Vec::new(),
+        ..cfg.clone()
+    };
     scratch.models.settings.clear();
     for (name, s) in settings {
         if name.trim().is_empty() || name.len() > MAX_NAME_BYTES {

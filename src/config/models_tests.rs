@@ -155,3 +155,63 @@ fn a_valid_top_level_does_not_cover_an_invalid_override() {
     // A config without settings is validated as before.
     Config::default().validate().unwrap();
 }
+
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn opt<T: std::fmt::Debug + Clone>(
+        s: impl Strategy<Value = T>,
+    ) -> impl Strategy<Value = Option<T>> {
+        proptest::option::of(s)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Every field of an overlay is the override's where it gives one, else the top
+        /// level's; and a model's settings validate exactly when its effective sections
+        /// would validate as the top level's.
+        #[test]
+        fn an_overlay_takes_given_fields_and_keeps_the_rest(
+            max_retries in opt(0u32..40),
+            budget_ratio in opt(-1.0f64..12.0),
+            max_stream_moves in opt(0u32..12),
+            failure_threshold in opt(0u32..1200),
+            max_ejection_ratio in opt(-0.5f64..1.5),
+        ) {
+            let top = Config::default();
+            let retry = RetryOverride {
+                max_retries,
+                budget_ratio,
+                max_stream_moves,
+                ..RetryOverride::default()
+            };
+            let breaker = BreakerOverride {
+                failure_threshold,
+                max_ejection_ratio,
+                ..BreakerOverride::default()
+            };
+            let r = retry.over(&top.retry);
+            prop_assert_eq!(r.max_retries, max_retries.unwrap_or(top.retry.max_retries));
+            prop_assert_eq!(r.budget_ratio, budget_ratio.unwrap_or(top.retry.budget_ratio));
+            prop_assert_eq!(r.max_stream_moves, max_stream_moves.unwrap_or(top.retry.max_stream_moves));
+            prop_assert_eq!(r.move_wait_ms, top.retry.move_wait_ms);
+            prop_assert_eq!(r.budget_min_reserve, top.retry.budget_min_reserve);
+            let b = breaker.over(&top.breaker);
+            prop_assert_eq!(b.failure_threshold, failure_threshold.unwrap_or(top.breaker.failure_threshold));
+            prop_assert_eq!(b.open_ms, top.breaker.open_ms);
+
+            let mut cfg = top.clone();
+            cfg.models.settings.insert("m".into(), ModelSettings {
+                retry: Some(retry),
+                breaker: Some(breaker),
+                ..ModelSettings::default()
+            });
+            let mut as_top = top.clone();
+            as_top.retry = r;
+            as_top.breaker = b;
+            prop_assert_eq!(cfg.validate().is_ok(), as_top.validate().is_ok());
+        }
+    }
+}
