@@ -397,6 +397,20 @@ async fn a_reload_changes_one_models_settings() {
         "{err}"
     );
     assert!(env.router.fleet.live().load().models.settings.is_empty());
+
+    // Settings added for model-b by a reload: its own slot from the next request on.
+    let mut next = (**env.router.fleet.live().load()).clone();
+    settings(&mut next, b, |s| s.admission = Some(one_slot()));
+    pdgate::reload::apply(&env.router, next).expect("valid");
+    let db = &env.cluster.decodes[1];
+    hold(db, true);
+    let first = post_task(&env, chat(b));
+    wait_held(db, 1).await;
+    let (st, headers, body) = env.post("/v1/chat/completions", &chat(b)).await;
+    assert_model_full(st, &headers, &body, b);
+    hold(db, false);
+    let (st, body) = first.await.expect("task");
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
 }
 
 /// One model in one handoff group (requests resolve to "any worker"): its settings apply
