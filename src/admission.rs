@@ -26,6 +26,12 @@
 //! it can never fit, 503 with `Retry-After` when the budget is full now); the body's charge
 //! rides on the [`Slot`], so it ends with the response body like the slot itself.
 //!
+//! A model with its own limits (`[models.settings."NAME".admission]`) has an admission of
+//! its own ([`Admission::for_model`], held by the dispatcher): a request of that model takes
+//! a slot there too once its model is known, held inside its replica-wide [`Slot`]
+//! ([`Slot::hold_model`]) so that both end together. Its series carry a `model` label
+//! (`pdgate_model_*`); its byte budget is never charged (bytes stay replica-wide).
+//!
 //! Gauges (handles registered once): `pdgate_in_flight_requests` counts the PD requests
 //! admitted whose response has not ended (also when `max_in_flight` is 0, i.e. no limit),
 //! `pdgate_admission_queue` those waiting for a slot. Both are moved by drop guards, so
@@ -56,6 +62,9 @@ pub struct Admission {
     in_flight: Gauge,
     queued: Gauge,
     bytes: Arc<ByteBudget>,
+    /// The model whose own limits these are (`[models.settings."NAME".admission]`);
+    /// `None` for the replica-wide admission.
+    model: Option<Arc<str>>,
 }
 
 /// Decrements the wait count (and the queue gauge) however the wait ends.
@@ -73,6 +82,8 @@ impl Drop for Waiting<'_> {
 pub struct Slot {
     _permit: Option<OwnedSemaphorePermit>,
     _client: Option<ClientHold>,
+    /// The request's slot in its model's own admission, when its model has one.
+    _model: Option<Box<Slot>>,
     /// The bytes the request holds (its body, buffered answers), given back with the slot.
     bytes: Charge,
     in_flight: Gauge,
@@ -84,6 +95,7 @@ impl Slot {
         Slot {
             _permit: permit,
             _client: None,
+            _model: None,
             bytes: Charge::none(),
             in_flight: in_flight.clone(),
         }
@@ -92,6 +104,12 @@ impl Slot {
     /// The slot also holds `charge` (given back when the slot is).
     pub fn hold_bytes(&mut self, charge: Charge) {
         self.bytes.absorb(charge);
+    }
+
+    /// The slot also holds `model`, the request's slot in its model's own admission (so
+    /// that both end together).
+    pub fn hold_model(&mut self, model: Slot) {
+        self._model = Some(Box::new(model));
     }
 
     /// The slot, also holding the request's count against its client's limit (so that
@@ -145,6 +163,43 @@ impl Admission {
             in_flight: metrics::gauge!(telemetry::IN_FLIGHT),
             queued: metrics::gauge!(telemetry::ADMISSION_QUEUE),
             bytes: ByteBudget::new(cfg.max_bytes_in_flight),
+            model: None,
+        }
+    }
+
+    /// One model's own admission: its in-flight cap and wait queue (`max_in_flight`,
+    /// `max_queue`, `queue_timeout_ms` of `cfg`), counted in the `model`-labelled series.
+    /// The byte budget stays the replica-wide admission's: this one's is never charged.
+    pub fn for_model(cfg: &AdmissionConfig, model: &str) -> Admission {
+        let label = model.to_string();
+        Admission {
+            in_flight: metrics::gauge!(telemetry::MODEL_IN_FLIGHT, "model" => label.clone()),
+            queued: metrics::gauge!(telemetry::MODEL_ADMISSION_QUEUE, "model" => label),
+            model: Some(Arc::from(model)),
+            ..Admission::new(cfg)
+        }
+    }
+
+    /// Counts a request shed for `reason` (under its model, for a model's admission).
+    fn rejected(&self, reason: &'static str) {
+        match &self.model {
+            None => metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => reason),
+            Some(m) => metrics::counter!(
+                telemetry::MODEL_ADMISSION_REJECTED,
+                "model" => m.to_string(),
+                "reason" => reason
+            ),
+        }
+        .increment(1);
+    }
+
+    /// " for this model" for a model's admission (the model is not named: the client
+    /// knows which it asked for).
+    fn whose(&self) -> &'static str {
+        if self.model.is_some() {
+            " for this model"
+        } else {
+            ""
         }
     }
 
@@ -187,6 +242,7 @@ impl Admission {
             }
         }
         tracing::info!(
+            model = self.model.as_deref().unwrap_or("*"),
             max_in_flight = new,
             max_queue = cfg.max_queue,
             queue_timeout_ms = cfg.queue_timeout_ms,
@@ -210,10 +266,13 @@ impl Admission {
         let timeout = Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed));
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= max_queue {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
-            metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => "queue_full").increment(1);
+            self.rejected("queue_full");
             return Err(Failure::new(
                 FailReason::Overloaded,
-                "too many requests in flight and the wait queue is full",
+                format!(
+                    "too many requests in flight{} and the wait queue is full",
+                    self.whose()
+                ),
             ));
         }
         self.queued.increment(1.0);
@@ -222,12 +281,12 @@ impl Admission {
             Ok(Ok(p)) => Ok(Slot::new(Some(p), &self.in_flight)),
             Ok(Err(_)) => Err(Failure::new(FailReason::Internal, "admission closed")),
             Err(_) => {
-                metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => "queue_timeout")
-                    .increment(1);
+                self.rejected("queue_timeout");
                 Err(Failure::new(
                     FailReason::QueueTimeout,
                     format!(
-                        "no slot within the queue timeout of {} ms",
+                        "no slot{} within the queue timeout of {} ms",
+                        self.whose(),
                         timeout.as_millis()
                     ),
                 ))

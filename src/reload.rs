@@ -3,7 +3,8 @@
 //! file it names (client keys, admin token) changes (`reload.secrets_watch_ms`, 2 s).
 //!
 //! What reloads: policies (load polling too, for existing workers), timeouts, retry,
-//! breaker and admission settings, health and bootstrap settings, the contract mode,
+//! breaker and admission settings (the top level's and each model's, `[models.settings]`,
+//! through `Dispatcher::reconfigured`), health and bootstrap settings, the contract mode,
 //! `log.access`, the static worker lists (added workers are checked before they take
 //! traffic; removed ones drain, then go) and the client API keys and the admin token. What needs a restart (a change is logged and the
 //! running value kept, so the effective config — `GET /config` — always says what runs):

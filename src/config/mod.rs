@@ -31,7 +31,7 @@ pub fn live(cfg: Config) -> LiveConfig {
 }
 
 pub use capacity::CapacityConfig;
-pub use models::ModelsConfig;
+pub use models::{ModelSettings, ModelsConfig};
 pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, MetricsListenerConfig, ReloadConfig};
 pub use progress::ProgressConfig;
 pub use resilience::{BreakerConfig, HealthConfig, RetryConfig};
@@ -758,7 +758,8 @@ impl Config {
         progress::validate(&self.progress)?;
         self.capacity.validate()?;
         self.trace.validate()?;
-        ops::validate(self)
+        ops::validate(self)?;
+        models::validate_settings(self)
     }
 }
 

@@ -267,8 +267,8 @@ impl Dispatcher {
         exclude_d: &[WorkerId],
         need: Option<Need>,
     ) -> Result<ChosenPair<'s>, AttemptFailure> {
-        let prefix_hash = if self.prefill_policy.wants_prefix() || self.decode_policy.wants_prefix()
-        {
+        let (prefill_policy, decode_policy) = self.policies(req.scope.as_deref());
+        let prefix_hash = if prefill_policy.wants_prefix() || decode_policy.wants_prefix() {
             req.prefix_hash()
         } else {
             None
@@ -289,8 +289,7 @@ impl Dispatcher {
                 need: None,
                 among: narrowed.as_deref().or(prefill_among),
             };
-            let policy = self.prefill_policy.as_ref();
-            let p = policy::select(policy, snap, Role::Prefill, &pctx, rng);
+            let p = policy::select(prefill_policy, snap, Role::Prefill, &pctx, rng);
             let among = p
                 .as_ref()
                 .and_then(|p| snap.decodes_for(p.target.worker))
@@ -301,8 +300,7 @@ impl Dispatcher {
                 need,
                 among,
             };
-            let policy = self.decode_policy.as_ref();
-            let d = policy::select(policy, snap, Role::Decode, &dctx, rng);
+            let d = policy::select(decode_policy, snap, Role::Decode, &dctx, rng);
             (p, d, among)
         });
         let Some(prefill_pick) = prefill_pick else {

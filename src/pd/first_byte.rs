@@ -275,7 +275,7 @@ where
             idle_for: timeouts.stream_idle(),
             passive: Passive {
                 pool: d.pool.clone(),
-                cfg: d.cfg.breaker.clone(),
+                cfg: d.breaker_cfg(req.scope.as_deref()).clone(),
                 prefill: pair.prefill.worker,
                 decode: pair.decode.worker,
                 gaps: Some((progress.stall.decode_progress(), pair.decode.rank)),

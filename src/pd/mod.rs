@@ -21,6 +21,7 @@ pub mod flight;
 pub mod legs;
 pub mod logprobs;
 pub mod moves;
+pub mod per_model;
 mod probe;
 pub mod record;
 pub mod request;
@@ -138,6 +139,8 @@ pub struct Dispatcher {
     prefill_policy: Arc<dyn Policy>,
     decode_policy: Arc<dyn Policy>,
     budget: Arc<RetryBudget>,
+    /// Models with settings of their own (`[models.settings]`; see [`per_model`]).
+    per_model: per_model::PerModel,
     pub rng: Arc<RngSource>,
     /// Traces (`[trace]`), when enabled: kept across reloads (a restart-only section).
     pub tracer: Option<crate::trace::Tracer>,
@@ -152,6 +155,7 @@ impl Dispatcher {
                 cfg.retry.budget_ratio,
                 cfg.retry.budget_min_reserve,
             )),
+            per_model: per_model::PerModel::build(&cfg, None),
             pool,
             up,
             cfg,
@@ -168,7 +172,8 @@ impl Dispatcher {
 
     /// The same dispatcher under a new config: policies are rebuilt only when the policy
     /// settings changed (so round-robin positions and cache-aware rings survive a reload
-    /// that did not touch them), the retry budget only when the retry settings did.
+    /// that did not touch them), the retry budget only when the retry settings did; each
+    /// model's own state likewise ([`per_model::PerModel::build`]).
     pub fn reconfigured(&self, cfg: Arc<Config>) -> Dispatcher {
         let same_policy = self.cfg.policy == cfg.policy;
         let same_retry = self.cfg.retry == cfg.retry;
@@ -191,6 +196,7 @@ impl Dispatcher {
                     cfg.retry.budget_min_reserve,
                 ))
             },
+            per_model: per_model::PerModel::build(&cfg, Some(&self.per_model)),
             pool: self.pool.clone(),
             up: self.up.clone(),
             cfg,
@@ -234,7 +240,12 @@ impl Dispatcher {
                 if let Some(m) = scope.as_deref() {
                     self.alias_on_legs(&mut req, m);
                 }
-                req.scope = scope;
+                // One group serving everything resolves to "any"; a model with settings
+                // of its own still needs its name (the same workers either way).
+                req.scope = match scope {
+                    None => self.per_model.only_model(&self.pool),
+                    s => s,
+                };
             }
             Err(f) => {
                 record.fail(f.reason);
@@ -244,7 +255,21 @@ impl Dispatcher {
         if !req.replaced.is_empty() {
             tracing::info!(request_id = %ctx.id, fields = ?req.replaced, "client-supplied PD fields replaced by pdgate's own");
         }
-        self.budget.deposit();
+        if let Some(a) = self.model_admission(req.scope.as_deref()) {
+            // The model's own cap, on top of the replica-wide slot taken at the door.
+            match a.admit().await {
+                Ok(s) => match ctx.slot.as_mut() {
+                    Some(held) => held.hold_model(s),
+                    None => ctx.slot = Some(s),
+                },
+                Err(f) => {
+                    record.fail(f.reason);
+                    return record.answer(f.into_response(Some(&ctx.request_id)));
+                }
+            }
+        }
+        let (retry, budget) = self.retry(req.scope.as_deref());
+        budget.deposit();
         let plan = moves::plan_for(self, &req);
         if let Some(p) = &plan {
             moves::prepare_legs(&mut req, p);
@@ -337,8 +362,8 @@ impl Dispatcher {
                     // as it was sent) is nobody's fault: no breaker count, no exclusion.
                     let blame = af.blame.filter(|_| !f.stale_connection);
                     if let Some((role, w)) = blame {
-                        self.pool
-                            .report_failure(role, w, f.reason, &self.cfg.breaker);
+                        let breaker = self.breaker_cfg(req.scope.as_deref());
+                        self.pool.report_failure(role, w, f.reason, breaker);
                         if f.reason.is_stall() {
                             self.on_stall(role, w);
                         }
@@ -349,10 +374,10 @@ impl Dispatcher {
                     }
                     // Retry only where a fresh pair can avoid the blamed worker.
                     let can_retry = f.reason.retryable()
-                        && (f.stale_connection || counted < self.cfg.retry.max_retries)
+                        && (f.stale_connection || counted < retry.max_retries)
                         && attempt_no < MAX_ATTEMPTS
                         && self.has_alternative(req.scope.as_deref(), &exclude_p, &exclude_d);
-                    if can_retry && self.budget.try_withdraw() {
+                    if can_retry && budget.try_withdraw() {
                         record::retried(f.reason);
                         retry_reason = Some(f.reason.as_str());
                         if !f.stale_connection {

@@ -103,7 +103,7 @@ pub fn count(route: ApiRoute, reason: &'static str, outcome: MoveOutcome) {
 /// Whether `req` gets a mover, and the plan if so: a stream the config lets move, that
 /// can be continued exactly.
 pub fn plan_for(d: &Dispatcher, req: &ParsedRequest) -> Option<Plan> {
-    if d.cfg.retry.max_stream_moves == 0 || !req.stream {
+    if d.retry(req.scope.as_deref()).0.max_stream_moves == 0 || !req.stream {
         return None;
     }
     continuation::plan(req).ok()
@@ -132,7 +132,7 @@ impl Mover {
             GenerateMode::Cumulative
         };
         Mover {
-            moves_left: d.cfg.retry.max_stream_moves,
+            moves_left: d.retry(req.scope.as_deref()).0.max_stream_moves,
             d,
             req: Arc::new(req),
             id: ctx.id,
@@ -157,7 +157,8 @@ impl Mover {
         if self.moves_left == 0 || self.tracker.stopped().is_some() {
             return None;
         }
-        let ceiling = Duration::from_millis(self.d.cfg.retry.mid_stream_gap_ceiling_ms);
+        let retry = self.d.retry(self.req.scope.as_deref()).0;
+        let ceiling = Duration::from_millis(retry.mid_stream_gap_ceiling_ms);
         Some(match rank {
             Some(r) if self.d.cfg.progress.enabled => {
                 self.d.decode_gap_deadline(decode, r).min(ceiling)
@@ -193,7 +194,8 @@ impl Mover {
         // stream rather than an error.
         // Only a decode that exists can come back: with no other decode in the pool at
         // all, the stream ends at once.
-        let wait = Duration::from_millis(self.d.cfg.retry.move_wait_ms);
+        let (retry, budget) = self.d.retry(self.req.scope.as_deref());
+        let wait = Duration::from_millis(retry.move_wait_ms);
         let others = self
             .d
             .pool
@@ -209,7 +211,7 @@ impl Mover {
         {
             return Err("no other decode to move to".into());
         }
-        if !self.d.budget.try_withdraw() {
+        if !budget.try_withdraw() {
             return Err("the retry budget is spent".into());
         }
         self.moves_left -= 1;
@@ -228,7 +230,7 @@ impl Mover {
         };
         let mut exclude_d = self.exclude_d.clone();
         let first = self.next_attempt;
-        let retries = d.cfg.retry.max_retries;
+        let retries = retry.max_retries;
         self.next_attempt += 1 + retries;
         Ok(Box::pin(async move {
             let until = tokio::time::Instant::now() + wait;
@@ -277,7 +279,8 @@ impl Mover {
                         }
                         tracing::warn!(request_id = %ctx.id, reason = f.reason.as_str(), error = %f.message, "stream move attempt failed");
                         if let Some((role, w)) = af.blame.filter(|_| !f.stale_connection) {
-                            d.pool.report_failure(role, w, f.reason, &d.cfg.breaker);
+                            let breaker = d.breaker_cfg(scope.as_deref());
+                            d.pool.report_failure(role, w, f.reason, breaker);
                             match role {
                                 Role::Prefill => exclude_p.push(w),
                                 Role::Decode => exclude_d.push(w),
@@ -286,7 +289,7 @@ impl Mover {
                         let again = f.reason.retryable()
                             && n < retries
                             && d.has_alternative(scope.as_deref(), &exclude_p, &exclude_d)
-                            && d.budget.try_withdraw();
+                            && d.retry(scope.as_deref()).1.try_withdraw();
                         if !again {
                             return Err(f);
                         }

@@ -44,6 +44,7 @@ impl Dispatcher {
             prefill_policy: self.prefill_policy.clone(),
             decode_policy: self.decode_policy.clone(),
             budget: self.budget.clone(),
+            per_model: self.per_model.clone(),
             rng: self.rng.clone(),
             // A probe is pdgate's own request: not traced.
             tracer: None,
@@ -169,9 +170,10 @@ impl Dispatcher {
             Role::Prefill => Role::Decode,
             Role::Decode => Role::Prefill,
         };
+        let (prefill_policy, decode_policy) = self.policies(me.model.as_deref());
         let policy = match other {
-            Role::Prefill => self.prefill_policy.as_ref(),
-            Role::Decode => self.decode_policy.as_ref(),
+            Role::Prefill => prefill_policy,
+            Role::Decode => decode_policy,
         };
         // A partner from the stalled worker's own handoff group only.
         let ctx = PickCtx {

@@ -256,7 +256,8 @@ impl Dispatcher {
         let n = w.progress.stalled();
         let p = &self.cfg.progress;
         tracing::warn!(role = %role, worker = %w.url, stalls = n, "leg stalled");
-        if n >= p.eject_after_stalls && self.pool.eject_stalled(role, worker, &self.cfg.breaker) {
+        let breaker = self.breaker_cfg(w.model.as_deref());
+        if n >= p.eject_after_stalls && self.pool.eject_stalled(role, worker, breaker) {
             if let Some(claim) = w.progress.claim_probe() {
                 self.spawn_probe(role, worker, claim);
             }

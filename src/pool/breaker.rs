@@ -16,7 +16,9 @@
 //!   error never trips a decode's breaker); client-caused 4xx and client disconnects never
 //!   count (see [`FailReason::is_worker_fault`]).
 //! - Ejection cap: passive signals alone never hold open more than
-//!   `max_ejection_ratio` of a pool (rounded down), so they cannot empty a pool.
+//!   `max_ejection_ratio` of a pool (rounded down), so they cannot empty a pool. A pool is
+//!   the workers of one role serving the same model (each model has its own pools, and
+//!   may have its own ratio: `[models.settings."NAME".breaker]`).
 //! - The counters are atomics shared across snapshots; only transitions rebuild the
 //!   snapshot, through the pool's single writer, in a task: a request whose outcome moves
 //!   a breaker swaps the state atomically and hands the rebuild off (coalesced: at most one
@@ -184,7 +186,7 @@ impl Pool {
         }
         // The cap's check and the transition under one lock (see `Pool::eject_lock`).
         let _one = self.eject_lock.lock().unwrap_or_else(|p| p.into_inner());
-        if !self.may_eject(role, cfg) {
+        if !self.may_eject(role, id, cfg) {
             tracing::warn!(role = %role, worker = %id, "stalled worker kept in rotation: the ejection cap is reached");
             metrics::counter!(telemetry::BREAKER_EJECTION_CAPPED, "role" => role.as_str())
                 .increment(1);
@@ -242,7 +244,7 @@ impl Pool {
                 let _one = self.eject_lock.lock().unwrap_or_else(|p| p.into_inner());
                 if b.state() != BreakerState::Closed {
                     // Opened by a failure that held the lock first.
-                } else if self.may_eject(role, cfg) {
+                } else if self.may_eject(role, id, cfg) {
                     self.open(role, id, &b, cfg, 0, reason);
                 } else {
                     tracing::warn!(role = %role, worker = %id, "breaker would open but the ejection cap is reached");
@@ -272,18 +274,19 @@ impl Pool {
         self.load().worker(role, id).map(|w| w.breaker.clone())
     }
 
-    /// Whether opening one more breaker of `role` stays within the ejection cap.
-    fn may_eject(&self, role: Role, cfg: &BreakerConfig) -> bool {
+    /// Whether opening one more breaker in `id`'s pool (its role's workers of its model)
+    /// stays within the ejection cap.
+    fn may_eject(&self, role: Role, id: WorkerId, cfg: &BreakerConfig) -> bool {
         let snap = self.load();
-        let list = match role {
-            Role::Prefill => &snap.prefills,
-            Role::Decode => &snap.decodes,
+        let Some(me) = snap.worker(role, id) else {
+            return false;
         };
-        let open = list
-            .iter()
-            .filter(|w| w.breaker.state() != BreakerState::Closed)
-            .count();
-        let cap = (cfg.max_ejection_ratio * list.len() as f64).floor() as usize;
+        let (mut size, mut open) = (0usize, 0usize);
+        for w in snap.workers(role).iter().filter(|w| w.model == me.model) {
+            size += 1;
+            open += usize::from(w.breaker.state() != BreakerState::Closed);
+        }
+        let cap = (cfg.max_ejection_ratio * size as f64).floor() as usize;
         open < cap
     }
 
@@ -531,6 +534,34 @@ mod tests {
             assert!(out <= 4, "{out} of 8 ejected, cap 4");
             assert_eq!(out, 4, "the cap is reached, not undershot");
         }
+    }
+
+    /// The cap is per model: two models' failures cannot empty either's pool, however
+    /// large the other's.
+    #[tokio::test(start_paused = true)]
+    async fn the_ejection_cap_is_per_model() {
+        let pool = pool(6);
+        // Decodes 0, 1 serve "a"; 2..6 serve "b".
+        for w in 0..6u32 {
+            let m: Arc<str> = Arc::from(if w < 2 { "a" } else { "b" });
+            pool.set_model(Role::Decode, WorkerId(w), Some(m));
+        }
+        let c = BreakerConfig {
+            failure_threshold: 1,
+            ..cfg()
+        };
+        for w in 0..6u32 {
+            pool.report_failure(Role::Decode, WorkerId(w), FailReason::DecodeConnect, &c);
+        }
+        let snap = settled(&pool).await;
+        let open = |model: &str| {
+            snap.decodes
+                .iter()
+                .filter(|w| w.model.as_deref() == Some(model))
+                .filter(|w| w.breaker.state() != BreakerState::Closed)
+                .count()
+        };
+        assert_eq!((open("a"), open("b")), (1, 2));
     }
 
     /// A request whose outcome moves breakers does not rebuild the snapshot itself: the

@@ -101,6 +101,10 @@ pub const STREAM_MOVES: &str = "pdgate_stream_moves_total";
 pub const IN_FLIGHT: &str = "pdgate_in_flight_requests";
 pub const ADMISSION_QUEUE: &str = "pdgate_admission_queue";
 pub const ADMISSION_REJECTED: &str = "pdgate_admission_rejected_total";
+// A model's own admission (`[models.settings."NAME".admission]`).
+pub const MODEL_IN_FLIGHT: &str = "pdgate_model_in_flight_requests";
+pub const MODEL_ADMISSION_QUEUE: &str = "pdgate_model_admission_queue";
+pub const MODEL_ADMISSION_REJECTED: &str = "pdgate_model_admission_rejected_total";
 pub const BYTES_IN_FLIGHT: &str = "pdgate_bytes_in_flight";
 pub const OPEN_CONNECTIONS: &str = "pdgate_open_connections";
 pub const CONNECTIONS_REJECTED: &str = "pdgate_connections_rejected_total";
@@ -215,6 +219,12 @@ pub static SERIES: &[Series] = &[
         "PD requests waiting for an admission slot (admission.max_in_flight reached)."),
     s(ADMISSION_REJECTED, C, Unit::Count, &["reason"],
         "PD requests shed by admission: queue_full (429) or queue_timeout (503) waiting for the in-flight cap; capacity_queue_full, capacity_timeout waiting for a decode slot; bytes_full (503) with the byte budget full, bytes_too_large (413) for a body or answer larger than the whole budget."),
+    s(MODEL_IN_FLIGHT, G, Unit::Count, &["model"],
+        "Requests holding a slot of their model's own admission (models with an admission override only), until their response ends."),
+    s(MODEL_ADMISSION_QUEUE, G, Unit::Count, &["model"],
+        "Requests waiting for a slot of their model's own admission (its max_in_flight reached)."),
+    s(MODEL_ADMISSION_REJECTED, C, Unit::Count, &["model", "reason"],
+        "Requests shed by their model's own admission: queue_full (429), queue_timeout (503)."),
     s(BYTES_IN_FLIGHT, G, Unit::Bytes, &[],
         "Bytes of request bodies and buffered engine answers held now, against admission.max_bytes_in_flight."),
     s(OPEN_CONNECTIONS, G, Unit::Count, &[],

@@ -36,6 +36,7 @@ mod memory_budget;
 mod metrics;
 mod models;
 mod models_rollout;
+mod per_model;
 mod policies;
 mod preflight;
 mod reload;

@@ -87,7 +87,7 @@ async fn scrape(env: &Env) -> String {
 
 /// `promtool check metrics` on `text`: no format error, no lint problem. Skipped (loudly)
 /// when promtool is not installed, unless `CI` is set (`apt-get install -y prometheus`).
-fn promtool_check(test: &str, text: &str) {
+pub(crate) fn promtool_check(test: &str, text: &str) {
     let child = Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(Stdio::piped())
