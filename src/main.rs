@@ -143,15 +143,23 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// mimalloc's setting that `serve` runs with (README, "Memory").
 const PURGE_DELAY_VAR: &str = "MIMALLOC_PURGE_DELAY";
 
-/// Makes mimalloc give freed memory back at once. By default it keeps pages freed by large
-/// bodies resident until a later collection (its purge delay), so a flood of maximum-size
-/// bodies left RSS at up to ~1.9x the bytes in flight (the hostile bench), past the bound
-/// that the README's formula and the manifests' memory limit rely on; with the delay at 0
-/// RSS follows the byte budget, and the request path makes no more `madvise` calls than
-/// before (strace). mimalloc reads the option from the environment as it starts, before
-/// `main`, and setting it from inside would take unsafe code: so `serve` re-executes itself
-/// once with the variable set (same pid, arguments and streams). An operator's own value is
-/// kept; a failed exec (e.g. the binary replaced on disk) is reported and `serve` runs on.
+/// The purge delay `serve` runs with, in ms: how long mimalloc keeps freed pages resident
+/// before giving them back to the OS.
+const PURGE_DELAY_MS: &str = "10";
+
+/// Makes mimalloc give freed memory back within 10 ms. Its default delay (1 s in mimalloc
+/// 3) kept pages freed by large bodies resident, so a flood of maximum-size bodies left RSS
+/// at up to ~1.9x the bytes in flight (the hostile bench), past the bound that the README's
+/// formula and the manifests' memory limit rely on. At 0 every page that empties is purged
+/// at once, and the request path pays for it: at 64 concurrent requests ~2 minor page
+/// faults per request, refilling pages the allocator had just purged (0.05 with the
+/// default; 0.2-0.6 at 10 ms), which moved the floor ratio at c=64 from ~1.4 to ~1.7. At
+/// 10 ms the hostile bench's peak RSS is the same as at 0 (150-157 MiB, bound 206; 207 at
+/// 100 ms): BENCHMARKS.md §8 and §10. mimalloc reads the option from the environment as it
+/// starts, before `main`, and setting it from inside would take unsafe code: so `serve`
+/// re-executes itself once with the variable set (same pid, arguments and streams). An
+/// operator's own value is kept; a failed exec (e.g. the binary replaced on disk) is
+/// reported and `serve` runs on.
 fn purge_freed_memory_promptly() {
     use std::os::unix::process::CommandExt;
     if std::env::var_os(PURGE_DELAY_VAR).is_some() {
@@ -165,10 +173,10 @@ fn purge_freed_memory_promptly() {
     let err = std::process::Command::new(&exe)
         .arg0(arg0)
         .args(args)
-        .env(PURGE_DELAY_VAR, "0")
+        .env(PURGE_DELAY_VAR, PURGE_DELAY_MS)
         .exec();
     eprintln!(
-        "pdgate: could not re-execute {} with {PURGE_DELAY_VAR}=0 ({err}); memory freed by \
+        "pdgate: could not re-execute {} with {PURGE_DELAY_VAR}={PURGE_DELAY_MS} ({err}); memory freed by \
          large bodies may stay resident longer than README's Memory formula allows",
         exe.display()
     );

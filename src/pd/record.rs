@@ -194,6 +194,10 @@ impl RequestRecord {
                 self.ttft = Some(ttft);
                 if let Some(s) = series {
                     s.ttft().record(ttft.as_secs_f64());
+                    if let Some(m) = &self.model {
+                        metrics::histogram!(telemetry::MODEL_TIME_TO_FIRST_TOKEN, "model" => m.to_string())
+                            .record(ttft.as_secs_f64());
+                    }
                 }
             }
             Some(prev) => {
@@ -296,6 +300,8 @@ impl Drop for RequestRecord {
             if let Some(m) = &self.model {
                 metrics::counter!(telemetry::MODEL_REQUESTS, "model" => m.to_string(), "outcome" => outcome.label())
                     .increment(1);
+                metrics::histogram!(telemetry::MODEL_REQUEST_DURATION, "model" => m.to_string(), "outcome" => outcome.label())
+                    .record(took.as_secs_f64());
             }
             s.duration(outcome).record(took.as_secs_f64());
             let (id, route, secs) = (self.id, route.label(), took.as_secs_f64());

@@ -1,6 +1,6 @@
 //! The pool's own series, derived from its snapshot when `/metrics` is rendered: per
 //! worker its health and breaker state, per (worker, DP rank) the legs in flight, per
-//! (prefill, DP rank) its bootstrap state, and the routable ranks of each role.
+//! (prefill, DP rank) its bootstrap state, and the routable ranks of each role and model.
 //!
 //! Read at scrape time because they are already here: the in-flight counters are the
 //! atomics the policies balance on (a request moves no gauge), and the states are the
@@ -116,6 +116,19 @@ impl Source for Snapshot {
         out.family(telemetry::ROUTABLE_RANKS);
         for role in [Role::Prefill, Role::Decode] {
             out.sample(&[("role", role.as_str())], self.routable_ranks(role));
+        }
+
+        // Per model (the names engines or the operator gave: bounded by the fleet): a
+        // model with 0 routable prefill or decode ranks answers 503.
+        out.family(telemetry::MODEL_ROUTABLE_RANKS);
+        let ranks = |l: &[super::Routable]| l.iter().map(|r| r.ranks.len()).sum::<usize>();
+        for m in &self.models {
+            for (role, list) in [
+                (Role::Prefill, &m.prefill_routable),
+                (Role::Decode, &m.decode_routable),
+            ] {
+                out.sample(&[("model", &*m.name), ("role", role.as_str())], ranks(list));
+            }
         }
     }
 }

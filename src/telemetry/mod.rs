@@ -92,6 +92,8 @@ const DEFAULT_BUCKETS: &[f64] = &[
 pub const REQUESTS: &str = "pdgate_requests_total";
 pub const CLIENT_REQUESTS: &str = "pdgate_client_requests_total";
 pub const MODEL_REQUESTS: &str = "pdgate_model_requests_total";
+pub const MODEL_REQUEST_DURATION: &str = "pdgate_model_request_duration_seconds";
+pub const MODEL_TIME_TO_FIRST_TOKEN: &str = "pdgate_model_time_to_first_token_seconds";
 pub const REQUEST_DURATION: &str = "pdgate_request_duration_seconds";
 pub const TIME_TO_FIRST_TOKEN: &str = "pdgate_time_to_first_token_seconds";
 pub const INTER_EVENT: &str = "pdgate_stream_inter_event_seconds";
@@ -138,6 +140,7 @@ pub const WORKER_IN_FLIGHT: &str = "pdgate_worker_in_flight_requests";
 pub const WORKER_BREAKER_STATE: &str = "pdgate_worker_breaker_state";
 pub const BOOTSTRAP_RANK_STATE: &str = "pdgate_bootstrap_rank_state";
 pub const ROUTABLE_RANKS: &str = "pdgate_routable_ranks";
+pub const MODEL_ROUTABLE_RANKS: &str = "pdgate_model_routable_ranks";
 pub const WORKER_REQUESTS: &str = "pdgate_worker_requests_total";
 pub const WORKER_PREFILL_DURATION: &str = "pdgate_worker_prefill_duration_seconds";
 pub const WORKER_FIRST_BYTE: &str = "pdgate_worker_first_byte_seconds";
@@ -199,6 +202,10 @@ pub static SERIES: &[Series] = &[
         "PD requests by client key id (the name in auth.api_keys_file, or line-N for an unnamed key; never the key or anything derived from it) and outcome; only with client keys."),
     s(MODEL_REQUESTS, C, Unit::Count, &["model", "outcome"],
         "PD requests by the model they were routed to (a model a worker serves or an alias names: never the client's raw string) and outcome; only while requests are routed by model (several handoff groups, aliases or strict)."),
+    histogram(MODEL_REQUEST_DURATION, &["model", "outcome"], LATENCY_BUCKETS,
+        "Time from a request's arrival to the end of its response body, by the model it was routed to (as pdgate_model_requests_total: only while requests are routed by model) and outcome."),
+    histogram(MODEL_TIME_TO_FIRST_TOKEN, &["model"], LATENCY_BUCKETS,
+        "Streams: time from the request's arrival to its first event relayed to the client, by the model it was routed to (only while requests are routed by model)."),
     s(REQUESTS, C, Unit::Count, &["route", "outcome"],
         "PD requests by route and outcome (ok, or the failure reason: the error type clients see), counted when the response ends."),
     histogram(REQUEST_DURATION, &["route", "outcome"], LATENCY_BUCKETS,
@@ -289,6 +296,8 @@ pub static SERIES: &[Series] = &[
         "1 for the current bootstrap state (unknown, bootstrapping, ready, failed) of each (prefill, DP rank), else 0."),
     derived(ROUTABLE_RANKS, &["role"],
         "(worker, DP rank)s that can take a leg now: healthy, breaker not open and, for a prefill, bootstrap ready."),
+    derived(MODEL_ROUTABLE_RANKS, &["model", "role"],
+        "Per model served: (worker, DP rank)s that can take its legs now (a prefill counts only with a routable decode of its handoff group); 0 prefill ranks means the model's requests get 503."),
 ];
 
 /// The table entry of `name`.

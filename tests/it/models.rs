@@ -131,6 +131,19 @@ async fn every_leg_lands_on_its_models_engines() {
             )),
             "{scrape}"
         );
+        assert!(
+            scrape.contains(&format!(
+                r#"pdgate_model_request_duration_seconds_count{{model="{m}",outcome="ok"}}"#
+            )),
+            "{scrape}"
+        );
+        assert!(
+            scrape.contains(&format!(
+                r#"pdgate_model_routable_ranks{{model="{m}",role="decode"}} {}"#,
+                if m == "model-a" { 2 } else { 1 }
+            )),
+            "{scrape}"
+        );
     }
 
     let before = requests(&env, &[0, 1], &[0, 1, 2]);
