@@ -203,7 +203,7 @@ impl Api {
             // connection limit, and answered while a drain runs).
             Route::Liveness => Ok(json_response(StatusCode::OK, &json!({"status": "ok"}))),
             Route::Workers if req.method() == Method::POST => self.add(&read_body(req).await?),
-            Route::Workers => Ok(self.list()),
+            Route::Workers => Ok(self.list(params.get("model").map(String::as_str))),
             Route::Readiness => Ok(self.readiness()),
             Route::Worker(id) if req.method() == Method::DELETE => {
                 let wait = matches!(params.get("wait").map(String::as_str), Some("true" | "1"));
@@ -279,9 +279,33 @@ impl Api {
         )
     }
 
-    fn list(&self) -> Response<RespBody> {
+    /// Every worker, or with `?model=NAME` the workers serving that model (by the name its
+    /// engine reports or the operator gave), with the model's own counts.
+    fn list(&self, model: Option<&str>) -> Response<RespBody> {
         let snap = self.fleet.pool().load_full();
-        let workers = self.workers_json(&snap);
+        let mut workers = self.workers_json(&snap);
+        if let Some(m) = model {
+            workers.retain(|w| w["model"].as_str() == Some(m));
+            let view = snap.model(m);
+            let ranks = |l: Option<&[crate::pool::Routable]>| {
+                l.map_or(0, |l| l.iter().map(|r| r.ranks.len()).sum::<usize>())
+            };
+            let count = |role: &str| workers.iter().filter(|w| w["role"] == role).count();
+            return json_response(
+                StatusCode::OK,
+                &json!({
+                    "model": m,
+                    "total": workers.len(),
+                    "stats": {
+                        "prefill": count("prefill"),
+                        "decode": count("decode"),
+                        "routable_prefill_ranks": ranks(view.map(|v| v.prefill_routable.as_slice())),
+                        "routable_decode_ranks": ranks(view.map(|v| v.decode_routable.as_slice())),
+                    },
+                    "workers": workers,
+                }),
+            );
+        }
         json_response(
             StatusCode::OK,
             &json!({

@@ -461,6 +461,25 @@ async fn admin_adds_a_worker_with_its_model_and_shows_its_group() {
     };
     assert_eq!(groups_of("model-b").len(), 1, "{v}");
     assert_ne!(groups_of("model-a"), groups_of("model-b"), "{v}");
+    // Listed per model: model-b's three workers and what it can route to.
+    let (st, _, b) = env.admin("GET", "/workers?model=model-b", None, "").await;
+    assert_eq!(st, 200);
+    let per = json(&b);
+    assert_eq!(per["model"], "model-b", "{per}");
+    assert_eq!(per["total"], 3, "{per}");
+    assert_eq!(per["stats"]["decode"], 2, "{per}");
+    assert_eq!(per["stats"]["routable_decode_ranks"], 2, "{per}");
+    assert!(
+        per["workers"]
+            .as_array()
+            .expect("workers")
+            .iter()
+            .all(|w| w["model"] == "model-b"),
+        "{per}"
+    );
+    let (st, _, b) = env.admin("GET", "/workers?model=nobody", None, "").await;
+    assert_eq!(st, 200);
+    assert_eq!(json(&b)["total"], 0);
     let (bad, _, b) = env
         .admin(
             "POST",
