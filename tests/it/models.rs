@@ -11,7 +11,8 @@ use futures_util::future::join_all;
 use pdgate_sim::EngineConfig;
 use serde_json::Value;
 
-fn engine(prefill: bool, model: &str) -> EngineConfig {
+/// A DP 1 simulated engine that reports serving `model` (`/server_info`).
+pub(crate) fn engine(prefill: bool, model: &str) -> EngineConfig {
     let mut e = if prefill {
         EngineConfig::prefill(1)
     } else {

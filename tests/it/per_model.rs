@@ -17,17 +17,8 @@ use pdgate::types::Role;
 use pdgate_sim::{EngineConfig, Faults, SimEngine};
 use serde_json::Value;
 
+use crate::models::engine;
 use crate::support::common::{fast_engine, start, start_with_admin, Env};
-
-fn engine(prefill: bool, model: &str) -> EngineConfig {
-    let mut e = if prefill {
-        EngineConfig::prefill(1)
-    } else {
-        EngineConfig::decode(1)
-    };
-    e.model = model.to_string();
-    e
-}
 
 fn failing_prefill(model: &str) -> EngineConfig {
     let mut e = engine(true, model);
