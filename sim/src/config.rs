@@ -235,6 +235,16 @@ impl EngineConfig {
         }
     }
 
+    /// A plain (non-disaggregated) engine with `dp_size` DP ranks: SGLang's default mode,
+    /// one engine for the whole request (`crate::plain`).
+    pub fn regular(dp_size: u32) -> Self {
+        EngineConfig {
+            role: Role::Regular,
+            dp_size,
+            ..Default::default()
+        }
+    }
+
     /// DP size, at least 1.
     pub fn dp(&self) -> u32 {
         self.dp_size.max(1)

@@ -53,6 +53,8 @@ pub(crate) struct Engine {
     pub last_headers: std::sync::Mutex<Vec<(String, String)>>,
     /// The rids of the request instances that started ([`crate::SimEngine::recent_rids`]).
     pub started_rids: RidLog,
+    /// A plain engine: when the prompt compute in progress ends (`crate::plain`).
+    pub busy_until: Mutex<Option<tokio::time::Instant>>,
     /// The bodies of the last [`RECENT_RIDS`] generate requests, as received.
     pub bodies: Mutex<VecDeque<(String, serde_json::Value)>>,
     /// The rids named by `POST /abort_request` ([`crate::SimEngine::recent_abort_rids`]).

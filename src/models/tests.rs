@@ -34,6 +34,7 @@ fn cfg(strict: bool, default: Option<&str>, aliases: &[(&str, &str)]) -> ModelsC
             .iter()
             .map(|(a, t)| (a.to_string(), t.to_string()))
             .collect(),
+        ..ModelsConfig::default()
     }
 }
 

@@ -43,6 +43,7 @@ impl Dispatcher {
             cfg: self.cfg.clone(),
             prefill_policy: self.prefill_policy.clone(),
             decode_policy: self.decode_policy.clone(),
+            regular_policy: self.regular_policy.clone(),
             budget: self.budget.clone(),
             rng: self.rng.clone(),
             // A probe is pdgate's own request: not traced.
@@ -162,16 +163,17 @@ impl Dispatcher {
                         "no rank of the stalled prefill is ready",
                     )
                 })? as u32,
-            Role::Decode => 0,
+            Role::Decode | Role::Regular => 0,
         };
         let own = Target { worker, rank };
         let other = match role {
             Role::Prefill => Role::Decode,
             Role::Decode => Role::Prefill,
+            Role::Regular => return Err(gone()),
         };
         let policy = match other {
             Role::Prefill => self.prefill_policy.as_ref(),
-            Role::Decode => self.decode_policy.as_ref(),
+            Role::Decode | Role::Regular => self.decode_policy.as_ref(),
         };
         // A partner from the stalled worker's own handoff group only.
         let ctx = PickCtx {
@@ -194,7 +196,7 @@ impl Dispatcher {
                 prefill: own,
                 decode: partner.target,
             },
-            Role::Decode => Pair {
+            Role::Decode | Role::Regular => Pair {
                 prefill: partner.target,
                 decode: own,
             },

@@ -236,15 +236,18 @@ impl ParsedRequest {
     /// `{` and the client's members, as ranges of the body: a run of members that follow
     /// each other in the body (nothing dropped between) is one range, whitespace and all.
     fn member_pieces(&self) -> Payload {
+        self.pieces_skipping(self.leg_override.as_ref().map(|(k, _)| *k))
+    }
+
+    /// `{` and the client's members but `skip`'s (see [`Self::member_pieces`]).
+    fn pieces_skipping(&self, skip: Option<&str>) -> Payload {
         let mut out = Payload::over(self.body.clone());
         let body = &self.body[..];
         // Where the last member written ends in the body.
         let mut prev_end: Option<usize> = None;
         for f in &self.fields {
-            if let Some((k, _)) = &self.leg_override {
-                if self.key_of(f) == *k {
-                    continue;
-                }
+            if skip.is_some_and(|k| self.key_of(f) == k) {
+                continue;
             }
             match &f.key_json {
                 KeyJson::Span(r) => {
@@ -708,6 +711,7 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
     Ok(req)
 }
 
+mod plain;
 mod size;
 
 #[cfg(test)]

@@ -275,10 +275,7 @@ impl Pool {
     /// Whether opening one more breaker of `role` stays within the ejection cap.
     fn may_eject(&self, role: Role, cfg: &BreakerConfig) -> bool {
         let snap = self.load();
-        let list = match role {
-            Role::Prefill => &snap.prefills,
-            Role::Decode => &snap.decodes,
-        };
+        let list = snap.workers(role);
         let open = list
             .iter()
             .filter(|w| w.breaker.state() != BreakerState::Closed)

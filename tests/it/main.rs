@@ -38,6 +38,7 @@ mod models;
 mod models_rollout;
 mod policies;
 mod preflight;
+mod regular_workers;
 mod reload;
 mod retries;
 mod self_healing;
