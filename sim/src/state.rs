@@ -53,7 +53,8 @@ pub(crate) struct Engine {
     pub last_headers: std::sync::Mutex<Vec<(String, String)>>,
     /// The rids of the request instances that started ([`crate::SimEngine::recent_rids`]).
     pub started_rids: RidLog,
-    /// A plain engine: when the prompt compute in progress ends (`crate::plain`).
+    /// When the prompt compute in progress ends: a plain engine, or a prefill with
+    /// `serial_prefill` (`crate::plain::queue_compute`).
     pub busy_until: Mutex<Option<tokio::time::Instant>>,
     /// The bodies of the last [`RECENT_RIDS`] generate requests, as received.
     pub bodies: Mutex<VecDeque<(String, serde_json::Value)>>,
