@@ -292,7 +292,7 @@ pub(super) async fn probe_request(cfg: &Config, up: &Upstream) -> Check {
         Ok((StatusCode::OK, _)) => Check::pass(
             FLEET,
             name,
-            "POST /generate (1 token) through prefill and decode: 200",
+            "POST /generate (1 token) through the router (a prefill and decode pair, or a regular engine): 200",
         ),
         Ok((status, b)) => fail(
             format!(

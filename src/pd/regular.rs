@@ -293,5 +293,5 @@ fn no_regular(snap: &Snapshot, model: Option<&str>) -> Failure {
         None if snap.regulars.is_empty() => "no regular workers are configured".to_string(),
         None => "no routable regular worker".to_string(),
     };
-    Failure::new(FailReason::NoDecodeAvailable, msg)
+    Failure::new(FailReason::NoWorkerAvailable, msg)
 }

@@ -398,3 +398,178 @@ async fn short_prompts_bypass_the_pair() {
     assert_eq!(f.prefill(0), 1);
     tokio::time::sleep(Duration::from_millis(1)).await;
 }
+
+const TOKEN: &str = "adm1n-t0ken";
+
+/// Regular workers come and go through the admin API (`POST /workers` with role
+/// `regular`; SGLang's `/add_worker` without a type), hot reload (`[[worker]]`) and
+/// Kubernetes discovery (`discovery.regular_selector`); each serves its model once
+/// admitted, and leaves it when removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regular_workers_join_by_admin_reload_and_discovery() {
+    use crate::support::fake_kube::{self, FakeKube};
+    let env = common::start_with_admin(
+        vec![engine(EngineConfig::prefill(1), "model-a")],
+        vec![engine(EngineConfig::decode(1), "model-a")],
+        |c| c.admin.api_key = Some(TOKEN.to_string()),
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let mut engines = Vec::new();
+    for m in ["model-c", "model-c", "model-d", "model-e"] {
+        engines.push(
+            pdgate_sim::spawn(engine(EngineConfig::regular(1), m))
+                .await
+                .expect("regular engine"),
+        );
+    }
+    let served = |m: &'static str, n: usize| {
+        move |s: &pdgate::pool::Snapshot| s.model(m).is_some_and(|v| v.regular_routable.len() == n)
+    };
+
+    // The admin API: pdgate's own route, then SGLang's with no worker_type.
+    let body = serde_json::json!({"role": "regular", "url": engines[0].url()}).to_string();
+    let (st, _, b) = env.admin("POST", "/workers", Some(TOKEN), &body).await;
+    assert_eq!(st, 201, "{}", String::from_utf8_lossy(&b));
+    let v = json(&b);
+    assert_eq!(
+        (v["id"].as_str(), v["role"].as_str()),
+        (Some("regular-0"), Some("regular")),
+        "{v}"
+    );
+    let path = format!("/add_worker?url={}", engines[1].url());
+    let (st, _, b) = env.admin("POST", &path, Some(TOKEN), "").await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+    assert!(String::from_utf8_lossy(&b).contains("regular worker"));
+    env.wait_pool("model-c on two regular workers", served("model-c", 2))
+        .await;
+    let (st, _, b) = env.admin("GET", "/workers", Some(TOKEN), "").await;
+    assert_eq!(st, 200);
+    let v = json(&b);
+    assert_eq!(v["stats"]["regular"], 2, "{v}");
+    assert!(
+        v["workers"]
+            .as_array()
+            .expect("workers")
+            .iter()
+            .any(|w| w["role"] == "regular" && w["model"] == "model-c"),
+        "{v}"
+    );
+    for _ in 0..4 {
+        let (status, _, body) = env
+            .post("/v1/chat/completions", &chat("model-c", "hi", false))
+            .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    assert_eq!(Fleet::count(&engines[0]) + Fleet::count(&engines[1]), 4);
+
+    // Hot reload: a `[[worker]]` added, then removed.
+    let mut next = (**env.router.fleet.live().load()).clone();
+    next.worker.push(pdgate::config::RegularWorkerConfig {
+        url: engines[2].url(),
+        model: None,
+    });
+    let applied = pdgate::reload::apply(&env.router, next.clone()).expect("valid");
+    assert_eq!((applied.added, applied.removed), (1, 0));
+    env.wait_pool("model-d served", served("model-d", 1)).await;
+    let (status, _, _) = env
+        .post("/v1/chat/completions", &chat("model-d", "hi", false))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(Fleet::count(&engines[2]), 1);
+    next.worker.clear();
+    let applied = pdgate::reload::apply(&env.router, next).expect("valid");
+    assert_eq!((applied.added, applied.removed), (0, 1));
+    env.wait_pool("model-d gone", |s| s.model("model-d").is_none())
+        .await;
+    let (status, _, _) = env
+        .post("/v1/chat/completions", &chat("model-d", "hi", false))
+        .await;
+    assert_eq!(status, 404, "a model no worker serves any more is unknown");
+
+    // Discovery: a pod matching the regular selector becomes a regular worker.
+    let kube = FakeKube::start().await;
+    let d = pdgate::config::DiscoveryConfig {
+        enabled: true,
+        regular_selector: Some("app=sglang,role=worker".into()),
+        namespace: Some("llm".into()),
+        port_name: Some("http".into()),
+        ..Default::default()
+    };
+    let _disc = pdgate::discovery::spawn_with_client(
+        kube.client("llm").await,
+        &d,
+        env.router.fleet.clone(),
+    )
+    .expect("discovery");
+    kube.create(
+        "llm",
+        fake_kube::pod(
+            "worker-0",
+            &[("app", "sglang"), ("role", "worker")],
+            engines[3].addr().port(),
+        ),
+    );
+    env.wait_pool("model-e served by a discovered pod", served("model-e", 1))
+        .await;
+    let (status, _, _) = env
+        .post("/v1/chat/completions", &chat("model-e", "hi", true))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(Fleet::count(&engines[3]), 1);
+    let snap = env.router.pool.load();
+    assert!(snap.regulars.iter().any(|w| matches!(
+        &*w.source,
+        pdgate::pool::WorkerSource::Discovered(p) if p.name == "worker-0"
+    )));
+}
+
+/// `pdgate check` with regular workers: a fleet of regular workers only passes (with
+/// `--probe-request` going through one), each engine's role is checked (a decode engine
+/// listed as `[[worker]]` fails `role`, naming the right flag), and the model is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pdgate_check_knows_regular_workers() {
+    use pdgate::check::{self, CheckOptions};
+    let reg = pdgate_sim::spawn(engine(EngineConfig::regular(1), "model-c"))
+        .await
+        .expect("regular engine");
+    let dec = pdgate_sim::spawn(engine(EngineConfig::decode(1), "model-c"))
+        .await
+        .expect("decode engine");
+    let worker = |url: String| pdgate::config::RegularWorkerConfig { url, model: None };
+
+    let mut cfg = common::fast_config();
+    cfg.worker = vec![worker(reg.url())];
+    let report = check::run(
+        &cfg,
+        CheckOptions {
+            probe_request: true,
+        },
+    )
+    .await;
+    assert!(report.ok, "{}", report.table());
+    let names: Vec<&str> = report.checks.iter().map(|c| c.name.as_str()).collect();
+    for want in ["regular_configured", "role", "probe_request"] {
+        assert!(names.contains(&want), "{want}: {}", report.table());
+    }
+    assert!(report.table().contains("model-c"), "{}", report.table());
+    assert_eq!(
+        Fleet::count(&reg),
+        1,
+        "the probe request went to the regular worker"
+    );
+
+    cfg.worker = vec![worker(dec.url())];
+    let report = check::run(&cfg, CheckOptions::default()).await;
+    assert!(!report.ok, "{}", report.table());
+    let role = report
+        .checks
+        .iter()
+        .find(|c| c.name == "role")
+        .expect("a role check");
+    assert!(!role.ok, "{}", report.table());
+    assert!(
+        role.fix.as_deref().is_some_and(|f| f.contains("--decode")),
+        "{role:?}"
+    );
+}
