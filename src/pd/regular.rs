@@ -59,6 +59,9 @@ impl Dispatcher {
         exclude_r: &[WorkerId],
     ) -> bool {
         let snap = self.pool.load();
+        if snap.regular_routable.is_empty() {
+            return false;
+        }
         let scope = req.scope.as_deref();
         let any = |role: Role, ex: &[WorkerId]| {
             snap.routable_for(role, scope)
