@@ -45,7 +45,7 @@ pub(crate) async fn prepare(
         std::future::pending::<()>().await;
     }
     let compute = engine.cfg.prefill_time(inst.prompt_tokens, &faults);
-    let until = queue_compute(engine, compute);
+    let until = engine.queue_compute(compute);
     tracker.running();
     tracker.add_tokens(u64::from(inst.prompt_tokens));
     tokio::time::sleep_until(until).await;
@@ -56,17 +56,6 @@ pub(crate) async fn prepare(
         itl: faults.slowed(engine.cfg.itl),
         die_after: faults.decode_die_mid_stream_after,
     })
-}
-
-/// Queues a prompt compute of `compute` on the engine: it ends `compute` after the last
-/// queued one ends (or from now). Returns when it ends.
-pub(crate) fn queue_compute(engine: &Engine, compute: Duration) -> tokio::time::Instant {
-    let mut busy = engine.busy_until.lock().unwrap_or_else(|e| e.into_inner());
-    let now = tokio::time::Instant::now();
-    let start = busy.map_or(now, |b| b.max(now));
-    let until = start + compute;
-    *busy = Some(until);
-    until
 }
 
 /// A plain engine's next token waits for the prompt compute in progress (if any).

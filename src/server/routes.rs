@@ -481,6 +481,7 @@ impl App {
             .decodes
             .iter()
             .chain(snap.prefills.iter())
+            .chain(snap.regulars.iter())
             .filter(|w| w.healthy);
         for w in candidates {
             match d.up.get(&w.url, "/v1/models", timeout).await {

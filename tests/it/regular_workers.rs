@@ -195,6 +195,12 @@ async fn every_request_lands_on_its_models_engines() {
         scrape.contains(r#"role="regular""#) && scrape.contains("regular-2"),
         "{scrape}"
     );
+    // SGLang router's info route knows them too: a regular-only model's server info
+    // comes from its regular worker.
+    let (status, v) = get_json(env, "/get_server_info?model=model-c").await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["router"]["regular_workers"], 3, "{v}");
+    assert_eq!(v["served_model_name"], "model-c", "{v}");
 }
 
 /// SGLang's `/generate` on a regular worker: streamed and not, the client's bootstrap
