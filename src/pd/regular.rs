@@ -280,6 +280,9 @@ impl Dispatcher {
     }
 }
 
+#[cfg(test)]
+mod route_props;
+
 /// A regular answer's head, body, first bytes, SSE scanner, and whether it already ended.
 type FirstBytes = (
     http::response::Parts,
