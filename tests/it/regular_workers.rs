@@ -579,3 +579,50 @@ async fn pdgate_check_knows_regular_workers() {
         "{role:?}"
     );
 }
+
+/// A regular worker that dies mid-stream: the client, who already has tokens, gets the
+/// usual error event and `[DONE]` (no retry after the first byte, no move); the worker's
+/// breaker counts it; every load counter is back to 0 when the bodies end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_regular_stream_that_breaks_ends_with_an_error_event() {
+    let f = mixed(|c| c.breaker.failure_threshold = 1).await;
+    let env = &f.env;
+    f.regular[2].set_faults(pdgate_sim::Faults {
+        decode_die_mid_stream_after: Some(2),
+        ..Default::default()
+    });
+    let body = serde_json::json!({
+        "model": "model-c",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "stream": true,
+    })
+    .to_string();
+    let (status, _, answer) = env.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "the first bytes came before the failure");
+    let (events, done) = common::sse_events(&answer);
+    assert!(done, "{}", String::from_utf8_lossy(&answer));
+    let last = events.last().expect("events");
+    assert_eq!(
+        last["error"]["type"],
+        "decode_broken",
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert!(events.len() >= 2, "tokens came first: {events:?}");
+    assert_eq!(f.regular(2), 1, "not retried after the first byte");
+    env.wait_pool("the broken worker's breaker open", |s| {
+        s.model("model-c")
+            .is_some_and(|m| m.regular_routable.is_empty())
+    })
+    .await;
+    let snap = env.router.pool.load();
+    for w in snap
+        .regulars
+        .iter()
+        .chain(&snap.prefills)
+        .chain(&snap.decodes)
+    {
+        assert_eq!(w.in_flight_total(), 0, "{} still holds a counter", w.url);
+    }
+}
