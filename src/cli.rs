@@ -29,6 +29,9 @@ pub struct ServeArgs {
     /// A decode engine URL (repeatable).
     #[arg(long, action = clap::ArgAction::Append)]
     pub decode: Vec<String>,
+    /// A regular (non-PD) engine URL, SGLang's plain mode (repeatable; `[[worker]]`).
+    #[arg(long, action = clap::ArgAction::Append)]
+    pub worker: Vec<String>,
     /// Listen address.
     #[arg(long)]
     pub host: Option<std::net::IpAddr>,
@@ -88,6 +91,9 @@ pub struct ServeArgs {
     /// Label selector of decode pods (as `--prefill-selector`).
     #[arg(long, num_args = 1.., value_name = "SELECTOR")]
     pub decode_selector: Vec<String>,
+    /// Label selector of regular (non-PD) engine pods (as `--prefill-selector`).
+    #[arg(long, num_args = 1.., value_name = "SELECTOR")]
+    pub regular_selector: Vec<String>,
     /// Namespace to watch (default: the pod's own); `*` watches all namespaces.
     #[arg(long)]
     pub service_discovery_namespace: Option<String>,
@@ -177,6 +183,19 @@ impl ServeArgs {
                 .map(|url| DecodeWorkerConfig { url, model: None })
                 .collect();
         }
+        // `--worker` and SGLang's `--worker-urls` together replace `[[worker]]`.
+        let workers: Vec<String> = self
+            .worker
+            .iter()
+            .chain(self.sglang.worker_urls.iter())
+            .cloned()
+            .collect();
+        if !workers.is_empty() {
+            cfg.worker = workers
+                .into_iter()
+                .map(|url| crate::config::RegularWorkerConfig { url, model: None })
+                .collect();
+        }
         if let Some(h) = self.host {
             cfg.server.host = h;
         }
@@ -253,6 +272,9 @@ impl ServeArgs {
         }
         if !self.decode_selector.is_empty() {
             d.decode_selector = Some(self.decode_selector.join(","));
+        }
+        if !self.regular_selector.is_empty() {
+            d.regular_selector = Some(self.regular_selector.join(","));
         }
         if !self.service_discovery_allowed_namespaces.is_empty() {
             d.allowed_namespaces = self

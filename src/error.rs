@@ -34,6 +34,8 @@ pub enum FailReason {
     TooManyConnections,
     NoPrefillAvailable,
     NoDecodeAvailable,
+    /// No routable regular (non-PD) worker of the request's model (`pd::regular`).
+    NoWorkerAvailable,
     BootstrapUnreachable,
     BootstrapNotReady,
     BootstrapRankMissing,
@@ -59,7 +61,7 @@ pub enum FailReason {
 }
 
 impl FailReason {
-    pub const ALL: [FailReason; 41] = [
+    pub const ALL: [FailReason; 42] = [
         FailReason::InvalidRequest,
         FailReason::PayloadTooLarge,
         FailReason::RequestBodyTimeout,
@@ -79,6 +81,7 @@ impl FailReason {
         FailReason::TooManyConnections,
         FailReason::NoPrefillAvailable,
         FailReason::NoDecodeAvailable,
+        FailReason::NoWorkerAvailable,
         FailReason::BootstrapUnreachable,
         FailReason::BootstrapNotReady,
         FailReason::BootstrapRankMissing,
@@ -126,6 +129,7 @@ impl FailReason {
             TooManyConnections => "too_many_connections",
             NoPrefillAvailable => "no_prefill_available",
             NoDecodeAvailable => "no_decode_available",
+            NoWorkerAvailable => "no_worker_available",
             BootstrapUnreachable => "bootstrap_unreachable",
             BootstrapNotReady => "bootstrap_not_ready",
             BootstrapRankMissing => "bootstrap_rank_missing",
@@ -167,7 +171,7 @@ impl FailReason {
             Conflict => StatusCode::CONFLICT,
             Overloaded | KeyInFlightLimit => StatusCode::TOO_MANY_REQUESTS,
             QueueTimeout | MemoryFull | TooManyConnections | NoPrefillAvailable
-            | NoDecodeAvailable | BootstrapUnreachable | BootstrapNotReady
+            | NoDecodeAvailable | NoWorkerAvailable | BootstrapUnreachable | BootstrapNotReady
             | BootstrapRankMissing => StatusCode::SERVICE_UNAVAILABLE,
             PrefillRejected | DecodeRejected => match upstream {
                 Some(s) if s.is_client_error() => s,
@@ -242,7 +246,7 @@ impl FailReason {
             InvalidRequest | PayloadTooLarge | RequestBodyTimeout | UnsupportedMediaType
             | NotFound | ModelNotFound | MethodNotAllowed | Unauthorized | Forbidden | InvalidApiKey | KeyInFlightLimit
             | Conflict | Overloaded | QueueTimeout | MemoryFull | LogprobsTooLarge
-            | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable | RequestTimeout
+            | TooManyConnections | NoPrefillAvailable | NoDecodeAvailable | NoWorkerAvailable | RequestTimeout
             | ClientDisconnected | Internal => c(None, false, false, None),
         };
         row
@@ -371,6 +375,7 @@ impl Failure {
             DecodeBroken => "a decode engine's answer broke off",
             NoPrefillAvailable => "no prefill engine is available now",
             NoDecodeAvailable => "no decode engine is available now",
+            NoWorkerAvailable => "no engine of the model is available now",
             Internal => "internal error",
             _ => &self.message,
         }
@@ -484,6 +489,7 @@ mod tests {
                     r,
                     FailReason::NoPrefillAvailable
                         | FailReason::NoDecodeAvailable
+                        | FailReason::NoWorkerAvailable
                         | FailReason::Internal
                         | FailReason::DecodeIdleTimeout
                 );

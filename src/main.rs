@@ -83,6 +83,7 @@ fn log_start(cfg: &pdgate::config::Config, notes: &[(bool, String)]) {
         contract_mode = %name(cfg.contract.mode.to_possible_value()),
         prefills = cfg.prefill.len(),
         decodes = cfg.decode.len(),
+        regular_workers = cfg.worker.len(),
         discovery = cfg.discovery.enabled,
         "pdgate starting"
     );

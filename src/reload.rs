@@ -69,6 +69,8 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
     let new_p = minus(&new.prefill, &old.prefill);
     let gone_d = minus(&old.decode, &new.decode);
     let new_d = minus(&new.decode, &old.decode);
+    let gone_r = minus(&old.worker, &new.worker);
+    let new_r = minus(&new.worker, &old.worker);
     // Secrets next, staged: a keys file or admin token that cannot be read refuses the
     // whole reload before anything changed.
     let keys = router
@@ -117,11 +119,25 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
             applied.added += 1;
         }
     }
+    for w in new_r {
+        if let Ok(url) = parse_base_url(&w.url) {
+            let _ = router.fleet.add_checked(WorkerSpec {
+                role: Role::Regular,
+                url,
+                bootstrap_port: None,
+                bootstrap_host: None,
+                source: WorkerSource::Static,
+                model: w.model.clone(),
+            });
+            applied.added += 1;
+        }
+    }
     let within = new.admin.remove_drain();
     let gone = gone_p
         .iter()
         .map(|p| (Role::Prefill, p.url.as_str()))
-        .chain(gone_d.iter().map(|d| (Role::Decode, d.url.as_str())));
+        .chain(gone_d.iter().map(|d| (Role::Decode, d.url.as_str())))
+        .chain(gone_r.iter().map(|w| (Role::Regular, w.url.as_str())));
     for (role, url) in gone {
         let Ok(url) = parse_base_url(url) else {
             continue;

@@ -204,6 +204,18 @@ pub async fn start_with(
             model: d.model.clone(),
         })?;
     }
+    for w in &cfg.worker {
+        let url = parse_base_url(&w.url)
+            .map_err(|e| ConfigError::Invalid(format!("worker url {}: {e}", w.url)))?;
+        fleet.add(WorkerSpec {
+            role: Role::Regular,
+            url,
+            bootstrap_port: None,
+            bootstrap_host: None,
+            source: WorkerSource::Static,
+            model: w.model.clone(),
+        })?;
+    }
     let discovery = if cfg.discovery.enabled {
         Some(crate::discovery::spawn(&cfg.discovery, fleet.clone()).await?)
     } else {

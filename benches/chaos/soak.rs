@@ -89,6 +89,7 @@ pub fn engine_config(role: Role, legacy: bool) -> EngineConfig {
     let mut e = match role {
         Role::Prefill => EngineConfig::prefill(DP),
         Role::Decode => EngineConfig::decode(DP),
+        Role::Regular => EngineConfig::regular(DP),
     };
     e.prefill_delay = Duration::from_millis(2);
     e.ttft = Duration::from_millis(2);

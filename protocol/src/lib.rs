@@ -21,13 +21,16 @@ use std::fmt;
 /// server listens when the engine does not say otherwise.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
-/// Which side of PD disaggregation a worker serves (SGLang's `--disaggregation-mode`).
-/// Serialised, parsed and displayed as `prefill` / `decode`.
+/// Which side of PD disaggregation a worker serves (SGLang's `--disaggregation-mode`), or
+/// none: a `Regular` engine runs whole requests (SGLang's default mode, which its
+/// `/server_info` reports as `disaggregation_mode` `null`; SGLang's router calls such a
+/// worker `regular`). Serialised, parsed and displayed as `prefill` / `decode` / `regular`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     Prefill,
     Decode,
+    Regular,
 }
 
 impl Role {
@@ -35,6 +38,17 @@ impl Role {
         match self {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+            Role::Regular => "regular",
+        }
+    }
+
+    /// The `disaggregation_mode` an engine of this role reports in `/server_info`
+    /// (`null` for a regular engine: SGLang's `--disaggregation-mode` default).
+    pub fn disaggregation_mode(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Regular => "null",
         }
     }
 }
@@ -51,8 +65,9 @@ impl std::str::FromStr for Role {
         match s {
             "prefill" => Ok(Role::Prefill),
             "decode" => Ok(Role::Decode),
+            "regular" => Ok(Role::Regular),
             other => Err(format!(
-                "unknown role {other:?} (expected prefill or decode)"
+                "unknown role {other:?} (expected prefill, decode or regular)"
             )),
         }
     }
@@ -64,7 +79,7 @@ mod tests {
 
     #[test]
     fn role_names_round_trip() {
-        for r in [Role::Prefill, Role::Decode] {
+        for r in [Role::Prefill, Role::Decode, Role::Regular] {
             assert_eq!(r.as_str().parse::<Role>(), Ok(r));
             assert_eq!(r.to_string(), r.as_str());
         }

@@ -23,7 +23,8 @@ pub struct SimArgs {
     /// Number of decode engines (ignored with --role).
     #[arg(long, default_value_t = 1)]
     pub decode: u32,
-    /// Run a single engine of this role on --port / --bootstrap-port.
+    /// Run a single engine of this role on --port / --bootstrap-port (prefill, decode, or
+    /// regular: SGLang's plain mode, one engine for the whole request).
     #[arg(long)]
     pub role: Option<Role>,
     /// Engine HTTP port with --role (0 = ephemeral).

@@ -119,6 +119,10 @@ pub struct EngineConfig {
     /// Prefill compute time per prompt token, on top of `prefill_delay` (long prompts
     /// take longer).
     pub prefill_per_token: Duration,
+    /// Prefill: prompt computes run one at a time on the engine (a long prompt delays the
+    /// ones behind it, as one batch after another on a GPU); off (default), they overlap.
+    /// A plain engine (`Role::Regular`) always runs them one at a time.
+    pub serial_prefill: bool,
     /// Decode: time to first token after the KV arrived.
     pub ttft: Duration,
     /// Decode: inter-token latency.
@@ -179,6 +183,7 @@ impl Default for EngineConfig {
             max_total_num_tokens: 1_000_000,
             prefill_delay: Duration::from_millis(5),
             prefill_per_token: Duration::ZERO,
+            serial_prefill: false,
             ttft: Duration::from_millis(5),
             itl: Duration::from_millis(2),
             default_output_tokens: 16,
@@ -230,6 +235,16 @@ impl EngineConfig {
     pub fn decode(dp_size: u32) -> Self {
         EngineConfig {
             role: Role::Decode,
+            dp_size,
+            ..Default::default()
+        }
+    }
+
+    /// A plain (non-disaggregated) engine with `dp_size` DP ranks: SGLang's default mode,
+    /// one engine for the whole request (`crate::plain`).
+    pub fn regular(dp_size: u32) -> Self {
+        EngineConfig {
+            role: Role::Regular,
             dp_size,
             ..Default::default()
         }

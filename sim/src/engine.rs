@@ -232,6 +232,7 @@ pub(crate) async fn spawn_in(
         decode: DecodeState::default(),
         last_headers: std::sync::Mutex::new(Vec::new()),
         started_rids: RidLog::default(),
+        busy_until: std::sync::Mutex::new(None),
         bodies: std::sync::Mutex::new(std::collections::VecDeque::new()),
         abort_rids: RidLog::default(),
         hits: Hits::default(),

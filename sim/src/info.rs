@@ -54,7 +54,7 @@ pub(crate) fn server_info(engine: &Engine) -> Value {
         "speculative_num_draft_tokens": null,
         "host": engine.public_ip(),
         "port": engine.addr.port(),
-        "disaggregation_mode": cfg.role.as_str(),
+        "disaggregation_mode": cfg.role.disaggregation_mode(),
         "disaggregation_bootstrap_port": engine.bootstrap_port.unwrap_or(sglang_pd::DEFAULT_BOOTSTRAP_PORT),
         "disaggregation_transfer_backend": "sim",
         "dp_size": cfg.dp(),

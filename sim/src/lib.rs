@@ -6,6 +6,8 @@
 //! decode's timeouts and SGLang's failure shapes — without GPUs. Each
 //! simulated engine is a set of real listeners on 127.0.0.1 (or `host`):
 //!
+//! - a plain engine (`Role::Regular`, SGLang's `--disaggregation-mode null`) runs whole
+//!   requests on its own ([`plain`]);
 //! - the engine HTTP port (`/generate`, OpenAI routes, `/server_info`, loads,
 //!   `/abort_request`, plus `/sim/stats` and `/sim/faults`);
 //! - for a prefill, its bootstrap server ([`bootstrap`]) answering exactly like
@@ -42,6 +44,7 @@ mod engine;
 mod hits;
 mod http;
 mod info;
+mod plain;
 mod plan;
 mod prefill;
 mod pyjson;

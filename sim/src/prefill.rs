@@ -153,7 +153,9 @@ pub(crate) async fn prepare(
     tracker.running();
     tracker.add_tokens(u64::from(inst.prompt_tokens));
     let compute = engine.cfg.prefill_time(inst.prompt_tokens, &faults);
-    if !compute.is_zero() {
+    if engine.cfg.serial_prefill {
+        tokio::time::sleep_until(engine.queue_compute(compute)).await;
+    } else if !compute.is_zero() {
         tokio::time::sleep(compute).await;
     }
     tracker.waiting();

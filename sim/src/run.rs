@@ -98,6 +98,9 @@ fn logprob_mode(engine: &Engine) -> Logprobs {
     match engine.cfg.role {
         Role::Prefill => Logprobs::Prefill,
         Role::Decode => Logprobs::Decode,
+        // A plain engine computes the prompt too: input and output logprobs, like a
+        // prefill's answer.
+        Role::Regular => Logprobs::Prefill,
     }
 }
 
@@ -171,7 +174,7 @@ async fn stream_task(engine: Arc<Engine>, parsed: Arc<ParsedRequest>, tx: ChunkT
         if results.iter().any(|r| r.died) {
             return;
         }
-        if parsed.include_usage && parsed.api != Api::Generate && engine.cfg.role == Role::Decode {
+        if parsed.include_usage && parsed.api != Api::Generate && engine.cfg.role != Role::Prefill {
             let prompt: u32 = parsed
                 .instances
                 .iter()
@@ -206,6 +209,7 @@ async fn run_instance(
         let plan = match engine.cfg.role {
             Role::Prefill => crate::prefill::prepare(engine, ctx.req, inst, &tracker).await?,
             Role::Decode => crate::decode::prepare(engine, ctx.req, inst, &tracker).await?,
+            Role::Regular => crate::plain::prepare(engine, ctx.req, inst, &tracker).await?,
         };
         tracker.running();
         generate(engine, ctx, inst, plan, tx, &progress, &tracker).await
@@ -304,8 +308,11 @@ async fn generate(
         tokio::time::sleep(plan.ttft).await;
     }
     for k in 0..plan.tokens {
+        if engine.cfg.role == Role::Regular {
+            crate::plain::wait_idle(engine).await;
+        }
         if k > 0 {
-            let extra = if engine.cfg.role == Role::Decode {
+            let extra = if engine.cfg.role != Role::Prefill {
                 Duration::from_millis(engine.faults_tx.borrow().decode_extra_itl_ms)
             } else {
                 Duration::ZERO

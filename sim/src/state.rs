@@ -53,6 +53,9 @@ pub(crate) struct Engine {
     pub last_headers: std::sync::Mutex<Vec<(String, String)>>,
     /// The rids of the request instances that started ([`crate::SimEngine::recent_rids`]).
     pub started_rids: RidLog,
+    /// When the prompt compute in progress ends: a plain engine, or a prefill with
+    /// `serial_prefill` (`Engine::queue_compute`).
+    pub busy_until: Mutex<Option<tokio::time::Instant>>,
     /// The bodies of the last [`RECENT_RIDS`] generate requests, as received.
     pub bodies: Mutex<VecDeque<(String, serde_json::Value)>>,
     /// The rids named by `POST /abort_request` ([`crate::SimEngine::recent_abort_rids`]).
@@ -92,6 +95,18 @@ impl RidLog {
 }
 
 impl Engine {
+    /// Queues a prompt compute of `compute` on the engine (a plain engine, or a prefill
+    /// with `serial_prefill`): it ends `compute` after the last queued one ends, or from
+    /// now. Returns when it ends.
+    pub(crate) fn queue_compute(&self, compute: std::time::Duration) -> tokio::time::Instant {
+        let mut busy = self.busy_until.lock().unwrap_or_else(|e| e.into_inner());
+        let now = tokio::time::Instant::now();
+        let start = busy.map_or(now, |b| b.max(now));
+        let until = start + compute;
+        *busy = Some(until);
+        until
+    }
+
     pub(crate) fn faults(&self) -> Faults {
         self.faults_tx.borrow().clone()
     }

@@ -141,7 +141,7 @@ fn parse_role(s: &str, key: &str) -> Result<Role, Failure> {
     s.parse::<Role>().map_err(|_| {
         fail(
             FailReason::InvalidRequest,
-            format!("{key} must be prefill or decode (pdgate routes PD only), not {s:?}"),
+            format!("{key} must be prefill, decode or regular, not {s:?}"),
         )
     })
 }
@@ -254,6 +254,7 @@ impl Api {
         snap.prefills
             .iter()
             .chain(snap.decodes.iter())
+            .chain(snap.regulars.iter())
             .map(|w| worker_json(snap, w, &self.learnt(w.role, w.id)))
             .collect()
     }
@@ -262,7 +263,8 @@ impl Api {
     /// URL, pod, health, ranks and why it is out of rotation.
     fn readiness(&self) -> Response<RespBody> {
         let snap = self.fleet.pool().load_full();
-        let ready = !snap.prefill_routable.is_empty() && !snap.decode_routable.is_empty();
+        let ready = (!snap.prefill_routable.is_empty() && !snap.decode_routable.is_empty())
+            || !snap.regular_routable.is_empty();
         let status = if ready {
             StatusCode::OK
         } else {
@@ -274,6 +276,7 @@ impl Api {
                 "ready": ready,
                 "routable_prefill_ranks": snap.routable_ranks(Role::Prefill),
                 "routable_decode_ranks": snap.routable_ranks(Role::Decode),
+                "routable_regular_ranks": snap.routable_ranks(Role::Regular),
                 "workers": self.workers_json(&snap),
             }),
         )
@@ -314,8 +317,10 @@ impl Api {
                 "stats": {
                     "prefill": snap.prefills.len(),
                     "decode": snap.decodes.len(),
+                    "regular": snap.regulars.len(),
                     "routable_prefill_ranks": snap.routable_ranks(Role::Prefill),
                     "routable_decode_ranks": snap.routable_ranks(Role::Decode),
+                    "routable_regular_ranks": snap.routable_ranks(Role::Regular),
                 },
             }),
         )
@@ -486,7 +491,8 @@ impl Api {
         ))
     }
 
-    /// `POST /add_worker?url=U&worker_type=prefill|decode[&bootstrap_port=N]` (SGLang).
+    /// `POST /add_worker?url=U[&worker_type=prefill|decode|regular][&bootstrap_port=N]`
+    /// (SGLang; no type: regular).
     /// Like SGLang's router, it answers once the worker takes traffic (200), up to
     /// `admin.add_worker_wait_secs`; past that, 202 says it is registered but not yet
     /// checked. A worker refused by its checks (a layout or bootstrap mismatch) is 409, and
@@ -498,16 +504,11 @@ impl Api {
                 "url is required: /add_worker?url=...",
             )
         })?;
-        let kind = params
-            .get("worker_type")
-            .or_else(|| params.get("role"))
-            .ok_or_else(|| {
-                fail(
-                    FailReason::InvalidRequest,
-                    "worker_type=prefill or worker_type=decode is required (pdgate routes PD only)",
-                )
-            })?;
-        let role = parse_role(kind, "worker_type")?;
+        // Without a type, a regular worker (SGLang's router's default `worker_type`).
+        let role = match params.get("worker_type").or_else(|| params.get("role")) {
+            Some(kind) => parse_role(kind, "worker_type")?,
+            None => Role::Regular,
+        };
         let port =
             match params.get("bootstrap_port") {
                 None => None,
@@ -563,7 +564,7 @@ impl Api {
             .map_err(|e| fail(FailReason::InvalidRequest, format!("url {raw:?}: {e}")))?;
         let roles = match params.get("worker_type").or_else(|| params.get("role")) {
             Some(k) => vec![parse_role(k, "worker_type")?],
-            None => vec![Role::Prefill, Role::Decode],
+            None => vec![Role::Prefill, Role::Decode, Role::Regular],
         };
         let found: Vec<(Role, WorkerId)> = roles
             .into_iter()

@@ -158,6 +158,7 @@ mod tests {
             (Role::Prefill, 0),
             (Role::Decode, 17),
             (Role::Prefill, u32::MAX),
+            (Role::Regular, 2),
         ] {
             let s = worker_ref(role, WorkerId(n));
             assert_eq!(parse_worker_ref(&s), Some((role, WorkerId(n))), "{s}");
@@ -168,7 +169,7 @@ mod tests {
             "p3",
             "prefill-03",
             "prefill-x",
-            "regular-1",
+            "worker-1",
             "decode-+1",
             "decode-4294967296",
             "decode-1-2",

@@ -296,7 +296,7 @@ fn url_taken(p: &FoundPod, ep: &Endpoint, owner: &str) -> Check {
 fn engine(p: &FoundPod, ep: &Endpoint, plan: &Plan) -> Engine {
     let annotation = plan.pod.bootstrap_annotation.clone();
     let boot = match (ep.role, ep.bootstrap_port) {
-        (Role::Decode, _) => String::new(),
+        (Role::Decode | Role::Regular, _) => String::new(),
         (Role::Prefill, Some(port)) => {
             format!(", bootstrap port {port} from its {annotation} annotation")
         }
@@ -433,6 +433,7 @@ mod tests {
                 matched: Matched {
                     prefill: false,
                     decode: true,
+                    regular: false,
                 },
                 state: state.clone(),
             };

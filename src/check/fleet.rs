@@ -21,12 +21,22 @@ use crate::url::parse_base_url;
 pub(super) fn fleet(cfg: &Config, probes: &[EngineProbe]) -> Vec<Check> {
     let mut out = Vec::new();
     let discovery = cfg.discovery.enabled;
-    for role in [Role::Prefill, Role::Decode] {
+    let regulars = probes.iter().filter(|p| p.role == Role::Regular).count();
+    for role in [Role::Prefill, Role::Decode, Role::Regular] {
         let name = format!("{role}_configured");
         let of_role = || probes.iter().filter(|p| p.role == role);
         let n = of_role().count();
         let found = of_role().filter(|p| p.discovered).count();
         out.push(match (n, discovery) {
+            // Regular workers are optional; without PD pairs they serve everything.
+            (0, _) if role == Role::Regular => {
+                Check::pass(FLEET, &name, "no regular (non-PD) engine".to_string())
+            }
+            (0, _) if regulars > 0 => Check::pass(
+                FLEET,
+                &name,
+                format!("no {role} engine: requests go to the {regulars} regular engine(s)"),
+            ),
             (0, false) => Check::fail(
                 FLEET,
                 &name,
@@ -246,7 +256,9 @@ pub(super) async fn probe_request(cfg: &Config, up: &Upstream) -> Check {
     let deadline = Instant::now() + ROUTABLE_WAIT;
     loop {
         let s = router.pool.load();
-        if s.routable_ranks(Role::Prefill) > 0 && s.routable_ranks(Role::Decode) > 0 {
+        if (s.routable_ranks(Role::Prefill) > 0 && s.routable_ranks(Role::Decode) > 0)
+            || s.routable_ranks(Role::Regular) > 0
+        {
             break;
         }
         if Instant::now() > deadline {
@@ -280,7 +292,7 @@ pub(super) async fn probe_request(cfg: &Config, up: &Upstream) -> Check {
         Ok((StatusCode::OK, _)) => Check::pass(
             FLEET,
             name,
-            "POST /generate (1 token) through prefill and decode: 200",
+            "POST /generate (1 token) through the router (a prefill and decode pair, or a regular engine): 200",
         ),
         Ok((status, b)) => fail(
             format!(

@@ -217,6 +217,11 @@ pub async fn run_with(cfg: &Config, opts: CheckOptions, kube: KubeSource) -> Rep
                 .iter()
                 .map(|d| (Role::Decode, d.url.clone(), None, d.model.clone())),
         )
+        .chain(
+            cfg.worker
+                .iter()
+                .map(|w| (Role::Regular, w.url.clone(), None, w.model.clone())),
+        )
         .map(|(role, url, bootstrap_port, model)| Engine {
             role,
             target: url.clone(),
@@ -290,6 +295,10 @@ fn probe_config(cfg: &Config, engines: &[Engine]) -> Config {
                 model: None,
             }),
             Role::Decode => c.decode.push(DecodeWorkerConfig {
+                url: e.url.clone(),
+                model: None,
+            }),
+            Role::Regular => c.worker.push(crate::config::RegularWorkerConfig {
                 url: e.url.clone(),
                 model: None,
             }),
@@ -499,7 +508,7 @@ async fn does_not_resolve(url: &BaseUrl, timeout: Duration) -> bool {
 fn role_check(checks: &mut Vec<Check>, e: &Engine, info: &ServerInfo) -> bool {
     let (t, role) = (e.target.as_str(), e.role);
     let mode = info.disaggregation_mode.as_deref().unwrap_or("null");
-    if mode == role.as_str() {
+    if mode == role.disaggregation_mode() {
         checks.push(Check::pass(
             t,
             "role",
@@ -515,7 +524,13 @@ fn role_check(checks: &mut Vec<Check>, e: &Engine, info: &ServerInfo) -> bool {
             "this pod runs a {mode} engine but matches --{role}-selector: correct its labels \
              (it must match --{mode}-selector only) or the selectors"
         ),
-        _ => format!("start the engine with --disaggregation-mode {role}"),
+        ("null", _) => format!(
+            "this is a regular (non-PD) engine: list it with --worker (in [[worker]]), not as a {role}"
+        ),
+        _ => format!(
+            "start the engine with --disaggregation-mode {}",
+            role.disaggregation_mode()
+        ),
     };
     let how = match e.listed {
         Listed::Static => "configured",

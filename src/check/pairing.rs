@@ -90,6 +90,7 @@ pub(super) fn checks(probes: &[EngineProbe]) -> Vec<Check> {
     };
     let (prefills, decodes) = (of(Role::Prefill), of(Role::Decode));
     let mut out = models(&prefills, &decodes);
+    out.extend(regular_models(&of(Role::Regular)));
     out.push(context(&prefills, &decodes));
     out.push(tp(&prefills, &decodes));
     out
@@ -117,6 +118,36 @@ fn models(prefills: &[(&str, &Facts)], decodes: &[(&str, &Facts)]) -> Vec<Check>
     names
         .into_iter()
         .map(|m| one_model(m, prefills, decodes))
+        .collect()
+}
+
+/// One `regular_model` row per model served by regular (non-PD) engines: they hand off
+/// nothing, so there is nothing to pair; the row says which engines serve it.
+fn regular_models(regulars: &[(&str, &Facts)]) -> Vec<Check> {
+    let mut names: Vec<&str> = regulars
+        .iter()
+        .filter_map(|(_, f)| f.model.as_deref())
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+        .into_iter()
+        .map(|m| {
+            let engines: Vec<&str> = regulars
+                .iter()
+                .filter(|(_, f)| f.model.as_deref() == Some(m))
+                .map(|(t, _)| *t)
+                .collect();
+            Check::pass(
+                FLEET,
+                "regular_model",
+                format!(
+                    "{m}: {} regular engine(s), each serving whole requests: {}",
+                    engines.len(),
+                    engines.join(", ")
+                ),
+            )
+        })
         .collect()
 }
 

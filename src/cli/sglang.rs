@@ -140,7 +140,7 @@ pub const FLAGS: &[Flag] = &[
     f("log-mm-timing", STUDIO),
     f("host", Mapped),
     f("port", Mapped),
-    f("worker-urls", Refused("pdgate routes prefill/decode pairs only: --prefill URL [BOOTSTRAP_PORT] and --decode URL")),
+    f("worker-urls", Mapped),
     f("upstream-http2", Ignored("pdgate speaks HTTP/1.1 to engines, as SGLang's HTTP server does")),
     f("upstream-pool-idle-timeout-secs", Mapped),
     f("health-check-port", Refused("--prometheus-port opens a listener for /liveness and /metrics apart from the front door")),
@@ -203,7 +203,7 @@ pub const FLAGS: &[Flag] = &[
     f("routing-key-headers", MANUAL),
     f("dp-minimum-tokens-scheduler", Ignored("pdgate picks the DP rank with its own policy")),
     f("enable-igw", Refused("pdgate routes one prefill/decode fleet; it is not a multi-fleet gateway")),
-    f("pd-disaggregation", Always("pdgate always routes prefill/decode pairs")),
+    f("pd-disaggregation", Always("pdgate routes prefill/decode pairs wherever a model has them, and regular workers (--worker-urls) beside them")),
     // sglang-router 0.3.2 (`python -m sglang_router.launch_router`) only:
     f(
         "mini-lb",
@@ -221,7 +221,7 @@ pub const FLAGS: &[Flag] = &[
     f("worker-startup-check-interval", STARTUP),
     f("service-discovery", Mapped),
     f("discovery-provider", Only { value: "kubernetes", why: "pdgate discovers Kubernetes pods (--service-discovery) or takes static workers from its config file (reloaded on SIGHUP)" }),
-    f("selector", Refused("pdgate discovers prefill and decode pods apart: --prefill-selector and --decode-selector")),
+    f("selector", Mapped),
     f("service-discovery-port", Mapped),
     f("service-discovery-namespace", Mapped),
     f("kv-connector-annotation", Ignored("pdgate learns a prefill's bootstrap port from its /server_info, or from --bootstrap-port-annotation")),
@@ -449,6 +449,13 @@ impl FromArgMatches for SglangCompat {
 /// name pdgate shares are `ServeArgs`' own).
 #[derive(Clone, Debug, Default, Args)]
 pub struct SglangArgs {
+    /// Regular (non-PD) engines, SGLang's plain mode (`[[worker]]`; with `--worker`).
+    #[arg(long, num_args = 1.., value_name = "URL")]
+    pub worker_urls: Vec<String>,
+    /// Label selector of regular (non-PD) engine pods (discovery.regular_selector; as
+    /// `--regular-selector`).
+    #[arg(long, num_args = 1.., value_name = "SELECTOR")]
+    pub selector: Vec<String>,
     /// Open a listener for `/metrics` and `/liveness` only, no token (Prometheus,
     /// Kubernetes probes), on this port ([metrics_listener]).
     #[arg(long)]
@@ -531,6 +538,9 @@ impl SglangArgs {
     /// Applies the flags given. `--api-key` first, so that pdgate's own secret flags,
     /// applied after it, win.
     pub fn apply(&self, cfg: &mut Config) {
+        if !self.selector.is_empty() {
+            cfg.discovery.regular_selector = Some(self.selector.join(","));
+        }
         if let Some(k) = &self.api_key {
             cfg.auth.api_key = Some(k.clone());
             cfg.admin.api_key = Some(k.clone());

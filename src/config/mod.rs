@@ -31,7 +31,7 @@ pub fn live(cfg: Config) -> LiveConfig {
 }
 
 pub use capacity::CapacityConfig;
-pub use models::{ModelSettings, ModelsConfig};
+pub use models::{ModelSettings, ModelsConfig, RegularWorkerConfig};
 pub use ops::{AdminConfig, AuthConfig, DiscoveryConfig, MetricsListenerConfig, ReloadConfig};
 pub use progress::ProgressConfig;
 pub use resilience::{BreakerConfig, HealthConfig, RetryConfig};
@@ -60,6 +60,8 @@ pub struct Config {
     pub prefill: Vec<PrefillWorkerConfig>,
     /// Decode engines (`[[decode]]` tables, or `--decode URL`).
     pub decode: Vec<DecodeWorkerConfig>,
+    /// Regular (non-PD) engines (`[[worker]]` tables, or `--worker URL`).
+    pub worker: Vec<RegularWorkerConfig>,
     pub policy: PolicyConfig,
     pub contract: ContractConfig,
     pub timeouts: TimeoutConfig,
@@ -577,6 +579,7 @@ impl Config {
             }
             models::check_worker_model(&format!("decode[{i}].model"), d.model.as_deref())?;
         }
+        models::check_regular_workers(&self.worker)?;
         self.models.validate()?;
         let (s, t, h, b, a, bs, u, r, p) = (
             &self.server,

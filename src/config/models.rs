@@ -1,12 +1,14 @@
 //! `[models]`: how a request's `model` finds its workers (see `crate::models`): aliases,
-//! the default model of SGLang's `/generate`, and strict matching. The model each worker
-//! serves is learned from its engine (`/server_info`), or set per worker (`model = "..."`
-//! in `[[prefill]]` / `[[decode]]`).
+//! the default model of SGLang's `/generate`, and strict matching; and the regular
+//! (non-PD) workers' part: whether a model falls back to them when its PD pairs are all
+//! unroutable. The model each worker serves is learned from its engine (`/server_info`),
+//! or set per worker (`model = "..."` in `[[prefill]]` / `[[decode]]` / `[[worker]]`).
 //!
 //! `[models.settings."NAME"]` gives one model its own policies, admission limits, retries
 //! and breaker thresholds: each sub-table is a partial override laid over the top-level
 //! section of the same name (defaults stay in those sections' types), validated as the
-//! top level is, with the model named in the error.
+//! top level is, with the model named in the error; and its short-prompt bypass
+//! (`short_prompt_tokens`: prompts shorter than that go to a regular worker of the model).
 
 use std::collections::BTreeMap;
 
@@ -22,7 +24,33 @@ pub const MAX_ALIASES: usize = 4096;
 /// The longest model name or alias, in bytes.
 pub const MAX_NAME_BYTES: usize = 512;
 
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// A regular (non-PD) engine: `[[worker]]`, or `--worker URL`. It runs whole requests
+/// (SGLang's default mode, `--disaggregation-mode null`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegularWorkerConfig {
+    pub url: String,
+    /// The model clients name for this engine. Unset: what its `/server_info` reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+/// Checks the `[[worker]]` entries.
+pub(super) fn check_regular_workers(workers: &[RegularWorkerConfig]) -> Result<(), ConfigError> {
+    for (i, w) in workers.iter().enumerate() {
+        if let Err(e) = crate::url::parse_base_url(&w.url) {
+            return Err(invalid(format!("worker[{i}].url {:?}: {e}", w.url)));
+        }
+        check_worker_model(&format!("worker[{i}].model"), w.model.as_deref())?;
+    }
+    Ok(())
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelsConfig {
     /// The model a request names no model for (SGLang's `/generate`): unset, the only
@@ -34,8 +62,26 @@ pub struct ModelsConfig {
     /// Names clients use → the model served (`"gpt-4o" = "Qwen/Qwen3-8B"`).
     pub aliases: BTreeMap<String, String>,
     /// Per served model: policies, admission limits, retries and breaker thresholds that
-    /// differ from the top level's (`[models.settings."NAME".retry]`, ...).
+    /// differ from the top level's (`[models.settings."NAME".retry]`, ...), and the
+    /// short-prompt bypass.
     pub settings: BTreeMap<String, ModelSettings>,
+    /// A model served by PD pairs and regular workers sends its requests to its regular
+    /// workers while none of its PD pairs is routable (default on); off, such a request
+    /// answers 503 like a model without regular workers.
+    #[serde(default = "default_true")]
+    pub regular_fallback: bool,
+}
+
+impl Default for ModelsConfig {
+    fn default() -> Self {
+        ModelsConfig {
+            default: None,
+            strict: false,
+            aliases: BTreeMap::new(),
+            settings: BTreeMap::new(),
+            regular_fallback: true,
+        }
+    }
 }
 
 impl ModelsConfig {

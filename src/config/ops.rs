@@ -21,6 +21,9 @@ pub struct DiscoveryConfig {
     pub prefill_selector: Option<String>,
     /// Label selector of decode pods.
     pub decode_selector: Option<String>,
+    /// Label selector of regular (non-PD) engine pods (SGLang's plain mode). Unset: none
+    /// are discovered.
+    pub regular_selector: Option<String>,
     /// Namespace to watch. Unset: the pod's own (the service-account namespace file), else
     /// `default`.
     pub namespace: Option<String>,
@@ -56,6 +59,7 @@ impl Default for DiscoveryConfig {
             enabled: false,
             prefill_selector: None,
             decode_selector: None,
+            regular_selector: None,
             namespace: None,
             all_namespaces: false,
             allowed_namespaces: Vec::new(),
@@ -208,10 +212,13 @@ impl ReloadConfig {
 pub(super) fn validate(cfg: &super::Config) -> Result<(), ConfigError> {
     let d = &cfg.discovery;
     if d.enabled {
-        if d.prefill_selector.is_none() && d.decode_selector.is_none() {
+        if d.prefill_selector.is_none()
+            && d.decode_selector.is_none()
+            && d.regular_selector.is_none()
+        {
             return Err(invalid(
-                "discovery.enabled needs discovery.prefill_selector or discovery.decode_selector \
-                 (--prefill-selector / --decode-selector)"
+                "discovery.enabled needs discovery.prefill_selector, discovery.decode_selector \
+                 or discovery.regular_selector (--prefill-selector / --decode-selector / --regular-selector)"
                     .to_string(),
             ));
         }

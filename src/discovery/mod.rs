@@ -63,7 +63,7 @@ pub enum DiscoveryError {
         selector: String,
         error: selector::SelectorError,
     },
-    #[error("--prefill-selector and --decode-selector are the same selector ({0:?}): every pod would match both and be refused")]
+    #[error("two of --prefill-selector, --decode-selector and --regular-selector are the same selector ({0:?}): every pod would match both and be refused")]
     SameSelectors(String),
     #[error("no Kubernetes client configuration (KUBECONFIG, ~/.kube/config, or in-cluster service account): {0}")]
     Config(String),
@@ -104,6 +104,7 @@ impl DiscoveryError {
 pub struct Plan {
     pub prefill_selector: Option<String>,
     pub decode_selector: Option<String>,
+    pub regular_selector: Option<String>,
     /// `None`: the pod's own namespace (resolved when discovery starts).
     pub namespace: Option<String>,
     pub all_namespaces: bool,
@@ -117,12 +118,13 @@ impl Plan {
         match role {
             Role::Prefill => self.prefill_selector.as_deref(),
             Role::Decode => self.decode_selector.as_deref(),
+            Role::Regular => self.regular_selector.as_deref(),
         }
     }
 
     /// The roles with a selector.
     pub fn roles(&self) -> Vec<Role> {
-        [Role::Prefill, Role::Decode]
+        [Role::Prefill, Role::Decode, Role::Regular]
             .into_iter()
             .filter(|r| self.selector(*r).is_some())
             .collect()
@@ -159,20 +161,28 @@ pub fn plan(cfg: &DiscoveryConfig) -> Result<Plan, DiscoveryError> {
         "--decode-selector",
         "decode_selector",
     )?;
-    if let (Some((text, a)), Some((_, b))) = (&p, &d) {
-        // The same requirements in any order select the same pods.
-        let set = |s: &selector::LabelSelector| {
-            s.0.iter()
-                .map(ToString::to_string)
-                .collect::<std::collections::BTreeSet<_>>()
-        };
-        if set(a) == set(b) {
-            return Err(DiscoveryError::SameSelectors(text.clone()));
+    let r = checked(
+        cfg.regular_selector.as_deref(),
+        "--regular-selector",
+        "regular_selector",
+    )?;
+    // The same requirements in any order select the same pods.
+    let set = |s: &selector::LabelSelector| {
+        s.0.iter()
+            .map(ToString::to_string)
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    for (x, y) in [(&p, &d), (&p, &r), (&d, &r)] {
+        if let (Some((text, a)), Some((_, b))) = (x, y) {
+            if set(a) == set(b) {
+                return Err(DiscoveryError::SameSelectors(text.clone()));
+            }
         }
     }
     Ok(Plan {
         prefill_selector: p.map(|(s, _)| s),
         decode_selector: d.map(|(s, _)| s),
+        regular_selector: r.map(|(s, _)| s),
         namespace: cfg.namespace.clone().filter(|n| !n.trim().is_empty()),
         all_namespaces: cfg.all_namespaces,
         pod: PodSettings {
@@ -288,6 +298,7 @@ fn start(plan: Plan, client: kube::Client, fleet: Arc<Fleet>) -> Discovery {
         namespace = %scope,
         prefill_selector = plan.prefill_selector.as_deref().unwrap_or("-"),
         decode_selector = plan.decode_selector.as_deref().unwrap_or("-"),
+        regular_selector = plan.regular_selector.as_deref().unwrap_or("-"),
         resync_secs = plan.resync.as_secs(),
         "discovery watching pods"
     );

@@ -43,6 +43,27 @@ pub struct PodSettings {
 pub struct Matched {
     pub prefill: bool,
     pub decode: bool,
+    pub regular: bool,
+}
+
+impl Matched {
+    /// Records that `role`'s selector matched.
+    pub fn set(&mut self, role: Role) {
+        match role {
+            Role::Prefill => self.prefill = true,
+            Role::Decode => self.decode = true,
+            Role::Regular => self.regular = true,
+        }
+    }
+
+    /// Whether `role`'s selector matched.
+    pub fn has(&self, role: Role) -> bool {
+        match role {
+            Role::Prefill => self.prefill,
+            Role::Decode => self.decode,
+            Role::Regular => self.regular,
+        }
+    }
 }
 
 /// Where a pod's engine is reached.
@@ -251,7 +272,7 @@ fn endpoint(pod: &Pod, role: Role, ip: &str, s: &PodSettings) -> Result<Endpoint
     };
     let url = parse_base_url(&text).map_err(|_| Ignored::BadIp(ip.to_string()))?;
     let bootstrap_port = match role {
-        Role::Decode => None,
+        Role::Decode | Role::Regular => None,
         Role::Prefill => match pod
             .metadata
             .annotations
@@ -297,11 +318,12 @@ pub fn classify(pod: &Pod, matched: Matched, s: &PodSettings) -> PodState {
             return PodState::Ignored(Ignored::NamespaceNotAllowed(ns.to_string()));
         }
     }
-    let role = match (matched.prefill, matched.decode) {
-        (true, true) => return PodState::Ignored(Ignored::BothSelectors),
-        (true, false) => Role::Prefill,
-        (false, true) => Role::Decode,
-        (false, false) => return PodState::Ignored(Ignored::NoSelector),
+    let role = match (matched.prefill, matched.decode, matched.regular) {
+        (true, false, false) => Role::Prefill,
+        (false, true, false) => Role::Decode,
+        (false, false, true) => Role::Regular,
+        (false, false, false) => return PodState::Ignored(Ignored::NoSelector),
+        _ => return PodState::Ignored(Ignored::BothSelectors),
     };
     if pod.metadata.deletion_timestamp.is_some() {
         return PodState::Terminating {

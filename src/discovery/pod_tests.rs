@@ -37,10 +37,17 @@ fn pod(tweak: impl FnOnce(&mut Value)) -> Pod {
 const P: Matched = Matched {
     prefill: true,
     decode: false,
+    regular: false,
 };
 const D: Matched = Matched {
     prefill: false,
     decode: true,
+    regular: false,
+};
+const R: Matched = Matched {
+    prefill: false,
+    decode: false,
+    regular: true,
 };
 
 fn ep(role: Role, url: &str, bootstrap_port: Option<u16>) -> Endpoint {
@@ -63,6 +70,13 @@ fn pods_map_to_workers_by_the_rules() {
             D,
             settings(),
             PodState::Ready(ep(Role::Decode, "http://10.0.0.7:8000", None)),
+        ),
+        (
+            "ready regular (non-PD) engine: the named port, no bootstrap port",
+            |v| v["metadata"]["annotations"] = json!({"sglang.ai/bootstrap-port": "8998"}),
+            R,
+            settings(),
+            PodState::Ready(ep(Role::Regular, "http://10.0.0.7:8000", None)),
         ),
         (
             "ready prefill without annotation: bootstrap port from /server_info",
@@ -276,6 +290,18 @@ fn pods_map_to_workers_by_the_rules() {
             Matched {
                 prefill: true,
                 decode: true,
+                regular: false,
+            },
+            settings(),
+            PodState::Ignored(Ignored::BothSelectors),
+        ),
+        (
+            "a regular and a decode selector: refused",
+            no_change,
+            Matched {
+                prefill: false,
+                decode: true,
+                regular: true,
             },
             settings(),
             PodState::Ignored(Ignored::BothSelectors),

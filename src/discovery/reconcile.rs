@@ -281,7 +281,7 @@ impl Reconciler {
             let n = counts.get(label).copied().unwrap_or(0);
             metrics::gauge!(PODS, "state" => *label).set(n as f64);
         }
-        for role in [Role::Prefill, Role::Decode] {
+        for role in [Role::Prefill, Role::Decode, Role::Regular] {
             let n = self.tracked.values().filter(|t| t.ep.role == role).count();
             metrics::gauge!(WORKERS, "role" => role.as_str()).set(n as f64);
         }

@@ -45,13 +45,7 @@ pub struct Found {
 impl Found {
     /// How many pods `role`'s selector matched (a pod matching both counts for both).
     pub fn matched(&self, role: Role) -> usize {
-        self.pods
-            .iter()
-            .filter(|p| match role {
-                Role::Prefill => p.matched.prefill,
-                Role::Decode => p.matched.decode,
-            })
-            .count()
+        self.pods.iter().filter(|p| p.matched.has(role)).count()
     }
 }
 
@@ -99,10 +93,7 @@ pub async fn snapshot(client: kube::Client, plan: &Plan) -> Result<Found, Discov
                 r.uid
             };
             let e = seen.entry(key).or_insert_with(|| (pod, Matched::default()));
-            match role {
-                Role::Prefill => e.1.prefill = true,
-                Role::Decode => e.1.decode = true,
-            }
+            e.1.set(role);
         }
     }
     let mut pods: Vec<FoundPod> = seen

@@ -44,13 +44,14 @@ pub struct RoleStore {
 /// The stores of both roles, shared by the watchers (writers) and the reconciler.
 #[derive(Debug, Default)]
 pub struct Stores {
-    pub roles: Mutex<[RoleStore; 2]>,
+    pub roles: Mutex<[RoleStore; 3]>,
 }
 
 pub fn role_index(role: Role) -> usize {
     match role {
         Role::Prefill => 0,
         Role::Decode => 1,
+        Role::Regular => 2,
     }
 }
 
@@ -128,6 +129,12 @@ impl Stores {
                 .entry(uid.clone())
                 .or_insert_with(|| (pod.clone(), Default::default()));
             e.1.decode = true;
+        }
+        for (uid, pod) in &g[2].pods {
+            let e = out
+                .entry(uid.clone())
+                .or_insert_with(|| (pod.clone(), Default::default()));
+            e.1.regular = true;
         }
         out
     }

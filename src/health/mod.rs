@@ -97,7 +97,7 @@ pub fn next_check_in(cfg: &HealthConfig, healthy: bool) -> Duration {
 /// taken at its word).
 pub fn admit_info(role: Role, info: &crate::engine::ServerInfo) -> Result<Option<u32>, String> {
     if let Some(mode) = info.disaggregation_mode.as_deref() {
-        if mode != role.as_str() {
+        if mode != role.disaggregation_mode() {
             return Err(format!(
                 "the engine reports disaggregation_mode {mode}, but it was added as a {role}"
             ));
@@ -158,7 +158,7 @@ pub fn spawn(
                                 if w.refused.take().is_some() {
                                     tracing::info!(role = %role, worker = %w.url, "worker no longer refused");
                                 }
-                                if let (Some(dp), Role::Decode) = (dp, role) {
+                                if let (Some(dp), Role::Decode | Role::Regular) = (dp, role) {
                                     w.dp_size = Some(*dp);
                                 }
                             }

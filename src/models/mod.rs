@@ -38,7 +38,8 @@ pub fn resolve<'r>(
     requested: impl FnOnce() -> Option<Cow<'r, str>>,
 ) -> Result<Option<Arc<str>>, Failure> {
     let snap = pool.load();
-    if !cfg.strict && cfg.aliases.is_empty() && snap.groups.len() <= 1 {
+    // Regular workers sit in no handoff group: a second model they serve makes a name matter.
+    if !cfg.strict && cfg.aliases.is_empty() && snap.groups.len() <= 1 && snap.models.len() <= 1 {
         return Ok(None);
     }
     resolve_in(cfg, &snap, requested().as_deref())
@@ -174,7 +175,8 @@ pub fn list(cfg: &ModelsConfig, snap: &Snapshot, created: u64) -> serde_json::Va
 }
 
 /// Per model, for `/readiness`: whether it can take a request now (a routable prefill in a
-/// handoff group with a routable decode), its routable ranks and its workers. Names and
+/// handoff group with a routable decode, or a routable regular worker), its routable ranks
+/// and its workers. Names and
 /// counts only (the model names are the ones `/v1/models` lists).
 pub fn readiness(snap: &Snapshot) -> serde_json::Value {
     let ranks = |l: &[crate::pool::Routable]| l.iter().map(|r| r.ranks.len()).sum::<usize>();
@@ -184,12 +186,14 @@ pub fn readiness(snap: &Snapshot) -> serde_json::Value {
         .map(|m| {
             serde_json::json!({
                 "model": &*m.name,
-                "ready": !m.prefill_routable.is_empty(),
+                "ready": !m.prefill_routable.is_empty() || !m.regular_routable.is_empty(),
                 "handoff_groups": m.groups.len(),
                 "routable_prefill_ranks": ranks(&m.prefill_routable),
                 "routable_decode_ranks": ranks(&m.decode_routable),
                 "prefill_workers": m.workers[0],
                 "decode_workers": m.workers[1],
+                "regular_workers": m.workers[2],
+                "routable_regular_ranks": ranks(&m.regular_routable),
             })
         })
         .collect();

@@ -59,7 +59,7 @@ impl AttemptFailure {
     pub fn on(pair: &Pair, failure: Failure) -> AttemptFailure {
         let blame = failure.reason.leg().map(|role| match role {
             Role::Prefill => (Role::Prefill, pair.prefill.worker),
-            Role::Decode => (Role::Decode, pair.decode.worker),
+            Role::Decode | Role::Regular => (Role::Decode, pair.decode.worker),
         });
         AttemptFailure {
             failure,
@@ -120,6 +120,12 @@ impl Ready {
 /// holding the prefill's half-open trial until then). Trials are freed after the verdict.
 pub(super) fn record_success(pool: &std::sync::Arc<crate::pool::Pool>, ready: &mut Ready) {
     let (prefill_trial, decode_trial) = std::mem::take(&mut ready.trials);
+    if ready.body.passive.decode_role == Role::Regular {
+        // A regular worker's answer (`pd::regular`): one worker, one verdict.
+        pool.report_success(Role::Regular, ready.pair.decode.worker);
+        drop((prefill_trial, decode_trial));
+        return;
+    }
     if ready.body.prefill.is_none() {
         pool.report_success(Role::Prefill, ready.pair.prefill.worker);
         drop(prefill_trial);
@@ -523,7 +529,7 @@ fn failed(sp: Option<Span>, af: AttemptFailure) -> AttemptFailure {
 }
 
 /// A leg's span (kind CLIENT) and its `traceparent` on the leg, when the request is traced.
-fn leg_span(
+pub(super) fn leg_span(
     ctx: &ReqCtx,
     name: &'static str,
     w: &crate::pool::WorkerView,

@@ -278,6 +278,7 @@ where
                 cfg: d.breaker_cfg(req.scope.as_deref()).clone(),
                 prefill: pair.prefill.worker,
                 decode: pair.decode.worker,
+                decode_role: Role::Decode,
                 gaps: Some((progress.stall.decode_progress(), pair.decode.rank)),
             },
         },

@@ -221,6 +221,9 @@ pub struct Passive {
     pub cfg: crate::config::BreakerConfig,
     pub prefill: crate::types::WorkerId,
     pub decode: crate::types::WorkerId,
+    /// The role of the worker streaming the answer: `Decode`, or `Regular` for a regular
+    /// worker's answer (`pd::regular`), whose failures are blamed on it.
+    pub decode_role: Role,
     /// Where a stream that ended well teaches its largest inter-event gap (stall
     /// detection): the decode's progress and rank.
     pub gaps: Option<(std::sync::Arc<crate::progress::WorkerProgress>, DpRank)>,
@@ -328,9 +331,12 @@ impl PdBody {
         // the move began.
         let reported = std::mem::take(&mut self.moved_failed);
         if let Some(role) = f.reason.leg().filter(|_| !reported) {
-            let id = match role {
-                crate::types::Role::Prefill => self.passive.prefill,
-                crate::types::Role::Decode => self.passive.decode,
+            let (role, id) = match role {
+                crate::types::Role::Prefill => (role, self.passive.prefill),
+                // A regular worker's answer fails like a decode's (`Passive::decode_role`).
+                crate::types::Role::Decode | crate::types::Role::Regular => {
+                    (self.passive.decode_role, self.passive.decode)
+                }
             };
             self.passive
                 .pool

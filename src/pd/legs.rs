@@ -239,8 +239,11 @@ pub fn status_failure(role: Role, status: StatusCode, body: &[u8]) -> Failure {
     let (reason, what) = match (role, status.is_client_error()) {
         (Role::Prefill, true) => (FailReason::PrefillRejected, "prefill rejected the request"),
         (Role::Prefill, false) => (FailReason::PrefillStatus, "prefill failed"),
-        (Role::Decode, true) => (FailReason::DecodeRejected, "decode rejected the request"),
-        (Role::Decode, false) => (FailReason::DecodeStatus, "decode failed"),
+        // A regular worker's one leg fails like a decode leg (its reasons are decode's).
+        (Role::Decode | Role::Regular, true) => {
+            (FailReason::DecodeRejected, "decode rejected the request")
+        }
+        (Role::Decode | Role::Regular, false) => (FailReason::DecodeStatus, "decode failed"),
     };
     Failure::new(reason, format!("{what} ({}): {msg}", status.as_u16())).with_status(status)
 }

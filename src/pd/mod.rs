@@ -24,6 +24,7 @@ pub mod moves;
 pub mod per_model;
 mod probe;
 pub mod record;
+mod regular;
 pub mod request;
 pub mod room;
 pub mod skim;
@@ -138,6 +139,9 @@ pub struct Dispatcher {
     pub cfg: Arc<Config>,
     prefill_policy: Arc<dyn Policy>,
     decode_policy: Arc<dyn Policy>,
+    /// Picks regular (non-PD) workers (`pd::regular`): the decode policy's kind, its own
+    /// state.
+    regular_policy: Arc<dyn Policy>,
     budget: Arc<RetryBudget>,
     /// Models with settings of their own (`[models.settings]`; see [`per_model`]).
     per_model: per_model::PerModel,
@@ -151,6 +155,7 @@ impl Dispatcher {
         Dispatcher {
             prefill_policy: policy::build_with(cfg.policy.prefill, &cfg.policy).into(),
             decode_policy: policy::build_with(cfg.policy.decode, &cfg.policy).into(),
+            regular_policy: policy::build_with(cfg.policy.decode, &cfg.policy).into(),
             budget: Arc::new(RetryBudget::new(
                 cfg.retry.budget_ratio,
                 cfg.retry.budget_min_reserve,
@@ -185,6 +190,11 @@ impl Dispatcher {
             },
             decode_policy: if same_policy {
                 self.decode_policy.clone()
+            } else {
+                policy::build_with(cfg.policy.decode, &cfg.policy).into()
+            },
+            regular_policy: if same_policy {
+                self.regular_policy.clone()
             } else {
                 policy::build_with(cfg.policy.decode, &cfg.policy).into()
             },
@@ -277,6 +287,7 @@ impl Dispatcher {
         let deadline = tokio::time::Instant::now() + self.cfg.timeouts.request();
         let mut exclude_p: Vec<WorkerId> = Vec::new();
         let mut exclude_d: Vec<WorkerId> = Vec::new();
+        let mut exclude_r: Vec<WorkerId> = Vec::new();
         let mut attempt_no = 0u32;
         // Retries counted against `retry.max_retries`: a keep-alive race (the engine
         // closed a pooled connection as the leg was sent) is retried without counting.
@@ -295,7 +306,17 @@ impl Dispatcher {
             });
             ctx.trace = attempt_span.as_ref().and_then(|s| s.scope());
             let trace = &mut record.legs;
-            let fut = self.attempt(&req, &ctx, attempt_no, &exclude_p, &exclude_d, trace);
+            // PD or a regular worker, per attempt (`pd::regular`).
+            let regular = self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r);
+            let fut = async {
+                if regular {
+                    self.attempt_regular(&req, &ctx, attempt_no, &exclude_r, trace)
+                        .await
+                } else {
+                    self.attempt(&req, &ctx, attempt_no, &exclude_p, &exclude_d, trace)
+                        .await
+                }
+            };
             let res = match tokio::time::timeout_at(deadline, fut).await {
                 Ok(r) => r,
                 Err(_) => Err(attempt::AttemptFailure {
@@ -321,14 +342,16 @@ impl Dispatcher {
                     // A move's attempts hang under the request's span, as this one did.
                     ctx.trace = root.clone();
                     let mover = match plan {
-                        Some(p) if ready.body.sse.is_some() => Some(Box::new(moves::Mover::new(
-                            self.clone(),
-                            req,
-                            &ctx,
-                            p,
-                            ready.decode_incremental,
-                            attempt_no + 1,
-                        ))),
+                        Some(p) if ready.body.sse.is_some() && !regular => {
+                            Some(Box::new(moves::Mover::new(
+                                self.clone(),
+                                req,
+                                &ctx,
+                                p,
+                                ready.decode_incremental,
+                                attempt_no + 1,
+                            )))
+                        }
                         _ => None,
                     };
                     return ready.into_response(record, &ctx.request_id, slot, mover);
@@ -370,13 +393,15 @@ impl Dispatcher {
                         match role {
                             Role::Prefill => exclude_p.push(w),
                             Role::Decode => exclude_d.push(w),
+                            Role::Regular => exclude_r.push(w),
                         }
                     }
                     // Retry only where a fresh pair can avoid the blamed worker.
                     let can_retry = f.reason.retryable()
                         && (f.stale_connection || counted < retry.max_retries)
                         && attempt_no < MAX_ATTEMPTS
-                        && self.has_alternative(req.scope.as_deref(), &exclude_p, &exclude_d);
+                        && (self.has_alternative(req.scope.as_deref(), &exclude_p, &exclude_d)
+                            || self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r));
                     if can_retry && budget.try_withdraw() {
                         record::retried(f.reason);
                         retry_reason = Some(f.reason.as_str());

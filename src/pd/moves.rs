@@ -284,6 +284,8 @@ impl Mover {
                             match role {
                                 Role::Prefill => exclude_p.push(w),
                                 Role::Decode => exclude_d.push(w),
+                                // A move runs on PD pairs only.
+                                Role::Regular => {}
                             }
                         }
                         let again = f.reason.retryable()

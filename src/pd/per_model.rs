@@ -28,11 +28,13 @@ use crate::pool::Pool;
 
 use super::{Dispatcher, RetryBudget};
 
-/// A model's own prefill and decode policies, and the settings they were built with.
+/// A model's own prefill, decode and regular-worker policies (the last of the decode
+/// kind, with its own state), and the settings they were built with.
 pub struct Policies {
     cfg: PolicyConfig,
     pub prefill: Arc<dyn Policy>,
     pub decode: Arc<dyn Policy>,
+    pub regular: Arc<dyn Policy>,
 }
 
 impl Policies {
@@ -40,6 +42,7 @@ impl Policies {
         Policies {
             prefill: policy::build_with(cfg.prefill, &cfg).into(),
             decode: policy::build_with(cfg.decode, &cfg).into(),
+            regular: policy::build_with(cfg.decode, &cfg).into(),
             cfg,
         }
     }
@@ -147,6 +150,18 @@ impl Dispatcher {
         {
             Some(p) => (p.prefill.as_ref(), p.decode.as_ref()),
             None => (self.prefill_policy.as_ref(), self.decode_policy.as_ref()),
+        }
+    }
+
+    /// The policy that picks a regular worker for `model`'s requests.
+    pub(super) fn regular_policy_of(&self, model: Option<&str>) -> &dyn Policy {
+        match self
+            .per_model
+            .get(model)
+            .and_then(|m| m.policies.as_deref())
+        {
+            Some(p) => p.regular.as_ref(),
+            None => self.regular_policy.as_ref(),
         }
     }
 

@@ -43,6 +43,7 @@ impl Dispatcher {
             cfg: self.cfg.clone(),
             prefill_policy: self.prefill_policy.clone(),
             decode_policy: self.decode_policy.clone(),
+            regular_policy: self.regular_policy.clone(),
             budget: self.budget.clone(),
             per_model: self.per_model.clone(),
             rng: self.rng.clone(),
@@ -163,17 +164,18 @@ impl Dispatcher {
                         "no rank of the stalled prefill is ready",
                     )
                 })? as u32,
-            Role::Decode => 0,
+            Role::Decode | Role::Regular => 0,
         };
         let own = Target { worker, rank };
         let other = match role {
             Role::Prefill => Role::Decode,
             Role::Decode => Role::Prefill,
+            Role::Regular => return Err(gone()),
         };
         let (prefill_policy, decode_policy) = self.policies(me.model.as_deref());
         let policy = match other {
             Role::Prefill => prefill_policy,
-            Role::Decode => decode_policy,
+            Role::Decode | Role::Regular => decode_policy,
         };
         // A partner from the stalled worker's own handoff group only.
         let ctx = PickCtx {
@@ -196,7 +198,7 @@ impl Dispatcher {
                 prefill: own,
                 decode: partner.target,
             },
-            Role::Decode => Pair {
+            Role::Decode | Role::Regular => Pair {
                 prefill: partner.target,
                 decode: own,
             },

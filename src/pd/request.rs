@@ -235,6 +235,15 @@ impl ParsedRequest {
         out.extend_from_slice(&p.to_vec());
     }
 
+    /// The leg overrides `applies` selects, as `"key":value,` members.
+    fn push_overrides(&self, out: &mut Vec<u8>, applies: impl Fn(&str) -> bool) {
+        for (k, v) in self.leg_overrides.iter().filter(|(k, _)| applies(k)) {
+            push_key(out, k);
+            out.extend_from_slice(v.as_bytes());
+            out.push(b',');
+        }
+    }
+
     /// Both legs' bodies, as pieces of the client's body (never copied: both point into
     /// the one allocation the request holds) and a small tail of pdgate's own fields each.
     pub fn write_legs(&self, p: &LegFields<'_>, d: &LegFields<'_>) -> (Payload, Payload) {
@@ -248,6 +257,12 @@ impl ParsedRequest {
     /// `{` and the client's members, as ranges of the body: a run of members that follow
     /// each other in the body (nothing dropped between) is one range, whitespace and all.
     fn member_pieces(&self) -> Payload {
+        self.pieces_skipping(|_| true)
+    }
+
+    /// `{` and the client's members but those the leg overrides that `applies` selects
+    /// replace (see [`Self::member_pieces`]; the caller writes those overrides).
+    fn pieces_skipping(&self, applies: impl Fn(&str) -> bool) -> Payload {
         let mut out = Payload::over(self.body.clone());
         let body = &self.body[..];
         // Where the last member written ends in the body.
@@ -255,7 +270,11 @@ impl ParsedRequest {
         for f in &self.fields {
             if !self.leg_overrides.is_empty() {
                 let key = self.key_of(f);
-                if self.leg_overrides.iter().any(|(k, _)| key == *k) {
+                if self
+                    .leg_overrides
+                    .iter()
+                    .any(|(k, _)| key == *k && applies(k))
+                {
                     continue;
                 }
             }
@@ -295,11 +314,7 @@ impl ParsedRequest {
 /// port and room(s), then what differs between the legs.
 fn push_fields(out: &mut Payload, leg: &LegFields<'_>, req: &ParsedRequest) {
     out.own(|out| {
-        for (k, v) in &req.leg_overrides {
-            push_key(out, k);
-            out.extend_from_slice(v.as_bytes());
-            out.push(b',');
-        }
+        req.push_overrides(out, |_| true);
         let multi = req.is_multi();
         push_key(out, "bootstrap_host");
         list_or_scalar(out, multi, leg.rooms.len(), |o| {
@@ -721,6 +736,7 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
     Ok(req)
 }
 
+mod plain;
 mod size;
 
 #[cfg(test)]

@@ -226,7 +226,12 @@ impl Pool {
             }
         }
         let counted = self.breaker_counting(role, id, Some(reason));
-        if !reason.is_worker_fault() || reason.leg() != Some(role) || cfg.failure_threshold == 0 {
+        // A regular worker's one leg fails with decode's reasons (`pd::regular`).
+        let leg = match reason.leg() {
+            Some(Role::Decode) if role == Role::Regular => Some(Role::Regular),
+            other => other,
+        };
+        if !reason.is_worker_fault() || leg != Some(role) || cfg.failure_threshold == 0 {
             return;
         }
         let Some(b) = counted else {

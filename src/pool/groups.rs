@@ -13,6 +13,9 @@
 //!   groups that have a partner decode (a prefill is picked only where a partner exists),
 //!   its routable decodes its groups' partner decodes. A group whose engines named no
 //!   model (no `/server_info`, no override) belongs to no model.
+//! - Regular (non-PD) workers sit in no group (`WorkerView::group` is [`NO_GROUP`]): they
+//!   hand off nothing. They join their model by name (a model may be served by regular
+//!   workers only), in its `regular_routable` list.
 //! - Groups and models are in first-seen order of the workers (by role, then id), so a
 //!   rebuild that changes nothing keeps every index.
 
@@ -20,6 +23,9 @@ use std::sync::Arc;
 
 use super::Routable;
 use crate::engine::HandoffKey;
+
+/// The `group` of a regular worker: no handoff group (it indexes nothing).
+pub const NO_GROUP: usize = usize::MAX;
 
 /// One handoff group: workers that may be paired with each other.
 #[derive(Debug)]
@@ -42,8 +48,17 @@ pub struct ModelView {
     pub groups: Vec<usize>,
     pub prefill_routable: Vec<Routable>,
     pub decode_routable: Vec<Routable>,
-    /// Workers of the model (any state), per role: `[prefill, decode]`.
-    pub workers: [usize; 2],
+    /// Routable regular (non-PD) workers of the model.
+    pub regular_routable: Vec<Routable>,
+    /// Workers of the model (any state), per role: `[prefill, decode, regular]`.
+    pub workers: [usize; 3],
+}
+
+impl ModelView {
+    /// Whether the model has PD workers at all (in any state).
+    pub fn has_pd(&self) -> bool {
+        self.workers[0] + self.workers[1] > 0
+    }
 }
 
 /// Groups and models under construction (the snapshot builder feeds it worker by worker).
@@ -60,21 +75,7 @@ impl Grouping {
             let name = self.groups[i].model.map(|m| self.models[m].name.clone());
             return (i, name);
         }
-        let model = key.model.as_deref().map(|name| {
-            match self.models.iter().position(|m| &*m.name == name) {
-                Some(m) => m,
-                None => {
-                    self.models.push(ModelView {
-                        name: Arc::from(name),
-                        groups: Vec::new(),
-                        prefill_routable: Vec::new(),
-                        decode_routable: Vec::new(),
-                        workers: [0, 0],
-                    });
-                    self.models.len() - 1
-                }
-            }
-        });
+        let model = key.model.as_deref().map(|name| self.model_index(name));
         let g = self.groups.len();
         if let Some(m) = model {
             self.models[m].groups.push(g);
@@ -88,6 +89,45 @@ impl Grouping {
             partner_prefills: Vec::new(),
         });
         (g, model.map(|m| self.models[m].name.clone()))
+    }
+
+    /// The index of the model named `name`, made on first sight.
+    fn model_index(&mut self, name: &str) -> usize {
+        match self.models.iter().position(|m| &*m.name == name) {
+            Some(m) => m,
+            None => {
+                self.models.push(ModelView {
+                    name: Arc::from(name),
+                    groups: Vec::new(),
+                    prefill_routable: Vec::new(),
+                    decode_routable: Vec::new(),
+                    regular_routable: Vec::new(),
+                    workers: [0, 0, 0],
+                });
+                self.models.len() - 1
+            }
+        }
+    }
+
+    /// A regular worker's model (made on first sight), by the name it serves: its index and
+    /// name (`None` while the engine named none).
+    pub fn place_regular(&mut self, model: Option<&str>) -> (Option<usize>, Option<Arc<str>>) {
+        let Some(name) = model else {
+            return (None, None);
+        };
+        let m = self.model_index(name);
+        (Some(m), Some(self.models[m].name.clone()))
+    }
+
+    /// Counts a regular worker of model `model` and lists it routable there when it is.
+    pub fn add_regular(&mut self, model: Option<usize>, routable: Option<&Routable>) {
+        let Some(m) = model.and_then(|m| self.models.get_mut(m)) else {
+            return;
+        };
+        m.workers[2] += 1;
+        if let Some(r) = routable {
+            m.regular_routable.push(r.clone());
+        }
     }
 
     /// Counts a worker of `group` (`role_ix`: 0 prefill, 1 decode) and lists it routable

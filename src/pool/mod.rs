@@ -263,10 +263,14 @@ impl WorkerView {
 pub struct Snapshot {
     pub prefills: Vec<WorkerView>,
     pub decodes: Vec<WorkerView>,
+    /// Regular (non-PD) workers: each runs whole requests (SGLang's plain mode).
+    pub regulars: Vec<WorkerView>,
     /// Routable prefill workers, each with its routable DP ranks.
     pub prefill_routable: Vec<Routable>,
     /// Routable decode workers, each with its routable DP ranks.
     pub decode_routable: Vec<Routable>,
+    /// Routable regular workers, each with its DP ranks.
+    pub regular_routable: Vec<Routable>,
     /// Handoff groups (see [`groups`]): a prefill and a decode pair only within one.
     pub groups: Vec<Group>,
     /// The models served, by the name clients use, in first-seen order.
@@ -286,10 +290,7 @@ pub struct Routable {
 
 impl Snapshot {
     pub fn worker(&self, role: Role, id: WorkerId) -> Option<&WorkerView> {
-        let list = match role {
-            Role::Prefill => &self.prefills,
-            Role::Decode => &self.decodes,
-        };
+        let list = self.workers(role);
         // Sorted by id (ids only grow); without removals the id is the index.
         match list.get(id.0 as usize) {
             Some(w) if w.id == id => Some(w),
@@ -305,6 +306,7 @@ impl Snapshot {
         match role {
             Role::Prefill => &self.prefills,
             Role::Decode => &self.decodes,
+            Role::Regular => &self.regulars,
         }
     }
 
@@ -312,6 +314,7 @@ impl Snapshot {
         match role {
             Role::Prefill => &self.prefill_routable,
             Role::Decode => &self.decode_routable,
+            Role::Regular => &self.regular_routable,
         }
     }
 
@@ -329,6 +332,7 @@ impl Snapshot {
             Some(name) => match (self.model(name), role) {
                 (Some(m), Role::Prefill) => &m.prefill_routable,
                 (Some(m), Role::Decode) => &m.decode_routable,
+                (Some(m), Role::Regular) => &m.regular_routable,
                 (None, _) => &[],
             },
         }
@@ -344,6 +348,8 @@ impl Snapshot {
         Some(self.groups.get(group).map_or(&[], |g| match role {
             Role::Prefill => &g.partner_prefills,
             Role::Decode => &g.partner_decodes,
+            // Regular workers hand off nothing: they pair with no one.
+            Role::Regular => &[],
         }))
     }
 
@@ -417,8 +423,8 @@ pub struct Pool {
 #[derive(Default)]
 struct Master {
     workers: Vec<WorkerState>,
-    /// The next id of each role (prefill, decode): ids are never reused.
-    next: [u32; 2],
+    /// The next id of each role (prefill, decode, regular): ids are never reused.
+    next: [u32; 3],
 }
 
 fn new_loads(dp: u32) -> Arc<[AtomicU64]> {
@@ -681,6 +687,7 @@ fn role_index(role: Role) -> usize {
     match role {
         Role::Prefill => 0,
         Role::Decode => 1,
+        Role::Regular => 2,
     }
 }
 
@@ -698,7 +705,14 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
     let mut grouping = groups::Grouping::default();
     for w in workers {
         let key = HandoffKey::of(w.info.as_ref(), w.model.as_deref());
-        let (group, model) = grouping.place(key);
+        // A regular worker hands off nothing: it joins its model, in no handoff group.
+        let (group, model, regular_model) = if w.role == Role::Regular {
+            let (ix, name) = grouping.place_regular(key.model.as_deref());
+            (groups::NO_GROUP, name, ix)
+        } else {
+            let (group, model) = grouping.place(key);
+            (group, model, None)
+        };
         let view = WorkerView {
             id: w.id,
             role: w.role,
@@ -773,6 +787,19 @@ fn build(workers: &[WorkerState], version: u64) -> Snapshot {
                     grouping.add(group, 1, None);
                 }
                 s.decodes.push(view);
+            }
+            Role::Regular => {
+                if w.healthy && !out {
+                    let r = Routable {
+                        worker: w.id,
+                        ranks: (0..view.effective_dp()).collect(),
+                    };
+                    grouping.add_regular(regular_model, Some(&r));
+                    s.regular_routable.push(r);
+                } else {
+                    grouping.add_regular(regular_model, None);
+                }
+                s.regulars.push(view);
             }
         }
     }

@@ -51,7 +51,12 @@ impl Source for Snapshot {
     fn write_series(&self, out: &mut Exposition) {
         // Each worker with its stable id (`prefill-0`): two workers that share a URL (one
         // re-added while the other drains) are never one series.
-        let all = || self.prefills.iter().chain(self.decodes.iter());
+        let all = || {
+            self.prefills
+                .iter()
+                .chain(self.decodes.iter())
+                .chain(self.regulars.iter())
+        };
         let ids: Vec<String> = all().map(|w| w.id.reference(w.role)).collect();
         let workers = || all().zip(ids.iter().map(String::as_str));
 
@@ -92,7 +97,7 @@ impl Source for Snapshot {
             for (w, id) in workers().filter(|(w, _)| w.role == role) {
                 let h = match role {
                     Role::Prefill => &w.stats.prefill,
-                    Role::Decode => &w.stats.first_byte,
+                    Role::Decode | Role::Regular => &w.stats.first_byte,
                 };
                 out.histogram(&labels(w, id, None), h);
             }
@@ -114,7 +119,7 @@ impl Source for Snapshot {
         }
 
         out.family(telemetry::ROUTABLE_RANKS);
-        for role in [Role::Prefill, Role::Decode] {
+        for role in [Role::Prefill, Role::Decode, Role::Regular] {
             out.sample(&[("role", role.as_str())], self.routable_ranks(role));
         }
 

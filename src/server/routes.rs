@@ -429,8 +429,10 @@ impl App {
     fn readiness(&self, rid: &HeaderValue) -> Response<RespBody> {
         let snap = self.dispatcher.load().pool.load();
         let draining = self.draining.load(Ordering::SeqCst);
-        // Ready when some prefill has a decode of its handoff group (see `pool::groups`).
-        let ready = !draining && !snap.prefill_pairable.is_empty();
+        // Ready when some prefill has a decode of its handoff group (see `pool::groups`),
+        // or a regular worker is routable.
+        let ready =
+            !draining && (!snap.prefill_pairable.is_empty() || !snap.regular_routable.is_empty());
         // Counts only: the client port never lists internal topology (URLs, pods, engine
         // messages). The admin listener's `/readiness` has the detail.
         let count = |ws: &[crate::pool::WorkerView]| {
@@ -449,6 +451,8 @@ impl App {
             "routable_decode_ranks": snap.routable_ranks(Role::Decode),
             "prefill": count(&snap.prefills),
             "decode": count(&snap.decodes),
+            "routable_regular_ranks": snap.routable_ranks(Role::Regular),
+            "regular": count(&snap.regulars),
             "models": crate::models::readiness(&snap),
         });
         let status = if ready {
@@ -477,6 +481,7 @@ impl App {
             .decodes
             .iter()
             .chain(snap.prefills.iter())
+            .chain(snap.regulars.iter())
             .filter(|w| w.healthy);
         for w in candidates {
             match d.up.get(&w.url, "/v1/models", timeout).await {

@@ -255,6 +255,7 @@ impl App {
             .decodes
             .iter()
             .chain(snap.prefills.iter())
+            .chain(snap.regulars.iter())
             .filter(|w| w.healthy && w.refused.is_none())
             .filter(|w| model.is_none() || w.model.as_deref() == model)
             .map(|w| w.url.clone())
@@ -281,6 +282,7 @@ impl App {
         let reason = if snap
             .decodes
             .iter()
+            .chain(snap.regulars.iter())
             .any(|w| w.healthy && (model.is_none() || w.model.as_deref() == model))
         {
             FailReason::DecodeStatus
@@ -315,6 +317,7 @@ impl App {
                 "version": env!("CARGO_PKG_VERSION"),
                 "prefill_workers": snap.prefills.len(),
                 "decode_workers": snap.decodes.len(),
+                "regular_workers": snap.regulars.len(),
             }),
         );
         Ok(json_response(
@@ -351,6 +354,7 @@ impl App {
             .prefills
             .iter()
             .chain(snap.decodes.iter())
+            .chain(snap.regulars.iter())
             .filter(|w| !w.leaving)
             .map(|w| (worker_ref(w.role, w.id), w.url.clone()))
             .collect();
@@ -535,6 +539,7 @@ fn get_loads(d: &Dispatcher, rid: &HeaderValue) -> Response<RespBody> {
         .prefills
         .iter()
         .chain(snap.decodes.iter())
+        .chain(snap.regulars.iter())
         .map(one)
         .collect();
     let body = json!({"total_workers": loads.len(), "loads": loads});

@@ -122,7 +122,7 @@ async fn every_route_needs_the_token_but_metrics_and_errors_have_one_shape() {
         ),
         (
             "POST",
-            format!("/add_worker?url={decode_url}"),
+            format!("/add_worker?url={decode_url}&worker_type=encode"),
             "".into(),
             400,
             Some("invalid_request"),
@@ -144,7 +144,7 @@ async fn every_route_needs_the_token_but_metrics_and_errors_have_one_shape() {
         (
             "POST",
             "/workers".into(),
-            r#"{"role":"regular","url":"http://127.0.0.1:1"}"#.into(),
+            r#"{"role":"encode","url":"http://127.0.0.1:1"}"#.into(),
             400,
             Some("invalid_request"),
         ),

@@ -70,7 +70,7 @@ fn tweak(outcome: Outcome) -> impl FnOnce(&mut Config) {
 async fn half_open(env: &Env, role: Role) {
     let reason = match role {
         Role::Prefill => FailReason::PrefillStatus,
-        Role::Decode => FailReason::DecodeStatus,
+        Role::Decode | Role::Regular => FailReason::DecodeStatus,
     };
     let cfg = pdgate::config::BreakerConfig {
         open_ms: 100,
@@ -96,11 +96,11 @@ async fn half_open(env: &Env, role: Role) {
 async fn provoke(env: &Env, trial: Role, outcome: Outcome) -> Option<String> {
     let other = match trial {
         Role::Prefill => &env.cluster.decodes[0],
-        Role::Decode => &env.cluster.prefills[0],
+        Role::Decode | Role::Regular => &env.cluster.prefills[0],
     };
     let own = match trial {
         Role::Prefill => &env.cluster.prefills[0],
-        Role::Decode => &env.cluster.decodes[0],
+        Role::Decode | Role::Regular => &env.cluster.decodes[0],
     };
     match outcome {
         Outcome::Rejected => own.set_faults(match trial {
@@ -108,7 +108,7 @@ async fn provoke(env: &Env, trial: Role, outcome: Outcome) -> Option<String> {
                 prefill_status: Some(400),
                 ..Faults::default()
             },
-            Role::Decode => Faults {
+            Role::Decode | Role::Regular => Faults {
                 decode_status: Some(400),
                 ..Faults::default()
             },
@@ -118,7 +118,7 @@ async fn provoke(env: &Env, trial: Role, outcome: Outcome) -> Option<String> {
                 decode_status: Some(500),
                 ..Faults::default()
             },
-            Role::Decode => Faults {
+            Role::Decode | Role::Regular => Faults {
                 prefill_status: Some(500),
                 ..Faults::default()
             },
@@ -127,7 +127,7 @@ async fn provoke(env: &Env, trial: Role, outcome: Outcome) -> Option<String> {
             other.set_down(true);
             let other_role = match trial {
                 Role::Prefill => Role::Decode,
-                Role::Decode => Role::Prefill,
+                Role::Decode | Role::Regular => Role::Prefill,
             };
             env.wait_pool("partner out", |s| s.routable(other_role).is_empty())
                 .await;

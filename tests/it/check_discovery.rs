@@ -44,6 +44,7 @@ async fn engine(role: Role) -> SimEngine {
     let cfg = match role {
         Role::Prefill => EngineConfig::prefill(2),
         Role::Decode => EngineConfig::decode(2),
+        Role::Regular => EngineConfig::regular(2),
     };
     pdgate_sim::spawn(fast_engine(cfg)).await.expect("engine")
 }

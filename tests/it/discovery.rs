@@ -62,6 +62,7 @@ async fn engine(role: Role) -> SimEngine {
     let cfg = match role {
         Role::Prefill => EngineConfig::prefill(1),
         Role::Decode => EngineConfig::decode(1),
+        Role::Regular => EngineConfig::regular(1),
     };
     pdgate_sim::spawn(fast_engine(cfg)).await.expect("engine")
 }

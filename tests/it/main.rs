@@ -39,6 +39,7 @@ mod models_rollout;
 mod per_model;
 mod policies;
 mod preflight;
+mod regular_workers;
 mod reload;
 mod retries;
 mod self_healing;

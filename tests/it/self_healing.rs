@@ -97,7 +97,7 @@ async fn load_while(env: &Arc<Env>, during: impl std::future::Future<Output = ()
 fn used_since(env: &Env, role: Role, i: usize, before: u64) -> bool {
     let e = match role {
         Role::Prefill => &env.cluster.prefills[i],
-        Role::Decode => &env.cluster.decodes[i],
+        Role::Decode | Role::Regular => &env.cluster.decodes[i],
     };
     e.stats().requests_total > before
 }

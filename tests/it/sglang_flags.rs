@@ -157,6 +157,21 @@ const MAPPED: &[(&str, &[&str], Check)] = &[
         &["--decode-selector", "app=sglang", "role=decode"],
         |c| c.discovery.decode_selector.as_deref() == Some("app=sglang,role=decode"),
     ),
+    (
+        "selector",
+        &["--selector", "app=sglang", "role=worker"],
+        |c| c.discovery.regular_selector.as_deref() == Some("app=sglang,role=worker"),
+    ),
+    (
+        "worker-urls",
+        &["--worker-urls", "http://w0:30000", "http://w1:30000"],
+        |c| {
+            c.worker
+                .iter()
+                .map(|w| w.url.as_str())
+                .eq(["http://w0:30000", "http://w1:30000"])
+        },
+    ),
     ("log-level", &["--log-level", "warning"], |c| {
         c.log.filter().is_ok_and(|f| f == "warn")
     }),
