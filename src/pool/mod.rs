@@ -28,6 +28,7 @@ pub mod capacity;
 pub mod freshness;
 pub mod groups;
 pub mod mismatch;
+mod origin;
 mod ranks;
 mod series;
 pub mod stats;
@@ -36,6 +37,7 @@ pub use breaker::{Breaker, BreakerState, TrialGuard};
 pub use capacity::{CapacitySignal, RankCapacity, Reservation};
 pub use freshness::RankFreshness;
 pub use groups::{Group, ModelView};
+pub use origin::{Drain, DrainBy, PodRef, WorkerSource};
 pub use ranks::{PreflightOutcome, Probe, RankFailure, RankProbes, RankReadiness};
 pub use stats::WorkerStats;
 use tokio::sync::watch;
@@ -53,62 +55,6 @@ pub struct BootstrapInfo {
     /// `bootstrap_host` as a JSON string literal, ready to write on legs.
     pub host_json: String,
     pub port: u16,
-}
-
-/// Where a worker came from: who may change or remove it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WorkerSource {
-    /// The config file or the command line (reload owns it).
-    Static,
-    /// `POST /workers` or `/add_worker` on the admin API.
-    Admin,
-    /// A Kubernetes pod found by discovery (discovery owns it).
-    Discovered(PodRef),
-}
-
-impl WorkerSource {
-    pub fn label(&self) -> &'static str {
-        match self {
-            WorkerSource::Static => "static",
-            WorkerSource::Admin => "admin",
-            WorkerSource::Discovered(_) => "discovered",
-        }
-    }
-}
-
-/// The pod behind a discovered worker.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodRef {
-    pub namespace: String,
-    pub name: String,
-    pub uid: String,
-}
-
-/// Why a worker takes no new requests. Each reason is set and cleared by its own owner,
-/// so one never undoes another: a pod's readiness coming back does not undo an operator's
-/// drain, and an operator's undrain does not put an unready pod back.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Drain {
-    /// An operator drained it (admin API).
-    pub operator: bool,
-    /// Its pod is not ready (discovery).
-    pub unready: bool,
-    /// It is being removed.
-    pub leaving: bool,
-}
-
-impl Drain {
-    pub fn any(self) -> bool {
-        self.operator || self.unready || self.leaving
-    }
-}
-
-/// Who sets a [`Drain`] reason.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DrainBy {
-    Operator,
-    Unready,
-    Leaving,
 }
 
 /// Mutable state of one worker, owned by the writer.
