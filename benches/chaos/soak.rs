@@ -542,6 +542,8 @@ pub struct Outcome {
     /// Engine label → final stats (None: unavailable).
     pub engines: Vec<(String, Option<StatsSnapshot>)>,
     pub violations: u64,
+    /// Each engine's role, in the fleet's order (the driver's windows name engines by it).
+    pub engine_roles: Vec<Role>,
     pub rss_warm_kib: Option<u64>,
     pub rss_end_kib: Option<u64>,
     /// The router's open fds when its RSS was read (after the warm-up, at the end).
@@ -597,6 +599,7 @@ pub async fn run(fleet: Arc<dyn Fleet>, router: &str, cfg: &Config, plan: Plan) 
         drained,
         engines: finals,
         violations,
+        engine_roles: engines.iter().map(|e| e.role).collect(),
         rss_warm_kib,
         rss_end_kib,
         fds: (fds_warm, fds_end),

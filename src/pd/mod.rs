@@ -376,7 +376,14 @@ impl Dispatcher {
                     let can_retry = f.reason.retryable()
                         && (f.stale_connection || counted < retry.max_retries)
                         && attempt_no < MAX_ATTEMPTS
-                        && self.has_alternative(req.scope.as_deref(), &exclude_p, &exclude_d);
+                        && self
+                            .alternative_within(
+                                req.scope.as_deref(),
+                                &exclude_p,
+                                &exclude_d,
+                                deadline,
+                            )
+                            .await;
                     if can_retry && budget.try_withdraw() {
                         record::retried(f.reason);
                         retry_reason = Some(f.reason.as_str());
