@@ -169,6 +169,16 @@ impl Kind {
     pub fn still_serves(self) -> bool {
         matches!(self, Kind::SlowTtft | Kind::SlowItl)
     }
+
+    /// Whether the fault keeps holding the requests it caught after it is cleared: a hung
+    /// or stalled engine's requests stay stuck (as SGLang's stuck rooms do) until the
+    /// router's own bound ends them.
+    pub fn holds_requests(self) -> bool {
+        matches!(
+            self,
+            Kind::PrefillHang | Kind::DecodeHang | Kind::DecodeStallsMidStream
+        )
+    }
 }
 
 struct Active {

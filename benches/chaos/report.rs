@@ -66,15 +66,29 @@ fn intersect(x: &[(Instant, Instant)], y: &[(Instant, Instant)]) -> Vec<(Instant
 }
 
 /// The times when every engine of `role` had a fault on that leaves it unable to serve
-/// (every fault but the slow ones).
-pub fn all_faulted(windows: &[Window], engines: &[usize], role: Role) -> Vec<(Instant, Instant)> {
+/// (every fault but the slow ones); a fault that holds the requests it caught counts until
+/// `carry` after it was cleared (the router's longest leg bound: until then those requests
+/// are still stuck on it).
+pub fn all_faulted(
+    windows: &[Window],
+    engines: &[usize],
+    role: Role,
+    carry: Duration,
+) -> Vec<(Instant, Instant)> {
     let mut acc: Option<Vec<(Instant, Instant)>> = None;
     for &e in engines {
         let mine = merge(
             windows
                 .iter()
                 .filter(|w| w.engine == e && w.role == role && !w.kind.still_serves())
-                .map(|w| (w.from, w.to))
+                .map(|w| {
+                    let to = if w.kind.holds_requests() {
+                        w.to + carry
+                    } else {
+                        w.to
+                    };
+                    (w.from, to)
+                })
                 .collect(),
         );
         acc = Some(match acc {
@@ -136,7 +150,7 @@ pub fn split_lost(o: &Outcome) -> LostSplit {
         // engines were not all faulted neither (the intersection is empty then).
         let of_role = o.engine_roles.iter().filter(|r| **r == role).count();
         if engines.len() == of_role && of_role > 0 {
-            down.extend(all_faulted(windows, &engines, role));
+            down.extend(all_faulted(windows, &engines, role, o.held_carry));
         }
     }
     let down = merge(down);
@@ -162,6 +176,11 @@ pub fn split_lost(o: &Outcome) -> LostSplit {
     }
     out
 }
+
+/// The check of requests lost while each role had a working engine: judged (goal 0), and
+/// named so that the 10 s test can tell it apart (see `tests/it/chaos.rs`).
+pub const LOST_WITH_A_WORKING_ENGINE: &str =
+    "requests lost to a stall or a mid-stream death while each role had a working engine (goal 0)";
 
 /// Judges a run.
 pub fn checks(o: &Outcome) -> Vec<Check> {
@@ -196,7 +215,7 @@ pub fn checks(o: &Outcome) -> Vec<Check> {
     // The goal: one engine failing at any point of a request costs the client only
     // latency. A request lost while each role still had a working engine is the router's.
     v.push(Check {
-        name: "requests lost to a stall or a mid-stream death while each role had a working engine (goal 0)",
+        name: LOST_WITH_A_WORKING_ENGINE,
         measured: format!(
             "{} of {} ({})",
             split.one_engine_total(),
@@ -288,9 +307,10 @@ pub fn checks(o: &Outcome) -> Vec<Check> {
         (Some(w), Some(e)) => Check {
             name: "router RSS at the end within 10 % of after the warm-up",
             measured: format!(
-                "VmRSS {:.1} MiB after the warm-up (under load, {} open fds) → {:.1} MiB at the end (load stopped, {} open fds): {:+.1} %",
+                "VmRSS {:.1} MiB after the warm-up (under load, {} open fds) → {} MiB when the faults cleared → {:.1} MiB at the end (load stopped, {} open fds): {:+.1} %",
                 mib(w),
                 o.fds.0.map_or("?".to_string(), |n| n.to_string()),
+                o.rss_cleared_kib.map_or("?".to_string(), |c| format!("{:.1}", mib(c))),
                 mib(e),
                 o.fds.1.map_or("?".to_string(), |n| n.to_string()),
                 (e as f64 / w.max(1) as f64 - 1.0) * 100.0
