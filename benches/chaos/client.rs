@@ -140,7 +140,23 @@ struct Done {
     streamed: bool,
     /// The answer's `x-request-id` (to find the request in the router's log).
     request_id: Option<String>,
+    /// When the request was sent.
+    start: Instant,
 }
+
+/// A request lost to a stall or a mid-stream death: what it was, and when it ran (to set it
+/// against the faults on at that time).
+#[derive(Debug, Clone)]
+pub struct Lost {
+    pub label: String,
+    pub phase: usize,
+    pub start: Instant,
+    pub end: Instant,
+    pub request_id: Option<String>,
+}
+
+/// At most this many lost requests are kept with their times.
+const MAX_LOST_KEPT: usize = 100_000;
 
 /// The outcome label of a too-long prompt refused as it should be.
 pub const TOO_LONG_REJECTED: &str = "400 rejected (too-long prompt, as asked)";
@@ -183,6 +199,8 @@ pub struct Tally {
     pub samples: Vec<String>,
     /// A few requests lost to a stall or a mid-stream death, with their request ids.
     pub lost_samples: Vec<String>,
+    /// Every request lost to a stall or a mid-stream death (up to [`MAX_LOST_KEPT`]).
+    pub lost: Vec<Lost>,
     pub max_head: Duration,
     /// Longest non-streamed request, head to end.
     pub max_plain_total: Duration,
@@ -198,6 +216,15 @@ impl Tally {
         self.total += 1;
         if lost_to_stall(&d.label) {
             self.lost_to_stalls += 1;
+            if self.lost.len() < MAX_LOST_KEPT {
+                self.lost.push(Lost {
+                    label: d.label.clone(),
+                    phase: phase.min(2),
+                    start: d.start,
+                    end: d.start + d.total,
+                    request_id: d.request_id.clone(),
+                });
+            }
             if self.lost_samples.len() < MAX_SAMPLES {
                 self.lost_samples.push(format!(
                     "{} ({} phase, after {:.0} ms, x-request-id {})",
@@ -402,6 +429,7 @@ fn done(label: impl Into<String>, bad: Option<Bad>, t0: Instant) -> Done {
         max_gap: Duration::ZERO,
         streamed: false,
         request_id: None,
+        start: t0,
     }
 }
 

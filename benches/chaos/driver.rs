@@ -147,11 +147,55 @@ pub struct Injected {
     pub errors: Vec<String>,
     /// Violations counted by engine processes before they were killed.
     pub retired_violations: u64,
+    /// Every fault's time on its engine (from its injection until it was cleared, the
+    /// restart of a killed engine included), to tell which lost requests met every engine
+    /// of a role faulted at once.
+    pub windows: Vec<Window>,
+}
+
+/// One fault on one engine, for the time it was on.
+#[derive(Debug, Clone)]
+pub struct Window {
+    pub engine: usize,
+    pub role: Role,
+    pub kind: Kind,
+    pub from: Instant,
+    pub to: Instant,
+}
+
+impl Kind {
+    /// Whether the engine can still serve under this fault (only slower): such a fault
+    /// never makes a role's engines all unusable.
+    pub fn still_serves(self) -> bool {
+        matches!(self, Kind::SlowTtft | Kind::SlowItl)
+    }
+
+    /// Whether the fault keeps holding the requests it caught after it is cleared: a hung
+    /// or stalled engine's requests stay stuck (as SGLang's stuck rooms do) until the
+    /// router's own bound ends them.
+    pub fn holds_requests(self) -> bool {
+        matches!(
+            self,
+            Kind::PrefillHang | Kind::DecodeHang | Kind::DecodeStallsMidStream
+        )
+    }
 }
 
 struct Active {
     until: Instant,
     killed: bool,
+    kind: Kind,
+    from: Instant,
+}
+
+fn close(out: &mut Injected, engines: &[EngineRef], i: usize, a: &Active) {
+    out.windows.push(Window {
+        engine: i,
+        role: engines[i].role,
+        kind: a.kind,
+        from: a.from,
+        to: Instant::now(),
+    });
 }
 
 /// Replaces engine `i`'s faults: through its handle when the fleet has one, else over HTTP.
@@ -226,8 +270,10 @@ pub async fn drive_faults(
         }
         for (i, slot) in active.iter_mut().enumerate() {
             if slot.as_ref().is_some_and(|a| now >= a.until) {
-                let killed = slot.take().is_some_and(|a| a.killed);
-                end_fault(client, fleet, engines, i, killed, &mut out).await;
+                if let Some(a) = slot.take() {
+                    end_fault(client, fleet, engines, i, a.killed, &mut out).await;
+                    close(&mut out, engines, i, &a);
+                }
             }
         }
         if now >= next_start {
@@ -250,6 +296,7 @@ pub async fn drive_faults(
                 .collect();
             if let Some(&i) = free.choose(&mut rng) {
                 let len = rng.random_range(plan.fault_len.0..=plan.fault_len.1);
+                let from = Instant::now();
                 let killed = kind == Kind::Kill && fleet.can_kill(i);
                 let res = if killed {
                     if let Some(s) = stats(client, &engines[i]).await {
@@ -271,6 +318,8 @@ pub async fn drive_faults(
                         active[i] = Some(Active {
                             until: Instant::now() + len,
                             killed,
+                            kind,
+                            from,
                         });
                     }
                     Err(e) => out.errors.push(e),
@@ -287,8 +336,13 @@ pub async fn drive_faults(
         tokio::time::sleep(POLL).await;
     }
     for (i, slot) in active.iter_mut().enumerate() {
-        let killed = slot.take().is_some_and(|a| a.killed);
-        end_fault(client, fleet, engines, i, killed, &mut out).await;
+        match slot.take() {
+            Some(a) => {
+                end_fault(client, fleet, engines, i, a.killed, &mut out).await;
+                close(&mut out, engines, i, &a);
+            }
+            None => end_fault(client, fleet, engines, i, false, &mut out).await,
+        }
     }
     out
 }

@@ -543,7 +543,14 @@ pub struct Outcome {
     /// Engine label → final stats (None: unavailable).
     pub engines: Vec<(String, Option<StatsSnapshot>)>,
     pub violations: u64,
+    /// Each engine's role, in the fleet's order (the driver's windows name engines by it).
+    pub engine_roles: Vec<Role>,
+    /// How long a request caught by a hang or stall stays stuck after the fault clears:
+    /// the router's longest leg bound (stream idle, prefill, decode first byte).
+    pub held_carry: Duration,
     pub rss_warm_kib: Option<u64>,
+    /// When the faults were cleared (to tell a step the faults leave from growth with time).
+    pub rss_cleared_kib: Option<u64>,
     pub rss_end_kib: Option<u64>,
     /// The router's open fds when its RSS was read (after the warm-up, at the end).
     pub fds: (Option<u64>, Option<u64>),
@@ -568,6 +575,7 @@ pub async fn run(fleet: Arc<dyn Fleet>, router: &str, cfg: &Config, plan: Plan) 
     eprintln!("[chaos] faults for {:.1} s", plan.chaos.as_secs_f64());
     let injected = drive_faults(&client, &*fleet, &engines, &plan).await;
     let cleared = Instant::now();
+    let rss_cleared_kib = fleet.router_rss_kib();
     load.set_phase(2);
     eprintln!(
         "[chaos] faults cleared; watching recovery, load goes on for {:.1} s",
@@ -598,7 +606,14 @@ pub async fn run(fleet: Arc<dyn Fleet>, router: &str, cfg: &Config, plan: Plan) 
         drained,
         engines: finals,
         violations,
+        engine_roles: engines.iter().map(|e| e.role).collect(),
+        held_carry: cfg
+            .timeouts
+            .stream_idle()
+            .max(cfg.timeouts.prefill())
+            .max(cfg.timeouts.decode_first_byte()),
         rss_warm_kib,
+        rss_cleared_kib,
         rss_end_kib,
         fds: (fds_warm, fds_end),
         elapsed: started.elapsed(),

@@ -28,7 +28,8 @@ pub struct RetryConfig {
     pub mid_stream_gap_ceiling_ms: u64,
     /// How long a stream whose decode died waits for another decode to become routable
     /// when none is (the other decode recovering, restarting or at capacity) before it
-    /// ends with its error frame. The client sees a pause, not an error.
+    /// ends with its error frame. The client sees a pause, not an error. A retry before the
+    /// first byte waits the same way for a routable alternative.
     pub move_wait_ms: u64,
 }
 

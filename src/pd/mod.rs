@@ -97,6 +97,11 @@ impl RetryBudget {
                 Some((b + self.deposit).min(self.cap))
             });
     }
+    /// Whether a retry could withdraw now (looked at before a retry waits for a worker, so
+    /// that a request whose retry the budget would refuse is answered at once).
+    pub fn has_balance(&self) -> bool {
+        self.balance.load(Ordering::Relaxed) >= 1000
+    }
     pub fn try_withdraw(&self) -> bool {
         self.balance
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
@@ -400,8 +405,17 @@ impl Dispatcher {
                     let can_retry = f.reason.retryable()
                         && (f.stale_connection || counted < retry.max_retries)
                         && attempt_no < MAX_ATTEMPTS
+                        && budget.has_balance()
                         && (self.has_alternative(req.scope.as_deref(), &exclude_p, &exclude_d)
-                            || self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r));
+                            || self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
+                            || self
+                                .alternative_within(
+                                    req.scope.as_deref(),
+                                    &exclude_p,
+                                    &exclude_d,
+                                    deadline,
+                                )
+                                .await);
                     if can_retry && budget.try_withdraw() {
                         record::retried(f.reason);
                         retry_reason = Some(f.reason.as_str());
@@ -444,9 +458,11 @@ mod budget_tests {
     #[test]
     fn retries_are_a_bounded_share_of_requests() {
         let b = RetryBudget::new(0.2, 2);
-        // The reserve: two retries with no traffic.
+        // The reserve: two retries with no traffic; `has_balance` says so without spending.
+        assert!(b.has_balance() && b.has_balance());
         assert!(b.try_withdraw());
         assert!(b.try_withdraw());
+        assert!(!b.has_balance());
         assert!(!b.try_withdraw());
         // Then one retry per five requests.
         for _ in 0..4 {

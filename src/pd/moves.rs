@@ -50,6 +50,46 @@ pub struct Mover {
     trace: Option<crate::trace::Scope>,
 }
 
+impl Dispatcher {
+    /// Whether a retry has a routable pair outside the excluded workers, waiting for one up
+    /// to `retry.move_wait_ms` (and the request's `deadline`) when a worker that is not
+    /// excluded exists but is not routable now (its breaker open after a fault, its ranks
+    /// re-registering): a failed attempt whose only alternative is recovering costs the
+    /// client that pause, as a stream's move does, not an error. With no such worker (the
+    /// only one of a role was blamed) the answer is at once.
+    pub(super) async fn alternative_within(
+        &self,
+        scope: Option<&str>,
+        exclude_p: &[WorkerId],
+        exclude_d: &[WorkerId],
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        if self.has_alternative(scope, exclude_p, exclude_d) {
+            return true;
+        }
+        let wait = Duration::from_millis(self.retry(scope).0.move_wait_ms);
+        let exists = |role: Role, ex: &[WorkerId]| {
+            self.pool
+                .load()
+                .workers(role)
+                .iter()
+                .any(|w| !ex.contains(&w.id))
+        };
+        if wait.is_zero() || !exists(Role::Prefill, exclude_p) || !exists(Role::Decode, exclude_d) {
+            return false;
+        }
+        let until = (tokio::time::Instant::now() + wait).min(deadline);
+        // Bounded: one look per poll until `until`.
+        while tokio::time::Instant::now() < until {
+            tokio::time::sleep(MOVE_WAIT_POLL).await;
+            if self.has_alternative(scope, exclude_p, exclude_d) {
+                return true;
+            }
+        }
+        false
+    }
+}
+
 /// Whether an attempt failed only because no pair could be picked right now (no worker
 /// was tried, so none is blamed): every decode rank full, no eligible worker, or no
 /// prefill rank that can bootstrap.
@@ -288,7 +328,16 @@ impl Mover {
                                 Role::Regular => {}
                             }
                         }
-                        let again = f.reason.retryable()
+                        // The continuation is pdgate's own body, built from a request
+                        // the engines already accepted: an engine's 4xx to it says more
+                        // about that engine (or the continuation) than about the client,
+                        // so another pair is tried (that worker excluded) as for a 5xx.
+                        let rejected = matches!(
+                            f.reason,
+                            crate::error::FailReason::PrefillRejected
+                                | crate::error::FailReason::DecodeRejected
+                        );
+                        let again = (f.reason.retryable() || rejected)
                             && n < retries
                             && d.has_alternative(scope.as_deref(), &exclude_p, &exclude_d)
                             && d.retry(scope.as_deref()).1.try_withdraw();

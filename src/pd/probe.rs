@@ -13,8 +13,20 @@
 //!   does not get a second one), and ends when the worker is re-admitted, leaves the
 //!   stalled state otherwise, or leaves the pool.
 //! - Bounded: one probe in flight per worker, each within `progress.probe_timeout_ms`, the
-//!   wait between them doubling from `probe_interval_ms` up to `probe_max_interval_ms`.
+//!   wait between them doubling from `probe_interval_ms` up to `probe_max_interval_ms` —
+//!   but only after a probe the engine *held* without answering (a timeout or a stall, what
+//!   the worker was taken out for). A probe that could not be sent (worker unhealthy, no
+//!   rank registered, no partner) or that the engine answered at once (refused, an error
+//!   status) cost it nothing: the next one comes after `probe_interval_ms`, so a worker
+//!   whose last failed probe met another fault (a restart, ranks re-registering) is back
+//!   within one interval of recovering, not after a grown backoff (the chaos soak's
+//!   "serving within 3 s of the clear").
+//! - A grown wait is cut short when the worker's own signals show it came back: seen
+//!   unhealthy or with a rank not ready during the wait, then healthy with every rank
+//!   ready (an engine restarted by its operator); checked once per `probe_interval_ms`.
 //! - A probe is not a client request: no request metrics, no access line.
+
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::HeaderValue;
@@ -65,7 +77,8 @@ impl Dispatcher {
         let p = self.cfg.progress.clone();
         let mut wait = p.probe_interval();
         loop {
-            tokio::time::sleep(wait).await;
+            self.wait_for_probe(role, worker, wait, p.probe_interval())
+                .await;
             let state = self
                 .pool
                 .load()
@@ -98,9 +111,38 @@ impl Dispatcher {
                     return;
                 }
                 Err(f) => {
+                    wait = next_wait(wait, f.reason, &p);
                     tracing::info!(role = %role, worker = %url, error = %f, next_ms = wait.as_millis() as u64, "stall probe failed");
-                    wait = (wait * 2).min(p.probe_max_interval().max(p.probe_interval()));
                 }
+            }
+        }
+    }
+
+    /// Sleeps `wait` before the next probe, in steps of `step`, ending early once the
+    /// worker, seen unhealthy or with a rank not ready during the wait, is healthy with
+    /// every rank ready again.
+    async fn wait_for_probe(&self, role: Role, worker: WorkerId, wait: Duration, step: Duration) {
+        let until = tokio::time::Instant::now() + wait;
+        let mut seen_down = false;
+        // Bounded: one look per step.
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= until {
+                return;
+            }
+            tokio::time::sleep_until(until.min(now + step)).await;
+            let Some(up) = self
+                .pool
+                .load()
+                .worker(role, worker)
+                .map(|w| w.healthy && w.ranks.iter().all(|r| *r == RankReadiness::Ready))
+            else {
+                return;
+            };
+            if !up {
+                seen_down = true;
+            } else if seen_down {
+                return;
             }
         }
     }
@@ -225,5 +267,81 @@ impl Dispatcher {
             layout,
             trials: (None, partner.trial),
         })
+    }
+}
+
+/// Whether a failed probe was held by an engine without an answer (a timeout or a stall):
+/// the only failure that says the engine is still stuck, and so grows the wait.
+fn held(reason: FailReason) -> bool {
+    matches!(
+        reason,
+        FailReason::RequestTimeout
+            | FailReason::PrefillTimeout
+            | FailReason::PrefillStalled
+            | FailReason::DecodeFirstByteTimeout
+            | FailReason::DecodeStalled
+            | FailReason::DecodeIdleTimeout
+    )
+}
+
+/// The wait before the next probe after one failed for `reason` (the last wait `wait`).
+fn next_wait(wait: Duration, reason: FailReason, p: &crate::config::ProgressConfig) -> Duration {
+    if held(reason) {
+        (wait * 2).min(p.probe_max_interval().max(p.probe_interval()))
+    } else {
+        p.probe_interval()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ProgressConfig;
+
+    fn cfg() -> ProgressConfig {
+        ProgressConfig {
+            probe_interval_ms: 1000,
+            probe_max_interval_ms: 16_000,
+            ..ProgressConfig::default()
+        }
+    }
+
+    /// Table: only a probe the engine held grows the wait; any other failure (nothing
+    /// sent, or answered at once) brings it back to the interval.
+    #[test]
+    fn only_a_held_probe_grows_the_wait() {
+        let p = cfg();
+        let s = Duration::from_secs;
+        for (wait, reason, want) in [
+            (s(1), FailReason::RequestTimeout, s(2)),
+            (s(4), FailReason::PrefillStalled, s(8)),
+            (s(8), FailReason::DecodeFirstByteTimeout, s(16)),
+            (s(16), FailReason::DecodeStalled, s(16)),
+            (s(8), FailReason::PrefillTimeout, s(16)),
+            // Not sent: unhealthy, no rank registered, no partner.
+            (s(8), FailReason::Internal, s(1)),
+            (s(16), FailReason::BootstrapNotReady, s(1)),
+            (s(4), FailReason::NoDecodeAvailable, s(1)),
+            // Answered at once: refused, an error status, a cut answer.
+            (s(8), FailReason::PrefillConnect, s(1)),
+            (s(8), FailReason::DecodeStatus, s(1)),
+            (s(2), FailReason::PrefillStatus, s(1)),
+            (s(2), FailReason::DecodeBroken, s(1)),
+        ] {
+            assert_eq!(next_wait(wait, reason, &p), want, "{wait:?} {reason:?}");
+        }
+    }
+
+    /// Doubling from the interval after held probes reaches the max and stays there.
+    #[test]
+    fn held_probes_back_off_to_the_max() {
+        let p = cfg();
+        let mut w = p.probe_interval();
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            w = next_wait(w, FailReason::RequestTimeout, &p);
+            seen.push(w.as_secs());
+        }
+        assert_eq!(seen, [2, 4, 8, 16, 16, 16, 16, 16]);
     }
 }

@@ -345,6 +345,56 @@ async fn readmitted_only_after_a_one_token_request_through_a_real_pair() {
     assert!(requests(p0) > before, "back in rotation");
 }
 
+/// A stalled prefill whose probes then fail at once (the engine answers 500: another fault,
+/// not the hang) keeps being probed every interval, not after a doubled wait, so it is back
+/// within about one interval of recovering. Before, every failed probe doubled the wait:
+/// probes at ~0.1, 0.3, 0.7, 1.5, 3.1, 6.3 s, so a recovery at 4 s waited until 6.3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_answered_at_once_do_not_back_off() {
+    let env = start(
+        vec![EngineConfig::prefill(1), EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            c.progress.probe_interval_ms = 100;
+            c.progress.probe_max_interval_ms = 60_000;
+        },
+    )
+    .await;
+    env.wait_routable(2, 1).await;
+    all_ok(&load(&env, 16, 4, GEN).await);
+    let p0 = &env.cluster.prefills[0];
+    hang_prefill(p0, true);
+    all_ok(&load(&env, 12, 4, GEN).await);
+    env.wait_pool("prefill 0 stalled", |s| {
+        s.worker(Role::Prefill, WorkerId(0))
+            .is_some_and(|w| w.breaker.state() == BreakerState::Stalled)
+    })
+    .await;
+    // No longer hung: it answers every generate with a 500 at once.
+    p0.set_faults(Faults {
+        prefill_status: Some(500),
+        ..Faults::default()
+    });
+    let before = requests(p0);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(breaker(&env, Role::Prefill, 0), BreakerState::Stalled);
+    let probes = requests(p0) - before;
+    // One probe per 100 ms interval (~40 in 4 s); a doubling backoff sends 5 or 6.
+    assert!(probes >= 12, "probed {probes} times in 4 s");
+    p0.set_faults(Faults::default());
+    let cleared = Instant::now();
+    env.wait_pool("prefill 0 re-admitted", |s| {
+        s.worker(Role::Prefill, WorkerId(0))
+            .is_some_and(|w| w.breaker.state() == BreakerState::Closed)
+    })
+    .await;
+    let took = cleared.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "re-admitted {took:?} after it recovered"
+    );
+}
+
 /// A decode that pulls the KV and then never sends its first byte: each such request is
 /// retried on the other decode, and the hung decode leaves rotation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

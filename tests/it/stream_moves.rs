@@ -741,3 +741,35 @@ async fn a_decode_silent_for_the_idle_bound_is_moved_off() {
     }
     assert!(moved);
 }
+
+/// A non-streamed request whose decode dies while the only other decode is briefly out
+/// (down, then back within `retry.move_wait_ms`): the retry waits for it rather than
+/// answering 502 at once (the chaos soak lost 172 non-streamed requests so, `decode_broken`,
+/// the other decode's breaker still open after its own fault had cleared).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_waits_for_a_recovering_decode() {
+    let env = fleet([false, false], |c| c.retry.move_wait_ms = 3_000).await;
+    let (d0, d1) = (&env.cluster.decodes[0], &env.cluster.decodes[1]);
+    d0.set_faults(Faults {
+        decode_die_mid_stream_after: Some(1),
+        ..Faults::default()
+    });
+    d1.set_faults(Faults {
+        down: true,
+        ..Faults::default()
+    });
+    env.wait_pool("decode 1 unhealthy", |s| {
+        s.worker(pdgate::types::Role::Decode, pdgate::types::WorkerId(1))
+            .is_some_and(|w| !w.healthy)
+    })
+    .await;
+    let body = json!({"text": "x", "sampling_params": {"max_new_tokens": 4}}).to_string();
+    let clear = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        d1.set_faults(Faults::default());
+    };
+    let ((st, _, bytes), ()) = tokio::join!(env.post("/generate", &body), clear);
+    let text = String::from_utf8_lossy(&bytes);
+    assert_eq!(st, 200, "{text}");
+    assert!(d1.stats().ok >= 1, "re-run on the decode that came back");
+}
