@@ -39,6 +39,21 @@ pub struct WorkerSpec {
     pub model: Option<String>,
 }
 
+impl WorkerSpec {
+    /// A worker from the config file or the command line with no bootstrap server of its
+    /// own (a decode or a regular worker).
+    pub fn static_plain(role: Role, url: BaseUrl, model: Option<String>) -> WorkerSpec {
+        WorkerSpec {
+            role,
+            url,
+            bootstrap_port: None,
+            bootstrap_host: None,
+            source: WorkerSource::Static,
+            model,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FleetError {
     #[error("a {role} worker at {url} already exists (id {id})")]

@@ -108,27 +108,21 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
     }
     for d in new_d {
         if let Ok(url) = parse_base_url(&d.url) {
-            let _ = router.fleet.add_checked(WorkerSpec {
-                role: Role::Decode,
+            let _ = router.fleet.add_checked(WorkerSpec::static_plain(
+                Role::Decode,
                 url,
-                bootstrap_port: None,
-                bootstrap_host: None,
-                source: WorkerSource::Static,
-                model: d.model.clone(),
-            });
+                d.model.clone(),
+            ));
             applied.added += 1;
         }
     }
     for w in new_r {
         if let Ok(url) = parse_base_url(&w.url) {
-            let _ = router.fleet.add_checked(WorkerSpec {
-                role: Role::Regular,
+            let _ = router.fleet.add_checked(WorkerSpec::static_plain(
+                Role::Regular,
                 url,
-                bootstrap_port: None,
-                bootstrap_host: None,
-                source: WorkerSource::Static,
-                model: w.model.clone(),
-            });
+                w.model.clone(),
+            ));
             applied.added += 1;
         }
     }

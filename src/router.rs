@@ -195,26 +195,16 @@ pub async fn start_with(
     for d in &cfg.decode {
         let url = parse_base_url(&d.url)
             .map_err(|e| ConfigError::Invalid(format!("decode url {}: {e}", d.url)))?;
-        fleet.add(WorkerSpec {
-            role: Role::Decode,
-            url,
-            bootstrap_port: None,
-            bootstrap_host: None,
-            source: WorkerSource::Static,
-            model: d.model.clone(),
-        })?;
+        fleet.add(WorkerSpec::static_plain(Role::Decode, url, d.model.clone()))?;
     }
     for w in &cfg.worker {
         let url = parse_base_url(&w.url)
             .map_err(|e| ConfigError::Invalid(format!("worker url {}: {e}", w.url)))?;
-        fleet.add(WorkerSpec {
-            role: Role::Regular,
+        fleet.add(WorkerSpec::static_plain(
+            Role::Regular,
             url,
-            bootstrap_port: None,
-            bootstrap_host: None,
-            source: WorkerSource::Static,
-            model: w.model.clone(),
-        })?;
+            w.model.clone(),
+        ))?;
     }
     let discovery = if cfg.discovery.enabled {
         Some(crate::discovery::spawn(&cfg.discovery, fleet.clone()).await?)

@@ -406,8 +406,7 @@ impl Dispatcher {
                         && (f.stale_connection || counted < retry.max_retries)
                         && attempt_no < MAX_ATTEMPTS
                         && budget.has_balance()
-                        && (self.has_alternative(req.scope.as_deref(), &exclude_p, &exclude_d)
-                            || self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
+                        && (self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
                             || self
                                 .alternative_within(
                                     req.scope.as_deref(),
@@ -441,14 +440,31 @@ impl Dispatcher {
         exclude_p: &[WorkerId],
         exclude_d: &[WorkerId],
     ) -> bool {
-        let snap = self.pool.load();
-        let any = |role: Role, ex: &[WorkerId]| {
-            snap.routable_for(role, scope)
-                .iter()
-                .any(|r| !ex.contains(&r.worker))
-        };
-        any(Role::Prefill, exclude_p) && any(Role::Decode, exclude_d)
+        pair_left(&self.pool.load(), scope, exclude_p, exclude_d)
     }
+}
+
+/// Whether `snap` has a routable worker of `role` for the model `scope` outside `exclude`.
+fn any_routable_left(
+    snap: &crate::pool::Snapshot,
+    role: Role,
+    scope: Option<&str>,
+    exclude: &[WorkerId],
+) -> bool {
+    snap.routable_for(role, scope)
+        .iter()
+        .any(|r| !exclude.contains(&r.worker))
+}
+
+/// Whether `snap` has a routable prefill and decode for `scope` outside the exclusions.
+fn pair_left(
+    snap: &crate::pool::Snapshot,
+    scope: Option<&str>,
+    exclude_p: &[WorkerId],
+    exclude_d: &[WorkerId],
+) -> bool {
+    any_routable_left(snap, Role::Prefill, scope, exclude_p)
+        && any_routable_left(snap, Role::Decode, scope, exclude_d)
 }
 
 #[cfg(test)]

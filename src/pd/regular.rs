@@ -43,7 +43,7 @@ use super::sse::{Scan, SseScanner};
 use super::{Dispatcher, ReqCtx};
 use crate::error::{FailReason, Failure};
 use crate::memory::Charge;
-use crate::policy::{self, PickCtx, Policy};
+use crate::policy::{self, PickCtx};
 use crate::pool::{LoadGuard, Snapshot};
 use crate::types::{Pair, Role, WorkerId};
 use crate::upstream::{error_chain, LegBody, LegRequest};
@@ -63,12 +63,7 @@ impl Dispatcher {
             return false;
         }
         let scope = req.scope.as_deref();
-        let any = |role: Role, ex: &[WorkerId]| {
-            snap.routable_for(role, scope)
-                .iter()
-                .any(|r| !ex.contains(&r.worker))
-        };
-        if !any(Role::Regular, exclude_r) {
+        if !super::any_routable_left(&snap, Role::Regular, scope, exclude_r) {
             return false;
         }
         // The model's name: its scope, else the only model served.
@@ -90,13 +85,7 @@ impl Dispatcher {
                 return true;
             }
         }
-        models.regular_fallback && !(any(Role::Prefill, exclude_p) && any(Role::Decode, exclude_d))
-    }
-
-    /// The policy that picks a regular worker for a request of `model`: its model's own
-    /// (of its decode policy's kind) under a policy override, else the top level's.
-    fn regular_pick_policy(&self, model: Option<&str>) -> &dyn Policy {
-        self.regular_policy_of(model)
+        models.regular_fallback && !super::pair_left(&snap, scope, exclude_p, exclude_d)
     }
 
     /// One attempt on a regular worker: pick, send, wait for the first bytes (the first
@@ -111,7 +100,7 @@ impl Dispatcher {
     ) -> Result<Ready, AttemptFailure> {
         let snap = self.pool.load_full();
         let scope = req.scope.as_deref();
-        let policy = self.regular_pick_policy(scope);
+        let policy = self.regular_policy_of(scope);
         let pctx = PickCtx {
             exclude: exclude_r,
             prefix_hash: if policy.wants_prefix() {

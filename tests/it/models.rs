@@ -64,7 +64,7 @@ fn requests(env: &Env, prefills: &[usize], decodes: &[usize]) -> u64 {
     p + d
 }
 
-fn json(bytes: &[u8]) -> Value {
+pub(crate) fn json(bytes: &[u8]) -> Value {
     serde_json::from_slice(bytes)
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(bytes)))
 }
@@ -575,7 +575,7 @@ async fn a_reload_applies_aliases_and_renames_a_worker() {
 }
 
 /// A GET on the front door: status and JSON body.
-async fn get_json(env: &Env, path: &str) -> (http::StatusCode, Value) {
+pub(crate) async fn get_json(env: &Env, path: &str) -> (http::StatusCode, Value) {
     let resp = env.send("GET", path, &[], "").await;
     let status = resp.status();
     let body = http_body_util::BodyExt::collect(resp.into_body())

@@ -4,6 +4,7 @@
 //! on a regular worker only. Each engine counts what it got: every request lands on its
 //! model's engines, never another model's.
 
+use crate::models::{get_json, json};
 use crate::support::common;
 
 use common::{start, Env};
@@ -83,21 +84,6 @@ async fn mixed(tweak: impl FnOnce(&mut pdgate::config::Config)) -> Fleet {
     })
     .await;
     Fleet { env, regular }
-}
-
-fn json(bytes: &[u8]) -> Value {
-    serde_json::from_slice(bytes)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(bytes)))
-}
-
-async fn get_json(env: &Env, path: &str) -> (http::StatusCode, Value) {
-    let resp = env.send("GET", path, &[], "").await;
-    let status = resp.status();
-    let body = http_body_util::BodyExt::collect(resp.into_body())
-        .await
-        .expect("body")
-        .to_bytes();
-    (status, json(&body))
 }
 
 /// 36 requests, 12 per model, half streamed, all at once: model-a's land on its pair,
