@@ -10,6 +10,15 @@
 //! - logprob bombs: streamed `/generate` with `return_logprob` and a long prompt, under the
 //!   stream merge cap (its input logprobs repeated in every event) and over it (refused).
 //!
+//! The normal clients run two ways. Closed loops (`NORMAL_CLIENTS`, each sending when its
+//! last answer came) measure throughput; on a machine this small they saturate it, so
+//! their latencies move with any work added anywhere. The judged latency is open-loop: a
+//! fixed rate (`PDGATE_HOSTILE_RATE`, else half the quiet closed loops' rate), each request
+//! timed from its scheduled send (no coordinated omission), the same offered load quiet and
+//! hostile, in alternating phases (`PDGATE_HOSTILE_ROUNDS` pairs, 3 by default) so that a
+//! shared machine's drift falls on both alike. Nothing of a hostile phase outlives it (its
+//! clients hang up at the phase's end, then the router gets a second to settle).
+//!
 //! Reported: the normal clients' p50/p99/max and errors, quiet against hostile (target: p99
 //! within 2x, no error, no stall), the router's CPU (share of one core) in each phase and its
 //! peak RSS (sampled every 50 ms, and the kernel's high-water mark) against the documented
@@ -107,6 +116,37 @@ struct Phase {
     peak_rss_kib: u64,
 }
 
+impl Phase {
+    /// Several phases of one kind as one: latencies pooled, CPU averaged, the highest RSS.
+    fn pooled(phases: Vec<Phase>) -> Phase {
+        let n = phases.len().max(1) as f64;
+        let mut out = Phase {
+            lat: Vec::new(),
+            probe: Vec::new(),
+            errors: 0,
+            cpu_share: 0.0,
+            sim_cpu: Vec::new(),
+            peak_rss_kib: 0,
+        };
+        for p in phases {
+            out.lat.extend(p.lat);
+            out.probe.extend(p.probe);
+            out.errors += p.errors;
+            out.cpu_share += p.cpu_share / n;
+            if out.sim_cpu.len() < p.sim_cpu.len() {
+                out.sim_cpu.resize(p.sim_cpu.len(), 0.0);
+            }
+            for (o, c) in out.sim_cpu.iter_mut().zip(p.sim_cpu) {
+                *o += c / n;
+            }
+            out.peak_rss_kib = out.peak_rss_kib.max(p.peak_rss_kib);
+        }
+        out.lat.sort();
+        out.probe.sort();
+        out
+    }
+}
+
 fn pct(v: &[Duration], p: f64) -> Duration {
     if v.is_empty() {
         return Duration::ZERO;
@@ -115,51 +155,95 @@ fn pct(v: &[Duration], p: f64) -> Duration {
     v[i.min(v.len() - 1)]
 }
 
-/// The normal clients, each sending requests back to back until `until` (at most 100,000
-/// in all); their latencies, sorted, and their errors.
+/// How the normal clients load the router.
+#[derive(Clone, Copy, Debug)]
+enum Load {
+    /// `NORMAL_CLIENTS` closed loops, each sending its next request when the last one
+    /// ended: as much as the machine serves (a throughput figure; its latencies are those of
+    /// a saturated machine, so they move with any work added to it).
+    Closed,
+    /// Requests sent at a fixed rate (per second), each at its scheduled time whatever
+    /// the earlier ones are doing, its latency counted from that time (no coordinated
+    /// omission): the same offered load in both phases, so their latencies compare.
+    Open(f64),
+}
+
+/// One normal request; whether it got a whole 200.
+async fn one_request(client: &HttpClient, url: &str, body: &'static str) -> bool {
+    let req = Request::post(format!("{url}/generate"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .expect("request");
+    match tokio::time::timeout(Duration::from_secs(20), client.request(req)).await {
+        Ok(Ok(resp)) => {
+            let st = resp.status();
+            let body = resp.into_body().collect().await;
+            st == 200 && body.is_ok()
+        }
+        _ => false,
+    }
+}
+
+/// The normal clients, sending until `until` (at most 100,000 requests in all) as `load`
+/// says; their latencies, sorted, their errors, and the probe's latencies, sorted.
 async fn normal_clients(
     client: HttpClient,
     url: String,
     body: &'static str,
     until: Instant,
+    load: Load,
 ) -> (Vec<Duration>, u64, Vec<Duration>) {
     let lat = Arc::new(std::sync::Mutex::new(Vec::new()));
     let errors = Arc::new(AtomicU64::new(0));
     let sent = Arc::new(AtomicU64::new(0));
-    let mut tasks = Vec::new();
-    for _ in 0..NORMAL_CLIENTS {
-        let (client, url, lat, errors, sent) = (
-            client.clone(),
-            url.clone(),
-            lat.clone(),
-            errors.clone(),
-            sent.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            while Instant::now() < until && sent.fetch_add(1, Ordering::Relaxed) < 100_000 {
-                let req = Request::post(format!("{url}/generate"))
-                    .header("content-type", "application/json")
-                    .body(Full::new(Bytes::from_static(body.as_bytes())))
-                    .expect("request");
-                let t0 = Instant::now();
-                let ok = match tokio::time::timeout(Duration::from_secs(20), client.request(req))
-                    .await
-                {
-                    Ok(Ok(resp)) => {
-                        let st = resp.status();
-                        let body = resp.into_body().collect().await;
-                        st == 200 && body.is_ok()
-                    }
-                    _ => false,
-                };
-                let dt = t0.elapsed();
-                if ok {
-                    lat.lock().expect("lock").push(dt);
-                } else {
-                    errors.fetch_add(1, Ordering::Relaxed);
-                }
+    let record = {
+        let (lat, errors) = (lat.clone(), errors.clone());
+        move |ok: bool, dt: Duration| {
+            if ok {
+                lat.lock().expect("lock").push(dt);
+            } else {
+                errors.fetch_add(1, Ordering::Relaxed);
             }
-        }));
+        }
+    };
+    let mut tasks = Vec::new();
+    match load {
+        Load::Closed => {
+            for _ in 0..NORMAL_CLIENTS {
+                let (client, url, sent, record) =
+                    (client.clone(), url.clone(), sent.clone(), record.clone());
+                tasks.push(tokio::spawn(async move {
+                    while Instant::now() < until && sent.fetch_add(1, Ordering::Relaxed) < 100_000 {
+                        let t0 = Instant::now();
+                        let ok = one_request(&client, &url, body).await;
+                        record(ok, t0.elapsed());
+                    }
+                }));
+            }
+        }
+        Load::Open(rate) => {
+            let (client, url, record) = (client.clone(), url.clone(), record.clone());
+            tasks.push(tokio::spawn(async move {
+                let gap = Duration::from_secs_f64(1.0 / rate.max(1.0));
+                let start = Instant::now();
+                let mut inflight = Vec::new();
+                for i in 0..100_000u32 {
+                    let at = start + gap * i;
+                    if at >= until {
+                        break;
+                    }
+                    tokio::time::sleep_until(at.into()).await;
+                    let (client, url, record) = (client.clone(), url.clone(), record.clone());
+                    inflight.push(tokio::spawn(async move {
+                        let ok = one_request(&client, &url, body).await;
+                        record(ok, at.elapsed());
+                    }));
+                }
+                for t in inflight {
+                    let _ = t.await;
+                }
+            }));
+        }
     }
     // The probe: `GET /liveness`, answered by the router alone, every 2 ms: the router's
     // own responsiveness, with no engine in the way.
@@ -216,13 +300,14 @@ fn normal_clients_apart(
     url: String,
     body: &'static str,
     until: Instant,
+    load: Load,
 ) -> std::thread::JoinHandle<(Vec<Duration>, u64, Vec<Duration>)> {
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .expect("runtime");
-        rt.block_on(async move { normal_clients(http_client(), url, body, until).await })
+        rt.block_on(async move { normal_clients(http_client(), url, body, until, load).await })
     })
 }
 
@@ -254,6 +339,7 @@ async fn run_phase(
     pid: u32,
     sims: &[u32],
     secs: Duration,
+    load: Load,
     hostile: Option<(Arc<Hostile>, tokio::runtime::Handle)>,
 ) -> Phase {
     let until = Instant::now() + secs;
@@ -264,7 +350,7 @@ async fn run_phase(
     let sims0: Vec<u64> = sims.iter().map(|p| cpu_ns(*p)).collect();
     let t0 = Instant::now();
     let sampler = tokio::spawn(rss_sampler(pid, until));
-    let normal = normal_clients_apart(url.to_string(), body, until);
+    let normal = normal_clients_apart(url.to_string(), body, until, load);
     let (lat, errors, probe) = tokio::task::spawn_blocking(move || normal.join())
         .await
         .expect("join")
@@ -279,6 +365,9 @@ async fn run_phase(
     let peak_rss_kib = sampler.await.unwrap_or(0);
     if let Some(a) = attack {
         let _ = tokio::time::timeout(Duration::from_secs(10), a).await;
+        // Let the router and the engines finish what the hostile clients left (cancelled
+        // legs, freed buffers) before the next phase measures anything.
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
     Phase {
         lat,
@@ -335,11 +424,11 @@ async fn connect(addr: &str) -> Option<TcpStream> {
 }
 
 /// Reads an answer's status line (bounded: 20 s, 64 KiB); the rest is drained until EOF or
-/// the deadline.
+/// the phase's end (`until`: nothing of a hostile phase runs on into the next phase).
 async fn status_of(s: &mut TcpStream, until: Instant) -> Option<u16> {
     let mut buf = vec![0u8; 64 * 1024];
     let mut n = 0;
-    let deadline = (Instant::now() + Duration::from_secs(20)).min(until + Duration::from_secs(5));
+    let deadline = (Instant::now() + Duration::from_secs(20)).min(until);
     while n < 12 {
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, s.read(&mut buf[n..])).await {
@@ -458,7 +547,10 @@ impl Hostile {
                         s.write_all(head.as_bytes()).await?;
                         s.write_all(&h.big_body).await
                     };
-                    let wrote = tokio::time::timeout(Duration::from_secs(20), wrote).await;
+                    let left = until
+                        .saturating_duration_since(Instant::now())
+                        .min(Duration::from_secs(20));
+                    let wrote = tokio::time::timeout(left, wrote).await;
                     // A refused body is answered early and its write cut: the status counts.
                     let _ = wrote;
                     match status_of(&mut s, until).await {
@@ -648,7 +740,13 @@ fn main() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let base_kib = rss_kib(pid).0;
-        let quiet = run_phase(&url, normal_body, pid, &sim_pids, phase, None).await;
+        let quiet = run_phase(&url, normal_body, pid, &sim_pids, phase, Load::Closed, None).await;
+        // The open-loop rate: `PDGATE_HOSTILE_RATE`, else half of what the closed loops got.
+        let rate = std::env::var("PDGATE_HOSTILE_RATE")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(quiet.lat.len() as f64 / phase.as_secs_f64() / 2.0)
+            .clamp(10.0, 20_000.0);
         let max_body = cfg.server.max_body_bytes;
         let big_text = "a".repeat(max_body - 64);
         let big_body = Bytes::from(format!(
@@ -670,12 +768,50 @@ fn main() {
             held: AtomicU64::new(0),
             kinds: Kinds::from_env(),
         });
+        // Quiet and hostile open-loop phases alternate (`PDGATE_HOSTILE_ROUNDS` pairs, 3 by
+        // default), so that a shared machine's drift falls on both alike; their latencies
+        // are pooled per kind.
+        let rounds = std::env::var("PDGATE_HOSTILE_ROUNDS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(3)
+            .clamp(1, 10);
+        let (mut quiet_open, mut loud_open) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            quiet_open
+                .push(run_phase(&url, normal_body, pid, &sim_pids, phase, Load::Open(rate), None).await);
+            loud_open.push(
+                run_phase(
+                    &url,
+                    normal_body,
+                    pid,
+                    &sim_pids,
+                    phase,
+                    Load::Open(rate),
+                    Some((hostile.clone(), hostile_rt.clone())),
+                )
+                .await,
+            );
+        }
+        let per_round: Vec<String> = quiet_open
+            .iter()
+            .zip(&loud_open)
+            .map(|(q, l)| {
+                format!(
+                    "{:.2} / {:.2}",
+                    pct(&q.lat, 0.99).as_secs_f64() * 1e3,
+                    pct(&l.lat, 0.99).as_secs_f64() * 1e3
+                )
+            })
+            .collect();
+        let (quiet_open, loud_open) = (Phase::pooled(quiet_open), Phase::pooled(loud_open));
         let loud = run_phase(
             &url,
             normal_body,
             pid,
             &sim_pids,
             phase,
+            Load::Closed,
             Some((hostile.clone(), hostile_rt)),
         )
         .await;
@@ -706,14 +842,32 @@ fn main() {
         println!("hostile: {IDLE} idle connections, {PREFACES} partial HTTP/2 prefaces, {SLOW_HEADS} slowloris heads, {SLOW_BODIES} slowloris bodies, {BIG_SENDERS} senders of {} MiB bodies, {BOMBS_UNDER}+{BOMBS_OVER} logprob bombs (8,000 / 60,000 prompt tokens, 64 events)\n", max_body >> 20);
         println!("| phase | normal requests | p50 ms | p99 ms | max ms | router-only probe p50 / p99 / max ms | errors | router CPU (one core) | simulators' CPU | peak RSS MiB |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
-        report("quiet", &quiet);
-        report("hostile", &loud);
-        let ratio = pct(&loud.lat, 0.99).as_secs_f64() / pct(&quiet.lat, 0.99).as_secs_f64().max(1e-9);
-        let probe_ratio = pct(&loud.probe, 0.99).as_secs_f64() / pct(&quiet.probe, 0.99).as_secs_f64().max(1e-9);
-        println!("\np99 hostile / quiet: {ratio:.2}x (target <= 2x); router-only probe {probe_ratio:.2}x; normal requests over 1 s: {}", loud.lat.iter().filter(|d| d.as_secs_f64() > 1.0).count());
+        report(&format!("quiet, open loop at {rate:.0}/s ({rounds} phases)"), &quiet_open);
+        report(&format!("hostile, open loop at {rate:.0}/s ({rounds} phases)"), &loud_open);
+        report(&format!("quiet, {NORMAL_CLIENTS} closed loops"), &quiet);
+        report(&format!("hostile, {NORMAL_CLIENTS} closed loops"), &loud);
+        let p99 = |p: &Phase| pct(&p.lat, 0.99).as_secs_f64().max(1e-9);
+        let probe99 = |p: &Phase| pct(&p.probe, 0.99).as_secs_f64().max(1e-9);
+        println!(
+            "\np99 hostile / quiet at the same offered load (open loop, {rate:.0}/s: half the closed loops' quiet rate unless PDGATE_HOSTILE_RATE): {:.2}x (target <= 2x); router-only probe {:.2}x",
+            p99(&loud_open) / p99(&quiet_open),
+            probe99(&loud_open) / probe99(&quiet_open)
+        );
+        println!("p99 ms per round, quiet / hostile (open loop): {}", per_round.join(", "));
+        println!(
+            "p99 hostile / quiet with closed loops (a saturated machine; the normal clients got {:.0}% of their quiet throughput): {:.2}x; router-only probe {:.2}x",
+            100.0 * loud.lat.len() as f64 / quiet.lat.len().max(1) as f64,
+            p99(&loud) / p99(&quiet),
+            probe99(&loud) / probe99(&quiet)
+        );
+        println!(
+            "normal requests over 1 s: {}; errors: {}",
+            loud.lat.iter().chain(&loud_open.lat).filter(|d| d.as_secs_f64() > 1.0).count(),
+            loud.errors + loud_open.errors
+        );
         println!(
             "peak RSS: {:.1} MiB sampled, {:.1} MiB high-water mark; documented bound (README, Memory) for {conns} connections {:.1} MiB",
-            loud.peak_rss_kib as f64 / 1024.0,
+            loud.peak_rss_kib.max(loud_open.peak_rss_kib) as f64 / 1024.0,
             hwm_kib as f64 / 1024.0,
             bound as f64 / (1 << 20) as f64
         );

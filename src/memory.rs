@@ -9,7 +9,9 @@
 //!
 //! What is charged: what is held, as it is read (a body as its frames arrive, an answer as
 //! its frames arrive), so that a client that declares a large body and sends it slowly holds
-//! only what it sent. A [`Charge`] gives its bytes back when dropped: it travels with what
+//! only what it sent. A body whose declared length does not fit now is refused at its head
+//! ([`ByteBudget::check`]), before any of it is read: a flood of maximum-size bodies then
+//! costs the router a head each, not megabytes of reading per refusal. A [`Charge`] gives its bytes back when dropped: it travels with what
 //! it pays for (the request's admission slot for the body, which is released when the
 //! response body ends or a prefill leg left running ends; the merged logprobs for theirs).
 //!
@@ -117,6 +119,23 @@ impl ByteBudget {
     /// The largest single body or answer that can ever be charged under `limit`.
     pub fn largest_charge(limit: usize) -> usize {
         limit - limit / 8
+    }
+
+    /// Whether a charge of `wanted` bytes would be taken now, without taking it: a body's
+    /// declared length is checked before a byte of it is read, so that a body the budget
+    /// cannot hold is refused at its head instead of being read part-way first (the
+    /// charge itself is still taken as the bytes arrive). A later charge may still be
+    /// refused: others take and give back in between.
+    pub fn check(&self, wanted: usize) -> Result<(), Refusal> {
+        let limit = self.limit();
+        let cap = Self::cap_for(limit, wanted);
+        if wanted > cap {
+            return Err(Refusal::Never { wanted, limit: cap });
+        }
+        if self.used().saturating_add(wanted) > cap {
+            return Err(Refusal::Full { wanted, limit });
+        }
+        Ok(())
     }
 
     /// Takes `n` more bytes for a charge already holding `held`.
@@ -257,6 +276,12 @@ mod tests {
             (1, full(1601)),
         ];
         for (n, want) in cases {
+            // `check` says what a fresh charge of `n` would get, and takes nothing.
+            let used = b.used();
+            if c.bytes() == 0 {
+                assert_eq!(b.check(n), want, "check {n}");
+            }
+            assert_eq!(b.used(), used, "a check takes nothing");
             assert_eq!(c.grow(n), want, "grow {n}");
         }
         assert_eq!(

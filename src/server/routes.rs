@@ -364,6 +364,16 @@ impl App {
         }
         // A body that came with its head (the usual case) is read at once, with no timer;
         // only a body still on its way is given `body_read_timeout`.
+        // A declared body the budget cannot hold now is refused before any of it is read
+        // (its charge is still taken frame by frame as it arrives: a slow body holds only
+        // what it sent).
+        if let Some(n) = declared {
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            if let Err(r) = self.admission.bytes().check(n) {
+                let f = crate::admission::refused(r, "the request body");
+                return closing(reject(rec, f, &rid_header));
+            }
+        }
         let charge = self.admission.bytes().charge();
         let read = read_body(body, limit, declared, charge);
         tokio::pin!(read);

@@ -26,6 +26,27 @@ fn set_hold(env: &Env, hold: bool) {
     });
 }
 
+/// Sends a `/generate` head declaring a body of `len` bytes, and none of the body; the
+/// status and the whole answer (bounded: 5 s, far below `server.body_read_timeout_secs`,
+/// so an answer only comes if the router refused without waiting for the body).
+async fn head_only(env: &Env, len: usize) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = env.router.url().trim_start_matches("http://").to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.expect("write");
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+    assert!(read.is_ok(), "no answer before the body was sent");
+    let text = String::from_utf8_lossy(&out).to_string();
+    let st = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (st, text)
+}
+
 fn error_type(body: &[u8]) -> String {
     let v: serde_json::Value = serde_json::from_slice(body)
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(body)));
@@ -65,6 +86,15 @@ async fn the_byte_budget_refuses_what_would_exceed_it_and_frees_it_with_the_resp
         env.cluster.decodes[0].stats().held_now,
         1,
         "the first request is held"
+    );
+    // A body declared too large for what is left is refused at its head: the answer comes
+    // before a byte of the body was sent (it used to be awaited, read, then refused).
+    let (st, head) = head_only(&env, 600 << 10).await;
+    assert_eq!(st, 503, "{head}");
+    assert!(head.contains("memory_full"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "{head}"
     );
     let (st, h, body) = env.post("/generate", &big(600 << 10)).await;
     assert_eq!(st, 503, "{}", String::from_utf8_lossy(&body));
