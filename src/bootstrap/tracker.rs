@@ -13,7 +13,8 @@
 //!   the prefill lost: the layout is dropped (as decode drops its cache) and the prefill's
 //!   lost epoch is bumped, which fails its in-flight requests at once.
 //! - the *refresher* re-reads the sentinel and every rank's route: at start, at once on a
-//!   signal (the heartbeat saw the layout change or the server come back ready, the health
+//!   signal (the heartbeat saw the layout change, the server come back ready, or a ready
+//!   server while some rank is still marked not ready by another path; the health
 //!   checker saw the engine restart, a leg or a preflight failed for a bootstrap reason:
 //!   the worker's `refresh` notify), and otherwise at the slow jittered pace of
 //!   `refresh_interval`. Signals are coalesced (one `Notify` permit), and re-reads are
@@ -523,10 +524,16 @@ async fn heartbeat(
                         // The routes read before still hold: no request, no rebuild.
                         w.fresh.confirm_all(now);
                     }
-                    same
+                    // Ranks that another path failed (a preflight or a leg that could not
+                    // reach the server, whose signalled re-read came while it was still
+                    // down) are re-read now that the server answers ready.
+                    let behind = w.ranks.iter().any(|r| !matches!(r, RankReadiness::Ready));
+                    (same, behind)
                 });
-                if stored != Some(true) || matches!(last, Some(Beat::NotReady | Beat::Missed)) {
-                    // A layout change, or the server (back) ready: re-read every route.
+                let (same, behind) = stored.unwrap_or((false, false));
+                if !same || behind || matches!(last, Some(Beat::NotReady | Beat::Missed)) {
+                    // A layout change, the server (back) ready, or ranks left behind:
+                    // re-read every route (coalesced, within the read budget).
                     wake.notify_one();
                 }
                 last = Some(Beat::Ready);

@@ -308,3 +308,47 @@ async fn server_info_falls_back_to_get_server_info() {
     assert!(err.to_string().contains("404"), "{err}");
     task.abort();
 }
+
+/// Ranks failed by the request path (a preflight that found the bootstrap server down) while
+/// the heartbeat never missed: once the server answers ready again, the next heartbeat
+/// re-reads the routes, instead of leaving the prefill out until the slow re-read
+/// (`refresh_interval`). Seen in the chaos soak: a prefill out for the 10 s after the faults
+/// cleared, its ranks `failed` (unreachable), breaker closed, healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_failed_by_the_request_path_come_back_with_the_next_ready_heartbeat() {
+    use pdgate::pool::{RankFailure, RankReadiness};
+    let env = start(
+        vec![EngineConfig::prefill(2)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            c.bootstrap.refresh_interval_ms = 600_000;
+            c.bootstrap.heartbeat_interval_ms = 200;
+        },
+    )
+    .await;
+    env.wait_routable(2, 1).await;
+    // What a preflight does when it cannot reach the bootstrap server (both ranks failed);
+    // the refresher's re-read that it signals came and went while the server was still
+    // down, so nothing but the heartbeat runs now, and it sees a ready server throughout.
+    env.router
+        .pool
+        .update_worker_if(Role::Prefill, WorkerId(0), |w| {
+            let now = std::time::Instant::now();
+            let failed = RankReadiness::Failed {
+                reason: RankFailure::Unreachable,
+                since: now,
+            };
+            let a = pdgate::bootstrap::tracker::set_rank(w, 0, failed.clone(), now);
+            let b = pdgate::bootstrap::tracker::set_rank(w, 1, failed, now);
+            a || b
+        });
+    assert_eq!(
+        env.router.pool.load().routable_ranks(Role::Prefill),
+        0,
+        "the ranks are out"
+    );
+    // Back within a few heartbeats (wait_routable's bound: 10 s; the slow re-read is 600 s).
+    env.wait_routable(2, 1).await;
+    let (st, _, b) = env.post("/generate", r#"{"text":"a"}"#).await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&b));
+}
