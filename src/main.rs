@@ -146,17 +146,18 @@ const PURGE_DELAY_VAR: &str = "MIMALLOC_PURGE_DELAY";
 
 /// The purge delay `serve` runs with, in ms: how long mimalloc keeps freed pages resident
 /// before giving them back to the OS.
-const PURGE_DELAY_MS: &str = "10";
+const PURGE_DELAY_MS: &str = "100";
 
-/// Makes mimalloc give freed memory back within 10 ms. Its default delay (1 s in mimalloc
+/// Makes mimalloc give freed memory back within 100 ms. Its default delay (1 s in mimalloc
 /// 3) kept pages freed by large bodies resident, so a flood of maximum-size bodies left RSS
-/// at up to ~1.9x the bytes in flight (the hostile bench), past the bound that the README's
-/// formula and the manifests' memory limit rely on. At 0 every page that empties is purged
-/// at once, and the request path pays for it: at 64 concurrent requests ~2 minor page
-/// faults per request, refilling pages the allocator had just purged (0.05 with the
-/// default; 0.2-0.6 at 10 ms), which moved the floor ratio at c=64 from ~1.4 to ~1.7. At
-/// 10 ms the hostile bench's peak RSS is the same as at 0 (150-157 MiB, bound 206; 207 at
-/// 100 ms): BENCHMARKS.md §8 and §10. mimalloc reads the option from the environment as it
+/// at up to ~1.9x the bytes in flight (the hostile bench; 223 MiB against the 206 MiB bound
+/// even with refused bodies no longer read), past the bound that the README's formula and
+/// the manifests' memory limit rely on. A shorter delay costs the request path: every page
+/// that empties is purged and faulted back in (at 64 concurrent requests ~2 minor page
+/// faults per request at 0, ~0.5 at 10 ms, ~0.1 at 100 ms, 0.03 at 1 s), which moved the
+/// floor ratio at c=64 from ~1.4 to ~1.7 at 0. At 100 ms the hostile bench peaks at
+/// 183-184 MiB (166-168 at 10 ms) since a body the budget cannot hold is refused unread
+/// (before that, 100 ms reached 207): BENCHMARKS.md §8 and §10. mimalloc reads the option from the environment as it
 /// starts, before `main`, and setting it from inside would take unsafe code: so `serve`
 /// re-executes itself once with the variable set (same pid, arguments and streams). An
 /// operator's own value is kept; a failed exec (e.g. the binary replaced on disk) is
