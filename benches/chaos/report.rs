@@ -307,11 +307,13 @@ pub fn checks(o: &Outcome) -> Vec<Check> {
         (Some(w), Some(e)) => Check {
             name: "router RSS at the end within 10 % of after the warm-up",
             measured: format!(
-                "VmRSS {:.1} MiB after the warm-up (under load, {} open fds) → {} MiB when the faults cleared → {:.1} MiB at the end (load stopped, {} open fds): {:+.1} %",
+                "VmRSS {:.1} MiB after the warm-up (under load, {} open fds) → {} MiB when the faults cleared → {} MiB when drained → {:.1} MiB at rest, {} s later (load stopped, {} open fds): {:+.1} %",
                 mib(w),
                 o.fds.0.map_or("?".to_string(), |n| n.to_string()),
                 o.rss_cleared_kib.map_or("?".to_string(), |c| format!("{:.1}", mib(c))),
+                o.rss_drained_kib.map_or("?".to_string(), |c| format!("{:.1}", mib(c))),
                 mib(e),
+                crate::soak::AT_REST.as_secs(),
                 o.fds.1.map_or("?".to_string(), |n| n.to_string()),
                 (e as f64 / w.max(1) as f64 - 1.0) * 100.0
             ),

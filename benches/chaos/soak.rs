@@ -551,11 +551,18 @@ pub struct Outcome {
     pub rss_warm_kib: Option<u64>,
     /// When the faults were cleared (to tell a step the faults leave from growth with time).
     pub rss_cleared_kib: Option<u64>,
+    /// Right after the load ended and the gauges were back to 0.
+    pub rss_drained_kib: Option<u64>,
     pub rss_end_kib: Option<u64>,
     /// The router's open fds when its RSS was read (after the warm-up, at the end).
     pub fds: (Option<u64>, Option<u64>),
     pub elapsed: Duration,
 }
+
+/// How long after the drain the router's RSS is read "at rest": past the allocator's purge
+/// delay (`serve` sets 100 ms) and the leg pools' idle timeout (`upstream.pool_idle_timeout_secs`,
+/// 4 s), so that pages and idle connections those keep by design are not read as growth.
+pub const AT_REST: Duration = Duration::from_secs(5);
 
 /// Runs the soak against the router at `router` (`http://127.0.0.1:PORT`).
 pub async fn run(fleet: Arc<dyn Fleet>, router: &str, cfg: &Config, plan: Plan) -> Outcome {
@@ -587,6 +594,12 @@ pub async fn run(fleet: Arc<dyn Fleet>, router: &str, cfg: &Config, plan: Plan) 
     eprintln!("[chaos] stopping the load ({during} requests so far)");
     let tally = load.stop(bounds.head + SLACK).await;
     let drained = watch_drain(&client, router, &*fleet, &engines).await;
+    let rss_drained_kib = fleet.router_rss_kib();
+    // At rest: the allocator's purge delay (100 ms) and the leg pools' idle timeout (4 s)
+    // passed with no request, so what is left resident is not what they hold by design.
+    if rss_drained_kib.is_some() {
+        tokio::time::sleep(AT_REST).await;
+    }
     let rss_end_kib = fleet.router_rss_kib();
     let fds_end = fleet.router_fds();
     let mut finals = Vec::new();
@@ -614,6 +627,7 @@ pub async fn run(fleet: Arc<dyn Fleet>, router: &str, cfg: &Config, plan: Plan) 
             .max(cfg.timeouts.decode_first_byte()),
         rss_warm_kib,
         rss_cleared_kib,
+        rss_drained_kib,
         rss_end_kib,
         fds: (fds_warm, fds_end),
         elapsed: started.elapsed(),
