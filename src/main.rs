@@ -155,13 +155,13 @@ const PURGE_DELAY_MS: &str = "100";
 /// the manifests' memory limit rely on. A shorter delay costs the request path: every page
 /// that empties is purged and faulted back in (at 64 concurrent requests ~2 minor page
 /// faults per request at 0, ~0.5 at 10 ms, ~0.1 at 100 ms, 0.03 at 1 s), which moved the
-/// floor ratio at c=64 from ~1.4 to ~1.7 at 0. At 100 ms the hostile bench peaks at
-/// 183-184 MiB (166-168 at 10 ms) since a body the budget cannot hold is refused unread
-/// (before that, 100 ms reached 207): BENCHMARKS.md §8 and §10. mimalloc reads the option from the environment as it
-/// starts, before `main`, and setting it from inside would take unsafe code: so `serve`
-/// re-executes itself once with the variable set (same pid, arguments and streams). An
-/// operator's own value is kept; a failed exec (e.g. the binary replaced on disk) is
-/// reported and `serve` runs on.
+/// floor ratio at c=64 from ~1.4 to ~1.7 at 0. At 100 ms the hostile bench peaks at 183-184
+/// MiB (166-168 at 10 ms) since a body the budget cannot hold is refused unread (before
+/// that, 100 ms reached 207): BENCHMARKS.md §8 and §10. mimalloc reads the option from the
+/// environment as it starts, before `main`, and setting it from inside would take unsafe
+/// code: so `serve` re-executes itself once with the variable set (same pid, arguments and
+/// streams). An operator's own value is kept; a failed exec (e.g. the binary replaced on
+/// disk) is reported and `serve` runs on.
 fn purge_freed_memory_promptly() {
     use std::os::unix::process::CommandExt;
     if std::env::var_os(PURGE_DELAY_VAR).is_some() {

@@ -8,12 +8,13 @@
 //! bodies take the process past its memory limit and every stream on it dies with it.
 //!
 //! What is charged: what is held, as it is read (a body as its frames arrive, an answer as
-//! its frames arrive), so that a client that declares a large body and sends it slowly holds
-//! only what it sent. A body whose declared length does not fit now is refused at its head
-//! ([`ByteBudget::check`]), before any of it is read: a flood of maximum-size bodies then
-//! costs the router a head each, not megabytes of reading per refusal. A [`Charge`] gives its bytes back when dropped: it travels with what
-//! it pays for (the request's admission slot for the body, which is released when the
-//! response body ends or a prefill leg left running ends; the merged logprobs for theirs).
+//! its frames arrive), so that a client that declares a large body and sends it slowly
+//! holds only what it sent. A body whose declared length does not fit now is refused at its
+//! head ([`ByteBudget::check`]), before any of it is read: a flood of maximum-size bodies
+//! then costs the router a head each, not megabytes of reading per refusal. A [`Charge`]
+//! gives its bytes back when dropped: it travels with what it pays for (the request's
+//! admission slot for the body, which is released when the response body ends or a prefill
+//! leg left running ends; the merged logprobs for theirs).
 //!
 //! Refusals: a charge that could never fit is [`Refusal::Never`] (413 to the client); one
 //! that does not fit now is [`Refusal::Full`] (503 with `Retry-After`). A large charge (a

@@ -68,16 +68,13 @@ impl Dispatcher {
             return true;
         }
         let wait = Duration::from_millis(self.retry(scope).0.move_wait_ms);
-        let exists = |role: Role, ex: &[WorkerId]| {
-            self.pool
-                .load()
-                .workers(role)
-                .iter()
-                .any(|w| !ex.contains(&w.id))
-        };
+        let snap = self.pool.load();
+        let exists =
+            |role: Role, ex: &[WorkerId]| snap.workers(role).iter().any(|w| !ex.contains(&w.id));
         if wait.is_zero() || !exists(Role::Prefill, exclude_p) || !exists(Role::Decode, exclude_d) {
             return false;
         }
+        drop(snap);
         let until = (tokio::time::Instant::now() + wait).min(deadline);
         // Bounded: one look per poll until `until`.
         while tokio::time::Instant::now() < until {
@@ -274,17 +271,17 @@ impl Mover {
         self.next_attempt += 1 + retries;
         Ok(Box::pin(async move {
             let until = tokio::time::Instant::now() + wait;
-            while !d.has_alternative(scope.as_deref(), &[], &exclude_d) {
-                if tokio::time::Instant::now() >= until {
-                    return Err(Failure::new(
-                        crate::error::FailReason::NoDecodeAvailable,
-                        format!(
-                            "no other decode became routable within retry.move_wait_ms ({} ms)",
-                            wait.as_millis()
-                        ),
-                    ));
-                }
-                tokio::time::sleep(MOVE_WAIT_POLL).await;
+            if !d
+                .alternative_within(scope.as_deref(), &[], &exclude_d, until)
+                .await
+            {
+                return Err(Failure::new(
+                    crate::error::FailReason::NoDecodeAvailable,
+                    format!(
+                        "no other decode became routable within retry.move_wait_ms ({} ms)",
+                        wait.as_millis()
+                    ),
+                ));
             }
             let mut exclude_p = Vec::new();
             let mut n = 0;
