@@ -553,6 +553,12 @@ impl Config {
             0,
             1_000_000,
         )?;
+        range(
+            "retry.budget_move_reserve",
+            r.budget_move_reserve,
+            0,
+            1_000_000,
+        )?;
         range_f("health.interval_secs", h.interval_secs, 0.01, DAY as f64)?;
         range_f("health.timeout_secs", h.timeout_secs, 0.01, 3600.0)?;
         range("health.failure_threshold", h.failure_threshold, 1, 1000)?;

@@ -188,6 +188,7 @@ overlay! {
         max_retries: u32,
         budget_ratio: f64,
         budget_min_reserve: u32,
+        budget_move_reserve: u32,
         max_stream_moves: u32,
         mid_stream_gap_ceiling_ms: u64,
         move_wait_ms: u64,

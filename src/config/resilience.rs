@@ -17,6 +17,11 @@ pub struct RetryConfig {
     pub budget_ratio: f64,
     /// Retries always allowed, as a reserve that refills with requests.
     pub budget_min_reserve: u32,
+    /// Retries of the budget kept for stream moves: a retry before the first byte leaves
+    /// this many in the budget, a stream move may spend them. A client whose request
+    /// failed before its first byte gets a clean error it can retry; a stream already half
+    /// read has no such way back, so in a storm that spends the budget the moves go first.
+    pub budget_move_reserve: u32,
     /// Times one stream may be moved to another decode after its decode died or stalled
     /// mid-stream (0: never; each move spends the retry budget). Two by default: a long
     /// stream can meet two faults in a row (its decode dies, and the one it moved to
@@ -33,12 +38,22 @@ pub struct RetryConfig {
     pub move_wait_ms: u64,
 }
 
+impl RetryConfig {
+    /// Whether `other` keeps this budget (a reload keeps its balance when it does).
+    pub fn same_budget(&self, other: &RetryConfig) -> bool {
+        self.budget_ratio == other.budget_ratio
+            && self.budget_min_reserve == other.budget_min_reserve
+            && self.budget_move_reserve == other.budget_move_reserve
+    }
+}
+
 impl Default for RetryConfig {
     fn default() -> Self {
         RetryConfig {
             max_retries: 2,
             budget_ratio: 0.2,
             budget_min_reserve: 100,
+            budget_move_reserve: 20,
             max_stream_moves: 2,
             mid_stream_gap_ceiling_ms: 10_000,
             move_wait_ms: 3_000,

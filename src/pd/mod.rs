@@ -74,20 +74,33 @@ const MAX_ATTEMPTS: u32 = 16;
 
 /// A cap on retries as a share of requests (in thousandths of a retry), so that a dead
 /// pool cannot multiply its load: every request deposits `ratio`, a retry withdraws one,
-/// and the balance starts at (and is capped near) the minimum reserve.
+/// and the balance starts at (and is capped near) the minimum reserve. The last
+/// `move_reserve` retries of the balance are only for stream moves ([`Spend::Move`]): when
+/// a storm spends the budget, retries before the first byte are refused first.
 pub struct RetryBudget {
     balance: AtomicI64,
     deposit: i64,
     cap: i64,
+    move_reserve: i64,
+}
+
+/// What a withdrawal from the [`RetryBudget`] is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spend {
+    /// A retry before the first byte: leaves the move reserve in the budget.
+    Retry,
+    /// A stream move: may spend the move reserve.
+    Move,
 }
 
 impl RetryBudget {
-    pub fn new(ratio: f64, min_reserve: u32) -> RetryBudget {
-        let reserve = i64::from(min_reserve) * 1000;
+    pub fn new(rc: &crate::config::RetryConfig) -> RetryBudget {
+        let reserve = i64::from(rc.budget_min_reserve) * 1000;
         RetryBudget {
             balance: AtomicI64::new(reserve),
-            deposit: (ratio * 1000.0).round() as i64,
+            deposit: (rc.budget_ratio * 1000.0).round() as i64,
             cap: reserve + 100_000,
+            move_reserve: i64::from(rc.budget_move_reserve) * 1000,
         }
     }
     pub fn deposit(&self) {
@@ -97,15 +110,24 @@ impl RetryBudget {
                 Some((b + self.deposit).min(self.cap))
             });
     }
-    /// Whether a retry could withdraw now (looked at before a retry waits for a worker, so
-    /// that a request whose retry the budget would refuse is answered at once).
-    pub fn has_balance(&self) -> bool {
-        self.balance.load(Ordering::Relaxed) >= 1000
+    /// The balance a withdrawal for `what` must find.
+    fn floor(&self, what: Spend) -> i64 {
+        match what {
+            Spend::Retry => 1000 + self.move_reserve,
+            Spend::Move => 1000,
+        }
     }
-    pub fn try_withdraw(&self) -> bool {
+    /// Whether a withdrawal for `what` could be made now (looked at before a retry waits
+    /// for a worker, so that a request whose retry the budget would refuse is answered at
+    /// once).
+    pub fn has_balance(&self, what: Spend) -> bool {
+        self.balance.load(Ordering::Relaxed) >= self.floor(what)
+    }
+    pub fn try_withdraw(&self, what: Spend) -> bool {
+        let floor = self.floor(what);
         self.balance
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                (b >= 1000).then_some(b - 1000)
+                (b >= floor).then_some(b - 1000)
             })
             .is_ok()
     }
@@ -161,10 +183,7 @@ impl Dispatcher {
             prefill_policy: policy::build_with(cfg.policy.prefill, &cfg.policy).into(),
             decode_policy: policy::build_with(cfg.policy.decode, &cfg.policy).into(),
             regular_policy: policy::build_with(cfg.policy.decode, &cfg.policy).into(),
-            budget: Arc::new(RetryBudget::new(
-                cfg.retry.budget_ratio,
-                cfg.retry.budget_min_reserve,
-            )),
+            budget: Arc::new(RetryBudget::new(&cfg.retry)),
             per_model: per_model::PerModel::build(&cfg, None),
             pool,
             up,
@@ -186,7 +205,7 @@ impl Dispatcher {
     /// model's own state likewise ([`per_model::PerModel::build`]).
     pub fn reconfigured(&self, cfg: Arc<Config>) -> Dispatcher {
         let same_policy = self.cfg.policy == cfg.policy;
-        let same_retry = self.cfg.retry == cfg.retry;
+        let same_retry = self.cfg.retry.same_budget(&cfg.retry);
         Dispatcher {
             prefill_policy: if same_policy {
                 self.prefill_policy.clone()
@@ -206,10 +225,7 @@ impl Dispatcher {
             budget: if same_retry {
                 self.budget.clone()
             } else {
-                Arc::new(RetryBudget::new(
-                    cfg.retry.budget_ratio,
-                    cfg.retry.budget_min_reserve,
-                ))
+                Arc::new(RetryBudget::new(&cfg.retry))
             },
             per_model: per_model::PerModel::build(&cfg, Some(&self.per_model)),
             pool: self.pool.clone(),
@@ -405,7 +421,7 @@ impl Dispatcher {
                     let can_retry = f.reason.retryable()
                         && (f.stale_connection || counted < retry.max_retries)
                         && attempt_no < MAX_ATTEMPTS
-                        && budget.has_balance()
+                        && budget.has_balance(Spend::Retry)
                         && (self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
                             || self
                                 .alternative_within(
@@ -415,7 +431,7 @@ impl Dispatcher {
                                     deadline,
                                 )
                                 .await);
-                    if can_retry && budget.try_withdraw() {
+                    if can_retry && budget.try_withdraw(Spend::Retry) {
                         record::retried(f.reason);
                         retry_reason = Some(f.reason.as_str());
                         if !f.stale_connection {
@@ -469,34 +485,78 @@ fn pair_left(
 
 #[cfg(test)]
 mod budget_tests {
-    use super::RetryBudget;
+    use super::{RetryBudget, Spend};
 
     #[test]
     fn retries_are_a_bounded_share_of_requests() {
-        let b = RetryBudget::new(0.2, 2);
+        let budget = |ratio, min, moves| {
+            RetryBudget::new(&crate::config::RetryConfig {
+                budget_ratio: ratio,
+                budget_min_reserve: min,
+                budget_move_reserve: moves,
+                ..Default::default()
+            })
+        };
+        let b = budget(0.2, 2, 0);
         // The reserve: two retries with no traffic; `has_balance` says so without spending.
-        assert!(b.has_balance() && b.has_balance());
-        assert!(b.try_withdraw());
-        assert!(b.try_withdraw());
-        assert!(!b.has_balance());
-        assert!(!b.try_withdraw());
+        assert!(b.has_balance(Spend::Retry) && b.has_balance(Spend::Retry));
+        assert!(b.try_withdraw(Spend::Retry));
+        assert!(b.try_withdraw(Spend::Retry));
+        assert!(!b.has_balance(Spend::Retry));
+        assert!(!b.try_withdraw(Spend::Retry));
         // Then one retry per five requests.
         for _ in 0..4 {
             b.deposit();
         }
-        assert!(!b.try_withdraw());
+        assert!(!b.try_withdraw(Spend::Retry));
         b.deposit();
-        assert!(b.try_withdraw());
-        assert!(!b.try_withdraw());
-        // A dead pool under heavy load retries at most ratio × requests.
-        let b = RetryBudget::new(0.2, 0);
-        let mut retries = 0;
-        for _ in 0..1000 {
-            b.deposit();
-            while b.try_withdraw() {
-                retries += 1;
+        assert!(b.try_withdraw(Spend::Retry));
+        assert!(!b.try_withdraw(Spend::Retry));
+        // A dead pool under heavy load retries at most ratio × requests, moves included.
+        for moves in [0, 5] {
+            let b = budget(0.2, 0, moves);
+            let mut spent = 0;
+            for i in 0..1000 {
+                b.deposit();
+                let what = if i % 2 == 0 {
+                    Spend::Retry
+                } else {
+                    Spend::Move
+                };
+                while b.try_withdraw(what) {
+                    spent += 1;
+                }
             }
+            assert!(spent <= 200, "{spent}");
+            assert!(spent >= 200 - moves, "{spent}");
         }
-        assert_eq!(retries, 200);
+    }
+
+    #[test]
+    fn stream_moves_keep_a_reserve_that_retries_cannot_spend() {
+        let b = RetryBudget::new(&crate::config::RetryConfig {
+            budget_ratio: 0.2,
+            budget_min_reserve: 5,
+            budget_move_reserve: 2,
+            ..Default::default()
+        });
+        // Retries spend the balance down to the move reserve ...
+        let mut retries = 0;
+        while b.try_withdraw(Spend::Retry) {
+            retries += 1;
+        }
+        assert_eq!(retries, 3);
+        assert!(!b.has_balance(Spend::Retry));
+        // ... which moves still spend.
+        assert!(b.has_balance(Spend::Move));
+        assert!(b.try_withdraw(Spend::Move));
+        assert!(b.try_withdraw(Spend::Move));
+        assert!(!b.try_withdraw(Spend::Move));
+        // Deposits refill the reserve first: retries resume only above it.
+        for _ in 0..10 {
+            b.deposit();
+        }
+        assert!(!b.try_withdraw(Spend::Retry));
+        assert!(b.try_withdraw(Spend::Move));
     }
 }

@@ -248,7 +248,7 @@ impl Mover {
         {
             return Err("no other decode to move to".into());
         }
-        if !budget.try_withdraw() {
+        if !budget.try_withdraw(super::Spend::Move) {
             return Err("the retry budget is spent".into());
         }
         self.moves_left -= 1;
@@ -337,7 +337,7 @@ impl Mover {
                         let again = (f.reason.retryable() || rejected)
                             && n < retries
                             && d.has_alternative(scope.as_deref(), &exclude_p, &exclude_d)
-                            && d.retry(scope.as_deref()).1.try_withdraw();
+                            && d.retry(scope.as_deref()).1.try_withdraw(super::Spend::Move);
                         if !again {
                             return Err(f);
                         }

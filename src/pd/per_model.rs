@@ -79,13 +79,8 @@ impl PerModel {
                 });
             let retry = s.retry(cfg).map(|rc| {
                 let budget = match old.and_then(|o| o.retry.as_ref()) {
-                    Some((was, b))
-                        if was.budget_ratio == rc.budget_ratio
-                            && was.budget_min_reserve == rc.budget_min_reserve =>
-                    {
-                        b.clone()
-                    }
-                    _ => Arc::new(RetryBudget::new(rc.budget_ratio, rc.budget_min_reserve)),
+                    Some((was, b)) if was.same_budget(&rc) => b.clone(),
+                    _ => Arc::new(RetryBudget::new(&rc)),
                 };
                 (rc, budget)
             });
