@@ -19,6 +19,7 @@
 use std::ops::Range;
 
 mod shape;
+pub mod tail;
 pub use shape::ShapeCache;
 
 /// The members of one chunk the account reads (value spans, `null` included as it is).
@@ -46,7 +47,8 @@ pub struct Choice {
     pub tool_calls: Option<Range<usize>>,
 }
 
-fn ws(b: &[u8], mut i: usize) -> usize {
+/// The index of the first byte at or after `i` that is not JSON whitespace.
+pub fn ws(b: &[u8], mut i: usize) -> usize {
     // Most JSON from engines has no whitespace between tokens: one test settles it.
     while let Some(&c) = b.get(i) {
         if c > b' ' || !matches!(c, b' ' | b'\t' | b'\n' | b'\r') {

@@ -5,11 +5,18 @@
 //! - `/generate` in SGLang's default cumulative mode: nothing is parsed; the last data
 //!   event (a zero-copy slice) already holds the whole answer so far, and is parsed only
 //!   when a move needs it;
-//! - `/generate` in incremental mode (`--incremental-streaming-output`) and the OpenAI
-//!   routes: each event's few fields (text, ids, engine-reported completion tokens, finish
-//!   reason, tool calls, reasoning) are read; on the OpenAI routes the per-chunk usage
-//!   pdgate asked the decode for is cut out of what the client gets unless it asked for it
-//!   (and its final usage chunk dropped unless it asked for that).
+//! - `/generate` in incremental mode (`--incremental-streaming-output`): each event's few
+//!   fields (text, ids, engine-reported completion tokens, finish reason) are read;
+//! - the OpenAI routes: the per-chunk usage pdgate asked the decode for is cut out of what
+//!   the client gets unless it asked for it (and its final usage chunk dropped unless it
+//!   asked for that). The account of each event (text, completion tokens, finish reason,
+//!   tool calls, reasoning) is deferred: the stream's first [`LAZY_BYTES`] of events are
+//!   kept and read only if a move or the stream's end needs them, so a short answer that
+//!   ends well is never read past its usage; past that, events are read as they pass
+//!   (most from the stream's shape, [`skim::ShapeCache`]). An event is cut from the usage
+//!   member found at its end ([`skim::tail`]), a usage chunk shown or dropped as the
+//!   client asked; an event that does not end with usage is read whole at once, as are
+//!   the events kept before it.
 //!
 //! After a move (segment 1, 2, ...) each event of the continued stream is rewritten: its
 //! counts are the sums over segments (`prompt_tokens` the original's), its ids the first
@@ -45,6 +52,10 @@ pub type Stop = &'static str;
 /// The [`Stop`] of an answer that finished (a finish reason was relayed).
 const COMPLETE: Stop = "the answer was complete";
 
+/// The most bytes of events an OpenAI stream keeps unread before a move (see the module
+/// docs): about a dozen chunks, so that short answers skip their account.
+pub const LAZY_BYTES: usize = 4 * 1024;
+
 /// One continuable stream's account (see the module docs).
 #[derive(Debug)]
 pub struct Tracker {
@@ -73,6 +84,11 @@ pub struct Tracker {
     stop: Option<Stop>,
     /// The OpenAI routes: this stream's event shape (most events are skimmed from it).
     shape: skim::ShapeCache,
+    /// The OpenAI routes, before a move: payloads forwarded but not yet accounted, each
+    /// followed by `\n` (a data line holds none), and the most it may hold (0: account
+    /// each event as it passes).
+    pending: Vec<u8>,
+    lazy_limit: usize,
 }
 
 #[derive(Deserialize)]
@@ -133,6 +149,28 @@ fn events(buf: &[u8]) -> impl Iterator<Item = (usize, usize)> + '_ {
         pos += len;
         Some(ev)
     })
+}
+
+/// Whether the chunk `data` holds a choice: `Some(true)` when its (first) `"choices"` key
+/// has an array that is not empty, `Some(false)` when it has none (no key, `[]`, `null`),
+/// `None` when it is something else. Engines write no other `"choices"` key before the
+/// chunk's own.
+fn choices(data: &[u8]) -> Option<bool> {
+    static CHOICES: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"choices\""));
+    let Some(k) = CHOICES.find(data) else {
+        return Some(false);
+    };
+    let colon = skim::ws(data, k + 9);
+    if data.get(colon) != Some(&b':') {
+        return None;
+    }
+    let v = skim::ws(data, colon + 1);
+    match data.get(v)? {
+        b'[' => Some(data.get(skim::ws(data, v + 1))? != &b']'),
+        b'n' => (data.get(v..v + 4) == Some(b"null")).then_some(false),
+        _ => None,
+    }
 }
 
 /// `data` without the member at `member` (from its key's opening quote to the end of its
@@ -199,7 +237,16 @@ impl Tracker {
             id: None,
             stop: None,
             shape: skim::ShapeCache::default(),
+            pending: Vec::new(),
+            lazy_limit: LAZY_BYTES,
         }
+    }
+
+    /// Accounts each event as it passes (no deferred account; to compare both in tests).
+    #[cfg(test)]
+    pub fn eager(mut self) -> Tracker {
+        self.lazy_limit = 0;
+        self
     }
 
     pub fn plan(&self) -> &Plan {
@@ -212,7 +259,9 @@ impl Tracker {
     }
 
     /// The stream showed something that cannot be continued (a tool call, reasoning, a
-    /// finished answer).
+    /// finished answer), in the events accounted so far: [`Self::sent`] and
+    /// [`Self::complete`] account every event first, so a move never starts from a stale
+    /// answer; a stale `None` here only arms a stall timer that then finds no move.
     pub fn stopped(&self) -> Option<Stop> {
         self.stop
     }
@@ -278,8 +327,54 @@ impl Tracker {
     fn event(&mut self, data: &[u8]) -> Replace {
         match self.plan.route {
             ApiRoute::Generate => self.generate_event(data).into(),
-            _ => self.openai_event(data),
+            _ => match self.deferred(data) {
+                Some(r) => r,
+                None => {
+                    self.account_pending();
+                    self.openai_event(data)
+                }
+            },
         }
+    }
+
+    /// An OpenAI event before a move, kept to be accounted later: what it becomes for the
+    /// client, or `None` when it must be read now (see the module docs).
+    fn deferred(&mut self, data: &[u8]) -> Option<Replace> {
+        if self.segment > 0 || self.pending.len() + data.len() >= self.lazy_limit {
+            self.lazy_limit = 0;
+            return None;
+        }
+        let r = match choices(data)? {
+            // A usage chunk: shown if the client asked for usage, as the account says.
+            false => {
+                skim::tail::usage_member(data)?;
+                if self.plan.client_usage || self.plan.client_continuous_usage {
+                    Replace::Keep
+                } else {
+                    Replace::Drop
+                }
+            }
+            true if self.plan.client_continuous_usage => Replace::Keep,
+            true => Replace::Cut(skim::tail::usage_member(data)?),
+        };
+        self.pending.extend_from_slice(data);
+        self.pending.push(b'\n');
+        Some(r)
+    }
+
+    /// Accounts the events kept by [`Self::deferred`], in order.
+    fn account_pending(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let mut from = 0;
+        for end in memchr::memchr_iter(b'\n', &pending) {
+            let _ = self.openai_event(&pending[from..end]);
+            from = end + 1;
+        }
+        self.pending = pending;
+        self.pending.clear();
     }
 
     fn generate_event(&mut self, data: &[u8]) -> Option<Option<Vec<u8>>> {
@@ -470,6 +565,7 @@ impl Tracker {
 
     /// The answer is complete (a finish reason was relayed): nothing is left to generate.
     pub fn complete(&mut self) -> bool {
+        self.account_pending();
         if let Some(last) = self.last.take() {
             // Cumulative `/generate`: its last event says whether it finished.
             self.generate_event(&last);
@@ -481,6 +577,7 @@ impl Tracker {
     /// usage chunk the client asked for (the engine's counts, summed over segments) and
     /// `[DONE]`, or nothing if the client has them.
     pub fn closing(&mut self) -> Vec<u8> {
+        self.account_pending();
         let mut out = Vec::new();
         if self.done_seen {
             return out;
@@ -514,6 +611,7 @@ impl Tracker {
     /// What the client has received in all, for the follow-up; `Err` when the stream
     /// cannot be continued.
     pub fn sent(&mut self) -> Result<Sent, String> {
+        self.account_pending();
         if let Some(last) = self.last.take() {
             // Cumulative `/generate` before any move: the last event holds it all.
             self.generate_event(&last);

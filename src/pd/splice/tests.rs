@@ -259,3 +259,96 @@ fn usage_is_cut_out_in_any_position() {
         assert_eq!(v["id"], "x");
     }
 }
+
+/// One chat stream: a role chunk, `n` content chunks (maybe a tool call or reasoning
+/// among them), a finish chunk and the usage chunk, each with per-chunk usage.
+fn chat_stream(texts: &[String], special: Option<usize>, finish: bool) -> Vec<Bytes> {
+    let mut evs = vec![chat_chunk(Some(""), true, None, Some((7, 0)))];
+    for (i, t) in texts.iter().enumerate() {
+        let c = (i + 1) as u64;
+        evs.push(match special {
+            Some(k) if k == i && k % 2 == 0 => Bytes::from(format!(
+                "data: {}\n\n",
+                json!({"id": "x", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}, "finish_reason": null}], "usage": {"prompt_tokens": 7, "completion_tokens": c}})
+            )),
+            Some(k) if k == i => Bytes::from(format!(
+                "data: {}\n\n",
+                json!({"id": "x", "choices": [{"index": 0, "delta": {"reasoning_content": t}, "finish_reason": null}], "usage": {"prompt_tokens": 7, "completion_tokens": c}})
+            )),
+            _ => chat_chunk(Some(t), false, None, Some((7, c))),
+        });
+    }
+    if finish {
+        let n = texts.len() as u64;
+        evs.push(chat_chunk(None, false, Some("length"), Some((7, n))));
+        evs.push(usage_chunk(7, n));
+        evs.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    }
+    evs
+}
+
+proptest::proptest! {
+    /// Deferring the account changes nothing the client sees or a move reads: a tracker
+    /// that defers and one that accounts each event give the same bytes, the same answer
+    /// so far, the same verdict on completeness and the same closing.
+    #[test]
+    fn the_deferred_account_agrees_with_the_eager_one(
+        texts in proptest::collection::vec("(.|\\\\|\"|\n){0,6}", 0..40),
+        special in proptest::option::of(0usize..40),
+        finish in proptest::bool::ANY,
+        asked in proptest::bool::ANY,
+        continuous in proptest::bool::ANY,
+        cuts in proptest::collection::vec(1usize..4, 0..20),
+    ) {
+        let p = plan(ApiRoute::ChatCompletions, 64, asked || continuous, continuous);
+        let mut lazy = Tracker::new(p.clone(), GenerateMode::Cumulative);
+        let mut eager = Tracker::new(p, GenerateMode::Cumulative).eager();
+        let evs = chat_stream(&texts, special, finish);
+        // The events in runs of 1 to 3 (one read can hold several).
+        let mut runs = Vec::new();
+        let mut i = 0;
+        for c in cuts.iter().cycle().take(evs.len()) {
+            if i >= evs.len() {
+                break;
+            }
+            let end = (i + c).min(evs.len());
+            runs.push(evs[i..end].concat());
+            i = end;
+        }
+        if i < evs.len() {
+            runs.push(evs[i..].concat());
+        }
+        for r in runs {
+            let r = Bytes::from(r);
+            let (a, b) = (lazy.relay(r.clone()), eager.relay(r));
+            proptest::prop_assert_eq!(a, b);
+        }
+        proptest::prop_assert_eq!(lazy.complete(), eager.complete());
+        proptest::prop_assert_eq!(lazy.closing(), eager.closing());
+        proptest::prop_assert_eq!(lazy.sent(), eager.sent());
+    }
+}
+
+#[test]
+fn a_short_chat_stream_is_cut_without_being_read() {
+    let p = plan(ApiRoute::ChatCompletions, 64, false, false);
+    let mut t = Tracker::new(p, GenerateMode::Cumulative);
+    let texts: Vec<String> = [" a", " \"b\"", " c"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let evs = chat_stream(&texts, None, false);
+    let mut out = Vec::new();
+    for e in evs {
+        out.extend_from_slice(&t.relay(e));
+    }
+    // Kept unread, cut all the same.
+    assert!(!t.pending.is_empty());
+    assert!(!String::from_utf8_lossy(&out).contains("usage"));
+    let sent = t.sent().unwrap();
+    assert_eq!(
+        (sent.text.as_str(), sent.completion_tokens),
+        (" a \"b\" c", 3)
+    );
+    assert!(t.pending.is_empty());
+}
