@@ -17,10 +17,12 @@ pub struct RetryConfig {
     pub budget_ratio: f64,
     /// Retries always allowed, as a reserve that refills with requests.
     pub budget_min_reserve: u32,
-    /// Retries of the budget kept for stream moves: a retry before the first byte leaves
-    /// this many in the budget, a stream move may spend them. A client whose request
-    /// failed before its first byte gets a clean error it can retry; a stream already half
-    /// read has no such way back, so in a storm that spends the budget the moves go first.
+    /// Retries kept for stream moves, on top of the budget: a retry before the first byte
+    /// leaves them, a stream move may spend them, deposits refill them first. A client
+    /// whose request failed before its first byte gets a clean error it can retry; a
+    /// stream already half read has no such way back, so in a storm that spends the budget
+    /// the moves go first. Size it to the streams one decode runs at once (a decode that
+    /// hangs moves them all).
     pub budget_move_reserve: u32,
     /// Times one stream may be moved to another decode after its decode died or stalled
     /// mid-stream (0: never; each move spends the retry budget). Two by default: a long
@@ -53,7 +55,7 @@ impl Default for RetryConfig {
             max_retries: 2,
             budget_ratio: 0.2,
             budget_min_reserve: 100,
-            budget_move_reserve: 20,
+            budget_move_reserve: 100,
             max_stream_moves: 2,
             mid_stream_gap_ceiling_ms: 10_000,
             move_wait_ms: 3_000,
