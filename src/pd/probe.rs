@@ -15,7 +15,7 @@
 //! - Bounded: one probe in flight per worker, each within `progress.probe_timeout_ms`, the
 //!   wait between them doubling from `probe_interval_ms` up to `probe_max_interval_ms` —
 //!   but only after a probe the engine *held* without answering (a timeout or a stall, what
-//!   the worker was taken out for). A probe that could not be sent (worker unhealthy, no
+//!   the worker was taken out for; not one blamed on its partner). A probe that could not be sent (worker unhealthy, no
 //!   rank registered, no partner) or that the engine answered at once (refused, an error
 //!   status) cost it nothing: the next one comes after `probe_interval_ms`, so a worker
 //!   whose last failed probe met another fault (a restart, ranks re-registering) is back
@@ -111,7 +111,7 @@ impl Dispatcher {
                     return;
                 }
                 Err(f) => {
-                    wait = next_wait(wait, f.reason, &p);
+                    wait = next_wait(wait, f.reason, role, &p);
                     tracing::info!(role = %role, worker = %url, error = %f, next_ms = wait.as_millis() as u64, "stall probe failed");
                 }
             }
@@ -270,9 +270,11 @@ impl Dispatcher {
     }
 }
 
-/// Whether a failed probe was held by an engine without an answer (a timeout or a stall):
-/// the only failure that says the engine is still stuck, and so grows the wait.
-fn held(reason: FailReason) -> bool {
+/// Whether a failed probe of a `role` worker was held by that engine without an answer (a
+/// timeout or a stall): the only failure that says the engine is still stuck, and so grows
+/// the wait. A stall blamed on the partner (a decode's probe whose prefill did not answer,
+/// in a storm still going on) says nothing about the probed engine.
+fn held(reason: FailReason, role: Role) -> bool {
     matches!(
         reason,
         FailReason::RequestTimeout
@@ -281,12 +283,18 @@ fn held(reason: FailReason) -> bool {
             | FailReason::DecodeFirstByteTimeout
             | FailReason::DecodeStalled
             | FailReason::DecodeIdleTimeout
-    )
+    ) && reason.coupling().blames.is_none_or(|b| b == role)
 }
 
-/// The wait before the next probe after one failed for `reason` (the last wait `wait`).
-fn next_wait(wait: Duration, reason: FailReason, p: &crate::config::ProgressConfig) -> Duration {
-    if held(reason) {
+/// The wait before the next probe of a `role` worker after one failed for `reason` (the
+/// last wait `wait`).
+fn next_wait(
+    wait: Duration,
+    reason: FailReason,
+    role: Role,
+    p: &crate::config::ProgressConfig,
+) -> Duration {
+    if held(reason, role) {
         (wait * 2).min(p.probe_max_interval().max(p.probe_interval()))
     } else {
         p.probe_interval()
@@ -312,23 +320,36 @@ mod tests {
     fn only_a_held_probe_grows_the_wait() {
         let p = cfg();
         let s = Duration::from_secs;
-        for (wait, reason, want) in [
-            (s(1), FailReason::RequestTimeout, s(2)),
-            (s(4), FailReason::PrefillStalled, s(8)),
-            (s(8), FailReason::DecodeFirstByteTimeout, s(16)),
-            (s(16), FailReason::DecodeStalled, s(16)),
-            (s(8), FailReason::PrefillTimeout, s(16)),
+        for (role, wait, reason, want) in [
+            (Role::Decode, s(1), FailReason::RequestTimeout, s(2)),
+            (Role::Prefill, s(1), FailReason::RequestTimeout, s(2)),
+            (Role::Prefill, s(4), FailReason::PrefillStalled, s(8)),
+            (
+                Role::Decode,
+                s(8),
+                FailReason::DecodeFirstByteTimeout,
+                s(16),
+            ),
+            (Role::Decode, s(16), FailReason::DecodeStalled, s(16)),
+            (Role::Prefill, s(8), FailReason::PrefillTimeout, s(16)),
+            // Held by the partner: a decode's probe whose prefill did not answer.
+            (Role::Decode, s(2), FailReason::PrefillTimeout, s(1)),
+            (Role::Decode, s(8), FailReason::PrefillStalled, s(1)),
             // Not sent: unhealthy, no rank registered, no partner.
-            (s(8), FailReason::Internal, s(1)),
-            (s(16), FailReason::BootstrapNotReady, s(1)),
-            (s(4), FailReason::NoDecodeAvailable, s(1)),
+            (Role::Decode, s(8), FailReason::Internal, s(1)),
+            (Role::Prefill, s(16), FailReason::BootstrapNotReady, s(1)),
+            (Role::Prefill, s(4), FailReason::NoDecodeAvailable, s(1)),
             // Answered at once: refused, an error status, a cut answer.
-            (s(8), FailReason::PrefillConnect, s(1)),
-            (s(8), FailReason::DecodeStatus, s(1)),
-            (s(2), FailReason::PrefillStatus, s(1)),
-            (s(2), FailReason::DecodeBroken, s(1)),
+            (Role::Prefill, s(8), FailReason::PrefillConnect, s(1)),
+            (Role::Decode, s(8), FailReason::DecodeStatus, s(1)),
+            (Role::Prefill, s(2), FailReason::PrefillStatus, s(1)),
+            (Role::Decode, s(2), FailReason::DecodeBroken, s(1)),
         ] {
-            assert_eq!(next_wait(wait, reason, &p), want, "{wait:?} {reason:?}");
+            assert_eq!(
+                next_wait(wait, reason, role, &p),
+                want,
+                "{role:?} {wait:?} {reason:?}"
+            );
         }
     }
 
@@ -339,7 +360,7 @@ mod tests {
         let mut w = p.probe_interval();
         let mut seen = Vec::new();
         for _ in 0..8 {
-            w = next_wait(w, FailReason::RequestTimeout, &p);
+            w = next_wait(w, FailReason::RequestTimeout, Role::Decode, &p);
             seen.push(w.as_secs());
         }
         assert_eq!(seen, [2, 4, 8, 16, 16, 16, 16, 16]);
