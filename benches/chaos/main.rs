@@ -12,7 +12,12 @@
 //!   the router's); a prefill "kill" is its `down` fault;
 //! - load: open-loop lanes in this process (`--lanes`, 16 by default).
 //!
-//! Run: `cargo bench --bench chaos -- --secs 120` (`--lanes N`, `--seed N`;
+//! Memory: the soak runs `--storms` storms (2 by default, `--secs` shared between them, the
+//! same faults each) against one router, and judges its RSS at rest after the last against
+//! that after the first: a leak grows with each storm, what the first allocates once does
+//! not (the RSS against the warm-up is then reported).
+//!
+//! Run: `cargo bench --bench chaos -- --secs 120` (`--lanes N`, `--seed N`, `--storms N`;
 //! `PDGATE_BENCH_ROUTER_ARGS="--worker-threads 2"` passes extra flags to the router). It prints a
 //! summary and one verdict per check; like every bench here it asserts nothing (the exit
 //! code is 0 either way). Logs: `$TMPDIR/pdgate-bench-chaos-*.log`.
@@ -220,11 +225,14 @@ struct Args {
     secs: f64,
     lanes: usize,
     seed: u64,
+    /// Storms against the same router, `secs / storms` each (same seed: the same faults).
+    storms: usize,
 }
 
 fn args() -> Args {
     let mut a = Args {
         secs: 120.0,
+        storms: 2,
         lanes: 16,
         seed: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -238,6 +246,7 @@ fn args() -> Args {
             "--secs" => a.secs = val().parse().unwrap_or(a.secs),
             "--lanes" => a.lanes = val().parse().unwrap_or(a.lanes),
             "--seed" => a.seed = val().parse().unwrap_or(a.seed),
+            "--storms" => a.storms = val().parse().unwrap_or(a.storms).max(1),
             _ => {} // `--bench` and other flags cargo passes
         }
     }
@@ -330,12 +339,39 @@ fn main() {
             router,
             router_log: support::log_path("chaos-router-out"),
         });
-        let plan = soak::Plan::for_secs(a.secs, a.lanes, a.seed).with_env();
         let t0 = Instant::now();
-        let outcome = soak::run(fleet.clone(), &url, &cfg, plan).await;
-        let checks = report::checks(&outcome);
-        report::print(&outcome, &checks);
-        let failed = report::failures(&checks);
+        let mut failed = Vec::new();
+        let mut outcomes = Vec::new();
+        for k in 1..=a.storms {
+            let secs = a.secs / a.storms as f64;
+            let plan = soak::Plan::for_secs(secs, a.lanes, a.seed).with_env();
+            eprintln!("[chaos] storm {k} of {}", a.storms);
+            let outcome = soak::run(fleet.clone(), &url, &cfg, plan).await;
+            let mut checks = report::checks(&outcome);
+            if a.storms > 1 {
+                report::rss_reported(&mut checks);
+                println!("\n# Storm {k} of {}", a.storms);
+            }
+            report::print(&outcome, &checks);
+            failed.extend(
+                report::failures(&checks)
+                    .into_iter()
+                    .map(|f| format!("storm {k}: {f}")),
+            );
+            outcomes.push(outcome);
+        }
+        if let (Some(first), Some(last)) = (outcomes.first(), outcomes.last()) {
+            if a.storms > 1 {
+                let c = report::rss_between_storms(first, last, a.storms);
+                let verdict = match c.ok {
+                    Some(true) => "pass",
+                    Some(false) => "**FAIL**",
+                    None => "n/a",
+                };
+                println!("\n| {} | {} | {verdict} |", c.name, c.measured);
+                failed.extend(report::failures(&[c]));
+            }
+        }
         if !failed.is_empty() {
             eprintln!(
                 "[chaos] {} check(s) failed:\n{}",

@@ -8,7 +8,9 @@
 //!   (no stranded breaker);
 //! - pdgate's in-flight and admission gauges came back to 0 and no engine holds a request;
 //! - the router's RSS at the end is within 10 % of its RSS after the warm-up (only where the
-//!   router is a process of its own).
+//!   router is a process of its own; the bench runs several storms against one router and
+//!   judges the growth between the first storm's end and the last's instead, see
+//!   [`RSS_BETWEEN_STORMS`]).
 //!
 //! Why: each fault is tested alone elsewhere (`tests/faults.rs`, the `faults` bench); a
 //! soak finds what only their mix shows: state left behind by one fault that the next one
@@ -153,6 +155,14 @@ const RECOVERY_WATCH: Duration = Duration::from_secs(10);
 const DRAIN_WATCH: Duration = Duration::from_secs(5);
 /// Allowed RSS growth from after the warm-up to the end.
 pub const RSS_GROWTH: f64 = 0.10;
+/// Allowed RSS growth (at rest) from the end of a storm to the end of a later one against
+/// the same router. Why a second measure: the first storm allocates once what later ones
+/// reuse (label sets and histograms its faults create first, the allocator's pages kept
+/// after the in-flight peak: at rest 19.9–21.7 MiB after single storms of 45, 90 and 180 s,
+/// from 17.6–19.0 MiB after the warm-up, the same after 180 s as after 90 s), while a leak
+/// grows with every storm.
+#[allow(dead_code)]
+pub const RSS_BETWEEN_STORMS: f64 = 0.05;
 /// Period of every polling loop.
 pub const POLL: Duration = Duration::from_millis(25);
 /// Timeout of one control call (`/sim/*`, `/readiness`, `/metrics`).
