@@ -773,3 +773,68 @@ async fn a_retry_waits_for_a_recovering_decode() {
     assert_eq!(st, 200, "{text}");
     assert!(d1.stats().ok >= 1, "re-run on the decode that came back");
 }
+
+/// The retry budget keeps a reserve for moves: with nothing else in the budget, a failure
+/// before the first byte is not retried (the client gets the error), a stream whose decode
+/// dies after that is still moved (the reserve was left), and once the reserve is spent the
+/// next such stream ends with its error frame.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moves_spend_a_reserve_that_retries_leave() {
+    let env = fleet([false, false], |c| {
+        c.retry.budget_ratio = 0.0;
+        c.retry.budget_min_reserve = 0;
+        c.retry.budget_move_reserve = 1;
+        c.breaker.failure_threshold = 10;
+    })
+    .await;
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_status: Some(500),
+        ..Faults::default()
+    });
+    let once = json!({"text": "x", "sampling_params": {"max_new_tokens": 8}});
+    let mut refused = false;
+    for _ in 0..4 {
+        let (st, _, bytes) = env.post("/generate", &once.to_string()).await;
+        if st != 200 {
+            // Decode 0's 500, not retried on decode 1.
+            assert!(
+                st.is_server_error(),
+                "{st}: {}",
+                String::from_utf8_lossy(&bytes)
+            );
+            refused = true;
+            break;
+        }
+    }
+    assert!(refused, "one request of four met decode 0");
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_die_mid_stream_after: Some(2),
+        ..Faults::default()
+    });
+    let stream = json!({"text": "x", "sampling_params": {"max_new_tokens": 8}, "stream": true});
+    // (whether the stream met decode 0, and how it ended)
+    let mut outcomes = Vec::new();
+    for _ in 0..8 {
+        let before = bodies(&env);
+        let (st, _, bytes) = env.post("/generate", &stream.to_string()).await;
+        let after = bodies(&env);
+        assert_eq!(st, 200);
+        if after[0].len() == before[0].len() {
+            continue;
+        }
+        let (events, done) = sse_events(&bytes);
+        assert!(done);
+        let error = events
+            .last()
+            .and_then(|e| e["error"]["type"].as_str().map(str::to_string));
+        outcomes.push((after[1].len() > before[1].len(), error));
+        if outcomes.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(
+        outcomes,
+        [(true, None), (false, Some("decode_broken".to_string()))],
+        "the first stream moved on the reserve, the second refused"
+    );
+}
