@@ -112,7 +112,7 @@ fn long_string_end(b: &[u8], mut j: usize) -> Option<usize> {
 }
 
 /// `table(set)[c]`: whether byte `c` is in `set`.
-const fn table(set: &[u8]) -> [bool; 256] {
+pub(super) const fn table(set: &[u8]) -> [bool; 256] {
     let mut t = [false; 256];
     let mut i = 0;
     while i < set.len() {

@@ -21,6 +21,10 @@
 
 use std::ops::Range;
 
+/// What the walk back over a usage object stops at: braces and quotes, and what makes it
+/// give up (brackets, a backslash).
+static STOPS: [bool; 256] = super::table(b"{}\"[]\\");
+
 /// The index after the last non-whitespace byte of `b[..end]`.
 fn trim_end(b: &[u8], mut end: usize) -> usize {
     while end > 0 && matches!(b[end - 1], b' ' | b'\t' | b'\n' | b'\r') {
@@ -40,11 +44,12 @@ pub fn usage_member(b: &[u8]) -> Option<Range<usize>> {
     if ve == 0 || b[ve - 1] != b'}' {
         return None;
     }
-    // Back to the brace that opens the usage object, over its keys and nested objects.
+    // Back to the brace that opens the usage object, over its keys and nested objects,
+    // from one byte that matters to the previous one.
     let mut depth = 0usize;
     let mut i = ve;
     let vs = loop {
-        i = i.checked_sub(1)?;
+        i = b[..i].iter().rposition(|&c| STOPS[usize::from(c)])?;
         match b[i] {
             b'}' => depth += 1,
             b'{' => {
@@ -55,20 +60,12 @@ pub fn usage_member(b: &[u8]) -> Option<Range<usize>> {
             }
             b'"' => {
                 // A string without a backslash: its opening quote is the previous quote.
-                loop {
-                    i = i.checked_sub(1)?;
-                    match b[i] {
-                        b'"' => break,
-                        b'\\' => return None,
-                        _ => {}
-                    }
-                }
-                if i > 0 && b[i - 1] == b'\\' {
+                i = b[..i].iter().rposition(|&c| c == b'"' || c == b'\\')?;
+                if b[i] == b'\\' || (i > 0 && b[i - 1] == b'\\') {
                     return None;
                 }
             }
-            b'[' | b']' | b'\\' => return None,
-            _ => {}
+            _ => return None,
         }
     };
     // Its key: `"usage"` then `:`, right after the `,` or `{` that starts a member.
