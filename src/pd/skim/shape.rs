@@ -17,7 +17,7 @@
 
 use std::ops::Range;
 
-use super::{chunk, members, parse_u64, string_end, value_end, ws, Chunk};
+use super::{chunk, members, parse_u64, string_end, value_end, ws, Chunk, ENDS_SCALAR};
 
 /// See the module docs. One per stream (the template is that stream's shape).
 #[derive(Debug, Default)]
@@ -98,9 +98,22 @@ impl UsageShape {
                 return None;
             }
             at += seg.len();
-            let ve = match slot {
-                Slot::End => return Some((at, completion, prompt)),
-                _ => value_end(b, at)?,
+            if *slot == Slot::End {
+                return Some((at, completion, prompt));
+            }
+            // Most values are counts: their digits are read in place.
+            let digits = b
+                .get(at..)?
+                .iter()
+                .take_while(|c| c.is_ascii_digit())
+                .count();
+            let ve = if digits > 0
+                && b.get(at + digits)
+                    .is_some_and(|c| ENDS_SCALAR[usize::from(*c)])
+            {
+                at + digits
+            } else {
+                value_end(b, at)?
             };
             match slot {
                 Slot::Completion => completion = parse_u64(b, at..ve),
@@ -163,7 +176,10 @@ impl ShapeCache {
             None
         };
         let cur = &mut self.cur;
-        cur.clone_from(tpl);
+        // Field by field: the choice list's allocation is reused (a derived `clone_from`
+        // would build a new one per event).
+        cur.id.clone_from(&tpl.id);
+        cur.choices.clone_from(&tpl.choices);
         let (from, to) = (self.piece_end, pe);
         shift(&mut cur.id, from, to);
         for ch in &mut cur.choices {
