@@ -113,8 +113,15 @@ struct GenMeta<'a> {
     id: Option<Cow<'a, str>>,
 }
 
-/// The `data:` payload of one event, if it has one (SGLang writes one line per event).
-fn payload(event: &[u8]) -> Option<(usize, usize)> {
+/// The `data:` payload of one event, if it has one (SGLang writes one line per event),
+/// with the end of the event's first line (its first `\n`, or its length) already known:
+/// most events are one `data:` line, read with no second scan.
+fn payload_with(event: &[u8], first: usize) -> Option<(usize, usize)> {
+    if let Some(d) = event.get(..first).and_then(|l| l.strip_prefix(b"data:")) {
+        let skip = 5 + usize::from(d.first() == Some(&b' '));
+        let end = first - usize::from(event.get(first.wrapping_sub(1)) == Some(&b'\r'));
+        return Some((skip.min(end), end));
+    }
     let mut start = 0;
     for end in memchr::memchr_iter(b'\n', event).chain(std::iter::once(event.len())) {
         let line = &event[start..end];
@@ -130,22 +137,27 @@ fn payload(event: &[u8]) -> Option<(usize, usize)> {
     None
 }
 
-/// The events of a run of whole events, each with its blank line.
-fn events(buf: &[u8]) -> impl Iterator<Item = (usize, usize)> + '_ {
+/// The events of a run of whole events, each with its blank line: (start, end, the end of
+/// its first line relative to its start).
+fn events(buf: &[u8]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
     let mut pos = 0;
     std::iter::from_fn(move || {
         if pos >= buf.len() {
             return None;
         }
         let rest = &buf[pos..];
+        let mut first = None;
         let len = memchr::memchr_iter(b'\n', rest)
-            .find_map(|i| match rest.get(i + 1..) {
-                Some([b'\n', ..]) => Some(i + 2),
-                Some([b'\r', b'\n', ..]) => Some(i + 3),
-                _ => None,
+            .find_map(|i| {
+                first.get_or_insert(i);
+                match rest.get(i + 1..) {
+                    Some([b'\n', ..]) => Some(i + 2),
+                    Some([b'\r', b'\n', ..]) => Some(i + 3),
+                    _ => None,
+                }
             })
             .unwrap_or(rest.len());
-        let ev = (pos, pos + len);
+        let ev = (pos, pos + len, first.unwrap_or(len));
         pos += len;
         Some(ev)
     })
@@ -273,8 +285,8 @@ impl Tracker {
             && self.mode == GenerateMode::Cumulative;
         if fast {
             // The last data event holds everything; keep it, forward the run as is.
-            for (s, e) in events(&run) {
-                if let Some((ds, de)) = payload(&run[s..e]) {
+            for (s, e, first) in events(&run) {
+                if let Some((ds, de)) = payload_with(&run[s..e], first) {
                     if &run[s + ds..s + de] == b"[DONE]" {
                         self.done_seen = true;
                     } else {
@@ -285,9 +297,9 @@ impl Tracker {
             return run;
         }
         let mut out: Option<Vec<u8>> = None;
-        for (s, e) in events(&run) {
+        for (s, e, first) in events(&run) {
             let event = &run[s..e];
-            let data = payload(event).map(|(ds, de)| &event[ds..de]);
+            let data = payload_with(event, first).map(|(ds, de)| &event[ds..de]);
             let replaced = match data {
                 Some(d) if d != b"[DONE]" => self.event(d),
                 Some(_) => {

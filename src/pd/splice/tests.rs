@@ -352,3 +352,25 @@ fn a_short_chat_stream_is_cut_without_being_read() {
     );
     assert!(t.pending.is_empty());
 }
+
+#[test]
+fn events_and_their_payloads() {
+    // (run, the payloads of its events; None: an event without data)
+    let table: &[(&[u8], &[Option<&[u8]>])] = &[
+        (b"data: {\"a\":1}\n\n", &[Some(b"{\"a\":1}")]),
+        (
+            b"data:x\r\n\r\ndata: [DONE]\n\n",
+            &[Some(b"x"), Some(b"[DONE]")],
+        ),
+        (b": ping\n\ndata: y\n\n", &[None, Some(b"y")]),
+        (b"event: e\ndata: z\n\n", &[Some(b"z")]),
+        (b"data: \n\n", &[Some(b"")]),
+        (b"data: tail", &[Some(b"tail")]),
+    ];
+    for (run, want) in table {
+        let got: Vec<Option<&[u8]>> = events(run)
+            .map(|(s, e, first)| payload_with(&run[s..e], first).map(|(a, b)| &run[s..e][a..b]))
+            .collect();
+        assert_eq!(&got, want, "{}", String::from_utf8_lossy(run));
+    }
+}
