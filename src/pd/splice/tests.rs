@@ -353,10 +353,12 @@ fn a_short_chat_stream_is_cut_without_being_read() {
     assert!(t.pending.is_empty());
 }
 
+/// A run of events, and the payloads of its events (`None`: an event without data).
+type PayloadCase = (&'static [u8], &'static [Option<&'static [u8]>]);
+
 #[test]
 fn events_and_their_payloads() {
-    // (run, the payloads of its events; None: an event without data)
-    let table: &[(&[u8], &[Option<&[u8]>])] = &[
+    let table: &[PayloadCase] = &[
         (b"data: {\"a\":1}\n\n", &[Some(b"{\"a\":1}")]),
         (
             b"data:x\r\n\r\ndata: [DONE]\n\n",
