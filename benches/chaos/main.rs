@@ -362,14 +362,10 @@ fn main() {
         }
         if let (Some(first), Some(last)) = (outcomes.first(), outcomes.last()) {
             if a.storms > 1 {
-                let c = report::rss_between_storms(first, last, a.storms);
-                let verdict = match c.ok {
-                    Some(true) => "pass",
-                    Some(false) => "**FAIL**",
-                    None => "n/a",
-                };
-                println!("\n| {} | {} | {verdict} |", c.name, c.measured);
-                failed.extend(report::failures(&[c]));
+                let between = [report::rss_between_storms(first, last, a.storms)];
+                println!("\n# Between the storms");
+                report::print_checks(&between);
+                failed.extend(report::failures(&between));
             }
         }
         if !failed.is_empty() {

@@ -511,6 +511,11 @@ pub fn print(o: &Outcome, checks: &[Check]) {
     if let Some(b) = &o.recovered.breakers {
         println!("\nBreakers when recovery was late: {b}");
     }
+    print_checks(checks);
+}
+
+/// The checks as a table with their verdicts.
+pub fn print_checks(checks: &[Check]) {
     println!("\n| check | measured | verdict |");
     println!("|---|---|---|");
     for c in checks {

@@ -123,7 +123,7 @@ pub(super) const fn table(set: &[u8]) -> [bool; 256] {
 }
 
 /// What ends a number or a literal.
-pub(super) static ENDS_SCALAR: [bool; 256] = table(b",}] \t\n\r");
+static ENDS_SCALAR: [bool; 256] = table(b",}] \t\n\r");
 /// What a walk over a container stops at.
 static IN_CONTAINER: [bool; 256] = table(b"\"{}[]");
 

@@ -11,8 +11,8 @@
 //!   the client gets unless it asked for it (and its final usage chunk dropped unless it
 //!   asked for that). The account of each event (text, completion tokens, finish reason,
 //!   tool calls, reasoning) is deferred: the stream's first [`LAZY_BYTES`] of events are
-//!   kept and read only if a move or the stream's end needs them, so a short answer that
-//!   ends well is never read past its usage; past that, events are read as they pass
+//!   kept and read only if a move or a failure needs them, so a short answer that ends
+//!   well is never read past its usage; past that, events are read as they pass
 //!   (most from the stream's shape, [`skim::ShapeCache`]). An event is cut from the usage
 //!   member found at its end ([`skim::tail`]), a usage chunk shown or dropped as the
 //!   client asked; an event that does not end with usage is read whole at once, as are
@@ -374,8 +374,13 @@ impl Tracker {
         Some(r)
     }
 
-    /// Accounts the events kept by [`Self::deferred`], in order.
+    /// Brings the account up to date: the last event of a cumulative `/generate` stream
+    /// (it holds the whole answer so far), or the events kept by [`Self::deferred`], in
+    /// order.
     fn account_pending(&mut self) {
+        if let Some(last) = self.last.take() {
+            self.generate_event(&last);
+        }
         if self.pending.is_empty() {
             return;
         }
@@ -578,10 +583,6 @@ impl Tracker {
     /// The answer is complete (a finish reason was relayed): nothing is left to generate.
     pub fn complete(&mut self) -> bool {
         self.account_pending();
-        if let Some(last) = self.last.take() {
-            // Cumulative `/generate`: its last event says whether it finished.
-            self.generate_event(&last);
-        }
         self.stop == Some(COMPLETE)
     }
 
@@ -624,10 +625,6 @@ impl Tracker {
     /// cannot be continued.
     pub fn sent(&mut self) -> Result<Sent, String> {
         self.account_pending();
-        if let Some(last) = self.last.take() {
-            // Cumulative `/generate` before any move: the last event holds it all.
-            self.generate_event(&last);
-        }
         if !self.raw_text.is_empty() {
             let Some(text) = skim::unescape(&self.raw_text) else {
                 return Err("the stream's text could not be read".to_string());

@@ -17,7 +17,7 @@
 
 use std::ops::Range;
 
-use super::{chunk, members, parse_u64, string_end, value_end, ws, Chunk, ENDS_SCALAR};
+use super::{chunk, members, parse_u64, string_end, value_end, ws, Chunk};
 
 /// See the module docs. One per stream (the template is that stream's shape).
 #[derive(Debug, Default)]
@@ -98,22 +98,9 @@ impl UsageShape {
                 return None;
             }
             at += seg.len();
-            if *slot == Slot::End {
-                return Some((at, completion, prompt));
-            }
-            // Most values are counts: their digits are read in place.
-            let digits = b
-                .get(at..)?
-                .iter()
-                .take_while(|c| c.is_ascii_digit())
-                .count();
-            let ve = if digits > 0
-                && b.get(at + digits)
-                    .is_some_and(|c| ENDS_SCALAR[usize::from(*c)])
-            {
-                at + digits
-            } else {
-                value_end(b, at)?
+            let ve = match slot {
+                Slot::End => return Some((at, completion, prompt)),
+                _ => value_end(b, at)?,
             };
             match slot {
                 Slot::Completion => completion = parse_u64(b, at..ve),
