@@ -213,7 +213,7 @@ fn bench_tracked(c: &mut Criterion) {
     g.bench_function("chat_event_usage_cut", |b| {
         let mut t = Tracker::new(plan(ApiRoute::ChatCompletions), GenerateMode::Cumulative);
         let chunk = Bytes::from_static(chat);
-        b.iter(|| black_box(t.relay(black_box(chunk.clone())).len()))
+        b.iter(|| black_box(t.relay(black_box(chunk.clone())).map_or(0, |o| o.len())))
     });
     let text = " word".repeat(200);
     let gen = Bytes::from(format!(
@@ -223,7 +223,7 @@ fn bench_tracked(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(gen.len() as u64));
     g.bench_function("generate_cumulative_event", |b| {
         let mut t = Tracker::new(plan(ApiRoute::Generate), GenerateMode::Cumulative);
-        b.iter(|| black_box(t.relay(black_box(gen.clone())).len()))
+        b.iter(|| black_box(t.relay(black_box(gen.clone())).map_or(0, |o| o.len())))
     });
     g.finish();
 }

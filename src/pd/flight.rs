@@ -262,7 +262,7 @@ impl PdBody {
             .as_ref()
             .and_then(|m| m.gap(p.passive.decode, p.passive.gap_rank()))
             .map_or(stream_idle, |g| g.min(stream_idle));
-        PdBody {
+        let mut body = PdBody {
             stream_idle,
             mover,
             moving: None,
@@ -281,7 +281,9 @@ impl PdBody {
             passive: p.passive,
             slot,
             done: false,
-        }
+        };
+        body.adopt_scanner();
+        body
     }
 
     /// A prefill leg still running when the stream ends runs on to its own end, recording
@@ -361,11 +363,23 @@ impl PdBody {
 }
 
 impl PdBody {
-    /// Forwarded events pass the mover's account (and its rewrite after a move).
-    fn relay(&mut self, b: Bytes) -> Bytes {
+    /// Forwarded events pass the mover's account (and its rewrite after a move); `Err`:
+    /// an event carried an abort or an error (the tracker checks for them: see
+    /// [`Self::adopt_scanner`]), with what goes to the client before it.
+    fn relay(&mut self, b: Bytes) -> Result<Bytes, super::splice::Aborted> {
         match self.mover.as_mut() {
             Some(m) if !b.is_empty() => m.tracker.relay(b),
-            _ => b,
+            _ => Ok(b),
+        }
+    }
+
+    /// The decode's events are cut by `self.sse`; a stream that can move has its tracker
+    /// check them for aborts as it reads them (most it has read by then), not the scanner.
+    fn adopt_scanner(&mut self) {
+        if let (Some(sse), Some(m)) = (self.sse.as_mut(), self.mover.as_mut()) {
+            if sse.leave_abort_checks() {
+                m.tracker.check_aborts();
+            }
         }
     }
 
@@ -379,7 +393,32 @@ impl PdBody {
         why: &'static str,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let before = self.relay(before);
+        match self.relay(before) {
+            Ok(before) => self.fail_or_move_relayed(f, before, why, cx),
+            // An event ahead of the failure was itself an abort: that is the failure.
+            Err(a) => self.aborted(a, cx),
+        }
+    }
+
+    /// An event carried an abort or an error: [`Self::fail_or_move_relayed`] with it.
+    fn aborted(
+        &mut self,
+        a: super::splice::Aborted,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let f = super::legs::decode_abort_failure(&a.abort);
+        let why = f.reason.as_str();
+        self.fail_or_move_relayed(f, a.before, why, cx)
+    }
+
+    /// [`Self::fail_or_move`] with `before` already relayed.
+    fn fail_or_move_relayed(
+        &mut self,
+        f: Failure,
+        before: Bytes,
+        why: &'static str,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if self.answer_complete() {
             return self.close_complete(&f, before);
         }
@@ -479,6 +518,7 @@ impl PdBody {
         self.decode_cancel = p.decode_cancel;
         self._decode_guard = p.decode_guard;
         self.sse = p.sse;
+        self.adopt_scanner();
         self.prefill = p.prefill;
         self.prefill_trial = p.prefill_trial;
         self.passive = p.passive;
@@ -542,7 +582,10 @@ impl Body for PdBody {
             }
         }
         if let Some(b) = this.pending.take() {
-            let b = this.relay(b);
+            let b = match this.relay(b) {
+                Ok(b) => b,
+                Err(a) => return this.aborted(a, cx),
+            };
             let at_end = this.decode.as_ref().is_some_and(Body::is_end_stream);
             // A continued stream's first event may be one the client already had (dropped).
             if !b.is_empty() || at_end {
@@ -583,7 +626,10 @@ impl Body for PdBody {
                     let out = match this.sse.as_mut() {
                         None => data,
                         Some(sse) => match sse.push(data) {
-                            Scan::Forward(b) => this.relay(b),
+                            Scan::Forward(b) => match this.relay(b) {
+                                Ok(b) => b,
+                                Err(a) => return this.aborted(a, cx),
+                            },
                             Scan::Abort { before, abort } => {
                                 let f = super::legs::decode_abort_failure(&abort);
                                 let why = f.reason.as_str();

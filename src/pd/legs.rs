@@ -8,15 +8,15 @@
 //!   its KV was sent, and failures show as a status (SGLang turns aborts into 4xx/5xx for
 //!   non-streamed requests), so one small JSON read classifies it.
 
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
 use http_body_util::{BodyExt, Limited};
-use memchr::memmem::Finder;
 use serde::Deserialize;
 
+pub use super::skim::may_hold_abort;
 use crate::admission::Admission;
 use crate::error::{FailReason, Failure};
 use crate::memory::{ByteBudget, Charge};
@@ -272,15 +272,6 @@ pub fn error_message(body: &[u8]) -> Option<String> {
             .map(str::to_string)
             .or(Some(v.to_string())),
     }
-}
-
-/// Whether `bytes` contain `"abort"` or `"error"` at all: a cheap pre-check (most answers,
-/// and most runs of SSE events, contain neither; searchers built once). When it says no,
-/// [`abort_in_json`] finds nothing in any part of `bytes`.
-pub fn may_hold_abort(bytes: &[u8]) -> bool {
-    static ABORT: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"abort\""));
-    static ERROR: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"error\""));
-    ABORT.find(bytes).is_some() || ERROR.find(bytes).is_some()
 }
 
 /// An abort or error inside a 200 JSON answer (or one SSE event's JSON): a

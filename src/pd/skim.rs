@@ -15,12 +15,14 @@
 //! and the caller then forwards the event untouched as serde's failure did.
 //!
 //! A stream's events mostly share one shape: [`ShapeCache`] skims them from a template.
+//! [`may_hold_abort`], the cheap pre-check for an abort or error in engines' JSON, lives
+//! here so that the template can be judged by it once.
 
 use std::ops::Range;
 
 mod shape;
 pub mod tail;
-pub use shape::ShapeCache;
+pub use shape::{ShapeCache, Token};
 
 /// The members of one chunk the account reads (value spans, `null` included as it is).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -45,6 +47,73 @@ pub struct Choice {
     pub content: Option<Range<usize>>,
     pub reasoning_content: Option<Range<usize>>,
     pub tool_calls: Option<Range<usize>>,
+}
+
+/// What one choice shows that decides whether its stream can be continued.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Flags {
+    /// A tool call (`delta.tool_calls` other than `[]` or `null`).
+    pub tool_call: bool,
+    /// Reasoning text (`delta.reasoning_content` a string that is not empty).
+    pub reasoning: bool,
+    /// A finish reason that is not `null`.
+    pub finish: bool,
+}
+
+impl Choice {
+    /// This choice's [`Flags`], read from `b` (the bytes it was skimmed from).
+    pub fn flags(&self, b: &[u8]) -> Flags {
+        Flags {
+            tool_call: self
+                .tool_calls
+                .as_ref()
+                .and_then(|t| b.get(t.clone()))
+                .is_some_and(|t| t.trim_ascii() != b"[]"),
+            reasoning: self
+                .reasoning_content
+                .as_ref()
+                .and_then(|r| string_body(b, r))
+                .is_some_and(|r| !r.is_empty()),
+            finish: self.finish_reason.is_some(),
+        }
+    }
+}
+
+/// Whether `bytes` contain `"abort"` or `"error"` at all: a cheap pre-check (most answers,
+/// and most runs of SSE events, contain neither; searchers built once). When it says no,
+/// `legs::abort_in_json` finds nothing in any part of `bytes`.
+pub fn may_hold_abort(bytes: &[u8]) -> bool {
+    use memchr::memmem::Finder;
+    use std::sync::LazyLock;
+    static ABORT: LazyLock<Finder<'static>> = LazyLock::new(|| json_finder(b"\"abort\""));
+    static ERROR: LazyLock<Finder<'static>> = LazyLock::new(|| json_finder(b"\"error\""));
+    ABORT.find(bytes).is_some() || ERROR.find(bytes).is_some()
+}
+
+/// A searcher for `needle` in engines' JSON: its prefilter keys on the needle's bytes that
+/// are rare in JSON. memchr's default ranking (drawn from prose and code) takes `"` for a
+/// rare byte, and in JSON nearly every other byte is next to one: every quote became a
+/// candidate to verify, and this search was the costliest step of relaying a token
+/// (BENCHMARKS §8).
+fn json_finder(needle: &[u8]) -> memchr::memmem::Finder<'static> {
+    struct JsonRank;
+    impl memchr::arch::all::packedpair::HeuristicFrequencyRank for JsonRank {
+        fn rank(&self, byte: u8) -> u8 {
+            // Lower is rarer: JSON's structure and digits are the most common; lowercase
+            // letters by their frequency in English and in the keys of engine chunks.
+            const COMMON: &[u8] = b"etaonisrlcdhumpfgkwybvxjqz";
+            match byte {
+                b'"' | b':' | b',' | b'{' | b'}' | b'[' | b']' | b' ' | b'0'..=b'9' => 255,
+                _ => COMMON
+                    .iter()
+                    .position(|&c| c == byte)
+                    .map_or(64, |i| 250 - 8 * i as u8),
+            }
+        }
+    }
+    memchr::memmem::FinderBuilder::new()
+        .build_forward_with_ranker(JsonRank, needle)
+        .into_owned()
 }
 
 /// The index of the first byte at or after `i` that is not JSON whitespace.
@@ -357,6 +426,25 @@ pub fn unescape(raw: &[u8]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The pre-check's searchers (keyed on bytes rare in JSON) find either word
+        /// wherever it is, as a plain substring search does.
+        #[test]
+        fn the_pre_check_finds_what_a_substring_search_finds(
+            pieces in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    "\"abort\"", "\"error\"", "\"abor", "t\"", "err", "or\"", "\"", "b", "r",
+                    "o", "{\"id\":\"x\",", "\"object\":", "\"finish_reason\":null", " ",
+                ]),
+                0..40,
+            )
+        ) {
+            let s = pieces.concat();
+            let want = s.contains("\"abort\"") || s.contains("\"error\"");
+            proptest::prop_assert_eq!(may_hold_abort(s.as_bytes()), want);
+        }
+    }
 
     fn text<'a>(b: &'a [u8], r: &Option<Range<usize>>) -> Option<&'a str> {
         r.clone().map(|r| std::str::from_utf8(&b[r]).unwrap())

@@ -23,8 +23,13 @@
 //! segment's, its cumulative `text`/`output_ids` prefixed with what earlier segments sent,
 //! and the continuation's own role chunk dropped. Counts are only ever the engine's.
 //!
+//! Once the SSE scanner leaves them to it, the tracker also checks each event for an abort
+//! or an error chunk before accounting it ([`Tracker::relay`] stops at one): an event that
+//! matches the stream's shape holds neither word unless its template or its whole text does
+//! ([`skim::Token::abort_free`]), so most events are not searched at all.
+//!
 //! Invariants: bytes pass unchanged unless a rewrite is needed; one event in gives at most
-//! one event out; `[DONE]` and comments pass as they are.
+//! one event out; `[DONE]` and comments pass as they are; an abort is never accounted.
 
 use std::borrow::Cow;
 
@@ -34,6 +39,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use super::continuation::{Plan, Sent};
+use super::legs::{abort_in_answer, InAnswer};
 use super::request::ApiRoute;
 use super::skim;
 
@@ -89,6 +95,15 @@ pub struct Tracker {
     /// each event as it passes).
     pending: Vec<u8>,
     lazy_limit: usize,
+    /// [`Self::relay`] checks events for aborts (see [`Self::check_aborts`]).
+    check_aborts: bool,
+}
+
+/// An abort or error found by [`Tracker::relay`], and what the client gets before it.
+#[derive(Debug)]
+pub struct Aborted {
+    pub before: Bytes,
+    pub abort: InAnswer,
 }
 
 #[derive(Deserialize)]
@@ -226,6 +241,19 @@ impl From<Option<Option<Vec<u8>>>> for Replace {
     }
 }
 
+/// What a choice showed that stops a move (the last one shown wins).
+fn note(stop: &mut Option<Stop>, f: skim::Flags) {
+    if f.tool_call {
+        *stop = Some("a tool call was in progress");
+    }
+    if f.reasoning {
+        *stop = Some("reasoning was in progress");
+    }
+    if f.finish {
+        *stop = Some(COMPLETE);
+    }
+}
+
 fn push_event(out: &mut Vec<u8>, data: &[u8]) {
     out.extend_from_slice(b"data: ");
     out.extend_from_slice(data);
@@ -251,6 +279,7 @@ impl Tracker {
             shape: skim::ShapeCache::default(),
             pending: Vec::new(),
             lazy_limit: LAZY_BYTES,
+            check_aborts: false,
         }
     }
 
@@ -259,6 +288,15 @@ impl Tracker {
     pub fn eager(mut self) -> Tracker {
         self.lazy_limit = 0;
         self
+    }
+
+    /// [`Self::relay`] of a run that holds no abort.
+    #[cfg(test)]
+    pub fn relay_ok(&mut self, run: Bytes) -> Bytes {
+        match self.relay(run) {
+            Ok(b) => b,
+            Err(a) => panic!("an abort in the run: {a:?}"),
+        }
     }
 
     pub fn plan(&self) -> &Plan {
@@ -278,30 +316,48 @@ impl Tracker {
         self.stop
     }
 
-    /// Whole events forwarded to the client: recorded, and rewritten where needed.
-    pub fn relay(&mut self, run: Bytes) -> Bytes {
+    /// Whole events forwarded to the client: recorded, and rewritten where needed. With
+    /// [`Self::check_aborts`], an event that carries an abort or an error ends the run:
+    /// `Err` holds what goes to the client before it (recorded and rewritten) and the
+    /// abort, which is not recorded.
+    pub fn relay(&mut self, run: Bytes) -> Result<Bytes, Aborted> {
         let fast = self.segment == 0
             && self.plan.route == ApiRoute::Generate
             && self.mode == GenerateMode::Cumulative;
         if fast {
             // The last data event holds everything; keep it, forward the run as is.
+            let maybe = self.check_aborts && skim::may_hold_abort(&run);
             for (s, e, first) in events(&run) {
                 if let Some((ds, de)) = payload_with(&run[s..e], first) {
-                    if &run[s + ds..s + de] == b"[DONE]" {
+                    let data = &run[s + ds..s + de];
+                    if data == b"[DONE]" {
                         self.done_seen = true;
                     } else {
+                        if let Some(abort) = maybe.then(|| abort_in_answer(data)).flatten() {
+                            let before = run.slice(..s);
+                            return Err(Aborted { before, abort });
+                        }
                         self.last = Some(run.slice(s + ds..s + de));
                     }
                 }
             }
-            return run;
+            return Ok(run);
         }
         let mut out: Option<Vec<u8>> = None;
         for (s, e, first) in events(&run) {
             let event = &run[s..e];
             let data = payload_with(event, first).map(|(ds, de)| &event[ds..de]);
             let replaced = match data {
-                Some(d) if d != b"[DONE]" => self.event(d),
+                Some(d) if d != b"[DONE]" => match self.event(d) {
+                    Ok(r) => r,
+                    Err(abort) => {
+                        let before = match out {
+                            Some(o) => Bytes::from(o),
+                            None => run.slice(..s),
+                        };
+                        return Err(Aborted { before, abort });
+                    }
+                },
                 Some(_) => {
                     self.done_seen = true;
                     Replace::Keep
@@ -329,24 +385,55 @@ impl Tracker {
                 _ => {}
             }
         }
-        match out {
+        Ok(match out {
             Some(o) => Bytes::from(o),
             None => run,
+        })
+    }
+
+    /// From now on [`Self::relay`] checks each event for an abort or an error (the SSE
+    /// scanner no longer does: see `sse::SseScanner::leave_abort_checks`).
+    pub fn check_aborts(&mut self) {
+        self.check_aborts = true;
+    }
+
+    /// The abort or error `data` carries, when this tracker checks for them.
+    fn check(&self, data: &[u8]) -> Result<(), InAnswer> {
+        match self.check_aborts.then(|| abort_in_answer(data)).flatten() {
+            Some(abort) => Err(abort),
+            None => Ok(()),
         }
     }
 
-    /// What becomes of one data payload.
-    fn event(&mut self, data: &[u8]) -> Replace {
-        match self.plan.route {
-            ApiRoute::Generate => self.generate_event(data).into(),
-            _ => match self.deferred(data) {
-                Some(r) => r,
-                None => {
-                    self.account_pending();
-                    self.openai_event(data)
-                }
-            },
+    /// What becomes of one data payload; checked for an abort before it is recorded.
+    fn event(&mut self, data: &[u8]) -> Result<Replace, InAnswer> {
+        if self.plan.route == ApiRoute::Generate {
+            self.check(data)?;
+            return Ok(self.generate_event(data).into());
         }
+        let checked = self.lazy_limit > 0;
+        if checked {
+            self.check(data)?;
+            if let Some(r) = self.deferred(data) {
+                return Ok(r);
+            }
+            self.account_pending();
+        }
+        // Read as it passes: most events of a stream that has not moved match its shape
+        // (the first segment's id, once read, is never read again), and most of those
+        // are known to hold no abort without a search.
+        if self.segment == 0 && self.id.is_some() {
+            if let Some(t) = self.shape.token(data) {
+                if !t.abort_free && !checked {
+                    self.check(data)?;
+                }
+                return Ok(self.token(data, t));
+            }
+        }
+        if !checked {
+            self.check(data)?;
+        }
+        Ok(self.openai_event(data))
     }
 
     /// An OpenAI event before a move, kept to be accounted later: what it becomes for the
@@ -502,24 +589,7 @@ impl Tracker {
                 .map_or(&[][..], |r| &data[r]);
             // Kept escaped; decoded once, when a move needs it.
             self.raw_text.extend_from_slice(piece);
-            if ch
-                .tool_calls
-                .as_ref()
-                .is_some_and(|t| data[t.clone()].trim_ascii() != b"[]")
-            {
-                self.stop = Some("a tool call was in progress");
-            }
-            if ch
-                .reasoning_content
-                .as_ref()
-                .and_then(|r| skim::string_body(data, r))
-                .is_some_and(|r| !r.is_empty())
-            {
-                self.stop = Some("reasoning was in progress");
-            }
-            if ch.finish_reason.is_some() {
-                self.stop = Some(COMPLETE);
-            }
+            note(&mut self.stop, ch.flags(data));
             if !piece.is_empty() || ch.finish_reason.is_some() || !ch.has_delta {
                 role_only = false;
             }
@@ -578,6 +648,25 @@ impl Tracker {
             o.remove("usage");
         }
         serde_json::to_vec(&v).map_or(Replace::Drop, Replace::With)
+    }
+
+    /// [`Self::openai_event`] for a token chunk of the first segment that matched the
+    /// stream's shape (one choice, so never the usage chunk).
+    fn token(&mut self, data: &[u8], t: skim::Token) -> Replace {
+        if let Some(n) = t.completion_tokens {
+            self.cur.completion_tokens = n;
+        }
+        if let Some(p) = t.prompt_tokens {
+            self.prompt_tokens = Some(p);
+        }
+        // Kept escaped; decoded once, when a move needs it.
+        self.raw_text
+            .extend_from_slice(data.get(t.piece).unwrap_or_default());
+        note(&mut self.stop, t.flags);
+        match t.usage_member {
+            Some(m) if !self.plan.client_continuous_usage => Replace::Cut(m),
+            _ => Replace::Keep,
+        }
     }
 
     /// The answer is complete (a finish reason was relayed): nothing is left to generate.

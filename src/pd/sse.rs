@@ -4,7 +4,10 @@
 //! tail of the last event is held back (at most `upstream.max_answer_bytes`), so that an abort can
 //! be replaced by one clean error event instead of following half an event. Each event's `data:` JSON is checked for
 //! an SGLang abort (`finish_reason.type == "abort"`) or an `{"error": ...}` chunk, and,
-//! with `return_logprob`, the prefill's input logprobs are merged into it.
+//! with `return_logprob`, the prefill's input logprobs are merged into it. A stream that
+//! can move to another decode has its tracker make that check instead
+//! ([`SseScanner::leave_abort_checks`]): it reads each event anyway, and knows most of them
+//! by their shape to hold no abort without searching them.
 
 use std::sync::Arc;
 
@@ -20,6 +23,9 @@ pub struct SseScanner {
     logprobs: Option<Arc<PrefillLogprobs>>,
     /// The most of one unfinished event held (`upstream.max_answer_bytes`).
     limit: usize,
+    /// Events are checked for aborts here; `false` once the stream's tracker checks them
+    /// (see [`Self::leave_abort_checks`]).
+    checks: bool,
 }
 
 /// What a chunk held.
@@ -77,7 +83,17 @@ impl SseScanner {
             carry: BytesMut::new(),
             logprobs: logprobs.filter(|l| !l.is_empty()),
             limit,
+            checks: true,
         }
+    }
+
+    /// The stream's tracker checks each event for an abort as it reads it (most events
+    /// it has read by then; see `splice::Tracker::relay`): this scanner only cuts events.
+    /// A stream whose prefill logprobs are merged here keeps its checks here.
+    /// Returns whether the checks were left (the caller must then make them).
+    pub fn leave_abort_checks(&mut self) -> bool {
+        self.checks = self.logprobs.is_some();
+        !self.checks
     }
 
     pub fn push(&mut self, chunk: Bytes) -> Scan {
@@ -127,7 +143,7 @@ impl SseScanner {
 
     fn scan_events(&self, complete: Bytes) -> Scan {
         // Fast path: nothing to merge, and no event of the run can hold an abort or error.
-        if self.logprobs.is_none() && !may_hold_abort(&complete) {
+        if self.logprobs.is_none() && (!self.checks || !may_hold_abort(&complete)) {
             return Scan::Forward(complete);
         }
         let mut rebuilt: Option<Vec<u8>> = self

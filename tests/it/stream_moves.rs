@@ -838,3 +838,81 @@ async fn moves_spend_a_reserve_that_retries_leave() {
         "the first stream moved on the reserve, the second refused"
     );
 }
+
+/// An abort chunk well into a continuable stream (past the first 4 KiB of events, which
+/// the tracker reads as they pass and, knowing most by their shape, checks for aborts
+/// itself instead of the SSE scanner): the events before it reach the client, the abort
+/// chunk does not, and the stream moves to the other decode as when the decode dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_chunk_deep_in_a_stream_moves_it() {
+    let env = fleet([false, false], |_| {}).await;
+    let limit = 60;
+    for mut c in cases(true)
+        .into_iter()
+        .filter(|c| c.name != "generate input_ids")
+    {
+        for key in ["max_tokens", "max_completion_tokens"] {
+            if c.body.get(key).is_some() {
+                c.body[key] = json!(limit);
+            }
+        }
+        if let Some(s) = c.body.get_mut("sampling_params") {
+            s["max_new_tokens"] = json!(limit);
+        }
+        c.limit = limit;
+        env.cluster.decodes[0].set_faults(Faults::default());
+        let whole = ask(&env, &c, false).await;
+        assert_eq!(whole.tokens, limit, "{}: {whole:?}", c.name);
+        // Decode 0 streams a token every ~20 ms; ~0.7 s in, an operator's abort of all
+        // its requests ends its stream with SGLang's abort chunk.
+        env.cluster.decodes[0].set_faults(Faults {
+            decode_extra_itl_ms: 20,
+            ..Faults::default()
+        });
+        let mut moved = false;
+        for _ in 0..4 {
+            let before = bodies(&env);
+            let d0 = &env.cluster.decodes[0];
+            let aborter = async {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+                while d0.stats().held_now == 0 {
+                    if tokio::time::Instant::now() > deadline {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(700)).await;
+                let url = format!("{}/abort_request", d0.url());
+                crate::support::sim_support::post(&url, r#"{"abort_all": true}"#).await;
+            };
+            let (got, ()) = tokio::join!(ask(&env, &c, false), aborter);
+            let after = bodies(&env);
+            if after[0].len() == before[0].len() {
+                assert_eq!(got.text, whole.text, "{}", c.name);
+                continue;
+            }
+            assert_eq!(got.errors, 0, "{}: moved, not ended: {got:?}", c.name);
+            check_moved(&c, &whole, &got, &after[1][before[1].len()]);
+            let prefix_tokens = limit - json_limit(&after[1][before[1].len()], c.path);
+            assert!(
+                prefix_tokens > 12,
+                "{}: aborted after {prefix_tokens} tokens, within the first 4 KiB",
+                c.name
+            );
+            moved = true;
+            break;
+        }
+        assert!(moved, "{}: no request reached the aborted decode", c.name);
+    }
+}
+
+/// The token limit a follow-up carried.
+fn json_limit(follow: &Value, path: &str) -> u64 {
+    let v = match path {
+        "/generate" => &follow["sampling_params"]["max_new_tokens"],
+        _ => follow
+            .get("max_completion_tokens")
+            .unwrap_or(&follow["max_tokens"]),
+    };
+    v.as_u64().expect("a limit")
+}

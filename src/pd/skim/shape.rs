@@ -13,11 +13,15 @@
 //!   usage value to equal the template's, the text to be one JSON string, and the usage to
 //!   be an object that closes the chunk, so the structure is the template's;
 //! - a miss falls back to the full skim, which becomes the template when it has one choice
-//!   with a text string and its usage (if any) is the last member.
+//!   with a text string and its usage (if any) is the last member;
+//! - [`ShapeCache::token`] answers a matching event with only what differs from the template
+//!   (its text, its counts, its usage member; property-tested against the full skim), for a
+//!   stream's account that needs no [`Chunk`]; the usage object is matched eight bytes at a
+//!   time, its counts' digits under a mask ([`UsageShape`]).
 
 use std::ops::Range;
 
-use super::{chunk, members, parse_u64, string_end, value_end, ws, Chunk};
+use super::{chunk, members, parse_u64, string_end, value_end, ws, Chunk, Flags};
 
 /// See the module docs. One per stream (the template is that stream's shape).
 #[derive(Debug, Default)]
@@ -38,6 +42,10 @@ pub struct ShapeCache {
     tpl: Option<Chunk>,
     /// The last answer (its choice list reused from event to event).
     cur: Chunk,
+    /// The template's only choice's flags.
+    flags: Flags,
+    /// The template holds neither `"abort"` nor `"error"`.
+    clean: bool,
     /// Events answered from the template.
     #[cfg(test)]
     hits: usize,
@@ -45,71 +53,115 @@ pub struct ShapeCache {
     seen: bool,
 }
 
-/// A usage object's bytes between its values (`{"completion_tokens":`, `,"total_tokens":`,
-/// ..., `}`), each with what the value after it is.
+/// A usage object as a template: its bytes, and where they hold the digits of a count.
+/// Another usage object has this shape when it is as long and differs only in those
+/// digits (each still a digit). Such an object has the template's structure, value for
+/// value, so its counts are read at the template's places.
+///
+/// Why: one stream's usage objects differ only in their counts, and mostly not in the
+/// counts' lengths (a count gains a digit a few times per stream; that event misses and
+/// becomes the template). Compared eight bytes at a time under a mask, the object costs
+/// a dozen word operations instead of a walk of its members.
 #[derive(Debug, Default)]
 struct UsageShape {
     bytes: Vec<u8>,
-    segs: Vec<(Range<usize>, Slot)>,
+    /// Per eight bytes of `bytes` (the last word ends at its end, overlapping the one
+    /// before): its offset, the template's word, and a mask with `0xff` in the bytes that
+    /// are digits of a count.
+    words: Vec<(usize, u64, u64)>,
+    completion: Count,
+    prompt: Count,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Slot {
-    Completion,
-    Prompt,
-    Other,
-    /// The closing brace: no value after it.
-    End,
+/// Where a count is, in a [`UsageShape`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Count {
+    /// A run of digits at these offsets (read from each object).
+    Digits(Range<usize>),
+    /// Anything else (absent, `null`, a fraction): the same bytes in every object of
+    /// the shape, so the same answer.
+    Fixed(Option<u64>),
 }
+
+impl Default for Count {
+    fn default() -> Count {
+        Count::Fixed(None)
+    }
+}
+
+const ZEROS: u64 = 0x3030_3030_3030_3030;
+const HIGH_NIBBLES: u64 = 0xf0f0_f0f0_f0f0_f0f0;
+const LOW_NIBBLES: u64 = 0x0f0f_0f0f_0f0f_0f0f;
 
 impl UsageShape {
     /// Becomes the shape of the usage object `b[u]` (a value span [`super::chunk`] gave),
     /// reusing its buffers.
     fn learn(&mut self, b: &[u8], u: &Range<usize>) -> Option<()> {
-        self.bytes.clear();
-        self.segs.clear();
-        let mut at = u.start;
-        let push = |shape: &mut UsageShape, from: usize, to: usize, slot| {
-            let s = shape.bytes.len();
-            shape.bytes.extend_from_slice(b.get(from..to)?);
-            shape.segs.push((s..shape.bytes.len(), slot));
-            Some(())
-        };
+        let obj = b.get(u.clone())?;
+        // Shorter than a word: no usage object an engine writes; never a template.
+        if obj.len() < 8 {
+            return None;
+        }
+        let mut digit = vec![false; obj.len()];
+        let (mut completion, mut prompt) = (Count::default(), Count::default());
         members(b, u.start, |key, _, vs| {
-            let slot = match key {
-                b"completion_tokens" => Slot::Completion,
-                b"prompt_tokens" => Slot::Prompt,
-                _ => Slot::Other,
+            let ve = value_end(b, vs)?;
+            let count = if b[vs..ve].iter().all(u8::is_ascii_digit) {
+                digit[vs - u.start..ve - u.start].fill(true);
+                Count::Digits(vs - u.start..ve - u.start)
+            } else {
+                Count::Fixed(parse_u64(b, vs..ve))
             };
-            push(self, at, vs, slot)?;
-            at = value_end(b, vs)?;
-            Some(at)
-        })?;
-        push(self, at, u.end, Slot::End)
-    }
-
-    /// The usage object at `at` when its bytes between values are this shape's: its end
-    /// and its completion and prompt tokens.
-    fn read(&self, b: &[u8], mut at: usize) -> Option<(usize, Option<u64>, Option<u64>)> {
-        let (mut completion, mut prompt) = (None, None);
-        for (r, slot) in &self.segs {
-            let seg = &self.bytes[r.clone()];
-            if !b.get(at..)?.starts_with(seg) {
-                return None;
-            }
-            at += seg.len();
-            let ve = match slot {
-                Slot::End => return Some((at, completion, prompt)),
-                _ => value_end(b, at)?,
-            };
-            match slot {
-                Slot::Completion => completion = parse_u64(b, at..ve),
-                Slot::Prompt => prompt = parse_u64(b, at..ve),
+            match key {
+                b"completion_tokens" => completion = count,
+                b"prompt_tokens" => prompt = count,
                 _ => {}
             }
-            at = ve;
+            Some(ve)
+        })?;
+        self.bytes.clear();
+        self.bytes.extend_from_slice(obj);
+        self.words.clear();
+        let len = obj.len();
+        let last = (len % 8 != 0).then_some(len - 8);
+        for at in (0..len / 8).map(|w| w * 8).chain(last) {
+            let m = (0..8).fold(0u64, |m, k| {
+                m | (u64::from(digit[at + k]) * 0xff) << (8 * k)
+            });
+            let t = u64::from_le_bytes(obj.get(at..at + 8)?.try_into().ok()?);
+            self.words.push((at, t, m));
         }
-        None
+        (self.completion, self.prompt) = (completion, prompt);
+        Some(())
+    }
+
+    /// The usage object at `at` when it has this shape (see the type's docs): its end and
+    /// its completion and prompt tokens.
+    fn read(&self, b: &[u8], at: usize) -> Option<(usize, Option<u64>, Option<u64>)> {
+        let n = self.bytes.len();
+        let obj = b.get(at..at + n)?;
+        for &(i, t, m) in &self.words {
+            let x = u64::from_le_bytes(obj.get(i..i + 8)?.try_into().ok()?);
+            if (x ^ t) & !m != 0 {
+                return None;
+            }
+            // Each masked byte a digit: its high nibble 3, its low nibble at most 9.
+            let z = (x & m) | (ZEROS & !m);
+            if m != 0
+                && (z & HIGH_NIBBLES != ZEROS
+                    || ((z & LOW_NIBBLES) + 0x0606_0606_0606_0606) & HIGH_NIBBLES != 0)
+            {
+                return None;
+            }
+        }
+        let count = |c: &Count| match c {
+            Count::Digits(r) => obj.get(r.clone())?.iter().try_fold(0u64, |n, &d| {
+                n.checked_mul(10)?
+                    .checked_add(u64::from(d.wrapping_sub(b'0')))
+            }),
+            Count::Fixed(n) => *n,
+        };
+        Some((at + n, count(&self.completion), count(&self.prompt)))
     }
 }
 
@@ -121,52 +173,65 @@ fn shift(r: &mut Option<Range<usize>>, from: usize, to: usize) {
     }
 }
 
+/// What a token event that matches the stream's template holds: all the account of a
+/// stream that has not moved needs (see [`ShapeCache::token`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Token {
+    /// The text value's bytes between its quotes (still escaped).
+    pub piece: Range<usize>,
+    pub completion_tokens: Option<u64>,
+    pub prompt_tokens: Option<u64>,
+    /// The usage member, from its key to the end of its value.
+    pub usage_member: Option<Range<usize>>,
+    /// The template's only choice's flags (its bytes around the text are the template's).
+    pub flags: Flags,
+    /// The event holds neither `"abort"` nor `"error"` (so no abort or error chunk): a
+    /// matching event can hold either word only where its template does, or as its whole
+    /// text (each word begins and ends with a quote, and inside a string every other quote
+    /// is escaped).
+    pub abort_free: bool,
+}
+
 impl ShapeCache {
     /// The skim of `b` (as [`super::chunk`]), from the template when `b` matches it.
     pub fn chunk(&mut self, b: &[u8]) -> Option<&Chunk> {
-        if self.hit(b).is_none() {
-            self.cur = chunk(b)?;
-            // A chat stream's first chunk carries the role, and no other has its shape.
-            if self.seen {
-                self.learn(b);
+        match self.matched(b) {
+            Some(t) => self.answer(t),
+            None => {
+                self.cur = chunk(b)?;
+                // A chat stream's first chunk carries the role, and no other has its shape.
+                if self.seen {
+                    self.learn(b);
+                }
+                self.seen = true;
             }
-            self.seen = true;
         }
         Some(&self.cur)
     }
 
-    fn hit(&mut self, b: &[u8]) -> Option<()> {
-        let tpl = self.tpl.as_ref()?;
-        let ps = self.head.len();
-        if !b.starts_with(&self.head) || b.get(ps) != Some(&b'"') {
-            return None;
+    /// `b` as a [`Token`] when it matches the template, without building its [`Chunk`]:
+    /// the same answer [`Self::chunk`] would give, read where it differs from the
+    /// template. `None` (a miss) changes nothing: call [`Self::chunk`] then.
+    pub fn token(&mut self, b: &[u8]) -> Option<Token> {
+        let t = self.matched(b)?;
+        #[cfg(test)]
+        {
+            self.hits += 1;
         }
-        let pe = string_end(b, ps)?;
-        let ms = b.get(pe..)?;
-        if !ms.starts_with(&self.mid) {
-            return None;
-        }
-        let after = pe + self.mid.len();
-        let (mut completion, mut prompt) = (None, None);
-        let usage = if self.has_usage {
-            let (ve, c, p) = self.usage.read(b, after)?;
-            (completion, prompt) = (c, p);
-            let close = ws(b, ve);
-            if b.get(close) != Some(&b'}') || ws(b, close + 1) != b.len() {
-                return None;
-            }
-            Some(after..ve)
-        } else {
-            if after != b.len() {
-                return None;
-            }
-            None
+        Some(t)
+    }
+
+    /// The template's skim with `t`'s spans and counts.
+    fn answer(&mut self, t: Token) {
+        let Some(tpl) = self.tpl.as_ref() else {
+            return;
         };
         let cur = &mut self.cur;
         // Field by field: the choice list's allocation is reused (a derived `clone_from`
         // would build a new one per event).
         cur.id.clone_from(&tpl.id);
         cur.choices.clone_from(&tpl.choices);
+        let (ps, pe) = (t.piece.start - 1, t.piece.end + 1);
         let (from, to) = (self.piece_end, pe);
         shift(&mut cur.id, from, to);
         for ch in &mut cur.choices {
@@ -185,15 +250,60 @@ impl ShapeCache {
                 }
             }
         }
-        cur.usage_member = usage.as_ref().map(|u| u.start - self.usage_key_back..u.end);
-        cur.usage = usage;
-        cur.completion_tokens = completion;
-        cur.prompt_tokens = prompt;
+        cur.usage = t
+            .usage_member
+            .as_ref()
+            .map(|m| m.start + self.usage_key_back..m.end);
+        cur.usage_member = t.usage_member;
+        cur.completion_tokens = t.completion_tokens;
+        cur.prompt_tokens = t.prompt_tokens;
         #[cfg(test)]
         {
             self.hits += 1;
         }
-        Some(())
+    }
+
+    /// Whether `b` has the template's shape, and what it holds where it differs.
+    fn matched(&self, b: &[u8]) -> Option<Token> {
+        self.tpl.as_ref()?;
+        let ps = self.head.len();
+        if b.get(ps) != Some(&b'"') || !b.starts_with(&self.head) {
+            return None;
+        }
+        let pe = string_end(b, ps)?;
+        if !b.get(pe..)?.starts_with(&self.mid) {
+            return None;
+        }
+        let after = pe + self.mid.len();
+        let (mut completion, mut prompt) = (None, None);
+        let usage_member = if self.has_usage {
+            let (ve, c, p) = self.usage.read(b, after)?;
+            (completion, prompt) = (c, p);
+            let close = ws(b, ve);
+            if b.get(close) != Some(&b'}') || ws(b, close + 1) != b.len() {
+                return None;
+            }
+            Some(after - self.usage_key_back..ve)
+        } else {
+            if after != b.len() {
+                return None;
+            }
+            None
+        };
+        // Neither word can appear in a matching event unless in the template's own bytes
+        // or as its whole text: each begins and ends with a quote, and every other quote
+        // inside a string is escaped, so no occurrence starts or ends inside the text; one
+        // that takes in a count's digits has none; all the other bytes are the template's.
+        let piece = ps + 1..pe - 1;
+        let abort_free = self.clean && !matches!(b.get(piece.clone()), Some(b"abort" | b"error"));
+        Some(Token {
+            piece,
+            completion_tokens: completion,
+            prompt_tokens: prompt,
+            usage_member,
+            flags: self.flags,
+            abort_free,
+        })
     }
 
     /// Makes `self.cur` (the full skim of `b`) the template, when it has the shape.
@@ -231,6 +341,8 @@ impl ShapeCache {
         self.piece_end = piece.end;
         self.usage_key_back = key_back;
         self.has_usage = c.usage.is_some();
+        self.flags = ch.flags(b);
+        self.clean = !super::may_hold_abort(b);
         self.tpl = Some(c.clone());
     }
 }
@@ -318,6 +430,48 @@ mod tests {
                 let want = chunk(&b);
                 let got = cache.chunk(&b).cloned();
                 proptest::prop_assert_eq!(got, want);
+            }
+        }
+
+        /// A token answer holds what the full skim finds: the text, the counts, the
+        /// usage member and the choice's flags; a miss leaves the caller to the full skim.
+        #[test]
+        fn tokens_agree_with_the_full_skim(
+            sim in proptest::bool::ANY,
+            details in proptest::bool::ANY,
+            events in proptest::collection::vec(
+                (".{0,6}", proptest::option::weighted(0.9, 0u64..100_000),
+                 proptest::option::weighted(0.1, "stop|length"), 0usize..40,
+                 proptest::bool::weighted(0.2)),
+                1..16,
+            )
+        ) {
+            let mut cache = ShapeCache::default();
+            for (text, completion, finish, cut, garble) in events {
+                let mut b = event_with(sim, &text, completion, finish.as_deref(), details);
+                if garble {
+                    let at = b.len().saturating_sub(1 + cut);
+                    b[at] = b'"';
+                }
+                let want = chunk(&b);
+                match cache.token(&b) {
+                    Some(t) => {
+                        let want = want.expect("a token is a chunk");
+                        let [ch] = want.choices.as_slice() else {
+                            panic!("a token has one choice");
+                        };
+                        let piece = ch.text.as_ref().or(ch.content.as_ref());
+                        proptest::prop_assert_eq!(
+                            Some(t.piece),
+                            piece.and_then(|r| super::super::string_body(&b, r))
+                        );
+                        proptest::prop_assert_eq!(t.completion_tokens, want.completion_tokens);
+                        proptest::prop_assert_eq!(t.prompt_tokens, want.prompt_tokens);
+                        proptest::prop_assert_eq!(t.usage_member, want.usage_member);
+                        proptest::prop_assert_eq!(t.flags, ch.flags(&b));
+                    }
+                    None => proptest::prop_assert_eq!(cache.chunk(&b).cloned(), want),
+                }
             }
         }
     }

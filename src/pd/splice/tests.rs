@@ -82,7 +82,7 @@ fn generate_streams_splice_in_every_mode_pair() {
                 let mut t = Tracker::new(plan(ApiRoute::Generate, 6, false, false), client);
                 let mut out = Vec::new();
                 for e in gen_events(&words, 0, client, "r0", 7).into_iter().take(cut) {
-                    out.extend_from_slice(&t.relay(e));
+                    out.extend_from_slice(&t.relay_ok(e));
                 }
                 let sent = t.sent().expect("continuable");
                 assert_eq!(sent.completion_tokens, cut as u64);
@@ -91,9 +91,9 @@ fn generate_streams_splice_in_every_mode_pair() {
                 t.set_source_mode(second);
                 // The second decode's stream: its own counts, its own rid, a longer prompt.
                 for e in gen_events(&words, cut, second, "r1", 7 + cut as u64) {
-                    out.extend_from_slice(&t.relay(e));
+                    out.extend_from_slice(&t.relay_ok(e));
                 }
-                out.extend_from_slice(&t.relay(Bytes::from_static(b"data: [DONE]\n\n")));
+                out.extend_from_slice(&t.relay_ok(Bytes::from_static(b"data: [DONE]\n\n")));
                 let (text, ids, n, evs) = client_view(&out, client);
                 let case = format!("{client:?} then {second:?}, cut {cut}");
                 assert_eq!(text, words.concat(), "{case}");
@@ -130,7 +130,7 @@ fn a_finished_answer_is_not_continued() {
         GenerateMode::Cumulative,
     );
     for e in gen_events(&words, 0, GenerateMode::Cumulative, "r", 1) {
-        t.relay(e);
+        t.relay_ok(e);
     }
     assert!(t.sent().is_err());
 }
@@ -168,10 +168,10 @@ fn chat_usage_is_hidden_unless_asked_and_summed_after_a_move() {
             GenerateMode::Cumulative,
         );
         let mut out = Vec::new();
-        out.extend_from_slice(&t.relay(chat_chunk(Some(""), true, None, Some((5, 0)))));
-        out.extend_from_slice(&t.relay(chat_chunk(Some(" a"), false, None, Some((5, 1)))));
+        out.extend_from_slice(&t.relay_ok(chat_chunk(Some(""), true, None, Some((5, 0)))));
+        out.extend_from_slice(&t.relay_ok(chat_chunk(Some(" a"), false, None, Some((5, 1)))));
         // Two tokens in one chunk (speculative decoding): the engine's count says 3.
-        out.extend_from_slice(&t.relay(chat_chunk(Some(" b c"), false, None, Some((5, 3)))));
+        out.extend_from_slice(&t.relay_ok(chat_chunk(Some(" b c"), false, None, Some((5, 3)))));
         let sent = t.sent().unwrap();
         assert_eq!((sent.text.as_str(), sent.completion_tokens), (" a b c", 3));
         t.next_segment(sent);
@@ -181,7 +181,7 @@ fn chat_usage_is_hidden_unless_asked_and_summed_after_a_move() {
         second.extend_from_slice(&chat_chunk(None, false, Some("length"), Some((9, 1))));
         second.extend_from_slice(&usage_chunk(9, 1));
         second.extend_from_slice(b"data: [DONE]\n\n");
-        out.extend_from_slice(&t.relay(Bytes::from(second)));
+        out.extend_from_slice(&t.relay_ok(Bytes::from(second)));
         let text = String::from_utf8(out).unwrap();
         let evs: Vec<Value> = text
             .split("\n\n")
@@ -229,7 +229,7 @@ fn tool_calls_and_reasoning_stop_a_move() {
         plan(ApiRoute::ChatCompletions, 9, false, false),
         GenerateMode::Cumulative,
     );
-    t.relay(Bytes::from_static(
+    t.relay_ok(Bytes::from_static(
         b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0}]}}]}\n\n",
     ));
     assert!(t.sent().unwrap_err().contains("tool call"));
@@ -237,7 +237,7 @@ fn tool_calls_and_reasoning_stop_a_move() {
         plan(ApiRoute::ChatCompletions, 9, false, false),
         GenerateMode::Cumulative,
     );
-    t.relay(Bytes::from_static(
+    t.relay_ok(Bytes::from_static(
         b"data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"hm\"}}]}\n\n",
     ));
     assert!(t.sent().unwrap_err().contains("reasoning"));
@@ -320,7 +320,7 @@ proptest::proptest! {
         }
         for r in runs {
             let r = Bytes::from(r);
-            let (a, b) = (lazy.relay(r.clone()), eager.relay(r));
+            let (a, b) = (lazy.relay_ok(r.clone()), eager.relay_ok(r));
             proptest::prop_assert_eq!(a, b);
         }
         proptest::prop_assert_eq!(lazy.complete(), eager.complete());
@@ -340,7 +340,7 @@ fn a_short_chat_stream_is_cut_without_being_read() {
     let evs = chat_stream(&texts, None, false);
     let mut out = Vec::new();
     for e in evs {
-        out.extend_from_slice(&t.relay(e));
+        out.extend_from_slice(&t.relay_ok(e));
     }
     // Kept unread, cut all the same.
     assert!(!t.pending.is_empty());
@@ -375,4 +375,84 @@ fn events_and_their_payloads() {
             .collect();
         assert_eq!(&got, want, "{}", String::from_utf8_lossy(run));
     }
+}
+
+proptest::proptest! {
+    /// A tracker that checks for aborts (as it does once the SSE scanner leaves them to
+    /// it) stops at the first event that carries one, as the scanner's check does: the
+    /// same bytes before it, the same abort, and an account without it, whether the events
+    /// were deferred, read by their shape or skimmed whole. Texts that are the words
+    /// themselves are no abort.
+    #[test]
+    fn the_tracker_finds_the_aborts_the_scanner_finds(
+        texts in proptest::collection::vec(
+            proptest::sample::select(vec![" a", "abort", "error", " \"abort\"", "x\\"]), 0..60),
+        abort_at in proptest::option::of(0usize..62),
+        error_chunk in proptest::bool::ANY,
+        eager in proptest::bool::ANY,
+        cut in 1usize..4,
+    ) {
+        let texts: Vec<String> = texts.iter().map(|s| s.to_string()).collect();
+        let mut evs = chat_stream(&texts, None, true);
+        if let Some(k) = abort_at.filter(|k| *k < evs.len()) {
+            let abort = if error_chunk {
+                json!({"error": {"object": "error", "message": "boom", "type": "InternalServerError", "code": 500}})
+            } else {
+                json!({"id": "x", "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
+            };
+            evs.insert(k, Bytes::from(format!("data: {abort}\n\n")));
+        }
+        let first_abort = evs.iter().position(|e| {
+            let d = e.strip_prefix(b"data: ").unwrap_or(e);
+            abort_in_answer(d.strip_suffix(b"\n\n").unwrap_or(d)).is_some()
+        });
+        let p = plan(ApiRoute::ChatCompletions, 64, false, false);
+        // The reference: the events before the first abort, relayed without checks.
+        let mut reference = Tracker::new(p.clone(), GenerateMode::Cumulative);
+        let mut want = Vec::new();
+        for e in &evs[..first_abort.unwrap_or(evs.len())] {
+            want.extend_from_slice(&reference.relay_ok(e.clone()));
+        }
+        let mut t = Tracker::new(p, GenerateMode::Cumulative);
+        if eager {
+            t = t.eager();
+        }
+        t.check_aborts();
+        let mut got = Vec::new();
+        let mut found = None;
+        for run in evs.chunks(cut) {
+            match t.relay(Bytes::from(run.concat())) {
+                Ok(b) => got.extend_from_slice(&b),
+                Err(a) => {
+                    got.extend_from_slice(&a.before);
+                    found = Some(a.abort);
+                    break;
+                }
+            }
+        }
+        proptest::prop_assert_eq!(found.is_some(), first_abort.is_some());
+        proptest::prop_assert_eq!(got, want);
+        proptest::prop_assert_eq!(t.sent(), reference.sent());
+    }
+}
+
+/// The cumulative `/generate` stream (forwarded as it comes) stops at an abort too, its
+/// last event before the abort the answer so far.
+#[test]
+fn a_cumulative_generate_stream_stops_at_an_abort() {
+    let words = [" a", " b", " c", " d"];
+    let mut evs = gen_events(&words, 0, GenerateMode::Cumulative, "r", 3);
+    let abort = json!({"text": " a b", "output_ids": [100, 101], "meta_info": {"id": "r",
+        "finish_reason": {"type": "abort", "message": "gone", "status_code": 500}}});
+    evs.insert(2, Bytes::from(format!("data: {abort}\n\n")));
+    let mut t = Tracker::new(
+        plan(ApiRoute::Generate, 4, false, false),
+        GenerateMode::Cumulative,
+    );
+    t.check_aborts();
+    let a = t.relay(Bytes::from(evs.concat())).unwrap_err();
+    assert_eq!(a.before, Bytes::from(evs[..2].concat()));
+    assert_eq!(a.abort.message, "gone");
+    let sent = t.sent().unwrap();
+    assert_eq!((sent.text.as_str(), sent.completion_tokens), (" a b", 2));
 }
