@@ -21,7 +21,8 @@
 //!
 //! Run: `cargo build --release --bin pdgate && cargo bench --bench floor`
 //! (`PDGATE_BENCH_QUICK=1` for one short round; `PDGATE_FLOOR_ROUNDS=N` to set the rounds;
-//! `PDGATE_FLOOR_ONLY=generate` or `chat` for one route). Beside CPU, each line counts the
+//! `PDGATE_FLOOR_ONLY=generate` or `chat` for one route; `PDGATE_FLOOR_TOKENS=N` for
+//! answers of N tokens, 4 by default). Beside CPU, each line counts the
 //! times the process was put on a CPU and its minor page faults, per request.
 //! This is a measurement, not a test: nothing here asserts on a time.
 
@@ -72,14 +73,15 @@ impl Route {
         }
     }
 
-    fn client_body(self) -> &'static str {
+    /// The client's body, asking for `tokens` tokens.
+    fn client_body(self, tokens: u32) -> String {
         match self {
-            Route::Generate => {
-                r#"{"text":"The capital of France is","sampling_params":{"max_new_tokens":4,"temperature":0}}"#
-            }
-            Route::ChatStream => {
-                r#"{"model":"sim-model","messages":[{"role":"user","content":"The capital of France is"}],"max_tokens":4,"stream":true}"#
-            }
+            Route::Generate => format!(
+                r#"{{"text":"The capital of France is","sampling_params":{{"max_new_tokens":{tokens},"temperature":0}}}}"#
+            ),
+            Route::ChatStream => format!(
+                r#"{{"model":"sim-model","messages":[{{"role":"user","content":"The capital of France is"}}],"max_tokens":{tokens},"stream":true}}"#
+            ),
         }
     }
 }
@@ -467,8 +469,17 @@ fn run_forwarder(role: &str) {
 // ---------------------------------------------------------------------------------------
 // The client and the measurement
 
+/// Tokens per answer: `PDGATE_FLOOR_TOKENS` (default 4). With a long answer (256) the
+/// streamed route's figures are mostly per token: the relay of each event.
+fn tokens() -> u32 {
+    std::env::var("PDGATE_FLOOR_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4)
+}
+
 fn client_request(addr: SocketAddr, route: Route) -> Vec<u8> {
-    let body = route.client_body();
+    let body = route.client_body(tokens());
     let mut r = format!(
         "POST {} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
         route.path(),
@@ -683,7 +694,7 @@ fn main() {
     let s = settings();
     let tck = clk_tck();
     let bin = pdgate_bin();
-    let (_sim_proc, sim) = start_sim(&bin, 4);
+    let (_sim_proc, sim) = start_sim(&bin, tokens());
     let (_raw, raw) = start_forwarder("raw", &sim);
     let (_hyper, hyper) = start_forwarder("hyper", &sim);
     let (router, router_url) = start_router(&bin, &sim);

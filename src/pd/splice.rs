@@ -371,7 +371,14 @@ impl Tracker {
                 continue;
             }
             let o = out.get_or_insert_with(|| {
-                let mut o = Vec::with_capacity(run.len());
+                // Sized exactly for the usual run, one event cut (its usage member and
+                // comma): `Bytes::from` then takes the buffer as it is, where a buffer
+                // with spare room costs a second allocation.
+                let cap = match &replaced {
+                    Replace::Cut(m) => run.len().saturating_sub(m.len() + 1),
+                    _ => run.len(),
+                };
+                let mut o = Vec::with_capacity(cap);
                 o.extend_from_slice(&run[..s]);
                 o
             });

@@ -66,9 +66,8 @@ pub struct ShapeCache {
 struct UsageShape {
     bytes: Vec<u8>,
     /// Per eight bytes of `bytes` (the last word ends at its end, overlapping the one
-    /// before): its offset, the template's word, and a mask with `0xff` in the bytes that
-    /// are digits of a count.
-    words: Vec<(usize, u64, u64)>,
+    /// before).
+    words: Vec<Word>,
     completion: Count,
     prompt: Count,
 }
@@ -128,8 +127,8 @@ impl UsageShape {
             let m = (0..8).fold(0u64, |m, k| {
                 m | (u64::from(digit[at + k]) * 0xff) << (8 * k)
             });
-            let t = u64::from_le_bytes(obj.get(at..at + 8)?.try_into().ok()?);
-            self.words.push((at, t, m));
+            let bytes = u64::from_le_bytes(obj.get(at..at + 8)?.try_into().ok()?);
+            self.words.push(Word { bytes, digits: m });
         }
         (self.completion, self.prompt) = (completion, prompt);
         Some(())
@@ -140,17 +139,16 @@ impl UsageShape {
     fn read(&self, b: &[u8], at: usize) -> Option<(usize, Option<u64>, Option<u64>)> {
         let n = self.bytes.len();
         let obj = b.get(at..at + n)?;
-        for &(i, t, m) in &self.words {
-            let x = u64::from_le_bytes(obj.get(i..i + 8)?.try_into().ok()?);
-            if (x ^ t) & !m != 0 {
+        // The whole words, then (when the length is not a multiple of eight) the last
+        // eight bytes, overlapping.
+        let (whole, last) = self.words.split_at_checked(n / 8)?;
+        for (x, w) in obj.chunks_exact(8).zip(whole) {
+            if !w.fits(u64::from_le_bytes(x.try_into().ok()?)) {
                 return None;
             }
-            // Each masked byte a digit: its high nibble 3, its low nibble at most 9.
-            let z = (x & m) | (ZEROS & !m);
-            if m != 0
-                && (z & HIGH_NIBBLES != ZEROS
-                    || ((z & LOW_NIBBLES) + 0x0606_0606_0606_0606) & HIGH_NIBBLES != 0)
-            {
+        }
+        if let Some(w) = last.first() {
+            if !w.fits(u64::from_le_bytes(obj.get(n - 8..)?.try_into().ok()?)) {
                 return None;
             }
         }
@@ -162,6 +160,30 @@ impl UsageShape {
             Count::Fixed(n) => *n,
         };
         Some((at + n, count(&self.completion), count(&self.prompt)))
+    }
+}
+
+/// Eight bytes of a [`UsageShape`]: the template's, and a mask with `0xff` in the bytes
+/// that are digits of a count.
+#[derive(Debug, Clone, Copy)]
+struct Word {
+    bytes: u64,
+    digits: u64,
+}
+
+impl Word {
+    /// Whether `x` equals the template's bytes outside the digits, and has digits there.
+    #[inline]
+    fn fits(&self, x: u64) -> bool {
+        let m = self.digits;
+        if (x ^ self.bytes) & !m != 0 {
+            return false;
+        }
+        // Each masked byte a digit: its high nibble 3, its low nibble at most 9.
+        let z = (x & m) | (ZEROS & !m);
+        m == 0
+            || (z & HIGH_NIBBLES == ZEROS
+                && ((z & LOW_NIBBLES) + 0x0606_0606_0606_0606) & HIGH_NIBBLES == 0)
     }
 }
 
