@@ -444,6 +444,18 @@ impl Dispatcher {
                         attempt_no += 1;
                         continue;
                     }
+                    if f.reason.retryable() {
+                        // Why a failure that could be retried was not (the chaos soak
+                        // tells its losses apart by this line).
+                        let why = if counted >= retry.max_retries || attempt_no >= MAX_ATTEMPTS {
+                            "the request's retries are spent"
+                        } else if !budget.has_balance(Spend::Retry) {
+                            "the retry budget is spent"
+                        } else {
+                            "no other pair to retry on"
+                        };
+                        tracing::info!(request_id = %ctx.id, reason = f.reason.as_str(), attempt = attempt_no, why, "not retried");
+                    }
                     break af.failure;
                 }
             }
