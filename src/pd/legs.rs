@@ -16,7 +16,7 @@ use http::StatusCode;
 use http_body_util::{BodyExt, Limited};
 use serde::Deserialize;
 
-pub use super::skim::may_hold_abort;
+use super::skim::may_hold_abort;
 use crate::admission::Admission;
 use crate::error::{FailReason, Failure};
 use crate::memory::{ByteBudget, Charge};

@@ -421,21 +421,30 @@ impl Dispatcher {
                             Role::Regular => exclude_r.push(w),
                         }
                     }
-                    // Retry only where a fresh pair can avoid the blamed worker.
-                    let can_retry = f.reason.retryable()
-                        && (f.stale_connection || counted < retry.max_retries)
-                        && attempt_no < MAX_ATTEMPTS
-                        && budget.has_balance(Spend::Retry)
-                        && (self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
-                            || self
-                                .alternative_within(
-                                    req.scope.as_deref(),
-                                    &exclude_p,
-                                    &exclude_d,
-                                    deadline,
-                                )
-                                .await);
-                    if can_retry && budget.try_withdraw(Spend::Retry) {
+                    // Retry only where a fresh pair can avoid the blamed worker; why not
+                    // otherwise (logged: the chaos soak tells its losses apart by it).
+                    let why_not = if !f.reason.retryable() {
+                        None
+                    } else if !(f.stale_connection || counted < retry.max_retries)
+                        || attempt_no >= MAX_ATTEMPTS
+                    {
+                        Some("the request's retries are spent")
+                    } else if !budget.has_balance(Spend::Retry) {
+                        Some("the retry budget is spent")
+                    } else if !(self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
+                        || self
+                            .alternative_within(
+                                req.scope.as_deref(),
+                                &exclude_p,
+                                &exclude_d,
+                                deadline,
+                            )
+                            .await)
+                    {
+                        Some("no other pair to retry on")
+                    } else if !budget.try_withdraw(Spend::Retry) {
+                        Some("the retry budget is spent")
+                    } else {
                         record::retried(f.reason);
                         retry_reason = Some(f.reason.as_str());
                         if !f.stale_connection {
@@ -443,17 +452,8 @@ impl Dispatcher {
                         }
                         attempt_no += 1;
                         continue;
-                    }
-                    if f.reason.retryable() {
-                        // Why a failure that could be retried was not (the chaos soak
-                        // tells its losses apart by this line).
-                        let why = if counted >= retry.max_retries || attempt_no >= MAX_ATTEMPTS {
-                            "the request's retries are spent"
-                        } else if !budget.has_balance(Spend::Retry) {
-                            "the retry budget is spent"
-                        } else {
-                            "no other pair to retry on"
-                        };
+                    };
+                    if let Some(why) = why_not {
                         tracing::info!(request_id = %ctx.id, reason = f.reason.as_str(), attempt = attempt_no, why, "not retried");
                     }
                     break af.failure;

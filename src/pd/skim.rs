@@ -338,6 +338,7 @@ fn choice(b: &[u8], at: usize) -> Option<(Choice, usize)> {
 }
 
 /// The digits at `r` as `str::parse::<u64>` reads them (an optional `+`, no overflow).
+#[inline]
 fn parse_u64(b: &[u8], r: Range<usize>) -> Option<u64> {
     let d = b.get(r)?;
     let d = d.strip_prefix(b"+").unwrap_or(d);

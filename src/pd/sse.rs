@@ -13,8 +13,9 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
-use super::legs::{abort_in_answer, may_hold_abort, InAnswer};
+use super::legs::{abort_in_answer, InAnswer};
 use super::logprobs::PrefillLogprobs;
+use super::skim::may_hold_abort;
 
 /// One scanner per decode stream.
 #[derive(Debug)]

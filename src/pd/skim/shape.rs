@@ -64,8 +64,9 @@ pub struct ShapeCache {
 /// a dozen word operations instead of a walk of its members.
 #[derive(Debug, Default)]
 struct UsageShape {
-    bytes: Vec<u8>,
-    /// Per eight bytes of `bytes` (the last word ends at its end, overlapping the one
+    /// The template object's length.
+    len: usize,
+    /// Its bytes, eight at a time (the last word ends at its end, overlapping the one
     /// before).
     words: Vec<Word>,
     completion: Count,
@@ -118,10 +119,9 @@ impl UsageShape {
             }
             Some(ve)
         })?;
-        self.bytes.clear();
-        self.bytes.extend_from_slice(obj);
         self.words.clear();
         let len = obj.len();
+        self.len = len;
         let last = (len % 8 != 0).then_some(len - 8);
         for at in (0..len / 8).map(|w| w * 8).chain(last) {
             let m = (0..8).fold(0u64, |m, k| {
@@ -137,7 +137,7 @@ impl UsageShape {
     /// The usage object at `at` when it has this shape (see the type's docs): its end and
     /// its completion and prompt tokens.
     fn read(&self, b: &[u8], at: usize) -> Option<(usize, Option<u64>, Option<u64>)> {
-        let n = self.bytes.len();
+        let n = self.len;
         let obj = b.get(at..at + n)?;
         // The whole words, then (when the length is not a multiple of eight) the last
         // eight bytes, overlapping.
@@ -153,10 +153,7 @@ impl UsageShape {
             }
         }
         let count = |c: &Count| match c {
-            Count::Digits(r) => obj.get(r.clone())?.iter().try_fold(0u64, |n, &d| {
-                n.checked_mul(10)?
-                    .checked_add(u64::from(d.wrapping_sub(b'0')))
-            }),
+            Count::Digits(r) => parse_u64(obj, r.clone()),
             Count::Fixed(n) => *n,
         };
         Some((at + n, count(&self.completion), count(&self.prompt)))
