@@ -33,8 +33,9 @@ pub struct ProgressConfig {
     pub gap_floor_ms: u64,
     pub gap_ceiling_ms: u64,
     /// A stalled worker is probed with a one-token request through a real pair; the first
-    /// probe waits this long, each probe the engine held without answering (still stuck)
-    /// doubles the wait up to the max; any other failed probe leaves it at the interval.
+    /// probe waits this long; from the second probe in a row the engine held without
+    /// answering (still stuck), each doubles the wait up to the max; any other failed probe
+    /// brings it back to the interval.
     pub probe_interval_ms: u64,
     pub probe_max_interval_ms: u64,
     /// How long one probe may take.
