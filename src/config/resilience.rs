@@ -17,12 +17,14 @@ pub struct RetryConfig {
     pub budget_ratio: f64,
     /// Retries always allowed, as a reserve that refills with requests.
     pub budget_min_reserve: u32,
-    /// Retries kept for stream moves, on top of the budget: a retry before the first byte
-    /// leaves them, a stream move may spend them, deposits refill them first. A client
-    /// whose request failed before its first byte gets a clean error it can retry; a
-    /// stream already half read has no such way back, so in a storm that spends the budget
-    /// the moves go first. Size it to the streams one decode runs at once (a decode that
-    /// hangs moves them all).
+    /// Retries kept for what one engine's failure costs, on top of the budget: stream
+    /// moves, and the retries of requests whose engine stalled (found by lack of progress).
+    /// An ordinary retry before the first byte leaves them, deposits refill them first. A
+    /// client whose request failed fast before its first byte gets a clean error it can
+    /// retry; a stream already half read has no such way back, and a stalled request has
+    /// already cost its client the stall deadline, so in a storm that spends the budget
+    /// these go first. Size it to the requests one engine runs at once (an engine that
+    /// hangs stalls or moves them all).
     pub budget_move_reserve: u32,
     /// Times one stream may be moved to another decode after its decode died or stalled
     /// mid-stream (0: never; each move spends the retry budget). Two by default: a long

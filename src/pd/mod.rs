@@ -75,36 +75,55 @@ const MAX_ATTEMPTS: u32 = 16;
 /// A cap on retries as a share of requests (in thousandths of a retry), so that a dead
 /// pool cannot multiply its load: every request deposits `ratio`, a retry withdraws one,
 /// and the balance starts at (and is capped near) the minimum reserve. On top of it sit
-/// `move_reserve` retries only stream moves may spend ([`Spend::Move`]): a retry before the
-/// first byte leaves them, deposits refill them first, so when a storm spends the budget
-/// the retries before the first byte are refused first.
+/// `reserve` retries only what one engine's failure costs may spend ([`Spend::Reserved`]:
+/// stream moves, and the retries of requests whose engine stalled): an ordinary retry
+/// before the first byte leaves them, deposits refill them first, so when a storm spends
+/// the budget the ordinary retries are refused first.
+///
+/// Why stalls too: a stalled request has already cost its client the stall deadline, and
+/// what stalls is bounded by what the stalled engine held when it stopped (it leaves
+/// rotation after `progress.eject_after_stalls`); a storm of fast failures elsewhere (the
+/// chaos soak's bootstrap faults) must not leave them to end 504 while another engine could
+/// serve them (issue 17's "a single engine failing costs the client nothing but latency").
 pub struct RetryBudget {
     balance: AtomicI64,
     deposit: i64,
     cap: i64,
-    move_reserve: i64,
+    reserve: i64,
 }
 
 /// What a withdrawal from the [`RetryBudget`] is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Spend {
-    /// A retry before the first byte: leaves the move reserve in the budget.
+    /// A retry before the first byte: leaves the reserve in the budget.
     Retry,
-    /// A stream move: may spend the move reserve.
-    Move,
+    /// A stream move, or the retry of a request whose engine stalled: may spend the
+    /// reserve.
+    Reserved,
+}
+
+impl Spend {
+    /// What the retry of a request that failed for `reason` spends.
+    pub fn retry_of(reason: FailReason) -> Spend {
+        if reason.is_stall() {
+            Spend::Reserved
+        } else {
+            Spend::Retry
+        }
+    }
 }
 
 impl RetryBudget {
     pub fn new(rc: &crate::config::RetryConfig) -> RetryBudget {
-        // The move reserve sits on top of the retries' own reserve and cap, so that retries
-        // see the same budget with or without it.
-        let move_reserve = i64::from(rc.budget_move_reserve) * 1000;
-        let reserve = i64::from(rc.budget_min_reserve) * 1000 + move_reserve;
+        // The reserve sits on top of the retries' own reserve and cap, so that ordinary
+        // retries see the same budget with or without it.
+        let reserve = i64::from(rc.budget_move_reserve) * 1000;
+        let start = i64::from(rc.budget_min_reserve) * 1000 + reserve;
         RetryBudget {
-            balance: AtomicI64::new(reserve),
+            balance: AtomicI64::new(start),
             deposit: (rc.budget_ratio * 1000.0).round() as i64,
-            cap: reserve + 100_000,
-            move_reserve,
+            cap: start + 100_000,
+            reserve,
         }
     }
     pub fn deposit(&self) {
@@ -117,8 +136,8 @@ impl RetryBudget {
     /// The balance a withdrawal for `what` must find.
     fn floor(&self, what: Spend) -> i64 {
         match what {
-            Spend::Retry => 1000 + self.move_reserve,
-            Spend::Move => 1000,
+            Spend::Retry => 1000 + self.reserve,
+            Spend::Reserved => 1000,
         }
     }
     /// Whether a withdrawal for `what` could be made now (looked at before a retry waits
@@ -429,7 +448,7 @@ impl Dispatcher {
                         || attempt_no >= MAX_ATTEMPTS
                     {
                         Some("the request's retries are spent")
-                    } else if !budget.has_balance(Spend::Retry) {
+                    } else if !budget.has_balance(Spend::retry_of(f.reason)) {
                         Some("the retry budget is spent")
                     } else if !(self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
                         || self
@@ -442,7 +461,7 @@ impl Dispatcher {
                             .await)
                     {
                         Some("no other pair to retry on")
-                    } else if !budget.try_withdraw(Spend::Retry) {
+                    } else if !budget.try_withdraw(Spend::retry_of(f.reason)) {
                         Some("the retry budget is spent")
                     } else {
                         record::retried(f.reason);
@@ -538,7 +557,7 @@ mod budget_tests {
                 let what = if i % 2 == 0 {
                     Spend::Retry
                 } else {
-                    Spend::Move
+                    Spend::Reserved
                 };
                 while b.try_withdraw(what) {
                     spent += 1;
@@ -548,6 +567,26 @@ mod budget_tests {
             // retry's worth is left unspent at the end.
             assert!(spent <= 200 + moves, "{spent}");
             assert!(spent + 1 >= 200, "{spent}");
+        }
+    }
+
+    /// Table: the retries of stalled requests spend as moves do; every other retry is an
+    /// ordinary one.
+    #[test]
+    fn stalled_requests_retry_from_the_reserve() {
+        for (reason, want) in [
+            (crate::error::FailReason::PrefillStalled, Spend::Reserved),
+            (crate::error::FailReason::DecodeStalled, Spend::Reserved),
+            (crate::error::FailReason::PrefillTimeout, Spend::Retry),
+            (
+                crate::error::FailReason::DecodeFirstByteTimeout,
+                Spend::Retry,
+            ),
+            (crate::error::FailReason::BootstrapNotReady, Spend::Retry),
+            (crate::error::FailReason::PrefillConnect, Spend::Retry),
+            (crate::error::FailReason::DecodeStatus, Spend::Retry),
+        ] {
+            assert_eq!(Spend::retry_of(reason), want, "{reason:?}");
         }
     }
 
@@ -567,16 +606,16 @@ mod budget_tests {
         assert_eq!(retries, 3);
         assert!(!b.has_balance(Spend::Retry));
         // ... and leave the moves' reserve, which moves then spend.
-        assert!(b.has_balance(Spend::Move));
-        assert!(b.try_withdraw(Spend::Move));
-        assert!(b.try_withdraw(Spend::Move));
-        assert!(!b.try_withdraw(Spend::Move));
+        assert!(b.has_balance(Spend::Reserved));
+        assert!(b.try_withdraw(Spend::Reserved));
+        assert!(b.try_withdraw(Spend::Reserved));
+        assert!(!b.try_withdraw(Spend::Reserved));
         // Deposits refill the moves' reserve first: retries resume only above it.
         for _ in 0..10 {
             b.deposit();
         }
         assert!(!b.try_withdraw(Spend::Retry));
-        assert!(b.try_withdraw(Spend::Move));
+        assert!(b.try_withdraw(Spend::Reserved));
         for _ in 0..10 {
             b.deposit();
         }

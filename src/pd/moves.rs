@@ -248,7 +248,7 @@ impl Mover {
         {
             return Err("no other decode to move to".into());
         }
-        if !budget.try_withdraw(super::Spend::Move) {
+        if !budget.try_withdraw(super::Spend::Reserved) {
             return Err("the retry budget is spent".into());
         }
         self.moves_left -= 1;
@@ -337,7 +337,9 @@ impl Mover {
                         let again = (f.reason.retryable() || rejected)
                             && n < retries
                             && d.has_alternative(scope.as_deref(), &exclude_p, &exclude_d)
-                            && d.retry(scope.as_deref()).1.try_withdraw(super::Spend::Move);
+                            && d.retry(scope.as_deref())
+                                .1
+                                .try_withdraw(super::Spend::Reserved);
                         if !again {
                             return Err(f);
                         }

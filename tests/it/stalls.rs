@@ -541,3 +541,31 @@ async fn a_probe_held_when_the_engine_recovers_does_not_double_the_wait() {
         "re-admitted {took:?} after it recovered"
     );
 }
+
+/// A fault storm can spend the retry budget before an engine stalls (in the chaos soak, the
+/// bootstrap faults' fast failures spent it and 17 requests stalled on a hung decode ended
+/// 504 `decode_stalled` while the other decode was fine). A stalled request is what one
+/// engine's failure costs, bounded by what that engine held, so its retry may spend the
+/// reserve that stream moves have (`retry.budget_move_reserve`): here the budget proper is
+/// empty (no ratio, no reserve) and every request that stalls on the hung prefill is still
+/// retried on the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_requests_are_retried_from_the_reserve_when_the_budget_is_spent() {
+    let env = start(
+        vec![EngineConfig::prefill(1), EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| {
+            c.progress.probe_interval_ms = 600_000;
+            c.retry.budget_ratio = 0.0;
+            c.retry.budget_min_reserve = 0;
+            c.retry.budget_move_reserve = 16;
+        },
+    )
+    .await;
+    env.wait_routable(2, 1).await;
+    all_ok(&load(&env, 16, 4, GEN).await);
+    hang_prefill(&env.cluster.prefills[0], true);
+    all_ok(&load(&env, 24, 4, GEN).await);
+    assert_eq!(breaker(&env, Role::Prefill, 0), BreakerState::Stalled);
+    assert_some_retried(&env.cluster.prefills[0], &env.cluster.prefills[1], 'p');
+}
