@@ -343,6 +343,9 @@ impl Tracker {
             }
             return Ok(run);
         }
+        if let Some(out) = self.one_token(&run) {
+            return Ok(out);
+        }
         let mut out: Option<Vec<u8>> = None;
         for (s, e, first) in events(&run) {
             let event = &run[s..e];
@@ -396,6 +399,50 @@ impl Tracker {
             Some(o) => Bytes::from(o),
             None => run,
         })
+    }
+
+    /// [`Self::relay`] of the usual run of an OpenAI stream that has not moved: one event,
+    /// one `data: ` line, a token chunk that matches the stream's shape and holds no abort.
+    /// `None` when the run is anything else (the caller reads it event by event).
+    ///
+    /// Why: most runs are one token event; read as a whole, the run needs no scan for its
+    /// events' ends, and its output is two copies (the run without the usage member).
+    /// It is one event: a payload that matches the template is one JSON object whose bytes
+    /// are the template's, a string and digits, and it holds no `\n` unless its text does.
+    fn one_token(&mut self, run: &Bytes) -> Option<Bytes> {
+        if self.segment > 0
+            || self.lazy_limit > 0
+            || self.id.is_none()
+            || self.plan.route == ApiRoute::Generate
+        {
+            return None;
+        }
+        let data = run.strip_prefix(b"data: ")?.strip_suffix(b"\n\n")?;
+        let t = self.shape.token(data)?;
+        let piece = data.get(t.piece.clone())?;
+        // A few bytes: core's inline search (a `memchr` crate call costs more than it
+        // saves here).
+        if (self.check_aborts && !t.abort_free) || piece.contains(&b'\n') {
+            return None;
+        }
+        // What the client does not get: the usage member and the comma before it (never
+        // the first member in a token chunk: its choices come before it). Found before the
+        // event is recorded: a `None` after would record it twice.
+        let cut = match &t.usage_member {
+            Some(m) if !self.plan.client_continuous_usage => {
+                let comma = data.get(..m.start)?.trim_ascii_end().strip_suffix(b",")?;
+                Some(6 + comma.len()..6 + m.end)
+            }
+            _ => None,
+        };
+        let _ = self.token(data, t);
+        let Some(cut) = cut else {
+            return Some(run.clone());
+        };
+        let mut out = Vec::with_capacity(run.len() - cut.len());
+        out.extend_from_slice(&run[..cut.start]);
+        out.extend_from_slice(&run[cut.end..]);
+        Some(Bytes::from(out))
     }
 
     /// From now on [`Self::relay`] checks each event for an abort or an error (the SSE

@@ -61,6 +61,23 @@ fn requests(e: &SimEngine) -> u64 {
     e.stats().requests_total
 }
 
+/// Waits until prefill `id`'s breaker is `state` (bounded: 10 s).
+async fn wait_breaker(env: &Env, id: u32, state: BreakerState, what: &str) {
+    env.wait_pool(what, |s| {
+        s.worker(Role::Prefill, WorkerId(id))
+            .is_some_and(|w| w.breaker.state() == state)
+    })
+    .await;
+}
+
+/// Hangs prefill 0 and sends requests until it is out of rotation as stalled (every one
+/// succeeds).
+async fn stall_prefill0(env: &Env) {
+    hang_prefill(&env.cluster.prefills[0], true);
+    all_ok(&load(env, 12, 4, GEN).await);
+    wait_breaker(env, 0, BreakerState::Stalled, "prefill 0 stalled").await;
+}
+
 fn hang_prefill(e: &SimEngine, on: bool) {
     e.set_faults(Faults {
         prefill_hang: on,
@@ -310,13 +327,7 @@ async fn readmitted_only_after_a_one_token_request_through_a_real_pair() {
     .await;
     env.wait_routable(2, 1).await;
     all_ok(&load(&env, 16, 4, GEN).await);
-    hang_prefill(&env.cluster.prefills[0], true);
-    all_ok(&load(&env, 12, 4, GEN).await);
-    env.wait_pool("prefill 0 stalled", |s| {
-        s.worker(Role::Prefill, WorkerId(0))
-            .is_some_and(|w| w.breaker.state() == BreakerState::Stalled)
-    })
-    .await;
+    stall_prefill0(&env).await;
     // Health checks pass every 50 ms; probes (every 200-400 ms) fail: it stays out.
     let p0 = &env.cluster.prefills[0];
     let probes_before = requests(p0);
@@ -330,11 +341,7 @@ async fn readmitted_only_after_a_one_token_request_through_a_real_pair() {
     let ok_before = p0.stats().ok;
     let decode_ok_before = env.cluster.decodes[0].stats().ok;
     hang_prefill(p0, false);
-    env.wait_pool("prefill 0 re-admitted", |s| {
-        s.worker(Role::Prefill, WorkerId(0))
-            .is_some_and(|w| w.breaker.state() == BreakerState::Closed)
-    })
-    .await;
+    wait_breaker(&env, 0, BreakerState::Closed, "prefill 0 re-admitted").await;
     assert!(p0.stats().ok > ok_before, "a request completed on it first");
     assert!(
         env.cluster.decodes[0].stats().ok > decode_ok_before,
@@ -363,13 +370,7 @@ async fn probes_answered_at_once_do_not_back_off() {
     env.wait_routable(2, 1).await;
     all_ok(&load(&env, 16, 4, GEN).await);
     let p0 = &env.cluster.prefills[0];
-    hang_prefill(p0, true);
-    all_ok(&load(&env, 12, 4, GEN).await);
-    env.wait_pool("prefill 0 stalled", |s| {
-        s.worker(Role::Prefill, WorkerId(0))
-            .is_some_and(|w| w.breaker.state() == BreakerState::Stalled)
-    })
-    .await;
+    stall_prefill0(&env).await;
     // No longer hung: it answers every generate with a 500 at once.
     p0.set_faults(Faults {
         prefill_status: Some(500),
@@ -383,11 +384,7 @@ async fn probes_answered_at_once_do_not_back_off() {
     assert!(probes >= 12, "probed {probes} times in 4 s");
     p0.set_faults(Faults::default());
     let cleared = Instant::now();
-    env.wait_pool("prefill 0 re-admitted", |s| {
-        s.worker(Role::Prefill, WorkerId(0))
-            .is_some_and(|w| w.breaker.state() == BreakerState::Closed)
-    })
-    .await;
+    wait_breaker(&env, 0, BreakerState::Closed, "prefill 0 re-admitted").await;
     let took = cleared.elapsed();
     assert!(
         took < Duration::from_millis(1500),
@@ -507,13 +504,7 @@ async fn a_probe_held_when_the_engine_recovers_does_not_double_the_wait() {
     env.wait_routable(2, 1).await;
     all_ok(&load(&env, 16, 4, GEN).await);
     let p0 = &env.cluster.prefills[0];
-    hang_prefill(p0, true);
-    all_ok(&load(&env, 12, 4, GEN).await);
-    env.wait_pool("prefill 0 stalled", |s| {
-        s.worker(Role::Prefill, WorkerId(0))
-            .is_some_and(|w| w.breaker.state() == BreakerState::Stalled)
-    })
-    .await;
+    stall_prefill0(&env).await;
     // The first probe (one interval after the stall) reaches the hung engine and is held.
     let before = requests(p0);
     let waited = Instant::now();
@@ -528,11 +519,7 @@ async fn a_probe_held_when_the_engine_recovers_does_not_double_the_wait() {
     // at its stall deadline (the 500 ms prefill floor), and the next probe re-admits it.
     hang_prefill(p0, false);
     let cleared = Instant::now();
-    env.wait_pool("prefill 0 re-admitted", |s| {
-        s.worker(Role::Prefill, WorkerId(0))
-            .is_some_and(|w| w.breaker.state() == BreakerState::Closed)
-    })
-    .await;
+    wait_breaker(&env, 0, BreakerState::Closed, "prefill 0 re-admitted").await;
     let took = cleared.elapsed();
     // Held probe's deadline (~0.5 s) + one interval (1 s) + the probe itself; a doubled
     // wait makes it ~2.5 s.

@@ -1,23 +1,24 @@
 //! The events of one stream share a shape: every token chunk of an OpenAI stream is the
 //! same bytes except its text (`delta.content` or `text`) and its usage numbers. A
 //! [`ShapeCache`] keeps the last fully skimmed event as a template and answers an event
-//! that matches it with two byte comparisons, one string scan and a walk of the usage
-//! object, instead of a walk of the whole chunk.
+//! that matches it with a few byte comparisons, one string scan and its counts' digits,
+//! instead of a walk of the whole chunk.
 //!
 //! Why: the account of a continuable stream reads every event, and the walk of every
 //! member was most of the CPU a continuable stream cost (BENCHMARKS §8).
 //!
 //! Invariants:
 //! - the answer is exactly what [`super::chunk`] gives for the same bytes (property-tested):
-//!   a hit requires the bytes before the text value and between the text value and the
-//!   usage value to equal the template's, the text to be one JSON string, and the usage to
-//!   be an object that closes the chunk, so the structure is the template's;
+//!   a hit requires the bytes before the text value to equal the template's, the text to
+//!   be one JSON string, and the bytes after it to be the template's but for the digits of
+//!   the usage object's counts (the usage, if any, closes the chunk), so the structure is
+//!   the template's;
 //! - a miss falls back to the full skim, which becomes the template when it has one choice
 //!   with a text string and its usage (if any) is the last member;
 //! - [`ShapeCache::token`] answers a matching event with only what differs from the template
 //!   (its text, its counts, its usage member; property-tested against the full skim), for a
-//!   stream's account that needs no [`Chunk`]; the usage object is matched eight bytes at a
-//!   time, its counts' digits under a mask ([`UsageShape`]).
+//!   stream's account that needs no [`Chunk`]; what follows the text is matched as literal
+//!   segments and runs of digits ([`TailShape`]).
 
 use std::ops::Range;
 
@@ -28,16 +29,12 @@ use super::{chunk, members, parse_u64, string_end, value_end, ws, Chunk, Flags};
 pub struct ShapeCache {
     /// The template's bytes before its text value.
     head: Vec<u8>,
-    /// The template's bytes from the end of its text value to the start of its usage
-    /// value, or to the end of the chunk when it has no usage.
-    mid: Vec<u8>,
     /// The template's end of its text value.
     piece_end: usize,
     /// The template's usage key starts this many bytes before its usage value.
     usage_key_back: usize,
-    /// The template's usage object, when `has_usage`.
-    usage: UsageShape,
-    has_usage: bool,
+    /// The template's bytes after its text value.
+    tail: TailShape,
     /// The template's skim (spans in the template's bytes); `None`: no template yet.
     tpl: Option<Chunk>,
     /// The last answer (its choice list reused from event to event).
@@ -53,134 +50,108 @@ pub struct ShapeCache {
     seen: bool,
 }
 
-/// A usage object as a template: its bytes, and where they hold the digits of a count.
-/// Another usage object has this shape when it is as long and differs only in those
-/// digits (each still a digit). Such an object has the template's structure, value for
-/// value, so its counts are read at the template's places.
+/// The rest of a token chunk after its text value, as a template: its bytes, cut where
+/// its usage object holds the digits of a count. Another chunk's rest has this shape when
+/// it is the same bytes with another run of digits (at least one) in place of each count.
+/// Such a rest has the template's structure, value for value, so its counts are read at
+/// the template's places and its usage object ends as many bytes before the chunk's end.
 ///
-/// Why: one stream's usage objects differ only in their counts, and mostly not in the
-/// counts' lengths (a count gains a digit a few times per stream; that event misses and
-/// becomes the template). Compared eight bytes at a time under a mask, the object costs
-/// a dozen word operations instead of a walk of its members.
+/// Why: one stream's chunks differ after their text only in their counts. Read as literal
+/// segments (each one slice comparison) and runs of digits (read as they are checked), the
+/// rest costs a few comparisons instead of a walk of its members, and a count that gains a
+/// digit is no miss.
+///
+/// The prompt's count is not a run: it is the same in every event of a stream (an event
+/// with another misses, and becomes the template), so it is compared as bytes and read
+/// once, when learned.
 #[derive(Debug, Default)]
-struct UsageShape {
-    /// The template object's length.
-    len: usize,
-    /// Its bytes, eight at a time (the last word ends at its end, overlapping the one
-    /// before).
-    words: Vec<Word>,
-    completion: Count,
-    prompt: Count,
+struct TailShape {
+    /// The template's bytes outside its runs of digits, one after the other.
+    lit: Vec<u8>,
+    /// The literal segments' lengths in `lit`: one before the first run, one after each.
+    lits: Vec<usize>,
+    /// Each run: whether it is the completion tokens' count.
+    runs: Vec<bool>,
+    /// The completion tokens' count when it is no run (absent, `null`): the same in every
+    /// chunk of the shape.
+    completion: Option<u64>,
+    prompt: Option<u64>,
+    /// Where the usage value starts (from the rest's start; no run comes before it), and
+    /// how many bytes of the chunk follow its end.
+    usage: Option<(usize, usize)>,
 }
 
-/// Where a count is, in a [`UsageShape`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Count {
-    /// A run of digits at these offsets (read from each object).
-    Digits(Range<usize>),
-    /// Anything else (absent, `null`, a fraction): the same bytes in every object of
-    /// the shape, so the same answer.
-    Fixed(Option<u64>),
-}
-
-impl Default for Count {
-    fn default() -> Count {
-        Count::Fixed(None)
-    }
-}
-
-const ZEROS: u64 = 0x3030_3030_3030_3030;
-const HIGH_NIBBLES: u64 = 0xf0f0_f0f0_f0f0_f0f0;
-const LOW_NIBBLES: u64 = 0x0f0f_0f0f_0f0f_0f0f;
-
-impl UsageShape {
-    /// Becomes the shape of the usage object `b[u]` (a value span [`super::chunk`] gave),
-    /// reusing its buffers.
-    fn learn(&mut self, b: &[u8], u: &Range<usize>) -> Option<()> {
-        let obj = b.get(u.clone())?;
-        // Shorter than a word: no usage object an engine writes; never a template.
-        if obj.len() < 8 {
-            return None;
+impl TailShape {
+    /// Becomes the shape of `b[from..]`, whose usage value (if any) is `b[u]` (a value
+    /// span [`super::chunk`] gave), reusing its buffers.
+    fn learn(&mut self, b: &[u8], from: usize, usage: Option<&Range<usize>>) -> Option<()> {
+        let mut runs: Vec<(Range<usize>, bool)> = Vec::new();
+        let (mut prompt, mut completion) = (None, None);
+        if let Some(u) = usage {
+            members(b, u.start, |key, _, vs| {
+                let ve = value_end(b, vs)?;
+                let digits = b[vs..ve].iter().all(u8::is_ascii_digit);
+                match key {
+                    b"prompt_tokens" => prompt = parse_u64(b, vs..ve),
+                    b"completion_tokens" if digits => runs.push((vs..ve, true)),
+                    b"completion_tokens" => completion = parse_u64(b, vs..ve),
+                    _ if digits => runs.push((vs..ve, false)),
+                    _ => {}
+                }
+                Some(ve)
+            })?;
         }
-        let mut digit = vec![false; obj.len()];
-        let (mut completion, mut prompt) = (Count::default(), Count::default());
-        members(b, u.start, |key, _, vs| {
-            let ve = value_end(b, vs)?;
-            let count = if b[vs..ve].iter().all(u8::is_ascii_digit) {
-                digit[vs - u.start..ve - u.start].fill(true);
-                Count::Digits(vs - u.start..ve - u.start)
-            } else {
-                Count::Fixed(parse_u64(b, vs..ve))
-            };
-            match key {
-                b"completion_tokens" => completion = count,
-                b"prompt_tokens" => prompt = count,
-                _ => {}
-            }
-            Some(ve)
-        })?;
-        self.words.clear();
-        let len = obj.len();
-        self.len = len;
-        let last = (len % 8 != 0).then_some(len - 8);
-        for at in (0..len / 8).map(|w| w * 8).chain(last) {
-            let m = (0..8).fold(0u64, |m, k| {
-                m | (u64::from(digit[at + k]) * 0xff) << (8 * k)
-            });
-            let bytes = u64::from_le_bytes(obj.get(at..at + 8)?.try_into().ok()?);
-            self.words.push(Word { bytes, digits: m });
+        self.lit.clear();
+        self.lits.clear();
+        self.runs.clear();
+        let mut at = from;
+        for (r, completion) in runs {
+            let l = b.get(at..r.start)?;
+            self.lit.extend_from_slice(l);
+            self.lits.push(l.len());
+            self.runs.push(completion);
+            at = r.end;
         }
-        (self.completion, self.prompt) = (completion, prompt);
+        let l = b.get(at..)?;
+        self.lit.extend_from_slice(l);
+        self.lits.push(l.len());
+        (self.prompt, self.completion) = (prompt, completion);
+        self.usage = match usage {
+            Some(u) => Some((u.start.checked_sub(from)?, b.len().checked_sub(u.end)?)),
+            None => None,
+        };
         Some(())
     }
 
-    /// The usage object at `at` when it has this shape (see the type's docs): its end and
-    /// its completion and prompt tokens.
+    /// The rest at `at` when it has this shape (see the type's docs): its end and its
+    /// completion and prompt tokens.
     fn read(&self, b: &[u8], at: usize) -> Option<(usize, Option<u64>, Option<u64>)> {
-        let n = self.len;
-        let obj = b.get(at..at + n)?;
-        // The whole words, then (when the length is not a multiple of eight) the last
-        // eight bytes, overlapping.
-        let (whole, last) = self.words.split_at_checked(n / 8)?;
-        for (x, w) in obj.chunks_exact(8).zip(whole) {
-            if !w.fits(u64::from_le_bytes(x.try_into().ok()?)) {
+        let (first, lits) = self.lits.split_first()?;
+        let mut i = at + first;
+        let (mut l, mut completion) = (*first, self.completion);
+        if b.get(at..i)? != self.lit.get(..l)? {
+            return None;
+        }
+        for (&is_completion, &n) in self.runs.iter().zip(lits) {
+            let start = i;
+            let mut v = 0u64;
+            while let Some(d) = b.get(i).map(|c| c.wrapping_sub(b'0')).filter(|d| *d <= 9) {
+                v = v.checked_mul(10)?.checked_add(u64::from(d))?;
+                i += 1;
+            }
+            if i == start {
                 return None;
             }
-        }
-        if let Some(w) = last.first() {
-            if !w.fits(u64::from_le_bytes(obj.get(n - 8..)?.try_into().ok()?)) {
+            if is_completion {
+                completion = Some(v);
+            }
+            if b.get(i..i + n)? != self.lit.get(l..l + n)? {
                 return None;
             }
+            i += n;
+            l += n;
         }
-        let count = |c: &Count| match c {
-            Count::Digits(r) => parse_u64(obj, r.clone()),
-            Count::Fixed(n) => *n,
-        };
-        Some((at + n, count(&self.completion), count(&self.prompt)))
-    }
-}
-
-/// Eight bytes of a [`UsageShape`]: the template's, and a mask with `0xff` in the bytes
-/// that are digits of a count.
-#[derive(Debug, Clone, Copy)]
-struct Word {
-    bytes: u64,
-    digits: u64,
-}
-
-impl Word {
-    /// Whether `x` equals the template's bytes outside the digits, and has digits there.
-    #[inline]
-    fn fits(&self, x: u64) -> bool {
-        let m = self.digits;
-        if (x ^ self.bytes) & !m != 0 {
-            return false;
-        }
-        // Each masked byte a digit: its high nibble 3, its low nibble at most 9.
-        let z = (x & m) | (ZEROS & !m);
-        m == 0
-            || (z & HIGH_NIBBLES == ZEROS
-                && ((z & LOW_NIBBLES) + 0x0606_0606_0606_0606) & HIGH_NIBBLES == 0)
+        Some((i, completion, self.prompt))
     }
 }
 
@@ -290,25 +261,14 @@ impl ShapeCache {
             return None;
         }
         let pe = string_end(b, ps)?;
-        if !b.get(pe..)?.starts_with(&self.mid) {
+        let (end, completion, prompt) = self.tail.read(b, pe)?;
+        if end != b.len() {
             return None;
         }
-        let after = pe + self.mid.len();
-        let (mut completion, mut prompt) = (None, None);
-        let usage_member = if self.has_usage {
-            let (ve, c, p) = self.usage.read(b, after)?;
-            (completion, prompt) = (c, p);
-            let close = ws(b, ve);
-            if b.get(close) != Some(&b'}') || ws(b, close + 1) != b.len() {
-                return None;
-            }
-            Some(after - self.usage_key_back..ve)
-        } else {
-            if after != b.len() {
-                return None;
-            }
-            None
-        };
+        let usage_member = self
+            .tail
+            .usage
+            .map(|(at, after)| pe + at - self.usage_key_back..end - after);
         // Neither word can appear in a matching event unless in the template's own bytes
         // or as its whole text: each begins and ends with a quote, and every other quote
         // inside a string is escaped, so no occurrence starts or ends inside the text; one
@@ -338,7 +298,7 @@ impl ShapeCache {
         if b.get(piece.start) != Some(&b'"') {
             return;
         }
-        let (mid_end, key_back) = match (&c.usage, &c.usage_member) {
+        let (usage, key_back) = match (&c.usage, &c.usage_member) {
             (Some(u), Some(m)) => {
                 // The usage must close the chunk (everything else lies before it).
                 let close = ws(b, u.end);
@@ -346,20 +306,17 @@ impl ShapeCache {
                 {
                     return;
                 }
-                if self.usage.learn(b, u).is_none() {
-                    return;
-                }
-                (u.start, u.start - m.start)
+                (Some(u), u.start - m.start)
             }
-            _ => (b.len(), 0),
+            _ => (None, 0),
         };
+        if self.tail.learn(b, piece.end, usage).is_none() {
+            return;
+        }
         self.head.clear();
         self.head.extend_from_slice(&b[..piece.start]);
-        self.mid.clear();
-        self.mid.extend_from_slice(&b[piece.end..mid_end]);
         self.piece_end = piece.end;
         self.usage_key_back = key_back;
-        self.has_usage = c.usage.is_some();
         self.flags = ch.flags(b);
         self.clean = !super::may_hold_abort(b);
         self.tpl = Some(c.clone());
@@ -386,6 +343,17 @@ mod tests {
         finish: Option<&str>,
         details: bool,
     ) -> Vec<u8> {
+        event_prompt(order_sim, text, completion, finish, details, 9)
+    }
+
+    fn event_prompt(
+        order_sim: bool,
+        text: &str,
+        completion: Option<u64>,
+        finish: Option<&str>,
+        details: bool,
+        prompt: u64,
+    ) -> Vec<u8> {
         let text = serde_json::to_string(text).unwrap();
         let finish = finish.map_or("null".to_string(), |f| format!("\"{f}\""));
         let details = if details {
@@ -394,7 +362,7 @@ mod tests {
             ""
         };
         let usage = completion.map_or(String::new(), |n| {
-            format!(r#","usage":{{"prompt_tokens":9,"total_tokens":{}{details},"completion_tokens":{n}}}"#, n + 9)
+            format!(r#","usage":{{"prompt_tokens":{prompt},"total_tokens":{}{details},"completion_tokens":{n}}}"#, n + prompt)
         });
         if order_sim {
             format!(r#"{{"choices":[{{"delta":{{"content":{text}}},"finish_reason":{finish},"index":0,"logprobs":null}}],"created":17,"id":"abc","model":"m","object":"chat.completion.chunk"{usage}}}"#).into_bytes()
@@ -461,13 +429,17 @@ mod tests {
             events in proptest::collection::vec(
                 (".{0,6}", proptest::option::weighted(0.9, 0u64..100_000),
                  proptest::option::weighted(0.1, "stop|length"), 0usize..40,
-                 proptest::bool::weighted(0.2)),
+                 proptest::bool::weighted(0.2),
+                 // The prompt's count, compared as bytes: mostly the stream's, at times
+                 // another of the same length or of another length.
+                 proptest::sample::select(vec![9u64, 9, 9, 9, 7, 1234])),
                 1..16,
             )
         ) {
             let mut cache = ShapeCache::default();
-            for (text, completion, finish, cut, garble) in events {
-                let mut b = event_with(sim, &text, completion, finish.as_deref(), details);
+            for (text, completion, finish, cut, garble, prompt) in events {
+                let mut b =
+                    event_prompt(sim, &text, completion, finish.as_deref(), details, prompt);
                 if garble {
                     let at = b.len().saturating_sub(1 + cut);
                     b[at] = b'"';
