@@ -408,6 +408,13 @@ pub struct UpstreamConfig {
     /// answered 413 before its first byte (`logprobs_too_large`); a non-streamed request
     /// merges them once and is bounded by `max_answer_bytes` only.
     pub max_stream_logprob_bytes: usize,
+    /// The most bytes of the prefill's input logprobs one such stream may repeat in all:
+    /// their size times the events the request can produce (one per output token at most:
+    /// its `max_new_tokens`, SGLang's default 128 when it sets none, per item of a batch).
+    /// Past it the request is answered 413 before its first byte (`logprobs_too_large`).
+    /// Why both: the per-event cap bounds one event; this one bounds what one request
+    /// makes the router copy and send (a 1 MiB merge in each of 2,000 events is 2 GiB).
+    pub max_stream_logprob_total_bytes: usize,
 }
 
 impl Default for UpstreamConfig {
@@ -419,6 +426,7 @@ impl Default for UpstreamConfig {
             pool_idle_timeout_secs: 4,
             max_answer_bytes: 64 * 1024 * 1024,
             max_stream_logprob_bytes: 1024 * 1024,
+            max_stream_logprob_total_bytes: 256 * 1024 * 1024,
         }
     }
 }
@@ -645,6 +653,12 @@ impl Config {
             u.max_stream_logprob_bytes,
             1,
             MAX_BYTES,
+        )?;
+        range(
+            "upstream.max_stream_logprob_total_bytes",
+            u.max_stream_logprob_total_bytes,
+            1,
+            usize::MAX,
         )?;
         range_f(
             "policy.cache_aware_balance_factor",

@@ -12,8 +12,9 @@
 //!   `upstream.max_answer_bytes`, and charged to the in-flight byte budget until sent);
 //!   any other answer is handed on after its first bytes.
 //! - A streamed request whose prefill input logprobs are larger than
-//!   `upstream.max_stream_logprob_bytes` is refused (413 `logprobs_too_large`) before its
-//!   first byte: every event would repeat them.
+//!   `upstream.max_stream_logprob_bytes`, or whose logprobs times the events it can produce
+//!   are larger than `upstream.max_stream_logprob_total_bytes`, is refused (413
+//!   `logprobs_too_large`) before its first byte: every event would repeat them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -180,18 +181,11 @@ where
         }
         None => None,
     };
-    let cap = d.cfg.upstream.max_stream_logprob_bytes;
-    if let Some(lp) = logprobs.as_ref().filter(|l| req.stream && l.bytes() > cap) {
+    if let Some(why) = logprobs.as_ref().filter(|_| req.stream).and_then(|lp| {
+        stream_logprobs_refused(&d.cfg.upstream, lp.bytes(), req.output_tokens_bound())
+    }) {
         // Each event would repeat them: refused rather than merged (see `pd::logprobs`).
-        return Err(failed(Failure::new(
-            FailReason::LogprobsTooLarge,
-            format!(
-                "the prompt's input logprobs are {} bytes, more than the {cap} bytes a streamed \
-                 request may repeat in every event (upstream.max_stream_logprob_bytes); ask \
-                 without stream, or for fewer (logprob_start_len, top_logprobs_num)",
-                lp.bytes()
-            ),
-        )));
+        return Err(failed(Failure::new(FailReason::LogprobsTooLarge, why)));
     }
     let is_sse = head
         .headers
@@ -341,4 +335,66 @@ async fn first_bytes(
 
 fn broken(message: String) -> Failure {
     Failure::new(FailReason::DecodeBroken, message)
+}
+
+/// Why a streamed request whose prompt's input logprobs are `bytes` long, and which can
+/// produce `tokens` events, is refused: past the per-event cap, or past the per-stream cap
+/// on what all its events repeat. `None`: merged.
+fn stream_logprobs_refused(
+    u: &crate::config::UpstreamConfig,
+    bytes: usize,
+    tokens: u64,
+) -> Option<String> {
+    let cap = u.max_stream_logprob_bytes;
+    if bytes > cap {
+        return Some(format!(
+            "the prompt's input logprobs are {bytes} bytes, more than the {cap} bytes a streamed \
+             request may repeat in every event (upstream.max_stream_logprob_bytes); ask \
+             without stream, or for fewer (logprob_start_len, top_logprobs_num)"
+        ));
+    }
+    let total = u.max_stream_logprob_total_bytes;
+    let all = (bytes as u64).saturating_mul(tokens);
+    (all > total as u64).then(|| {
+        format!(
+            "the prompt's input logprobs are {bytes} bytes, repeated in each of up to {tokens} \
+             events: {all} bytes, more than the {total} a stream may repeat in all \
+             (upstream.max_stream_logprob_total_bytes); ask without stream, for fewer tokens \
+             (max_new_tokens), or for fewer logprobs (logprob_start_len, top_logprobs_num)"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Table: a stream's logprobs are refused past the per-event cap, or when their size
+    /// times the events the request can produce is past the per-stream cap.
+    #[test]
+    fn streamed_logprobs_are_bounded_per_event_and_per_stream() {
+        let u = crate::config::UpstreamConfig {
+            max_stream_logprob_bytes: 1000,
+            max_stream_logprob_total_bytes: 100_000,
+            ..Default::default()
+        };
+        for (bytes, tokens, want) in [
+            (10, 128, None),
+            (1000, 100, None),
+            (1001, 1, Some("upstream.max_stream_logprob_bytes")),
+            (1000, 101, Some("upstream.max_stream_logprob_total_bytes")),
+            (1, 100_001, Some("upstream.max_stream_logprob_total_bytes")),
+            (1, u64::MAX, Some("upstream.max_stream_logprob_total_bytes")),
+            (0, u64::MAX, None),
+        ] {
+            let got = stream_logprobs_refused(&u, bytes, tokens);
+            match want {
+                None => assert_eq!(got, None, "{bytes} x {tokens}"),
+                Some(key) => assert!(
+                    got.as_deref().is_some_and(|m| m.contains(key)),
+                    "{bytes} x {tokens}: {got:?}"
+                ),
+            }
+        }
+    }
 }

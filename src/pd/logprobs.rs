@@ -11,8 +11,10 @@
 //!
 //! Cost: an event costs its own scan plus a copy of the prefill's arrays (SGLang's stream
 //! chunks carry cumulative `meta_info`, so each event repeats them). That is why a stream's
-//! merge is capped (`upstream.max_stream_logprob_bytes`, see `pd::first_byte`): past it the
-//! request is refused before its first byte rather than answered differently from SGLang.
+//! merge is capped, per event (`upstream.max_stream_logprob_bytes`) and in all
+//! (`upstream.max_stream_logprob_total_bytes`: their size times the events the request can
+//! produce; see `pd::first_byte`): past either the request is refused before its first byte
+//! rather than answered differently from SGLang.
 //!
 //! Invariants: what a merge writes is valid JSON whenever decode's input was (the arrays'
 //! inner bytes come from a valid array; separators are written only between non-empty

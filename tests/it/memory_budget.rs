@@ -122,6 +122,43 @@ async fn the_byte_budget_refuses_what_would_exceed_it_and_frees_it_with_the_resp
     );
 }
 
+/// Under the per-event cap, a stream is still refused when its logprobs times the events it
+/// can produce (its `max_new_tokens`, or SGLang's 128 when it sets none) are past the
+/// per-stream cap; the same prompt with a short enough answer is merged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_logprobs_repeated_in_all_events_are_past_the_total_cap_is_refused() {
+    let env = common::start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| c.upstream.max_stream_logprob_total_bytes = 4096,
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    // 20 prompt tokens: a few hundred bytes of input logprobs, under the 1 MiB per event.
+    let ids: Vec<String> = (1..=20).map(|i| i.to_string()).collect();
+    let body = |sampling: &str| {
+        format!(
+            r#"{{"input_ids":[{}],"sampling_params":{{{sampling}}},"return_logprob":true,"stream":true}}"#,
+            ids.join(",")
+        )
+    };
+    for sampling in [r#""max_new_tokens":200"#, ""] {
+        let (st, _, bytes) = env.post("/generate", &body(sampling)).await;
+        assert_eq!(st, 413, "{sampling}: {}", String::from_utf8_lossy(&bytes));
+        assert_eq!(error_type(&bytes), "logprobs_too_large");
+        assert!(
+            String::from_utf8_lossy(&bytes).contains("upstream.max_stream_logprob_total_bytes"),
+            "{}",
+            String::from_utf8_lossy(&bytes)
+        );
+    }
+    let (st, _, bytes) = env.post("/generate", &body(r#""max_new_tokens":2"#)).await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(text.contains("input_token_logprobs"), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_logprob_merge_past_its_cap_is_refused_and_a_whole_answer_is_merged() {
     let env = common::start(

@@ -25,11 +25,17 @@ impl ParsedRequest {
             .prompt
             .as_ref()
             .map_or(0, |r| (r.len() as u64).div_ceil(BYTES_PER_TOKEN));
-        let budget = self.max_new_tokens().unwrap_or(DEFAULT_MAX_NEW_TOKENS);
-        let instances = self.instances() as u64;
         prompt
             .saturating_mul(u64::from(self.n))
-            .saturating_add(budget.saturating_mul(instances))
+            .saturating_add(self.output_tokens_bound())
+    }
+
+    /// The most output tokens the request can produce in all: its output budget (or
+    /// SGLang's default), per instance. A stream has at most one event per token.
+    pub fn output_tokens_bound(&self) -> u64 {
+        self.max_new_tokens()
+            .unwrap_or(DEFAULT_MAX_NEW_TOKENS)
+            .saturating_mul(self.instances() as u64)
     }
 
     /// The output budget the request asks for, if it says.
