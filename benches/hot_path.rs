@@ -228,9 +228,33 @@ fn bench_tracked(c: &mut Criterion) {
     g.finish();
 }
 
+/// Reading a prefill answer's input logprobs (`pd::logprobs`): an 8,000-token prompt's
+/// `input_token_logprobs` (about 150 KB), found and kept as byte ranges of the answer.
+fn bench_prefill_logprobs(c: &mut Criterion) {
+    use pdgate::memory::Charge;
+    use pdgate::pd::logprobs::PrefillLogprobs;
+    let entries: Vec<String> = (0..8000)
+        .map(|i| format!("[-{}.{:03},{},null]", i % 7, i % 1000, 1000 + i))
+        .collect();
+    let answer = Bytes::from(format!(
+        "{{\"text\":\"\",\"meta_info\":{{\"id\":\"x\",\"prompt_tokens\":8000,\"input_token_logprobs\":[{}],\"output_token_logprobs\":[],\"finish_reason\":{{\"type\":\"length\",\"length\":1}}}}}}",
+        entries.join(",")
+    ));
+    let mut g = c.benchmark_group("prefill_logprobs");
+    g.throughput(Throughput::Bytes(answer.len() as u64));
+    g.bench_function("read_8000_token_prompt", |b| {
+        b.iter(|| {
+            black_box(
+                PrefillLogprobs::from_prefill_body(black_box(&answer), Charge::none()).bytes(),
+            )
+        })
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_parse, bench_write_leg, bench_rooms, bench_sse, bench_tracked
+    targets = bench_parse, bench_write_leg, bench_rooms, bench_sse, bench_tracked, bench_prefill_logprobs
 }
 criterion_main!(benches);

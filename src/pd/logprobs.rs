@@ -25,7 +25,7 @@ use std::fmt;
 use std::ops::Range;
 
 use bytes::Bytes;
-use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -59,15 +59,117 @@ impl<'de> Deserialize<'de> for Members<'de> {
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Members<'de>, A::Error> {
-                let mut v = Vec::with_capacity(m.size_hint().unwrap_or(8));
-                while let Some((k, val)) = m.next_entry::<Cow<'de, str>, &'de RawValue>()? {
-                    v.push((k, val));
-                }
-                Ok(Members(v))
+            fn visit_map<A: MapAccess<'de>>(self, m: A) -> Result<Members<'de>, A::Error> {
+                read_members(m)
             }
         }
         d.deserialize_map(V)
+    }
+}
+
+/// An answer item's `meta_info` members (its first `meta_info`, when that is an object),
+/// read in the one walk of the item: every other member, and anything that is not an
+/// object, is skipped as it is read.
+///
+/// Why: a prefill answer with input logprobs is megabytes of number arrays; reading the
+/// item, then its members, then `meta_info`'s as raw values walked those arrays three
+/// times (a logprob bomb's prefill answer spent a fifth of the router's CPU in
+/// `serde_json`'s `ignore_value`: BENCHMARKS §10).
+struct ItemMeta<'a>(Option<Members<'a>>);
+
+/// Consumes any JSON value; an object's members are kept (`Some`), anything else is not.
+struct MaybeMembers<'a>(Option<Members<'a>>);
+
+/// What [`ItemMeta`] and [`MaybeMembers`] read from a value that is not an object: nothing
+/// (a list's elements are skipped).
+macro_rules! not_an_object {
+    ($t:ident) => {
+        fn visit_bool<E>(self, _: bool) -> Result<$t<'de>, E> {
+            Ok($t(None))
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<$t<'de>, E> {
+            Ok($t(None))
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<$t<'de>, E> {
+            Ok($t(None))
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<$t<'de>, E> {
+            Ok($t(None))
+        }
+        fn visit_str<E>(self, _: &str) -> Result<$t<'de>, E> {
+            Ok($t(None))
+        }
+        fn visit_unit<E>(self) -> Result<$t<'de>, E> {
+            Ok($t(None))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<$t<'de>, A::Error> {
+            while s.next_element::<IgnoredAny>()?.is_some() {}
+            Ok($t(None))
+        }
+    };
+}
+
+impl<'de> Deserialize<'de> for MaybeMembers<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = MaybeMembers<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, m: A) -> Result<MaybeMembers<'de>, A::Error> {
+                Ok(MaybeMembers(Some(read_members(m)?)))
+            }
+            not_an_object!(MaybeMembers);
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for ItemMeta<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ItemMeta<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<ItemMeta<'de>, A::Error> {
+                let (mut meta, mut seen) = (None, false);
+                while let Some(k) = m.next_key::<Cow<'de, str>>()? {
+                    if k == "meta_info" && !seen {
+                        seen = true;
+                        meta = m.next_value::<MaybeMembers<'de>>()?.0;
+                    } else {
+                        m.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(ItemMeta(meta))
+            }
+            not_an_object!(ItemMeta);
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// An object's members, in order, each value kept raw.
+fn read_members<'de, A: MapAccess<'de>>(mut m: A) -> Result<Members<'de>, A::Error> {
+    let mut v = Vec::with_capacity(m.size_hint().unwrap_or(8));
+    while let Some((k, val)) = m.next_entry::<Cow<'de, str>, &'de RawValue>()? {
+        v.push((k, val));
+    }
+    Ok(Members(v))
+}
+
+/// The `meta_info` of each top-level item of a prefill answer (a list's elements, or the
+/// one object), in one walk.
+fn item_metas(json: &str) -> Option<Vec<ItemMeta<'_>>> {
+    match json.trim_ascii_start().as_bytes().first() {
+        Some(b'[') => serde_json::from_str(json).ok(),
+        Some(b'{') => serde_json::from_str::<ItemMeta<'_>>(json)
+            .ok()
+            .map(|m| vec![m]),
+        _ => None,
     }
 }
 
@@ -106,15 +208,11 @@ impl PrefillLogprobs {
         let Ok(text) = std::str::from_utf8(body) else {
             return lp;
         };
-        let Some(list) = items(text) else {
+        let Some(list) = item_metas(text) else {
             return lp;
         };
-        for item in list {
+        for ItemMeta(meta) in list {
             let mut arrays: [Option<Bytes>; 3] = Default::default();
-            let meta = serde_json::from_str::<Members<'_>>(item.get())
-                .ok()
-                .and_then(|m| m.0.into_iter().find(|(k, _)| k == "meta_info"))
-                .and_then(|(_, v)| serde_json::from_str::<Members<'_>>(v.get()).ok());
             for (k, v) in meta.map(|m| m.0).unwrap_or_default() {
                 if let Some(i) = KEYS.iter().position(|key| *key == k) {
                     if let Some(r) = array_inner(v.get()) {

@@ -163,3 +163,57 @@ proptest! {
         prop_assert_eq!(got, reference(&pv, &chunk, Some(idx)));
     }
 }
+
+/// Table: what the one walk of a prefill answer finds, item by item (the arrays' inner
+/// bytes), for answers of every shape: non-object items and `meta_info`s, nested and
+/// repeated keys, invalid JSON.
+#[test]
+fn the_prefill_answer_is_read_in_one_walk_whatever_its_shape() {
+    let t = |s: &str| Some(s.to_string());
+    let table: &[(&str, Vec<[Option<String>; 3]>)] = &[
+        (r#"{"meta_info": null}"#, vec![[None, None, None]]),
+        (r#"{"text":"a","meta_info":7}"#, vec![[None, None, None]]),
+        (
+            r#"[1, "x", {"meta_info":{"input_token_logprobs":[[1,2,null]]}}, [3], null]"#,
+            vec![
+                [None, None, None],
+                [None, None, None],
+                [t("[1,2,null]"), None, None],
+                [None, None, None],
+                [None, None, None],
+            ],
+        ),
+        (
+            r#"{"meta_info":{"input_token_logprobs":5,"input_top_logprobs":[ 1 , 2 ]}}"#,
+            vec![[None, t("1 , 2"), None]],
+        ),
+        (
+            r#"{"a":[{"meta_info":{"input_token_logprobs":[1]}}],"b":{"meta_info":{"input_token_logprobs":[9]}},"meta_info":{"input_token_ids_logprobs":[2]}}"#,
+            vec![[None, None, t("2")]],
+        ),
+        (
+            r#"{"meta_info":{"input_token_logprobs":[1]},"meta_info":{"input_token_logprobs":[2]}}"#,
+            vec![[t("1"), None, None]],
+        ),
+        (
+            r#"{"meta_info":[1],"meta_info":{"input_token_logprobs":[2]}}"#,
+            vec![[None, None, None]],
+        ),
+        (r#"{"meta_info":{"input_token_logprobs":[1]}"#, vec![]),
+        (r#"{"meta_info":{"input_token_logprobs":[1]}} x"#, vec![]),
+        (r#""str""#, vec![]),
+        ("", vec![]),
+    ];
+    for (body, want) in table {
+        let got = lp(body);
+        let got: Vec<[Option<String>; 3]> = got
+            .items
+            .iter()
+            .map(|a| {
+                a.clone()
+                    .map(|b| b.map(|b| String::from_utf8_lossy(&b).into_owned()))
+            })
+            .collect();
+        assert_eq!(&got, want, "{body}");
+    }
+}
