@@ -147,10 +147,13 @@ impl SseScanner {
         if self.logprobs.is_none() && (!self.checks || !may_hold_abort(&complete)) {
             return Scan::Forward(complete);
         }
-        let mut rebuilt: Option<Vec<u8>> = self
-            .logprobs
-            .as_ref()
-            .map(|lp| Vec::with_capacity(complete.len() + lp.bytes() + 256));
+        // Sized for every data line of the run with the arrays merged in (what the merge
+        // writes at most): a run of several events grew the buffer by doubling, copying
+        // megabytes again at each step.
+        let mut rebuilt: Option<Vec<u8>> = self.logprobs.as_ref().map(|lp| {
+            let lines = memchr::memmem::find_iter(&complete, b"data:").count();
+            Vec::with_capacity(complete.len() + lines.max(1) * (lp.bytes() + 256))
+        });
         let mut pos = 0;
         let buf = &complete[..];
         while pos < buf.len() {
