@@ -302,7 +302,9 @@ impl ShapeCache {
             (Some(u), Some(m)) => {
                 // The usage must close the chunk (everything else lies before it).
                 let close = ws(b, u.end);
-                if b.get(close) != Some(&b'}') || ws(b, close + 1) != b.len() || u.start < piece.end
+                // The usage member (its key too) follows the text: `matched` finds the key
+                // at a fixed distance after the text's end.
+                if b.get(close) != Some(&b'}') || ws(b, close + 1) != b.len() || m.start < piece.end
                 {
                     return;
                 }
