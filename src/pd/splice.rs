@@ -43,6 +43,9 @@ use super::legs::{abort_in_answer, InAnswer};
 use super::request::ApiRoute;
 use super::skim;
 
+mod events;
+use events::{events, payload_with};
+
 /// How an engine streams `/generate`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GenerateMode {
@@ -126,56 +129,6 @@ struct GenMeta<'a> {
     finish_reason: Option<&'a RawValue>,
     #[serde(borrow, default)]
     id: Option<Cow<'a, str>>,
-}
-
-/// The `data:` payload of one event, if it has one (SGLang writes one line per event),
-/// with the end of the event's first line (its first `\n`, or its length) already known:
-/// most events are one `data:` line, read with no second scan.
-fn payload_with(event: &[u8], first: usize) -> Option<(usize, usize)> {
-    if let Some(d) = event.get(..first).and_then(|l| l.strip_prefix(b"data:")) {
-        let skip = 5 + usize::from(d.first() == Some(&b' '));
-        let end = first - usize::from(event.get(first.wrapping_sub(1)) == Some(&b'\r'));
-        return Some((skip.min(end), end));
-    }
-    let mut start = 0;
-    for end in memchr::memchr_iter(b'\n', event).chain(std::iter::once(event.len())) {
-        let line = &event[start..end];
-        let line_start = start;
-        start = end + 1;
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if let Some(d) = line.strip_prefix(b"data:") {
-            let skip = 5 + usize::from(d.first() == Some(&b' '));
-            let from = line_start + skip;
-            return Some((from, line_start + line.len()));
-        }
-    }
-    None
-}
-
-/// The events of a run of whole events, each with its blank line: (start, end, the end of
-/// its first line relative to its start).
-fn events(buf: &[u8]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
-    let mut pos = 0;
-    std::iter::from_fn(move || {
-        if pos >= buf.len() {
-            return None;
-        }
-        let rest = &buf[pos..];
-        let mut first = None;
-        let len = memchr::memchr_iter(b'\n', rest)
-            .find_map(|i| {
-                first.get_or_insert(i);
-                match rest.get(i + 1..) {
-                    Some([b'\n', ..]) => Some(i + 2),
-                    Some([b'\r', b'\n', ..]) => Some(i + 3),
-                    _ => None,
-                }
-            })
-            .unwrap_or(rest.len());
-        let ev = (pos, pos + len, first.unwrap_or(len));
-        pos += len;
-        Some(ev)
-    })
 }
 
 /// Whether the chunk `data` holds a choice: `Some(true)` when its (first) `"choices"` key

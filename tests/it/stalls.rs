@@ -70,6 +70,14 @@ async fn wait_breaker(env: &Env, id: u32, state: BreakerState, what: &str) {
     .await;
 }
 
+/// Prefill 0, which recovered at `cleared`, is re-admitted (its breaker closed again)
+/// within `bound`.
+async fn readmitted_within(env: &Env, cleared: Instant, bound: Duration) {
+    wait_breaker(env, 0, BreakerState::Closed, "prefill 0 re-admitted").await;
+    let took = cleared.elapsed();
+    assert!(took < bound, "re-admitted {took:?} after it recovered");
+}
+
 /// Hangs prefill 0 and sends requests until it is out of rotation as stalled (every one
 /// succeeds).
 async fn stall_prefill0(env: &Env) {
@@ -383,13 +391,7 @@ async fn probes_answered_at_once_do_not_back_off() {
     // One probe per 100 ms interval (~40 in 4 s); a doubling backoff sends 5 or 6.
     assert!(probes >= 12, "probed {probes} times in 4 s");
     p0.set_faults(Faults::default());
-    let cleared = Instant::now();
-    wait_breaker(&env, 0, BreakerState::Closed, "prefill 0 re-admitted").await;
-    let took = cleared.elapsed();
-    assert!(
-        took < Duration::from_millis(1500),
-        "re-admitted {took:?} after it recovered"
-    );
+    readmitted_within(&env, Instant::now(), Duration::from_millis(1500)).await;
 }
 
 /// A decode that pulls the KV and then never sends its first byte: each such request is
@@ -518,15 +520,9 @@ async fn a_probe_held_when_the_engine_recovers_does_not_double_the_wait() {
     // It recovers at once; the held probe still fails (a hung engine keeps what it holds),
     // at its stall deadline (the 500 ms prefill floor), and the next probe re-admits it.
     hang_prefill(p0, false);
-    let cleared = Instant::now();
-    wait_breaker(&env, 0, BreakerState::Closed, "prefill 0 re-admitted").await;
-    let took = cleared.elapsed();
     // Held probe's deadline (~0.5 s) + one interval (1 s) + the probe itself; a doubled
     // wait makes it ~2.5 s.
-    assert!(
-        took < Duration::from_millis(2100),
-        "re-admitted {took:?} after it recovered"
-    );
+    readmitted_within(&env, Instant::now(), Duration::from_millis(2100)).await;
 }
 
 /// A fault storm can spend the retry budget before an engine stalls (in the chaos soak, the
