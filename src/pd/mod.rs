@@ -442,13 +442,14 @@ impl Dispatcher {
                     }
                     // Retry only where a fresh pair can avoid the blamed worker; why not
                     // otherwise (logged: the chaos soak tells its losses apart by it).
+                    let spend = Spend::retry_of(f.reason);
                     let why_not = if !f.reason.retryable() {
                         None
                     } else if !(f.stale_connection || counted < retry.max_retries)
                         || attempt_no >= MAX_ATTEMPTS
                     {
                         Some("the request's retries are spent")
-                    } else if !budget.has_balance(Spend::retry_of(f.reason)) {
+                    } else if !budget.has_balance(spend) {
                         Some("the retry budget is spent")
                     } else if !(self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
                         || self
@@ -461,7 +462,7 @@ impl Dispatcher {
                             .await)
                     {
                         Some("no other pair to retry on")
-                    } else if !budget.try_withdraw(Spend::retry_of(f.reason)) {
+                    } else if !budget.try_withdraw(spend) {
                         Some("the retry budget is spent")
                     } else {
                         record::retried(f.reason);

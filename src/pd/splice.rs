@@ -153,22 +153,32 @@ fn choices(data: &[u8]) -> Option<bool> {
     }
 }
 
-/// `data` without the member at `member` (from its key's opening quote to the end of its
-/// value, as [`skim::Chunk::usage_member`] gives), and the comma that joined it.
+/// The bytes of `data` that go when the member at `member` (from its key's opening quote to
+/// the end of its value, as [`skim::Chunk::usage_member`] gives) is cut out: the member and
+/// the comma before it, or, for the first member, the comma after it (with the whitespace
+/// around). `None` when `member` is not in `data`.
+fn cut_range(data: &[u8], member: std::ops::Range<usize>) -> Option<std::ops::Range<usize>> {
+    let before = data.get(..member.start)?.trim_ascii_end();
+    let after = data.get(member.end..)?;
+    Some(match before.strip_suffix(b",") {
+        Some(b) => b.len()..member.end,
+        None => {
+            // The first member: drop the comma after it instead.
+            let rest = after.trim_ascii_start();
+            let rest = rest.strip_prefix(b",").unwrap_or(rest);
+            before.len()..data.len() - rest.len()
+        }
+    })
+}
+
+/// `data` without the member at `member` and the comma that joined it ([`cut_range`]).
 fn cut_member(out: &mut Vec<u8>, data: &[u8], member: std::ops::Range<usize>) {
-    let (Some(before), Some(after)) = (data.get(..member.start), data.get(member.end..)) else {
-        out.extend_from_slice(data);
-        return;
-    };
-    let before = before.trim_ascii_end();
-    if let Some(b) = before.strip_suffix(b",") {
-        out.extend_from_slice(b);
-        out.extend_from_slice(after);
-    } else {
-        // The first member: drop the comma after it instead.
-        out.extend_from_slice(before);
-        let after = after.trim_ascii_start();
-        out.extend_from_slice(after.strip_prefix(b",").unwrap_or(after));
+    match cut_range(data, member) {
+        Some(r) => {
+            out.extend_from_slice(&data[..r.start]);
+            out.extend_from_slice(&data[r.end..]);
+        }
+        None => out.extend_from_slice(data),
     }
 }
 
@@ -378,17 +388,13 @@ impl Tracker {
         if (self.check_aborts && !t.abort_free) || piece.contains(&b'\n') {
             return None;
         }
-        // What the client does not get: the usage member and the comma before it (never
-        // the first member in a token chunk: its choices come before it). Found before the
-        // event is recorded: a `None` after would record it twice.
-        let cut = match &t.usage_member {
-            Some(m) if !self.plan.client_continuous_usage => {
-                let comma = data.get(..m.start)?.trim_ascii_end().strip_suffix(b",")?;
-                Some(6 + comma.len()..6 + m.end)
-            }
-            _ => None,
+        // What the client does not get (the usage member and its comma), in the run's
+        // bytes. Found before the event is recorded: a `None` after would record it twice.
+        let cut = match self.hidden_usage(&t) {
+            Some(m) => Some(cut_range(data, m).map(|r| 6 + r.start..6 + r.end)?),
+            None => None,
         };
-        let _ = self.token(data, t);
+        self.record_token(data, t);
         let Some(cut) = cut else {
             return Some(run.clone());
         };
@@ -660,6 +666,21 @@ impl Tracker {
     /// [`Self::openai_event`] for a token chunk of the first segment that matched the
     /// stream's shape (one choice, so never the usage chunk).
     fn token(&mut self, data: &[u8], t: skim::Token) -> Replace {
+        let replace = self.hidden_usage(&t).map_or(Replace::Keep, Replace::Cut);
+        self.record_token(data, t);
+        replace
+    }
+
+    /// The usage member a matching token event is forwarded without (`None`: forwarded as
+    /// it is, the client asked for per-chunk usage).
+    fn hidden_usage(&self, t: &skim::Token) -> Option<std::ops::Range<usize>> {
+        t.usage_member
+            .clone()
+            .filter(|_| !self.plan.client_continuous_usage)
+    }
+
+    /// Records a matching token event: its counts, its text, its flags.
+    fn record_token(&mut self, data: &[u8], t: skim::Token) {
         if let Some(n) = t.completion_tokens {
             self.cur.completion_tokens = n;
         }
@@ -670,10 +691,6 @@ impl Tracker {
         self.raw_text
             .extend_from_slice(data.get(t.piece).unwrap_or_default());
         note(&mut self.stop, t.flags);
-        match t.usage_member {
-            Some(m) if !self.plan.client_continuous_usage => Replace::Cut(m),
-            _ => Replace::Keep,
-        }
     }
 
     /// The answer is complete (a finish reason was relayed): nothing is left to generate.
