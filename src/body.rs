@@ -47,6 +47,14 @@ where
 /// hostile bench's router-only probe). A yield per MiB costs about a microsecond.
 pub const YIELD_EVERY_BYTES: usize = 1 << 20;
 
+/// The most bytes a response body hands hyper before it lets the event loop run other
+/// tasks (`pd::flight::PdBody`), and the most a stream's logprob merge writes at once
+/// (`pd::sse::SseScanner::take_held`). hyper writes what a body yields, polling it again
+/// while the client's socket takes the bytes (a loopback socket takes megabytes per call):
+/// a stream whose events repeat a long prompt's input logprobs held the event loop for
+/// milliseconds per read of its decode (the hostile bench's logprob bombs).
+pub const SLICE_BYTES: usize = 256 << 10;
+
 /// Counts the bytes a task moves and yields to the runtime every [`YIELD_EVERY_BYTES`].
 #[derive(Debug, Default)]
 pub struct Pacer {

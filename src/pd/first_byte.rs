@@ -218,6 +218,15 @@ where
     if ended {
         decode_cancel.disarm();
         if let Some(s) = sse.as_mut() {
+            while let Some(scan) = s.take_held() {
+                match scan {
+                    Scan::Forward(b) => first.extend_from_slice(&b),
+                    Scan::Abort { abort, .. } => {
+                        return Err(failed(legs::decode_abort_failure(&abort)))
+                    }
+                    Scan::Broken { message } => return Err(failed(broken(message))),
+                }
+            }
             first.extend_from_slice(&s.finish());
         }
     }

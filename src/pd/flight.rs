@@ -34,6 +34,7 @@ use super::legs::{LegCancel, PrefillDone};
 use super::record::{self, Outcome, Phase, RequestRecord};
 use super::sse::{Scan, SseScanner};
 use crate::body::BoxError;
+use crate::body::SLICE_BYTES;
 use crate::error::{FailReason, Failure};
 use crate::pool::{LoadGuard, LostEpochs};
 use crate::types::{DpRank, Role};
@@ -213,6 +214,12 @@ pub struct PdBody {
     /// still running when decode's answer is complete.
     slot: Option<super::AdmissionSlot>,
     done: bool,
+    /// What is left of a frame larger than [`SLICE_BYTES`], handed out next.
+    out_rest: Option<Bytes>,
+    /// Bytes handed out since the last yield to the event loop.
+    unyielded: usize,
+    /// The next poll yields first (a slice's worth went out).
+    yield_due: bool,
 }
 
 /// Where a failure after the first byte is reported (the blamed leg's breaker).
@@ -281,9 +288,18 @@ impl PdBody {
             passive: p.passive,
             slot,
             done: false,
+            out_rest: None,
+            unyielded: 0,
+            yield_due: false,
         };
         body.adopt_scanner();
         body
+    }
+
+    /// The decode's stream ended and every event it sent has been merged.
+    fn decode_ended(&self) -> bool {
+        self.decode.as_ref().is_some_and(Body::is_end_stream)
+            && !self.sse.as_ref().is_some_and(SseScanner::holds)
     }
 
     /// A prefill leg still running when the stream ends runs on to its own end, recording
@@ -551,11 +567,57 @@ impl Body for PdBody {
     type Data = Bytes;
     type Error = BoxError;
 
+    /// [`PdBody::poll_next`], handed to hyper at most [`SLICE_BYTES`] at a time, with a
+    /// yield to the event loop after each [`SLICE_BYTES`] handed out (see
+    /// [`crate::body::SLICE_BYTES`]).
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if this.yield_due {
+            this.yield_due = false;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        if let Some(rest) = this.out_rest.take() {
+            return Poll::Ready(Some(Ok(Frame::data(this.paced(rest)))));
+        }
+        match this.poll_next(cx) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => Poll::Ready(Some(Ok(Frame::data(this.paced(data))))),
+                Err(frame) => Poll::Ready(Some(Ok(frame))),
+            },
+            other => other,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.pending.is_none() && self.out_rest.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+impl PdBody {
+    /// The first [`SLICE_BYTES`] of `data` (the rest goes out next), and a yield due once
+    /// a slice's worth has gone out since the last one.
+    fn paced(&mut self, mut data: Bytes) -> Bytes {
+        if data.len() > SLICE_BYTES {
+            self.out_rest = Some(data.split_off(SLICE_BYTES));
+        }
+        self.unyielded += data.len();
+        if self.unyielded >= SLICE_BYTES {
+            self.unyielded = 0;
+            self.yield_due = true;
+        }
+        data
+    }
+
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self;
         if this.done {
             return Poll::Ready(None);
         }
@@ -586,7 +648,7 @@ impl Body for PdBody {
                 Ok(b) => b,
                 Err(a) => return this.aborted(a, cx),
             };
-            let at_end = this.decode.as_ref().is_some_and(Body::is_end_stream);
+            let at_end = this.decode_ended();
             // A continued stream's first event may be one the client already had (dropped).
             if !b.is_empty() || at_end {
                 if this.sse.is_some() {
@@ -616,7 +678,13 @@ impl Body for PdBody {
             let Some(decode) = this.decode.as_mut() else {
                 return Poll::Ready(None);
             };
-            match Pin::new(decode).poll_frame(cx) {
+            // Events the scanner still holds go first (an empty push merges them).
+            let held = this.sse.as_ref().is_some_and(SseScanner::holds);
+            let polled = match held {
+                true => Poll::Ready(Some(Ok(Frame::data(Bytes::new())))),
+                false => Pin::new(decode).poll_frame(cx),
+            };
+            match polled {
                 Poll::Ready(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else {
                         continue;
@@ -641,7 +709,7 @@ impl Body for PdBody {
                             }
                         },
                     };
-                    let at_end = this.decode.as_ref().is_some_and(Body::is_end_stream);
+                    let at_end = this.decode_ended();
                     let out = if at_end {
                         join(out, this.end_ok())
                     } else {
@@ -724,13 +792,5 @@ impl Body for PdBody {
             return this.fail(f, Bytes::new());
         }
         Poll::Pending
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.done && self.pending.is_none()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::default()
     }
 }

@@ -14,6 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::StatusCode;
 use http_body_util::{BodyExt, Limited};
+use hyper::body::Body as _;
 use serde::Deserialize;
 
 use super::skim::may_hold_abort;
@@ -132,7 +133,14 @@ async fn read_answer(
     let broke = |m: String| Failure::new(FailReason::PrefillAborted, m);
     let mut first: Option<Bytes> = None;
     let mut rest: Vec<u8> = Vec::new();
+    // The answer's length when it says so (within the limit): the buffer that gathers its
+    // frames is allocated once, where doubling copied a long prompt's logprobs (megabytes)
+    // again at each step and faulted in fresh pages on the event loop.
+    let whole = usize::try_from(body.size_hint().exact().unwrap_or(0))
+        .unwrap_or(usize::MAX)
+        .min(limit);
     let mut total = 0usize;
+    let mut pacer = crate::body::Pacer::default();
     while let Some(frame) = body.frame().await {
         let frame =
             frame.map_err(|e| broke(format!("prefill answer broke off: {}", error_chain(&e))))?;
@@ -146,10 +154,12 @@ async fn read_answer(
             )));
         }
         Admission::charge(charge, data.len(), "the prefill's answer")?;
+        pacer.moved(data.len()).await;
         match first.take() {
             None if rest.is_empty() => first = Some(data),
             f => {
                 if let Some(f) = f {
+                    rest.reserve_exact(whole.max(f.len() + data.len()));
                     rest.extend_from_slice(&f);
                 }
                 rest.extend_from_slice(&data);

@@ -27,6 +27,9 @@ pub struct SseScanner {
     /// Events are checked for aborts here; `false` once the stream's tracker checks them
     /// (see [`Self::leave_abort_checks`]).
     checks: bool,
+    /// Complete events read but not merged yet: a run's merge stops once its output holds
+    /// [`crate::body::SLICE_BYTES`] (see [`Self::take_held`]).
+    held: Bytes,
 }
 
 /// What a chunk held.
@@ -85,7 +88,28 @@ impl SseScanner {
             logprobs: logprobs.filter(|l| !l.is_empty()),
             limit,
             checks: true,
+            held: Bytes::new(),
         }
+    }
+
+    /// Whether complete events wait to be merged ([`Self::take_held`]).
+    pub fn holds(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    /// The next slice of the held events, merged; `None` when none are held.
+    ///
+    /// Why: with `return_logprob` each event repeats the prompt's input logprobs, so one
+    /// 4 KiB read of a decode's events can merge into megabytes (a long prompt's arrays
+    /// times each event). Merged and written at once, that held the event loop, and every
+    /// request on it, for milliseconds (the hostile bench's logprob bombs); merged a slice
+    /// at a time, the body lets other tasks run between slices.
+    pub fn take_held(&mut self) -> Option<Scan> {
+        if self.held.is_empty() {
+            return None;
+        }
+        let held = std::mem::take(&mut self.held);
+        Some(self.scan_events(held))
     }
 
     /// The stream's tracker checks each event for an abort as it reads it (most events
@@ -98,6 +122,21 @@ impl SseScanner {
     }
 
     pub fn push(&mut self, chunk: Bytes) -> Scan {
+        if !self.held.is_empty() {
+            // Events still held come first: the new bytes join them (a caller that drains
+            // [`Self::take_held`] first never gets here).
+            let mut all = BytesMut::from(std::mem::take(&mut self.held));
+            all.extend_from_slice(&self.carry);
+            all.extend_from_slice(&chunk);
+            self.carry = all;
+            return match event_end(&self.carry) {
+                Some(end) => {
+                    let complete = self.carry.split_to(end).freeze();
+                    self.scan_events(complete)
+                }
+                None => self.waiting(),
+            };
+        }
         // Fast path: no tail pending and the chunk is whole events.
         let complete = if self.carry.is_empty() {
             match event_end(&chunk) {
@@ -137,22 +176,25 @@ impl SseScanner {
         Scan::Forward(Bytes::new())
     }
 
-    /// The unfinished tail at the end of the stream, forwarded as is.
+    /// The unfinished tail at the end of the stream, forwarded as is (after the held
+    /// events: drain [`Self::take_held`] first).
     pub fn finish(&mut self) -> Bytes {
         std::mem::take(&mut self.carry).freeze()
     }
 
-    fn scan_events(&self, complete: Bytes) -> Scan {
+    fn scan_events(&mut self, complete: Bytes) -> Scan {
         // Fast path: nothing to merge, and no event of the run can hold an abort or error.
         if self.logprobs.is_none() && (!self.checks || !may_hold_abort(&complete)) {
             return Scan::Forward(complete);
         }
-        // Sized for every data line of the run with the arrays merged in (what the merge
-        // writes at most): a run of several events grew the buffer by doubling, copying
-        // megabytes again at each step.
+        // Sized for the data lines the merge writes, with the arrays merged in: every line of
+        // the run up to the one that fills a slice (the rest is held). A buffer that grew by
+        // doubling copied megabytes again at each step.
         let mut rebuilt: Option<Vec<u8>> = self.logprobs.as_ref().map(|lp| {
+            let per = lp.bytes() + 256;
             let lines = memchr::memmem::find_iter(&complete, b"data:").count();
-            Vec::with_capacity(complete.len() + lines.max(1) * (lp.bytes() + 256))
+            let lines = lines.clamp(1, crate::body::SLICE_BYTES / per + 1);
+            Vec::with_capacity(complete.len() + lines * per)
         });
         let mut pos = 0;
         let buf = &complete[..];
@@ -183,6 +225,10 @@ impl SseScanner {
             }
             if let (Some(out), Some(lp)) = (rebuilt.as_mut(), self.logprobs.as_ref()) {
                 merge_event(out, event, lp);
+                if out.len() >= crate::body::SLICE_BYTES && pos + len < buf.len() {
+                    self.held = complete.slice(pos + len..);
+                    break;
+                }
             }
             pos += len;
         }
@@ -381,6 +427,87 @@ mod tests {
             "{out}"
         );
         assert!(out.ends_with("data: [DONE]\n\n"));
+    }
+
+    /// A prefill answer whose input logprobs are about `n` × 20 bytes.
+    fn big_logprobs(n: usize) -> Arc<PrefillLogprobs> {
+        let entries = vec!["[-0.125,12345,null]"; n].join(",");
+        let body = format!(r#"{{"meta_info":{{"input_token_logprobs":[{entries}]}}}}"#);
+        Arc::new(PrefillLogprobs::from_prefill_body(
+            &Bytes::from(body),
+            crate::memory::Charge::none(),
+        ))
+    }
+
+    /// A run of events with long input logprobs is merged a slice at a time: the first
+    /// push forwards about a slice and holds the rest, [`SseScanner::take_held`] hands out
+    /// the next slices, a push while events are held keeps them first, and the whole is
+    /// what merging each event alone gives.
+    #[test]
+    fn a_run_with_long_logprobs_is_merged_a_slice_at_a_time() {
+        let lp = big_logprobs(5_000);
+        assert!(
+            lp.bytes() > 90_000 && lp.bytes() < 110_000,
+            "{}",
+            lp.bytes()
+        );
+        let event = |i: usize| {
+            format!("data: {{\"text\":\"t{i}\",\"meta_info\":{{\"input_token_logprobs\":[]}}}}\n\n")
+        };
+        let run: String = (0..8).map(event).collect();
+        let want: Vec<u8> = (0..10)
+            .flat_map(|i| {
+                let mut one = SseScanner::new(Some(lp.clone()), limit());
+                fwd(&one.push(Bytes::from(event(i)))).to_vec()
+            })
+            .chain(b"data: [DONE]\n\n".iter().copied())
+            .collect();
+        let mut s = SseScanner::new(Some(lp.clone()), limit());
+        let first = s.push(Bytes::from(run));
+        let first = fwd(&first).to_vec();
+        assert!(first.len() >= crate::body::SLICE_BYTES, "{}", first.len());
+        assert!(
+            first.len() < crate::body::SLICE_BYTES + 120_000,
+            "{}",
+            first.len()
+        );
+        assert!(s.holds());
+        let mut out = first;
+        let mut slices = 1;
+        out.extend_from_slice(fwd(&s.take_held().expect("held")));
+        // More events arrive while some are held: they queue behind them.
+        let more = format!("{}{}data: [DONE]\n\n", event(8), event(9));
+        out.extend_from_slice(fwd(&s.push(Bytes::from(more))));
+        while let Some(r) = s.take_held() {
+            slices += 1;
+            out.extend_from_slice(fwd(&r));
+        }
+        out.extend_from_slice(&s.finish());
+        assert!(slices >= 2, "{slices}");
+        assert_eq!(out, want);
+    }
+
+    /// An abort among held events is found when they are merged, after the events before it.
+    #[test]
+    fn an_abort_among_held_events_is_found() {
+        let lp = big_logprobs(5_000);
+        let ok = "data: {\"meta_info\":{\"input_token_logprobs\":[]}}\n\n";
+        let abort = "data: {\"meta_info\":{\"finish_reason\":{\"type\":\"abort\",\"message\":\"gone\"}}}\n\n";
+        let run = format!("{}{abort}{ok}", ok.repeat(5));
+        let mut s = SseScanner::new(Some(lp), limit());
+        let mut sent = fwd(&s.push(Bytes::from(run))).len();
+        let found = loop {
+            match s.take_held() {
+                Some(Scan::Forward(b)) => sent += b.len(),
+                Some(Scan::Abort { before, abort }) => break (before.len(), abort),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert!(
+            sent > 0 && found.0 > 0,
+            "events before the abort are forwarded"
+        );
+        assert_eq!(found.1.message, "gone");
     }
 
     /// Found by fuzzing: an event after a run of blank lines was merged or not depending on

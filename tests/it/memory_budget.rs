@@ -265,3 +265,59 @@ async fn large_bodies_and_answers_read_off_the_event_loop_give_the_same_answers(
         assert_eq!(n, Some(tokens));
     }
 }
+
+/// A stream whose events each repeat a long prompt's input logprobs (past
+/// `pdgate::body::SLICE_BYTES` per merged event) is handed out a slice at a time, with the
+/// event loop free between slices: the client still gets every event whole, each with all
+/// of the prompt's logprobs, in order, and one `[DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_with_events_larger_than_a_slice_arrives_whole() {
+    let env = common::start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |_| {},
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let n = 12_000;
+    let ids: Vec<String> = (1..=n).map(|i| (i % 30_000).to_string()).collect();
+    let body = format!(
+        r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":6}},"return_logprob":true,"stream":true}}"#,
+        ids.join(",")
+    );
+    let (st, _, bytes) = env.post("/generate", &body).await;
+    assert_eq!(
+        st,
+        200,
+        "{}",
+        String::from_utf8_lossy(&bytes[..bytes.len().min(2000)])
+    );
+    let (events, done) = sse_events(&bytes);
+    assert!(done, "one [DONE] at the end");
+    assert_eq!(
+        String::from_utf8_lossy(&bytes)
+            .matches("data: [DONE]")
+            .count(),
+        1
+    );
+    assert_eq!(events.len(), 6, "one event per token");
+    let per_event = bytes.len() / events.len();
+    assert!(
+        per_event > pdgate::body::SLICE_BYTES,
+        "each event is larger than a slice: {per_event}"
+    );
+    let mut last = 0;
+    for e in &events {
+        assert_eq!(
+            e["meta_info"]["input_token_logprobs"]
+                .as_array()
+                .map(Vec::len),
+            Some(n),
+            "{}",
+            &e.to_string()[..200]
+        );
+        let done_tokens = e["meta_info"]["completion_tokens"].as_u64().unwrap_or(0);
+        assert!(done_tokens > last, "events in order");
+        last = done_tokens;
+    }
+}
