@@ -121,10 +121,17 @@ impl SseScanner {
         !self.checks
     }
 
+    /// Complete events in `chunk` (after any still held), merged; an empty `chunk` hands
+    /// out the next held slice, as [`Self::take_held`] does.
     pub fn push(&mut self, chunk: Bytes) -> Scan {
+        if chunk.is_empty() {
+            if let Some(scan) = self.take_held() {
+                return scan;
+            }
+        }
         if !self.held.is_empty() {
             // Events still held come first: the new bytes join them (a caller that drains
-            // [`Self::take_held`] first never gets here).
+            // the held events first never gets here).
             let mut all = BytesMut::from(std::mem::take(&mut self.held));
             all.extend_from_slice(&self.carry);
             all.extend_from_slice(&chunk);
