@@ -36,8 +36,12 @@
 //! On a machine this small the bench's own load generators and the hostile model's
 //! simulator share the router's cores; in a fleet they are other machines (clients, GPU
 //! engines). So the hostile clients' runtime thread and the hostile simulator run at
-//! `nice 19` (`PDGATE_HOSTILE_NICE`, 0 to turn it off): what is left of the normal clients'
-//! latency is the router's own work, hostile connections included, plus the normal side's.
+//! `SCHED_IDLE` (`PDGATE_HOSTILE_DEMOTE`: `idle`, the default; `nice:N`; `off`): what is left
+//! of the normal clients' latency is the router's own work, hostile connections included,
+//! plus the normal side's. `SCHED_IDLE`, not `nice 19`: Linux's EEVDF scheduler lets a
+//! running task finish its slice before a waking one takes the CPU, so a `nice 19` simulator
+//! still kept the router's thread waiting up to ~5 ms (`perf sched`, BENCHMARKS §10); an
+//! idle-policy task is preempted at once, as work on another machine would never delay it.
 //!
 //! Every loop is bounded in count and in time (the phase deadline). The machine is shared:
 //! runs are short (`PDGATE_HOSTILE_SECS`, default 4 s per phase).
@@ -311,8 +315,8 @@ fn normal_clients_apart(
     })
 }
 
-/// Sets the niceness of this process's threads named `name`; how many it set.
-fn renice_threads(name: &str, nice: i32) -> usize {
+/// Demotes this process's threads named `name`; how many it demoted.
+fn demote_threads(name: &str, demote: Demote) -> usize {
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
         return 0;
     };
@@ -323,12 +327,7 @@ fn renice_threads(name: &str, nice: i32) -> usize {
             continue;
         }
         let tid = e.file_name().to_string_lossy().to_string();
-        let ok = std::process::Command::new("renice")
-            .args(["-n", &nice.to_string(), "-p", &tid])
-            .stdout(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        n += usize::from(ok);
+        n += usize::from(demote.apply_to_thread(&tid));
     }
     n
 }
@@ -650,11 +649,8 @@ fn main() {
         .clamp(1, 60);
     let phase = Duration::from_secs(secs);
     let shared = std::env::var("PDGATE_HOSTILE_SHARED").is_ok_and(|v| v == "1");
-    let nice = std::env::var("PDGATE_HOSTILE_NICE")
-        .ok()
-        .and_then(|v| v.parse::<i32>().ok())
-        .unwrap_or(19)
-        .clamp(0, 19);
+    let demote = Demote::from_env("PDGATE_HOSTILE_DEMOTE", Some(Demote::Idle));
+    let demoted = demote.map_or_else(|| "not demoted".to_string(), |d| d.to_string());
     let bin = pdgate_bin();
     let mut sims = Vec::new();
     // A 128K-context model, so that a prompt can carry more input logprobs than the
@@ -670,14 +666,9 @@ fn main() {
             None,
         ));
         let hostile_args = [&["--served-model-name", "hostile"][..], &long].concat();
-        sims.push(start_sim_with(
-            &bin,
-            4,
-            &hostile_args,
-            (nice > 0).then_some(nice),
-        ));
+        sims.push(start_sim_with(&bin, 4, &hostile_args, demote));
     }
-    // The hostile clients' runtime: one worker thread, reniced once it runs.
+    // The hostile clients' runtime: one worker thread, demoted once it runs.
     let hostile_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("hostile-load")
@@ -689,11 +680,7 @@ fn main() {
             .await
             .expect("the hostile runtime runs");
     });
-    let reniced = if nice > 0 {
-        renice_threads("hostile-load", nice)
-    } else {
-        0
-    };
+    let reniced = demote.map_or(0, |d| demote_threads("hostile-load", d));
     let hostile_rt = hostile_rt.handle().clone();
     let infos: Vec<&SimInfo> = sims.iter().map(|(_, i)| i).collect();
     let (router, url) = start_router_over(&bin, &infos);
@@ -829,9 +816,9 @@ fn main() {
         if shared {
             println!("engines: one simulator (prefill + decode) for every client (PDGATE_HOSTILE_SHARED=1)");
         } else {
-            println!("engines: a simulator (prefill + decode) for the normal clients (model `normal`), another for the hostile ones (model `hostile`, 128K context, nice {nice})");
+            println!("engines: a simulator (prefill + decode) for the normal clients (model `normal`), another for the hostile ones (model `hostile`, 128K context, {demoted})");
         }
-        println!("hostile clients: one runtime thread in the bench process, nice {nice} ({reniced} thread(s) reniced)");
+        println!("hostile clients: one runtime thread in the bench process, {demoted} ({reniced} thread(s) demoted)");
         if pinned {
             println!("pinned (PDGATE_HOSTILE_PIN=1): the router on core 0; the simulators and the bench on core 1");
         }

@@ -136,20 +136,98 @@ pub fn spawn_sim(
     spawn_sim_niced(bin, args, n, name, None)
 }
 
-/// [`spawn_sim`] under `nice -n <nice>` (every thread of the simulator at that niceness).
+/// How a bench runs what stands for other machines (load generators, engines) beside the
+/// router on a small machine, so that it takes only the CPU the router leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Demote {
+    /// `nice -n N`: a smaller share, but Linux's EEVDF scheduler still lets a running task
+    /// finish its slice (milliseconds) before a waking router thread gets the CPU.
+    Nice(i32),
+    /// `SCHED_IDLE` (`chrt --idle 0`): runs only when nothing else wants the CPU; a waking
+    /// router thread preempts it at once. The closer stand-in for "another machine".
+    Idle,
+}
+
+impl Demote {
+    /// From an env var: `idle`, `nice:N` (or a bare `N`), or `0`/`off`/`none` for neither;
+    /// `default` when unset or unreadable.
+    pub fn from_env(var: &str, default: Option<Demote>) -> Option<Demote> {
+        let Ok(v) = std::env::var(var) else {
+            return default;
+        };
+        let v = v.trim();
+        match v {
+            "idle" => Some(Demote::Idle),
+            "0" | "off" | "none" => None,
+            _ => v
+                .strip_prefix("nice:")
+                .unwrap_or(v)
+                .parse::<i32>()
+                .ok()
+                .map(|k| Demote::Nice(k.clamp(1, 19)))
+                .or(default),
+        }
+    }
+
+    /// The command that runs `bin` demoted.
+    pub fn command(self, bin: &Path) -> Command {
+        let mut c = match self {
+            Demote::Nice(k) => {
+                let mut c = Command::new("nice");
+                c.args(["-n", &k.to_string()]);
+                c
+            }
+            Demote::Idle => {
+                let mut c = Command::new("chrt");
+                c.args(["--idle", "0"]);
+                c
+            }
+        };
+        c.arg(bin);
+        c
+    }
+
+    /// Demotes one thread (`tid`) of a running process; whether it took.
+    pub fn apply_to_thread(self, tid: &str) -> bool {
+        let mut c = match self {
+            Demote::Nice(k) => {
+                let mut c = Command::new("renice");
+                c.args(["-n", &k.to_string(), "-p", tid]);
+                c
+            }
+            Demote::Idle => {
+                let mut c = Command::new("chrt");
+                c.args(["--idle", "-p", "0", tid]);
+                c
+            }
+        };
+        c.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+
+impl std::fmt::Display for Demote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Demote::Nice(k) => write!(f, "nice {k}"),
+            Demote::Idle => f.write_str("SCHED_IDLE"),
+        }
+    }
+}
+
+/// [`spawn_sim`] demoted (every thread of the simulator: threads inherit the niceness and
+/// the scheduling policy).
 pub fn spawn_sim_niced(
     bin: &Path,
     args: &[String],
     n: usize,
     name: &'static str,
-    nice: Option<i32>,
+    demote: Option<Demote>,
 ) -> Result<(Proc, Vec<Ready>), String> {
-    let mut cmd = match nice {
-        Some(k) => {
-            let mut c = Command::new("nice");
-            c.args(["-n", &k.to_string()]).arg(bin);
-            c
-        }
+    let mut cmd = match demote {
+        Some(d) => d.command(bin),
         None => Command::new(bin),
     };
     let mut child = cmd
@@ -201,13 +279,13 @@ pub fn start_sim(bin: &Path, tokens: u32) -> (Proc, SimInfo) {
     start_sim_with(bin, tokens, &[], None)
 }
 
-/// [`start_sim`] with more `pdgate sim` arguments (e.g. `--served-model-name`), maybe under
-/// `nice -n <nice>`.
+/// [`start_sim`] with more `pdgate sim` arguments (e.g. `--served-model-name`), maybe
+/// demoted.
 pub fn start_sim_with(
     bin: &Path,
     tokens: u32,
     extra: &[&str],
-    nice: Option<i32>,
+    demote: Option<Demote>,
 ) -> (Proc, SimInfo) {
     let args: Vec<String> = [
         "--prefill",
@@ -230,7 +308,7 @@ pub fn start_sim_with(
     .chain(extra.iter().map(|s| s.to_string()))
     .collect();
     let (proc, ready) =
-        spawn_sim_niced(bin, &args, 2, "sim", nice).unwrap_or_else(|e| panic!("{e}"));
+        spawn_sim_niced(bin, &args, 2, "sim", demote).unwrap_or_else(|e| panic!("{e}"));
     let prefill = ready.iter().find(|r| r.role == "prefill");
     let decode = ready.iter().find(|r| r.role == "decode");
     let (Some(p), Some(d)) = (prefill, decode) else {
