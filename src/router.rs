@@ -165,6 +165,7 @@ pub async fn start_with(
             Some((Some(l), addr, token))
         }
     };
+    crate::body::offload_idle_priority(cfg.server.offload_idle_priority);
     let _ = crate::telemetry::install();
     crate::telemetry::config_loaded();
     // The Prometheus recorder keeps histogram samples until upkeep folds them in: run it

@@ -1,12 +1,17 @@
 //! Response body type used by every handler: boxed so that JSON answers, pass-through
 //! streams and PD streams share one type; and how a large body's bytes are handled without
 //! holding the event loop: read on the blocking pool ([`off_loop`]), moved through sockets
-//! a slice at a time ([`Pacer`]).
+//! a slice at a time ([`Pacer`], [`outflow`]).
 
+use std::cell::Cell;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
+
+pub mod outflow;
+pub use outflow::{ByteRate, Outflow};
 
 /// Errors a body can end with; ending with an error makes hyper cut the connection,
 /// which is how a non-SSE response signals a broken upstream after headers.
@@ -37,15 +42,64 @@ where
     if len < OFF_LOOP_BYTES {
         return Some(f());
     }
-    tokio::task::spawn_blocking(f).await.ok()
+    tokio::task::spawn_blocking(move || {
+        demote_this_thread();
+        f()
+    })
+    .await
+    .ok()
+}
+
+/// Whether [`off_loop`]'s work runs at the OS's idle priority (`server.offload_idle_priority`,
+/// set at start by `router::start_with`).
+static OFFLOAD_IDLE: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// This thread's scheduling policy was already set (a blocking-pool thread only ever
+    /// runs blocking work, so once is enough).
+    static DEMOTED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Sets whether [`off_loop`]'s work runs at the OS's idle priority from now on (threads
+/// already demoted stay so).
+pub fn offload_idle_priority(on: bool) {
+    OFFLOAD_IDLE.store(on, Ordering::Relaxed);
+}
+
+/// Puts the calling blocking-pool thread at `SCHED_IDLE` once, when configured: the event
+/// loop preempts it as soon as it wakes, where a thread of normal priority keeps its CPU
+/// for the rest of its time slice (milliseconds under Linux's EEVDF scheduler). Lowering
+/// one's own priority needs no privilege; where the OS refuses, the work runs as before.
+fn demote_this_thread() {
+    if !OFFLOAD_IDLE.load(Ordering::Relaxed) || DEMOTED.get() {
+        return;
+    }
+    DEMOTED.set(true);
+    #[cfg(target_os = "linux")]
+    {
+        use thread_priority::unix::{
+            set_thread_priority_and_policy, thread_native_id, NormalThreadSchedulePolicy,
+            ThreadSchedulePolicy,
+        };
+        let idle = ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle);
+        if let Err(e) = set_thread_priority_and_policy(
+            thread_native_id(),
+            thread_priority::ThreadPriority::Min,
+            idle,
+        ) {
+            tracing::debug!(error = ?e, "cannot run the blocking pool at idle priority");
+        }
+    }
 }
 
 /// The most bytes a task moves through sockets (a request body read, a leg written) before
 /// it lets the event loop run other tasks. A loopback or LAN socket takes megabytes per
 /// call, and tokio's budget counts calls, not bytes: a maximum-size body was read, then
 /// written to a leg, in runs of 10–20 ms of copying with no other request served (the
-/// hostile bench's router-only probe). A yield per MiB costs about a microsecond.
-pub const YIELD_EVERY_BYTES: usize = 1 << 20;
+/// hostile bench's router-only probe). A yield costs about a microsecond, against ~50 µs
+/// or more of copying a slice: one slice ([`SLICE_BYTES`]) per run, as a response body
+/// and a leg's `writev` (`upstream::payload`) move at most.
+pub const YIELD_EVERY_BYTES: usize = SLICE_BYTES;
 
 /// The most bytes a response body hands hyper before it lets the event loop run other
 /// tasks (`pd::flight::PdBody`), and the most a stream's logprob merge writes at once
@@ -55,16 +109,39 @@ pub const YIELD_EVERY_BYTES: usize = 1 << 20;
 /// milliseconds per read of its decode (the hostile bench's logprob bombs).
 pub const SLICE_BYTES: usize = 256 << 10;
 
-/// Counts the bytes a task moves and yields to the runtime every [`YIELD_EVERY_BYTES`].
+/// Counts the bytes a task moves and yields to the runtime every [`YIELD_EVERY_BYTES`]; with
+/// a rate, the bytes past the first [`SLICE_BYTES`] also wait for it (a small body never
+/// does).
 #[derive(Debug, Default)]
 pub struct Pacer {
     since: usize,
+    total: usize,
+    rate: Option<std::sync::Arc<ByteRate>>,
 }
 
 impl Pacer {
-    /// `n` more bytes moved; yields when they add up to [`YIELD_EVERY_BYTES`].
+    /// A pacer whose bytes past the first slice go at `rate`.
+    pub fn with_rate(rate: Option<std::sync::Arc<ByteRate>>) -> Pacer {
+        Pacer {
+            rate,
+            ..Pacer::default()
+        }
+    }
+
+    /// `n` more bytes moved; waits for the rate when past it, else yields when they add
+    /// up to [`YIELD_EVERY_BYTES`].
     pub async fn moved(&mut self, n: usize) {
+        let free = SLICE_BYTES.saturating_sub(self.total);
+        self.total = self.total.saturating_add(n);
         self.since += n;
+        if let Some(rate) = self.rate.as_ref().filter(|_| n > free) {
+            let wait = rate.reserve(n - free, tokio::time::Instant::now());
+            if !wait.is_zero() {
+                self.since = 0;
+                tokio::time::sleep(wait).await;
+                return;
+            }
+        }
         if self.since >= YIELD_EVERY_BYTES {
             self.since = 0;
             tokio::task::yield_now().await;

@@ -106,6 +106,20 @@ pub struct ServerConfig {
     /// runtime, the leanest per request; scale out with replicas, or raise this (0 = one per
     /// core).
     pub worker_threads: usize,
+    /// Run the blocking pool's work (reading a request body or a prefill's logprobs of
+    /// 256 KiB or more) at the OS's idle priority (Linux `SCHED_IDLE`), so that an event-loop
+    /// thread that wakes takes the CPU from it at once. At normal priority a few milliseconds
+    /// of parsing a hostile client's payload kept the event loop, and every other request,
+    /// waiting for a CPU (the hostile bench, BENCHMARKS §10). The cost: that work runs only
+    /// on CPU time the event loops leave (on a saturated replica it waits, bounded by the
+    /// request's deadlines). Read at start.
+    pub offload_idle_priority: bool,
+    /// The most bytes a second that large request bodies move, all together, past the
+    /// first 256 KiB of each: read from clients and written to engines (each leg counts).
+    /// 0: no limit. Past it those bodies wait; smaller requests never do. Why: a
+    /// maximum-size body costs the router its size three times in copies (read, two legs),
+    /// so a few clients sending them took most of a core from every other request.
+    pub large_body_bytes_per_sec: u64,
     /// Client connections open at once (0 = no limit). A connection beyond it is answered
     /// `503 too_many_connections` (HTTP/1.1, `Retry-After`, `Connection: close`) and
     /// closed at once, so a load balancer in front retries elsewhere instead of waiting.
@@ -140,6 +154,8 @@ impl Default for ServerConfig {
             drain_secs: 30,
             listen_backlog: 4096,
             worker_threads: 1,
+            offload_idle_priority: true,
+            large_body_bytes_per_sec: 256 * 1024 * 1024,
             max_connections: 16_384,
             idle_timeout_secs: 60,
             public_metrics: false,
@@ -415,6 +431,12 @@ pub struct UpstreamConfig {
     /// Why both: the per-event cap bounds one event; this one bounds what one request
     /// makes the router copy and send (a 1 MiB merge in each of 2,000 events is 2 GiB).
     pub max_stream_logprob_total_bytes: usize,
+    /// The most bytes a second that all streams repeating input logprobs send together
+    /// (0: no limit). Such a stream costs the router its prompt's logprobs again in every
+    /// event (megabytes a second from one client); past this rate its events wait, so that
+    /// these streams take a bounded share of the router, whatever their number, and every
+    /// other request is never held back. 100 ms worth goes at full speed after a quiet spell.
+    pub stream_logprob_bytes_per_sec: u64,
 }
 
 impl Default for UpstreamConfig {
@@ -427,6 +449,7 @@ impl Default for UpstreamConfig {
             max_answer_bytes: 64 * 1024 * 1024,
             max_stream_logprob_bytes: 1024 * 1024,
             max_stream_logprob_total_bytes: 256 * 1024 * 1024,
+            stream_logprob_bytes_per_sec: 64 * 1024 * 1024,
         }
     }
 }

@@ -452,8 +452,10 @@ impl Dispatcher {
             LegRequest::post_json(&c.prefill.conns, path, prefill_body, &ctx.forward);
         // The prefill's answer headers are never read (decode's go to the client).
         prefill_req.keep_headers = false;
+        prefill_req.rate = self.bulk_rate.clone();
         let mut decode_req =
             LegRequest::post_json(&c.decode.conns, path, decode_body, &ctx.forward);
+        decode_req.rate = self.bulk_rate.clone();
         // Traced: each leg names its own span as the engine's parent.
         let prefill_span = leg_span(ctx, "prefill", c.prefill, pt.rank, &mut prefill_req);
         let decode_span = leg_span(ctx, "decode_first_byte", c.decode, dt.rank, &mut decode_req);

@@ -261,6 +261,12 @@ where
     } else {
         Some(prefill)
     };
+    // A stream that repeats the prompt's input logprobs goes out at the router's rate.
+    let merge_rate = sse
+        .as_ref()
+        .is_some_and(SseScanner::merges)
+        .then(|| d.merge_rate.clone())
+        .flatten();
     Ok(Ready {
         held,
         trials: Default::default(),
@@ -284,6 +290,7 @@ where
                 decode_role: Role::Decode,
                 gaps: Some((progress.stall.decode_progress(), pair.decode.rank)),
             },
+            merge_rate,
         },
     })
 }

@@ -34,7 +34,6 @@ use super::legs::{LegCancel, PrefillDone};
 use super::record::{self, Outcome, Phase, RequestRecord};
 use super::sse::{Scan, SseScanner};
 use crate::body::BoxError;
-use crate::body::SLICE_BYTES;
 use crate::error::{FailReason, Failure};
 use crate::pool::{LoadGuard, LostEpochs};
 use crate::types::{DpRank, Role};
@@ -214,12 +213,9 @@ pub struct PdBody {
     /// still running when decode's answer is complete.
     slot: Option<super::AdmissionSlot>,
     done: bool,
-    /// What is left of a frame larger than [`SLICE_BYTES`], handed out next.
-    out_rest: Option<Bytes>,
-    /// Bytes handed out since the last yield to the event loop.
-    unyielded: usize,
-    /// The next poll yields first (a slice's worth went out).
-    yield_due: bool,
+    /// What goes out: a slice at a time, at the merge rate when the stream repeats input
+    /// logprobs ([`crate::body::Outflow`]).
+    out: crate::body::Outflow,
 }
 
 /// Where a failure after the first byte is reported (the blamed leg's breaker).
@@ -255,6 +251,9 @@ pub struct PdBodyParts {
     pub prefill_trial: Option<crate::pool::TrialGuard>,
     pub idle_for: Duration,
     pub passive: Passive,
+    /// The router's rate for streams that repeat input logprobs, when this one does
+    /// (`upstream.stream_logprob_bytes_per_sec`).
+    pub merge_rate: Option<std::sync::Arc<crate::body::ByteRate>>,
 }
 
 impl PdBody {
@@ -288,10 +287,9 @@ impl PdBody {
             passive: p.passive,
             slot,
             done: false,
-            out_rest: None,
-            unyielded: 0,
-            yield_due: false,
+            out: crate::body::Outflow::default(),
         };
+        body.out.set_rate(p.merge_rate);
         body.adopt_scanner();
         body
     }
@@ -538,6 +536,7 @@ impl PdBody {
         self.prefill = p.prefill;
         self.prefill_trial = p.prefill_trial;
         self.passive = p.passive;
+        self.out.set_rate(p.merge_rate);
         self.pending = (!p.first.is_empty()).then_some(p.first);
         self.record.legs = trace;
         self.record.moved();
@@ -567,25 +566,19 @@ impl Body for PdBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    /// [`PdBody::poll_next`], handed to hyper at most [`SLICE_BYTES`] at a time, with a
-    /// yield to the event loop after each [`SLICE_BYTES`] handed out (see
-    /// [`crate::body::SLICE_BYTES`]).
+    /// [`PdBody::poll_next`], handed to hyper through [`crate::body::Outflow`]: at most
+    /// [`crate::body::SLICE_BYTES`] at a time, with a yield to the event loop after each.
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if this.yield_due {
-            this.yield_due = false;
-            cx.waker().wake_by_ref();
-            return Poll::Pending;
-        }
-        if let Some(rest) = this.out_rest.take() {
-            return Poll::Ready(Some(Ok(Frame::data(this.paced(rest)))));
+        if let Some(data) = std::task::ready!(this.out.poll_pending(cx)) {
+            return Poll::Ready(Some(Ok(Frame::data(data))));
         }
         match this.poll_next(cx) {
             Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                Ok(data) => Poll::Ready(Some(Ok(Frame::data(this.paced(data))))),
+                Ok(data) => this.out.send(data, cx).map(|d| Some(Ok(Frame::data(d)))),
                 Err(frame) => Poll::Ready(Some(Ok(frame))),
             },
             other => other,
@@ -593,7 +586,7 @@ impl Body for PdBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.pending.is_none() && self.out_rest.is_none()
+        self.done && self.pending.is_none() && self.out.is_empty()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -602,20 +595,6 @@ impl Body for PdBody {
 }
 
 impl PdBody {
-    /// The first [`SLICE_BYTES`] of `data` (the rest goes out next), and a yield due once
-    /// a slice's worth has gone out since the last one.
-    fn paced(&mut self, mut data: Bytes) -> Bytes {
-        if data.len() > SLICE_BYTES {
-            self.out_rest = Some(data.split_off(SLICE_BYTES));
-        }
-        self.unyielded += data.len();
-        if self.unyielded >= SLICE_BYTES {
-            self.unyielded = 0;
-            self.yield_due = true;
-        }
-        data
-    }
-
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self;
         if this.done {

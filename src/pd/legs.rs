@@ -92,7 +92,7 @@ pub async fn run_prefill(
             .map_err(|e| send_failure(FailReason::PrefillConnect, "prefill", &e))?;
         let status = resp.status();
         let mut charge = budget.map_or_else(Charge::none, |b| b.charge());
-        let body = read_answer(resp.into_body(), limit, &mut charge).await?;
+        let body = read_answer(resp.into_body(), limit, &mut charge, req.rate.clone()).await?;
         if !status.is_success() {
             return Err(status_failure(Role::Prefill, status, &body));
         }
@@ -123,12 +123,13 @@ pub async fn run_prefill(
     }
 }
 
-/// A prefill's whole answer, at most `limit` bytes, charged as it arrives. An answer in one
-/// frame is that frame, without a copy.
+/// A prefill's whole answer, at most `limit` bytes, charged as it arrives, past its first
+/// slice at `rate`. An answer in one frame is that frame, without a copy.
 async fn read_answer(
     mut body: LegBody,
     limit: usize,
     charge: &mut Charge,
+    rate: Option<Arc<crate::body::ByteRate>>,
 ) -> Result<Bytes, Failure> {
     let broke = |m: String| Failure::new(FailReason::PrefillAborted, m);
     let mut first: Option<Bytes> = None;
@@ -140,7 +141,9 @@ async fn read_answer(
         .unwrap_or(usize::MAX)
         .min(limit);
     let mut total = 0usize;
-    let mut pacer = crate::body::Pacer::default();
+    // A large answer (a long prompt's logprobs) past its first slice goes at the rate
+    // large bodies share (`server.large_body_bytes_per_sec`).
+    let mut pacer = crate::body::Pacer::with_rate(rate);
     while let Some(frame) = body.frame().await {
         let frame =
             frame.map_err(|e| broke(format!("prefill answer broke off: {}", error_chain(&e))))?;

@@ -198,10 +198,35 @@ pub struct Dispatcher {
     pub rng: Arc<RngSource>,
     /// Traces (`[trace]`), when enabled: kept across reloads (a restart-only section).
     pub tracer: Option<crate::trace::Tracer>,
+    /// The rate shared by streams that repeat input logprobs
+    /// (`upstream.stream_logprob_bytes_per_sec`; `None`: not limited). Kept across a
+    /// reload that leaves the setting alone.
+    pub merge_rate: Option<Arc<crate::body::ByteRate>>,
+    /// The rate shared by request bodies past their first slice, read from clients and
+    /// written to engines (`server.large_body_bytes_per_sec`; `None`: not limited).
+    pub bulk_rate: Option<Arc<crate::body::ByteRate>>,
+}
+
+/// How long a quiet shared rate lets bytes go at full speed: 100 ms worth of it.
+const MERGE_BURST: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// A shared rate of `bytes_per_sec` (0: none): `prev` when it has that rate already (a
+/// reload that left the setting alone keeps its debt), else a new one.
+fn shared_rate(
+    prev: Option<&Arc<crate::body::ByteRate>>,
+    bytes_per_sec: u64,
+) -> Option<Arc<crate::body::ByteRate>> {
+    match prev {
+        Some(r) if r.bytes_per_sec() == bytes_per_sec => Some(r.clone()),
+        _ => (bytes_per_sec > 0)
+            .then(|| Arc::new(crate::body::ByteRate::new(bytes_per_sec, MERGE_BURST))),
+    }
 }
 
 impl Dispatcher {
     pub fn new(pool: Arc<Pool>, up: Upstream, cfg: Arc<Config>, rng: RngSource) -> Dispatcher {
+        let rate = shared_rate(None, cfg.upstream.stream_logprob_bytes_per_sec);
+        let bulk = shared_rate(None, cfg.server.large_body_bytes_per_sec);
         Dispatcher {
             prefill_policy: policy::build_with(cfg.policy.prefill, &cfg.policy).into(),
             decode_policy: policy::build_with(cfg.policy.decode, &cfg.policy).into(),
@@ -213,6 +238,8 @@ impl Dispatcher {
             cfg,
             rng: Arc::new(rng),
             tracer: None,
+            merge_rate: rate,
+            bulk_rate: bulk,
         }
     }
 
@@ -229,6 +256,11 @@ impl Dispatcher {
     pub fn reconfigured(&self, cfg: Arc<Config>) -> Dispatcher {
         let same_policy = self.cfg.policy == cfg.policy;
         let same_retry = self.cfg.retry.same_budget(&cfg.retry);
+        let rate = shared_rate(
+            self.merge_rate.as_ref(),
+            cfg.upstream.stream_logprob_bytes_per_sec,
+        );
+        let bulk = shared_rate(self.bulk_rate.as_ref(), cfg.server.large_body_bytes_per_sec);
         Dispatcher {
             prefill_policy: if same_policy {
                 self.prefill_policy.clone()
@@ -256,6 +288,8 @@ impl Dispatcher {
             cfg,
             rng: self.rng.clone(),
             tracer: self.tracer.clone(),
+            merge_rate: rate,
+            bulk_rate: bulk,
         }
     }
 

@@ -65,6 +65,8 @@ impl Dispatcher {
             rng: self.rng.clone(),
             // A probe is pdgate's own request: not traced.
             tracer: None,
+            merge_rate: self.merge_rate.clone(),
+            bulk_rate: self.bulk_rate.clone(),
         }
     }
 

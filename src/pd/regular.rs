@@ -130,6 +130,7 @@ impl Dispatcher {
         let rid = ctx.id.leg_rid(attempt_no, 'r');
         let body = req.write_plain(&rid, (w.effective_dp() > 1).then_some(t.rank));
         let mut leg = LegRequest::post_json(&w.conns, req.route.path(), body, &ctx.forward);
+        leg.rate = self.bulk_rate.clone();
         let mut span = super::attempt::leg_span(ctx, "regular_first_byte", w, t.rank, &mut leg);
         if let Some(sp) = span.as_mut() {
             sp.set("pdgate.role", "regular");
@@ -198,6 +199,7 @@ impl Dispatcher {
                     decode_role: Role::Regular,
                     gaps: None,
                 },
+                merge_rate: None,
             },
             trials: (None, pick.trial),
         })

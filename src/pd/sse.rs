@@ -92,6 +92,11 @@ impl SseScanner {
         }
     }
 
+    /// Whether this stream's events get the prefill's input logprobs merged in.
+    pub fn merges(&self) -> bool {
+        self.logprobs.is_some()
+    }
+
     /// Whether complete events wait to be merged ([`Self::take_held`]).
     pub fn holds(&self) -> bool {
         !self.held.is_empty()

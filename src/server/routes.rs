@@ -122,17 +122,19 @@ enum BodyError {
 /// The whole request body, at most `limit` bytes, each frame charged to `charge` as it
 /// arrives (a slow body holds only what it sent). A body that arrives in one frame (the
 /// usual case: a small JSON body with a content-length) is returned as that frame, without
-/// a copy. A large body lets other requests run every MiB (`crate::body::Pacer`).
+/// a copy. A large body lets other requests run every 256 KiB, and past that goes at
+/// `rate` (`crate::body::Pacer`).
 async fn read_body(
     mut body: Incoming,
     limit: usize,
     declared: Option<u64>,
     mut charge: Charge,
+    rate: Option<std::sync::Arc<crate::body::ByteRate>>,
 ) -> Result<(Bytes, Charge), BodyError> {
     let mut first: Option<Bytes> = None;
     let mut rest: Vec<u8> = Vec::new();
     let mut total = 0usize;
-    let mut pacer = crate::body::Pacer::default();
+    let mut pacer = crate::body::Pacer::with_rate(rate);
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame.map_err(BodyError::Read)?.into_data() else {
             continue; // trailers
@@ -375,7 +377,7 @@ impl App {
             }
         }
         let charge = self.admission.bytes().charge();
-        let read = read_body(body, limit, declared, charge);
+        let read = read_body(body, limit, declared, charge, d.bulk_rate.clone());
         tokio::pin!(read);
         let read = match (&mut read).now_or_never() {
             Some(r) => r,

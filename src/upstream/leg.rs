@@ -234,6 +234,9 @@ pub struct LegRequest {
     pub body: Payload,
     /// Whether the answer's headers are wanted (else only status and body are read).
     pub keep_headers: bool,
+    /// The rate a large body is written at past its first slice
+    /// (`server.large_body_bytes_per_sec`; `None`: as fast as the socket takes it).
+    pub rate: Option<Arc<crate::body::ByteRate>>,
 }
 
 impl LegRequest {
@@ -260,6 +263,7 @@ impl LegRequest {
             head,
             body,
             keep_headers: true,
+            rate: None,
         }
     }
 }
@@ -333,7 +337,8 @@ async fn exchange(
     req: &LegRequest,
     reused: bool,
 ) -> Result<Response<LegBody>, LegError> {
-    if let Err(e) = super::payload::write_all(&mut stream, &req.head, &req.body).await {
+    let rate = req.rate.clone();
+    if let Err(e) = super::payload::write_all(&mut stream, &req.head, &req.body, rate).await {
         return match early_answer(&mut stream, req.keep_headers).await {
             Some((parts, buf)) => Ok(build(parts, buf, stream, host, s)),
             None => Err(LegError::Write(e)),
@@ -591,19 +596,31 @@ fn last_token(v: &[u8]) -> Option<&[u8]> {
 
 /// Reads more bytes into `buf` (growing it when full); 0 means EOF.
 pub(crate) async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
-    std::future::poll_fn(|cx| poll_read_more(stream, buf, cx)).await
+    std::future::poll_fn(|cx| poll_read_more(stream, buf, READ_CHUNK, cx)).await
 }
 
+/// Reads more bytes into `buf`, with room for at least `want` of them (clamped to
+/// [`READ_CHUNK`]..=[`crate::body::SLICE_BYTES`]) when less than a quarter of that is
+/// spare. A stream's events are small and come one by one: [`READ_CHUNK`]. A body known to
+/// be large (a prefill's answer with a long prompt's logprobs, megabytes) is read a slice
+/// per call, where 4 KiB reads cost a syscall, a frame and a copy per 4 KiB.
 pub(crate) fn poll_read_more(
     stream: &mut TcpStream,
     buf: &mut BytesMut,
+    want: usize,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<usize>> {
-    let spare = buf.capacity() - buf.len();
-    if spare < READ_CHUNK / 4 {
-        buf.reserve(buf.len().max(READ_CHUNK));
-    }
+    make_room(buf, want);
     tokio_util::io::poll_read_buf(std::pin::Pin::new(stream), cx, buf)
+}
+
+/// Grows `buf` for a read of about `want` bytes (see [`poll_read_more`]).
+fn make_room(buf: &mut BytesMut, want: usize) {
+    let want = want.clamp(READ_CHUNK, crate::body::SLICE_BYTES);
+    let spare = buf.capacity() - buf.len();
+    if spare < want / 4 {
+        buf.reserve(buf.len().max(want));
+    }
 }
 
 #[cfg(test)]
@@ -613,6 +630,35 @@ mod tests {
     fn head(s: &str) -> Result<Head, LegError> {
         let mut b = BytesMut::from(s.as_bytes());
         parse_head(&mut b, true)
+    }
+
+    #[test]
+    fn reads_are_sized_by_what_is_known_to_follow() {
+        // (bytes already buffered, capacity, what follows) -> least spare room after.
+        let cases: &[(usize, usize, usize, usize)] = &[
+            // A stream's small event: a 4 KiB read.
+            (0, 0, 120, READ_CHUNK),
+            (0, 0, 0, READ_CHUNK),
+            // A large answer: a slice per read, never more.
+            (0, 0, 3 << 20, crate::body::SLICE_BYTES),
+            (0, 0, 100_000, 100_000),
+            // Enough room already: no growth.
+            (0, READ_CHUNK, 10, READ_CHUNK),
+            // Some bytes held: room for the read beside them.
+            (1000, 4096, 1 << 20, crate::body::SLICE_BYTES),
+        ];
+        for &(len, cap, want, least) in cases {
+            let mut buf = BytesMut::with_capacity(cap);
+            buf.resize(len, b'x');
+            make_room(&mut buf, want);
+            let spare = buf.capacity() - buf.len();
+            assert!(spare >= least, "{len} {cap} {want}: {spare} < {least}");
+            assert!(
+                spare <= least.max(READ_CHUNK) * 2 + len,
+                "{len} {cap} {want}: {spare} is more than a read needs"
+            );
+            assert_eq!(buf.len(), len, "held bytes are kept");
+        }
     }
 
     #[test]

@@ -288,7 +288,14 @@ impl Body for LegBody {
             let Some(stream) = this.stream.as_mut() else {
                 return this.fail(LegError::ClosedEarly);
             };
-            match poll_read_more(stream, &mut this.buf, cx) {
+            // What is known to follow: a large body is read a slice per call.
+            let want = match this.framing {
+                Framing::Length(left) | Framing::Chunked(Chunk::Data(left)) => {
+                    usize::try_from(left).unwrap_or(usize::MAX)
+                }
+                _ => 0,
+            };
+            match poll_read_more(stream, &mut this.buf, want, cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(e)) => return this.fail(LegError::Read(e)),
                 Poll::Ready(Ok(0)) => {

@@ -158,17 +158,24 @@ impl From<Vec<u8>> for Payload {
 }
 
 /// Writes `head` then `body` with as few `writev`s as the socket allows (at most
-/// [`MAX_IOV`] slices each), never copying the body, and letting other tasks run every MiB
-/// (`crate::body::Pacer`).
+/// [`MAX_IOV`] slices and [`crate::body::SLICE_BYTES`] each), never copying the body, and
+/// letting other tasks run between slices (`crate::body::Pacer`), past the first slice at
+/// `rate` when one is given.
+///
+/// Why a cap per call: a loopback or LAN socket takes megabytes in one `writev`, and the
+/// kernel copies them (and, on loopback, runs the receiver's TCP processing) inside that
+/// one call: a maximum-size body written to a leg held the event loop for milliseconds per
+/// call, whatever the pacing between calls.
 pub(crate) async fn write_all(
     stream: &mut TcpStream,
     head: &[u8],
     body: &Payload,
+    rate: Option<std::sync::Arc<crate::body::ByteRate>>,
 ) -> io::Result<()> {
     // The parts in order, and how much of the current one was written.
     let parts: SmallVec<[&[u8]; 16]> = std::iter::once(head).chain(body.slices()).collect();
     let (mut i, mut off) = (0usize, 0usize);
-    let mut pacer = crate::body::Pacer::default();
+    let mut pacer = crate::body::Pacer::with_rate(rate);
     loop {
         // Skip what is written (and empty parts).
         while i < parts.len() && parts[i].len() == off {
@@ -178,31 +185,50 @@ pub(crate) async fn write_all(
         if i == parts.len() {
             return Ok(());
         }
-        let mut bufs: SmallVec<[IoSlice<'_>; 16]> = SmallVec::new();
-        bufs.push(IoSlice::new(&parts[i][off..]));
-        bufs.extend(
-            parts[i + 1..]
-                .iter()
-                .take(MAX_IOV - 1)
-                .map(|p| IoSlice::new(p)),
-        );
-        let mut n = stream.write_vectored(&bufs).await?;
+        let bufs = next_batch(&parts, i, off);
+        let n = stream.write_vectored(&bufs).await?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
         pacer.moved(n).await;
-        while n > 0 && i < parts.len() {
-            let left = parts[i].len() - off;
-            if n >= left {
-                n -= left;
-                i += 1;
-                off = 0;
-            } else {
-                off += n;
-                n = 0;
-            }
+        (i, off) = advance(&parts, i, off, n);
+    }
+}
+
+/// Where writing resumes after `n` more bytes from `parts[i][off..]` on were written.
+fn advance(parts: &[&[u8]], mut i: usize, mut off: usize, mut n: usize) -> (usize, usize) {
+    while n > 0 && i < parts.len() {
+        let left = parts[i].len() - off;
+        if n >= left {
+            n -= left;
+            i += 1;
+            off = 0;
+        } else {
+            off += n;
+            n = 0;
         }
     }
+    (i, off)
+}
+
+/// The slices of one `writev`: from `parts[i][off..]` on, at most [`MAX_IOV`] of them and
+/// [`crate::body::SLICE_BYTES`] in all (the last one cut short), never an empty one.
+fn next_batch<'a>(parts: &[&'a [u8]], i: usize, off: usize) -> SmallVec<[IoSlice<'a>; 16]> {
+    let mut bufs: SmallVec<[IoSlice<'a>; 16]> = SmallVec::new();
+    let mut room = crate::body::SLICE_BYTES;
+    let first = parts.get(i).map(|p| &p[off..]).into_iter();
+    for p in first.chain(parts.iter().skip(i + 1).copied()) {
+        if bufs.len() == MAX_IOV || room == 0 {
+            break;
+        }
+        if p.is_empty() {
+            continue;
+        }
+        let take = p.len().min(room);
+        room -= take;
+        bufs.push(IoSlice::new(&p[..take]));
+    }
+    bufs
 }
 
 #[cfg(test)]
@@ -225,5 +251,57 @@ mod tests {
         // The source piece is the client's allocation itself.
         let first_src = p.slices().nth(1).unwrap();
         assert_eq!(first_src.as_ptr(), src[1..].as_ptr());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(64))]
+        /// Whatever the parts and however much each `writev` takes, the batches carry the
+        /// parts' bytes in order, each within the caps, and the writes end.
+        #[test]
+        fn batches_carry_every_byte_within_the_caps(
+            lens in proptest::collection::vec(
+                proptest::prop_oneof![3 => 0usize..40, 1 => 0usize..(crate::body::SLICE_BYTES * 2)],
+                1..(MAX_IOV + 20),
+            ),
+            takes in proptest::collection::vec(0.05f64..1.0, 1..64),
+        ) {
+            let parts_owned: Vec<Vec<u8>> = lens
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| (0..n).map(|j| (k * 31 + j) as u8).collect())
+                .collect();
+            let parts: Vec<&[u8]> = parts_owned.iter().map(|p| p.as_slice()).collect();
+            let want: Vec<u8> = parts.concat();
+            let (mut i, mut off) = (0usize, 0usize);
+            let mut got = Vec::new();
+            let mut calls = 0usize;
+            loop {
+                while i < parts.len() && parts[i].len() == off {
+                    i += 1;
+                    off = 0;
+                }
+                if i == parts.len() {
+                    break;
+                }
+                let bufs = next_batch(&parts, i, off);
+                let offered: usize = bufs.iter().map(|b| b.len()).sum();
+                proptest::prop_assert!(!bufs.is_empty() && bufs.len() <= MAX_IOV);
+                proptest::prop_assert!(bufs.iter().all(|b| !b.is_empty()));
+                proptest::prop_assert!(offered <= crate::body::SLICE_BYTES);
+                // The socket takes a part of what is offered (at least a byte).
+                let f = takes[calls % takes.len()];
+                let n = ((offered as f64 * f) as usize).clamp(1, offered);
+                let mut left = n;
+                for b in bufs.iter() {
+                    let k = left.min(b.len());
+                    got.extend_from_slice(&b[..k]);
+                    left -= k;
+                }
+                (i, off) = advance(&parts, i, off, n);
+                calls += 1;
+                proptest::prop_assert!(calls <= want.len() + 1);
+            }
+            proptest::prop_assert_eq!(got, want);
+        }
     }
 }

@@ -321,3 +321,99 @@ async fn a_stream_with_events_larger_than_a_slice_arrives_whole() {
         last = done_tokens;
     }
 }
+
+/// A stream that repeats its prompt's input logprobs goes out no faster than
+/// `upstream.stream_logprob_bytes_per_sec`, and every other request is served meanwhile:
+/// with the rate at 400 KB/s, an ordinary request sent once the stream's first ~300 KB
+/// event came gets its whole answer, and the stream's other ~1.5 MB take at least their
+/// time at the rate, and arrive whole. Without the rate they take milliseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_that_repeat_logprobs_go_at_their_rate_and_others_do_not_wait() {
+    use http_body_util::BodyExt;
+    let env = common::start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        |c| c.upstream.stream_logprob_bytes_per_sec = 400_000,
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    let n = 12_000;
+    let ids: Vec<String> = (1..=n).map(|i| (i % 30_000).to_string()).collect();
+    let body = format!(
+        r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":6}},"return_logprob":true,"stream":true}}"#,
+        ids.join(",")
+    );
+    let resp = env.post_streaming("/generate", &body).await;
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.into_body();
+    let mut got = Vec::new();
+    // The first event (~300 KB: past the rate's 100 ms burst of 40 KB).
+    while !got.windows(2).any(|w| w == b"\n\n") {
+        let frame = stream.frame().await.expect("a frame").expect("no error");
+        if let Ok(d) = frame.into_data() {
+            got.extend_from_slice(&d);
+        }
+    }
+    // An ordinary request meanwhile: answered whole while the stream still has ~1.5 MB to
+    // send, which its rate spreads over more than 3 s.
+    let (st, _, plain) = env.post("/generate", common::gen_body(false)).await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&plain));
+    // The rest comes at the rate: a lower bound (a slow machine only makes it longer).
+    let (before, from) = (got.len(), std::time::Instant::now());
+    while let Some(frame) = stream.frame().await {
+        if let Ok(d) = frame.expect("no error").into_data() {
+            got.extend_from_slice(&d);
+        }
+    }
+    let rest = got.len() - before;
+    assert!(rest > 1_000_000, "{before} then {}", got.len());
+    let took = from.elapsed();
+    assert!(
+        took.as_secs_f64() >= (rest - 200_000) as f64 / 400_000.0,
+        "{rest} bytes in {took:?}: faster than the rate"
+    );
+    let (events, done) = sse_events(&got);
+    assert!(done, "one [DONE] at the end");
+    assert_eq!(events.len(), 6, "one event per token");
+    for e in &events {
+        assert_eq!(
+            e["meta_info"]["input_token_logprobs"]
+                .as_array()
+                .map(Vec::len),
+            Some(n)
+        );
+    }
+}
+
+/// A large body past its first slice is read and written to its legs no faster than
+/// `server.large_body_bytes_per_sec`, and every other request is served meanwhile: with
+/// the rate at 1 MB/s, a 1 MiB body (read, then written to two legs: ~2.5 MB past the free
+/// slices) is still on its way after an ordinary request sent just after it got its whole
+/// answer; then it is answered, whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_bodies_go_at_their_rate_and_others_do_not_wait() {
+    let env = Arc::new(
+        common::start(
+            vec![EngineConfig::prefill(1)],
+            vec![EngineConfig::decode(1)],
+            |c| c.server.large_body_bytes_per_sec = 1_000_000,
+        )
+        .await,
+    );
+    env.wait_routable(1, 1).await;
+    let large = {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", &big(1 << 20)).await })
+    };
+    // Let the large body get under way (its ~2.5 MB past the free slices take 2.5 s).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (st, _, plain) = env.post("/generate", common::gen_body(false)).await;
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&plain));
+    assert!(!large.is_finished(), "the large body is still at its rate");
+    let (st, _, answer) = large.await.expect("joined");
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&answer));
+    // Both legs got the whole body: the engines parsed it (a cut body is a 400 there).
+    let v: serde_json::Value = serde_json::from_slice(&answer).expect("JSON answer");
+    assert!(v["text"].is_string(), "{v}");
+    assert_eq!(env.cluster.prefills[0].stats().failed, 0);
+}
