@@ -118,7 +118,8 @@ pub struct ServerConfig {
     /// first 256 KiB of each: read from clients and written to engines (each leg counts).
     /// 0: no limit. Past it those bodies wait; smaller requests never do. Why: a
     /// maximum-size body costs the router its size three times in copies (read, two legs),
-    /// so a few clients sending them took most of a core from every other request.
+    /// so a few clients sending them took most of a core from every other request. At
+    /// least 64 KiB/s when set.
     pub large_body_bytes_per_sec: u64,
     /// Client connections open at once (0 = no limit). A connection beyond it is answered
     /// `503 too_many_connections` (HTTP/1.1, `Retry-After`, `Connection: close`) and
@@ -436,6 +437,7 @@ pub struct UpstreamConfig {
     /// event (megabytes a second from one client); past this rate its events wait, so that
     /// these streams take a bounded share of the router, whatever their number, and every
     /// other request is never held back. 100 ms worth goes at full speed after a quiet spell.
+    /// At least 64 KiB/s when set.
     pub stream_logprob_bytes_per_sec: u64,
 }
 
@@ -556,6 +558,10 @@ impl Config {
         range("server.listen_backlog", s.listen_backlog, 1, 65_535)?;
         range("log.buffer_lines", self.log.buffer_lines, 1, 16_777_216)?;
         range("server.worker_threads", s.worker_threads, 0, 1024)?;
+        off_or_at_least(
+            "server.large_body_bytes_per_sec",
+            s.large_body_bytes_per_sec,
+        )?;
         range("server.max_connections", s.max_connections, 0, 1 << 24)?;
         range("server.idle_timeout_secs", s.idle_timeout_secs, 1, DAY)?;
         range("timeouts.connect_ms", t.connect_ms, 1, 600_000)?;
@@ -683,6 +689,10 @@ impl Config {
             1,
             usize::MAX,
         )?;
+        off_or_at_least(
+            "upstream.stream_logprob_bytes_per_sec",
+            u.stream_logprob_bytes_per_sec,
+        )?;
         range_f(
             "policy.cache_aware_balance_factor",
             p.cache_aware_balance_factor,
@@ -738,6 +748,22 @@ fn out_of_range(key: &str, value: impl std::fmt::Display, allowed: &str) -> Conf
     invalid(format!(
         "{key} = {value} is out of range (allowed: {allowed})"
     ))
+}
+
+/// The least shared byte rate accepted (64 KiB/s): below it a large body would take minutes
+/// and run into its deadlines (a typo's rate, not a policy).
+const MIN_BYTE_RATE: u64 = 64 << 10;
+
+/// A byte rate: 0 (no limit) or at least [`MIN_BYTE_RATE`].
+fn off_or_at_least(key: &str, v: u64) -> Result<(), ConfigError> {
+    if v != 0 && v < MIN_BYTE_RATE {
+        return Err(out_of_range(
+            key,
+            v,
+            &format!("0 (no limit) or {MIN_BYTE_RATE}.."),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks `lo <= v <= hi`.

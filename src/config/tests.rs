@@ -140,6 +140,14 @@ fn values_that_would_panic_are_refused_with_key_value_and_range() {
             |c| c.progress.prefill_floor_ms = 40_000,
             "progress.prefill_floor_ms = 40000 must not be above progress.prefill_ceiling_ms = 30000",
         ),
+        (
+            |c| c.server.large_body_bytes_per_sec = 1000,
+            "server.large_body_bytes_per_sec = 1000 is out of range (allowed: 0 (no limit) or 65536..)",
+        ),
+        (
+            |c| c.upstream.stream_logprob_bytes_per_sec = 1,
+            "upstream.stream_logprob_bytes_per_sec = 1 is out of range",
+        ),
     ];
     for (tweak, want) in cases {
         let mut cfg = Config::default();
@@ -152,6 +160,8 @@ fn values_that_would_panic_are_refused_with_key_value_and_range() {
     cfg.admission.max_in_flight = tokio::sync::Semaphore::MAX_PERMITS;
     cfg.health.interval_secs = 86_400.0;
     cfg.timeouts.request_secs = 7 * 86_400;
+    cfg.server.large_body_bytes_per_sec = 0;
+    cfg.upstream.stream_logprob_bytes_per_sec = 64 << 10;
     cfg.validate().unwrap();
     assert_eq!(cfg.health.interval(), Duration::from_secs(86_400));
 }
