@@ -19,6 +19,28 @@ fn big(size: usize) -> String {
     )
 }
 
+/// A streamed `/generate` of `n` prompt ids with `return_logprob` and 6 output tokens: each
+/// event repeats the prompt's `n` input logprobs (~25 bytes each).
+fn logprob_stream(n: usize) -> String {
+    let ids: Vec<String> = (1..=n).map(|i| (i % 30_000).to_string()).collect();
+    format!(
+        r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":6}},"return_logprob":true,"stream":true}}"#,
+        ids.join(",")
+    )
+}
+
+/// One prefill and one decode behind a router with `tweak`, routable.
+async fn one_pair(tweak: impl FnOnce(&mut pdgate::config::Config)) -> Env {
+    let env = common::start(
+        vec![EngineConfig::prefill(1)],
+        vec![EngineConfig::decode(1)],
+        tweak,
+    )
+    .await;
+    env.wait_routable(1, 1).await;
+    env
+}
+
 fn set_hold(env: &Env, hold: bool) {
     env.cluster.decodes[0].set_faults(Faults {
         decode_hold: hold,
@@ -272,20 +294,9 @@ async fn large_bodies_and_answers_read_off_the_event_loop_give_the_same_answers(
 /// of the prompt's logprobs, in order, and one `[DONE]`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_with_events_larger_than_a_slice_arrives_whole() {
-    let env = common::start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        |_| {},
-    )
-    .await;
-    env.wait_routable(1, 1).await;
+    let env = one_pair(|_| {}).await;
     let n = 12_000;
-    let ids: Vec<String> = (1..=n).map(|i| (i % 30_000).to_string()).collect();
-    let body = format!(
-        r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":6}},"return_logprob":true,"stream":true}}"#,
-        ids.join(",")
-    );
-    let (st, _, bytes) = env.post("/generate", &body).await;
+    let (st, _, bytes) = env.post("/generate", &logprob_stream(n)).await;
     assert_eq!(
         st,
         200,
@@ -330,20 +341,9 @@ async fn a_stream_with_events_larger_than_a_slice_arrives_whole() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_that_repeat_logprobs_go_at_their_rate_and_others_do_not_wait() {
     use http_body_util::BodyExt;
-    let env = common::start(
-        vec![EngineConfig::prefill(1)],
-        vec![EngineConfig::decode(1)],
-        |c| c.upstream.stream_logprob_bytes_per_sec = 400_000,
-    )
-    .await;
-    env.wait_routable(1, 1).await;
+    let env = one_pair(|c| c.upstream.stream_logprob_bytes_per_sec = 400_000).await;
     let n = 12_000;
-    let ids: Vec<String> = (1..=n).map(|i| (i % 30_000).to_string()).collect();
-    let body = format!(
-        r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":6}},"return_logprob":true,"stream":true}}"#,
-        ids.join(",")
-    );
-    let resp = env.post_streaming("/generate", &body).await;
+    let resp = env.post_streaming("/generate", &logprob_stream(n)).await;
     assert_eq!(resp.status(), 200);
     let mut stream = resp.into_body();
     let mut got = Vec::new();
@@ -392,15 +392,7 @@ async fn streams_that_repeat_logprobs_go_at_their_rate_and_others_do_not_wait() 
 /// answer; then it is answered, whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_bodies_go_at_their_rate_and_others_do_not_wait() {
-    let env = Arc::new(
-        common::start(
-            vec![EngineConfig::prefill(1)],
-            vec![EngineConfig::decode(1)],
-            |c| c.server.large_body_bytes_per_sec = 1_000_000,
-        )
-        .await,
-    );
-    env.wait_routable(1, 1).await;
+    let env = Arc::new(one_pair(|c| c.server.large_body_bytes_per_sec = 1_000_000).await);
     let large = {
         let env = env.clone();
         tokio::spawn(async move { env.post("/generate", &big(1 << 20)).await })
