@@ -605,7 +605,7 @@ impl Hostile {
 fn bomb(model: &str, n: usize, tokens: u32) -> Bytes {
     let ids: Vec<String> = (0..n).map(|i| (1000 + i % 30_000).to_string()).collect();
     Bytes::from(format!(
-        r#"{{{}"input_ids":[{}],"sampling_params":{{"max_new_tokens":{tokens}}},"return_logprob":true,"stream":true}}"#,
+        r#"{{{}"input_ids":[{}],"sampling_params":{{"max_new_tokens":{tokens}}},"return_logprob":true,"logprob_start_len":0,"stream":true}}"#,
         model_member(model),
         ids.join(",")
     ))

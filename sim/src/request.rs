@@ -114,6 +114,9 @@ pub(crate) struct ParsedRequest {
     /// `stream_options.continuous_usage_stats`: usage on every chunk.
     pub continuous_usage: bool,
     pub return_logprob: bool,
+    /// `logprob_start_len`: where the prompt's input logprobs start; `None` (SGLang's -1,
+    /// the default) returns logprobs for output tokens only, as SGLang does.
+    pub logprob_start: Option<usize>,
     pub model: String,
     pub routed_dp_rank: Option<i64>,
     pub disagg_prefill_dp_rank: Option<i64>,
@@ -292,6 +295,13 @@ pub(crate) fn parse(
         Some(Value::Array(a)) => a.iter().any(|v| v.as_bool() == Some(true)),
         _ => false,
     };
+    // One start for every item (a list takes its first).
+    let logprob_start = match m.get("logprob_start_len") {
+        Some(Value::Array(a)) => a.first().and_then(Value::as_i64),
+        Some(v) => v.as_i64(),
+        None => None,
+    }
+    .and_then(|n| usize::try_from(n).ok());
     let model = m
         .get("model")
         .and_then(Value::as_str)
@@ -324,6 +334,7 @@ pub(crate) fn parse(
         include_usage,
         continuous_usage,
         return_logprob,
+        logprob_start,
         model,
         routed_dp_rank: routed,
         disagg_prefill_dp_rank: disagg,

@@ -148,10 +148,14 @@ impl Ctx<'_> {
                 .collect();
             match self.logprobs {
                 Logprobs::Prefill => {
+                    // From `logprob_start_len` on; none without it (SGLang's default -1:
+                    // output tokens only). The prompt's first token has no logprob.
+                    let start = self.req.logprob_start.unwrap_or(usize::MAX);
                     let input: Vec<Value> = inst
                         .prompt_ids
                         .iter()
                         .enumerate()
+                        .skip(start)
                         .map(|(i, id)| {
                             if i == 0 {
                                 json!([null, id, null])
@@ -160,9 +164,9 @@ impl Ctx<'_> {
                             }
                         })
                         .collect();
+                    let n = input.len();
                     meta["input_token_logprobs"] = Value::Array(input);
-                    meta["input_top_logprobs"] =
-                        Value::Array(vec![Value::Null; inst.prompt_ids.len()]);
+                    meta["input_top_logprobs"] = Value::Array(vec![Value::Null; n]);
                     meta["output_token_logprobs"] = Value::Array(out);
                 }
                 Logprobs::Decode => {

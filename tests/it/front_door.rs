@@ -365,7 +365,7 @@ async fn success_cancels_nothing() {
     for body in [
         r#"{"text":"a","sampling_params":{"max_new_tokens":2}}"#,
         r#"{"text":"a","sampling_params":{"max_new_tokens":2},"stream":true}"#,
-        r#"{"text":["a","b"],"sampling_params":{"max_new_tokens":2},"return_logprob":true}"#,
+        r#"{"text":["a","b"],"sampling_params":{"max_new_tokens":2},"return_logprob":true,"logprob_start_len":0}"#,
         r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":2}"#,
     ] {
         for _ in 0..3 {
@@ -459,7 +459,7 @@ async fn input_logprobs_from_the_prefill_are_merged() {
     let (st, _, bytes) = env
         .post(
             "/generate",
-            r#"{"input_ids":[[11,12,13],[21,22]],"sampling_params":{"max_new_tokens":2},"return_logprob":true}"#,
+            r#"{"input_ids":[[11,12,13],[21,22]],"sampling_params":{"max_new_tokens":2},"return_logprob":true,"logprob_start_len":0}"#,
         )
         .await;
     assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
@@ -481,7 +481,7 @@ async fn input_logprobs_from_the_prefill_are_merged() {
     let (st, _, bytes) = env
         .post(
             "/generate",
-            r#"{"input_ids":[5,6,7,8],"sampling_params":{"max_new_tokens":3},"return_logprob":true,"stream":true}"#,
+            r#"{"input_ids":[5,6,7,8],"sampling_params":{"max_new_tokens":3},"return_logprob":true,"logprob_start_len":0,"stream":true}"#,
         )
         .await;
     assert_eq!(st, 200);
@@ -757,7 +757,7 @@ async fn answers_held_whole_are_bounded_by_max_answer_bytes() {
     let (st, _, bytes) = env
         .post(
             "/generate",
-            r#"{"text":"hi","sampling_params":{"max_new_tokens":200},"return_logprob":true}"#,
+            r#"{"text":"hi","sampling_params":{"max_new_tokens":200},"return_logprob":true,"logprob_start_len":0}"#,
         )
         .await;
     let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();

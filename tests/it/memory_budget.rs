@@ -24,7 +24,7 @@ fn big(size: usize) -> String {
 fn logprob_stream(n: usize) -> String {
     let ids: Vec<String> = (1..=n).map(|i| (i % 30_000).to_string()).collect();
     format!(
-        r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":6}},"return_logprob":true,"stream":true}}"#,
+        r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":6}},"return_logprob":true,"logprob_start_len":0,"stream":true}}"#,
         ids.join(",")
     )
 }
@@ -160,7 +160,7 @@ async fn a_stream_whose_logprobs_repeated_in_all_events_are_past_the_total_cap_i
     let ids: Vec<String> = (1..=20).map(|i| i.to_string()).collect();
     let body = |sampling: &str| {
         format!(
-            r#"{{"input_ids":[{}],"sampling_params":{{{sampling}}},"return_logprob":true,"stream":true}}"#,
+            r#"{{"input_ids":[{}],"sampling_params":{{{sampling}}},"return_logprob":true,"logprob_start_len":0,"stream":true}}"#,
             ids.join(",")
         )
     };
@@ -194,7 +194,7 @@ async fn a_streamed_logprob_merge_past_its_cap_is_refused_and_a_whole_answer_is_
     let ids: Vec<String> = (1..=20).map(|i| i.to_string()).collect();
     let body = |stream: bool| {
         format!(
-            r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":2}},"return_logprob":true,"stream":{stream}}}"#,
+            r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":2}},"return_logprob":true,"logprob_start_len":0,"stream":{stream}}}"#,
             ids.join(",")
         )
     };
@@ -216,7 +216,7 @@ async fn a_streamed_logprob_merge_past_its_cap_is_refused_and_a_whole_answer_is_
     let (st, _, bytes) = env
         .post(
             "/generate",
-            r#"{"input_ids":[5],"sampling_params":{"max_new_tokens":3},"return_logprob":true,"stream":true}"#,
+            r#"{"input_ids":[5],"sampling_params":{"max_new_tokens":3},"return_logprob":true,"logprob_start_len":0,"stream":true}"#,
         )
         .await;
     assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
@@ -264,7 +264,7 @@ async fn large_bodies_and_answers_read_off_the_event_loop_give_the_same_answers(
     let ids: Vec<String> = (0..tokens).map(|i| (1000 + i).to_string()).collect();
     let body = |stream: bool| {
         format!(
-            r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":2}},"return_logprob":true,"stream":{stream}}}"#,
+            r#"{{"input_ids":[{}],"sampling_params":{{"max_new_tokens":2}},"return_logprob":true,"logprob_start_len":0,"stream":{stream}}}"#,
             ids.join(",")
         )
     };

@@ -68,7 +68,7 @@ async fn generate_non_stream_dp1_with_logprobs() {
     let c = cluster(1, 1).await;
     let body = with_bootstrap(
         &c,
-        json!({"text": "one two three four", "sampling_params": {"max_new_tokens": 5}, "return_logprob": true}),
+        json!({"text": "one two three four", "sampling_params": {"max_new_tokens": 5}, "return_logprob": true, "logprob_start_len": 0}),
         json!(12345),
     );
     let (p, d) = pd(&c, "/generate", &body, &body).await;
@@ -98,6 +98,36 @@ async fn generate_non_stream_dp1_with_logprobs() {
     );
     let s = settled(&c).await;
     assert_clean(&s, 1);
+}
+
+/// Input logprobs as SGLang returns them: from `logprob_start_len` on, and none without it
+/// (its default -1: output tokens only).
+#[tokio::test(crate = "crate::support::rt")]
+async fn input_logprobs_start_at_logprob_start_len() {
+    let c = cluster(1, 1).await;
+    for (start, want) in [(None, 0usize), (Some(0), 4), (Some(2), 2), (Some(9), 0)] {
+        let mut req = json!({"text": "one two three four", "sampling_params": {"max_new_tokens": 2}, "return_logprob": true});
+        if let Some(s) = start {
+            req["logprob_start_len"] = json!(s);
+        }
+        let body = with_bootstrap(
+            &c,
+            req,
+            json!(777 + want as u64 + start.unwrap_or(50) as u64),
+        );
+        let (p, d) = pd(&c, "/generate", &body, &body).await;
+        assert_eq!(p.status, 200, "{}", p.body);
+        assert_eq!(d.status, 200, "{}", d.body);
+        let input = p.json()["meta_info"]["input_token_logprobs"].clone();
+        assert_eq!(
+            input.as_array().map(Vec::len),
+            Some(want),
+            "{start:?}: {input}"
+        );
+        if start == Some(2) {
+            assert_eq!(input[0][0], json!(-0.5), "not the prompt's first token");
+        }
+    }
 }
 
 #[tokio::test(crate = "crate::support::rt")]

@@ -401,7 +401,7 @@ async fn what_cannot_be_continued_ends_with_the_error_frame() {
         ),
         (
             "/generate",
-            json!({"text": "x", "sampling_params": {"max_new_tokens": 8}, "return_logprob": true, "stream": true}),
+            json!({"text": "x", "sampling_params": {"max_new_tokens": 8}, "return_logprob": true, "logprob_start_len": 0, "stream": true}),
         ),
         (
             "/v1/chat/completions",
