@@ -92,36 +92,30 @@ fn demote_this_thread() {
     }
 }
 
-/// The most bytes a task moves through sockets (a request body read, a leg written) before
-/// it lets the event loop run other tasks. A loopback or LAN socket takes megabytes per
-/// call, and tokio's budget counts calls, not bytes: a maximum-size body was read, then
-/// written to a leg, in runs of 10–20 ms of copying with no other request served (the
-/// hostile bench's router-only probe). A yield costs about a microsecond, against ~50 µs
-/// or more of copying a slice: one slice ([`SLICE_BYTES`]) per run, as a response body
-/// and a leg's `writev` (`upstream::payload`) move at most.
-pub const YIELD_EVERY_BYTES: usize = SLICE_BYTES;
-
-/// The most bytes a response body hands hyper before it lets the event loop run other
-/// tasks (`pd::flight::PdBody`), and the most a stream's logprob merge writes at once
-/// (`pd::sse::SseScanner::take_held`). hyper writes what a body yields, polling it again
-/// while the client's socket takes the bytes (a loopback socket takes megabytes per call):
-/// a stream whose events repeat a long prompt's input logprobs held the event loop for
-/// milliseconds per read of its decode (the hostile bench's logprob bombs).
+/// The most bytes a task moves before it lets the event loop run other tasks: what a
+/// response body hands hyper (`pd::flight::PdBody`), what a stream's logprob merge writes at
+/// once (`pd::sse::SseScanner::take_held`), one `writev` to a leg (`upstream::payload`), and
+/// what a body read or a leg written moves between yields ([`Pacer`]). A loopback or LAN
+/// socket takes megabytes per call, and tokio's budget counts calls, not bytes: a
+/// maximum-size body was read, then written to a leg, in runs of 10–20 ms of copying with
+/// no other request served, and a stream whose events repeat a long prompt's input logprobs
+/// held the event loop for milliseconds per read of its decode (the hostile bench). A yield
+/// costs about a microsecond, against ~50 µs or more of copying a slice.
 pub const SLICE_BYTES: usize = 256 << 10;
 
-/// Counts the bytes a task moves and yields to the runtime every [`YIELD_EVERY_BYTES`]; with
-/// a rate, the bytes past the first [`SLICE_BYTES`] also wait for it (a small body never
+/// Counts the bytes a task moves and yields to the runtime every [`SLICE_BYTES`]; with a
+/// rate, the bytes past the first [`SLICE_BYTES`] also wait for it (a small body never
 /// does).
 #[derive(Debug, Default)]
-pub struct Pacer {
+pub struct Pacer<'a> {
     since: usize,
     total: usize,
-    rate: Option<std::sync::Arc<ByteRate>>,
+    rate: Option<&'a ByteRate>,
 }
 
-impl Pacer {
+impl<'a> Pacer<'a> {
     /// A pacer whose bytes past the first slice go at `rate`.
-    pub fn with_rate(rate: Option<std::sync::Arc<ByteRate>>) -> Pacer {
+    pub fn with_rate(rate: Option<&'a ByteRate>) -> Pacer<'a> {
         Pacer {
             rate,
             ..Pacer::default()
@@ -129,12 +123,12 @@ impl Pacer {
     }
 
     /// `n` more bytes moved; waits for the rate when past it, else yields when they add
-    /// up to [`YIELD_EVERY_BYTES`].
+    /// up to a slice.
     pub async fn moved(&mut self, n: usize) {
         let free = SLICE_BYTES.saturating_sub(self.total);
         self.total = self.total.saturating_add(n);
         self.since += n;
-        if let Some(rate) = self.rate.as_ref().filter(|_| n > free) {
+        if let Some(rate) = self.rate.filter(|_| n > free) {
             let wait = rate.reserve(n - free, tokio::time::Instant::now());
             if !wait.is_zero() {
                 self.since = 0;
@@ -142,7 +136,7 @@ impl Pacer {
                 return;
             }
         }
-        if self.since >= YIELD_EVERY_BYTES {
+        if self.since >= SLICE_BYTES {
             self.since = 0;
             tokio::task::yield_now().await;
         }

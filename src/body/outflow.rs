@@ -214,13 +214,13 @@ mod tests {
         let rate = Arc::new(ByteRate::new(1_000_000, Duration::ZERO));
         // A small body, in pieces: never waits.
         let t0 = Instant::now();
-        let mut small = super::super::Pacer::with_rate(Some(rate.clone()));
+        let mut small = super::super::Pacer::with_rate(Some(&rate));
         for _ in 0..4 {
             small.moved(SLICE_BYTES / 4).await;
         }
         assert_eq!(Instant::now(), t0, "the first slice is free");
         // A large body: what is past its first slice goes at 1 MB/s.
-        let mut large = super::super::Pacer::with_rate(Some(rate));
+        let mut large = super::super::Pacer::with_rate(Some(&rate));
         large.moved(SLICE_BYTES).await;
         large.moved(500_000).await;
         large.moved(500_000).await;

@@ -92,7 +92,7 @@ pub async fn run_prefill(
             .map_err(|e| send_failure(FailReason::PrefillConnect, "prefill", &e))?;
         let status = resp.status();
         let mut charge = budget.map_or_else(Charge::none, |b| b.charge());
-        let body = read_answer(resp.into_body(), limit, &mut charge, req.rate.clone()).await?;
+        let body = read_answer(resp.into_body(), limit, &mut charge, req.rate.as_deref()).await?;
         if !status.is_success() {
             return Err(status_failure(Role::Prefill, status, &body));
         }
@@ -129,7 +129,7 @@ async fn read_answer(
     mut body: LegBody,
     limit: usize,
     charge: &mut Charge,
-    rate: Option<Arc<crate::body::ByteRate>>,
+    rate: Option<&crate::body::ByteRate>,
 ) -> Result<Bytes, Failure> {
     let broke = |m: String| Failure::new(FailReason::PrefillAborted, m);
     let mut first: Option<Bytes> = None;

@@ -208,7 +208,7 @@ pub struct Dispatcher {
 }
 
 /// How long a quiet shared rate lets bytes go at full speed: 100 ms worth of it.
-const MERGE_BURST: std::time::Duration = std::time::Duration::from_millis(100);
+const RATE_BURST: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// A shared rate of `bytes_per_sec` (0: none): `prev` when it has that rate already (a
 /// reload that left the setting alone keeps its debt), else a new one.
@@ -219,7 +219,7 @@ fn shared_rate(
     match prev {
         Some(r) if r.bytes_per_sec() == bytes_per_sec => Some(r.clone()),
         _ => (bytes_per_sec > 0)
-            .then(|| Arc::new(crate::body::ByteRate::new(bytes_per_sec, MERGE_BURST))),
+            .then(|| Arc::new(crate::body::ByteRate::new(bytes_per_sec, RATE_BURST))),
     }
 }
 

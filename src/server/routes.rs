@@ -129,7 +129,7 @@ async fn read_body(
     limit: usize,
     declared: Option<u64>,
     mut charge: Charge,
-    rate: Option<std::sync::Arc<crate::body::ByteRate>>,
+    rate: Option<&crate::body::ByteRate>,
 ) -> Result<(Bytes, Charge), BodyError> {
     let mut first: Option<Bytes> = None;
     let mut rest: Vec<u8> = Vec::new();
@@ -377,7 +377,7 @@ impl App {
             }
         }
         let charge = self.admission.bytes().charge();
-        let read = read_body(body, limit, declared, charge, d.bulk_rate.clone());
+        let read = read_body(body, limit, declared, charge, d.bulk_rate.as_deref());
         tokio::pin!(read);
         let read = match (&mut read).now_or_never() {
             Some(r) => r,

@@ -337,7 +337,7 @@ async fn exchange(
     req: &LegRequest,
     reused: bool,
 ) -> Result<Response<LegBody>, LegError> {
-    let rate = req.rate.clone();
+    let rate = req.rate.as_deref();
     if let Err(e) = super::payload::write_all(&mut stream, &req.head, &req.body, rate).await {
         return match early_answer(&mut stream, req.keep_headers).await {
             Some((parts, buf)) => Ok(build(parts, buf, stream, host, s)),

@@ -170,7 +170,7 @@ pub(crate) async fn write_all(
     stream: &mut TcpStream,
     head: &[u8],
     body: &Payload,
-    rate: Option<std::sync::Arc<crate::body::ByteRate>>,
+    rate: Option<&crate::body::ByteRate>,
 ) -> io::Result<()> {
     // The parts in order, and how much of the current one was written.
     let parts: SmallVec<[&[u8]; 16]> = std::iter::once(head).chain(body.slices()).collect();
