@@ -43,6 +43,15 @@
 //! still kept the router's thread waiting up to ~5 ms (`perf sched`, BENCHMARKS §10); an
 //! idle-policy task is preempted at once, as work on another machine would never delay it.
 //!
+//! Demoting the stand-ins does not make them free: a core kept busy by demoted work still
+//! costs a waking thread a preemption (an interrupt to that vCPU) and the caches that work
+//! evicted. So each round also runs a **control** phase: the same open-loop normal clients
+//! beside one CPU burner per core at the hostile side's class (JSON serialisation and
+//! parsing, no I/O, nothing sent to the router or an engine). The bench prints hostile /
+//! quiet (the target), control / quiet (what this machine charges for busy cores alone) and
+//! hostile / control (the hostile clients' cost beyond it). `PDGATE_HOSTILE_CONTROL=0`
+//! skips the control.
+//!
 //! Every loop is bounded in count and in time (the phase deadline). The machine is shared:
 //! runs are short (`PDGATE_HOSTILE_SECS`, default 4 s per phase).
 //!
@@ -339,10 +348,14 @@ async fn run_phase(
     sims: &[u32],
     secs: Duration,
     load: Load,
-    hostile: Option<(Arc<Hostile>, tokio::runtime::Handle)>,
+    beside: Beside,
 ) -> Phase {
     let until = Instant::now() + secs;
-    let attack = hostile.map(|(h, rt)| rt.spawn(h.run(until)));
+    let (attack, burners) = match beside {
+        Beside::Nothing => (None, Vec::new()),
+        Beside::Hostile(h, rt) => (Some(rt.spawn(h.run(until))), Vec::new()),
+        Beside::Burners(demote) => (None, burners(until, demote)),
+    };
     // Let the hostile clients take their connections first.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let cpu0 = cpu_ns(pid);
@@ -362,6 +375,9 @@ async fn run_phase(
         .map(|(p, c0)| (cpu_ns(*p) - c0) as f64 / wall)
         .collect();
     let peak_rss_kib = sampler.await.unwrap_or(0);
+    for b in burners {
+        let _ = b.join();
+    }
     if let Some(a) = attack {
         let _ = tokio::time::timeout(Duration::from_secs(10), a).await;
         // Let the router and the engines finish what the hostile clients left (cancelled
@@ -376,6 +392,52 @@ async fn run_phase(
         sim_cpu,
         peak_rss_kib,
     }
+}
+
+/// What runs beside the normal clients in a phase.
+enum Beside {
+    /// Nothing: a quiet phase.
+    Nothing,
+    /// The hostile clients, on their runtime.
+    Hostile(Arc<Hostile>, tokio::runtime::Handle),
+    /// The control: one CPU burner per core, at the hostile side's scheduling class, that
+    /// never touches the router or an engine. What it costs the normal clients is what
+    /// this machine charges for cores kept busy by demoted work (wake-ups that must preempt
+    /// it, caches it evicts), before the router does anything for a hostile client.
+    Burners(Option<Demote>),
+}
+
+/// Starts the control's burners (see [`Beside::Burners`]), running until `until`: each
+/// serialises and parses a logprob-sized JSON array in a loop (the stand-in engines' kind
+/// of work: allocation, formatting, parsing), demoted before it starts.
+fn burners(until: Instant, demote: Option<Demote>) -> Vec<std::thread::JoinHandle<()>> {
+    let n = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let start = Arc::new(std::sync::Barrier::new(n + 1));
+    let handles: Vec<_> = (0..n)
+        .map(|_| {
+            let start = start.clone();
+            std::thread::Builder::new()
+                .name("hostile-burner".into())
+                .spawn(move || {
+                    start.wait();
+                    let rows: Vec<(f64, u32, Option<u8>)> = (0..60_000u32)
+                        .map(|i| (-1.25 - f64::from(i % 97) / 1e4, i, None))
+                        .collect();
+                    while Instant::now() < until {
+                        let text = serde_json::to_vec(&rows).unwrap_or_default();
+                        let back: serde_json::Value =
+                            serde_json::from_slice(&text).unwrap_or(serde_json::Value::Null);
+                        std::hint::black_box(back);
+                    }
+                })
+                .expect("a burner thread")
+        })
+        .collect();
+    if let Some(d) = demote {
+        demote_threads("hostile-burner", d);
+    }
+    start.wait();
+    handles
 }
 
 /// The hostile clients and what they got.
@@ -727,7 +789,8 @@ fn main() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let base_kib = rss_kib(pid).0;
-        let quiet = run_phase(&url, normal_body, pid, &sim_pids, phase, Load::Closed, None).await;
+        let quiet =
+            run_phase(&url, normal_body, pid, &sim_pids, phase, Load::Closed, Beside::Nothing).await;
         // The open-loop rate: `PDGATE_HOSTILE_RATE`, else half of what the closed loops got.
         let rate = std::env::var("PDGATE_HOSTILE_RATE")
             .ok()
@@ -763,34 +826,33 @@ fn main() {
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(3)
             .clamp(1, 10);
-        let (mut quiet_open, mut loud_open) = (Vec::new(), Vec::new());
+        // Each round also runs the control (`Beside::Burners`) unless
+        // `PDGATE_HOSTILE_CONTROL=0`.
+        let control = std::env::var("PDGATE_HOSTILE_CONTROL").map_or(true, |v| v != "0");
+        let (mut quiet_open, mut control_open, mut loud_open) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
+            let open = Load::Open(rate);
             quiet_open
-                .push(run_phase(&url, normal_body, pid, &sim_pids, phase, Load::Open(rate), None).await);
-            loud_open.push(
-                run_phase(
-                    &url,
-                    normal_body,
-                    pid,
-                    &sim_pids,
-                    phase,
-                    Load::Open(rate),
-                    Some((hostile.clone(), hostile_rt.clone())),
-                )
-                .await,
-            );
+                .push(run_phase(&url, normal_body, pid, &sim_pids, phase, open, Beside::Nothing).await);
+            if control {
+                let burn = Beside::Burners(demote);
+                control_open
+                    .push(run_phase(&url, normal_body, pid, &sim_pids, phase, open, burn).await);
+            }
+            let attack = Beside::Hostile(hostile.clone(), hostile_rt.clone());
+            loud_open
+                .push(run_phase(&url, normal_body, pid, &sim_pids, phase, open, attack).await);
         }
-        let per_round: Vec<String> = quiet_open
-            .iter()
-            .zip(&loud_open)
-            .map(|(q, l)| {
-                format!(
-                    "{:.2} / {:.2}",
-                    pct(&q.lat, 0.99).as_secs_f64() * 1e3,
-                    pct(&l.lat, 0.99).as_secs_f64() * 1e3
-                )
+        let ms99 = |p: &Phase| format!("{:.2}", pct(&p.lat, 0.99).as_secs_f64() * 1e3);
+        let per_round: Vec<String> = (0..rounds)
+            .map(|i| {
+                let mut cells = vec![ms99(&quiet_open[i])];
+                cells.extend(control_open.get(i).map(ms99));
+                cells.push(ms99(&loud_open[i]));
+                cells.join(" / ")
             })
             .collect();
+        let control_open = (!control_open.is_empty()).then(|| Phase::pooled(control_open));
         let (quiet_open, loud_open) = (Phase::pooled(quiet_open), Phase::pooled(loud_open));
         let loud = run_phase(
             &url,
@@ -799,7 +861,7 @@ fn main() {
             &sim_pids,
             phase,
             Load::Closed,
-            Some((hostile.clone(), hostile_rt)),
+            Beside::Hostile(hostile.clone(), hostile_rt),
         )
         .await;
         let (_, hwm_kib) = rss_kib(pid);
@@ -830,6 +892,9 @@ fn main() {
         println!("| phase | normal requests | p50 ms | p99 ms | max ms | router-only probe p50 / p99 / max ms | errors | router CPU (one core) | simulators' CPU | peak RSS MiB |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
         report(&format!("quiet, open loop at {rate:.0}/s ({rounds} phases)"), &quiet_open);
+        if let Some(c) = &control_open {
+            report(&format!("control: {} CPU burners, {demoted}, open loop at {rate:.0}/s ({rounds} phases)", std::thread::available_parallelism().map_or(2, |n| n.get())), c);
+        }
         report(&format!("hostile, open loop at {rate:.0}/s ({rounds} phases)"), &loud_open);
         report(&format!("quiet, {NORMAL_CLIENTS} closed loops"), &quiet);
         report(&format!("hostile, {NORMAL_CLIENTS} closed loops"), &loud);
@@ -840,7 +905,20 @@ fn main() {
             p99(&loud_open) / p99(&quiet_open),
             probe99(&loud_open) / probe99(&quiet_open)
         );
-        println!("p99 ms per round, quiet / hostile (open loop): {}", per_round.join(", "));
+        if let Some(c) = &control_open {
+            println!(
+                "p99 control / quiet (what demoted work that never reaches the router costs on this machine): {:.2}x; router-only probe {:.2}x",
+                p99(c) / p99(&quiet_open),
+                probe99(c) / probe99(&quiet_open)
+            );
+            println!(
+                "p99 hostile / control (the hostile clients' cost beyond the machine's): {:.2}x; router-only probe {:.2}x",
+                p99(&loud_open) / p99(c),
+                probe99(&loud_open) / probe99(c)
+            );
+        }
+        let cols = if control_open.is_some() { "quiet / control / hostile" } else { "quiet / hostile" };
+        println!("p99 ms per round, {cols} (open loop): {}", per_round.join(", "));
         println!(
             "p99 hostile / quiet with closed loops (a saturated machine; the normal clients got {:.0}% of their quiet throughput): {:.2}x; router-only probe {:.2}x",
             100.0 * loud.lat.len() as f64 / quiet.lat.len().max(1) as f64,
