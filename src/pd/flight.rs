@@ -463,10 +463,10 @@ impl PdBody {
         before: Bytes,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         tracing::info!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "decode failed after the answer was complete; stream ended by pdgate");
-        let decode = self.passive.decode;
+        let (role, decode) = (self.passive.decode_role, self.passive.decode);
         self.passive
             .pool
-            .report_failure(Role::Decode, decode, f.reason, &self.passive.cfg);
+            .report_failure(role, decode, f.reason, &self.passive.cfg);
         if f.reason.coupling().reported_by == Some(Role::Decode) {
             self.decode_cancel.disarm();
         }
@@ -498,13 +498,13 @@ impl PdBody {
             return Err(());
         };
         let route = m.route();
-        let dead = self.passive.decode;
-        match m.start(dead) {
+        let (role, dead) = (self.passive.decode_role, self.passive.decode);
+        match m.start(role, dead) {
             Ok(fut) => {
-                tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "decode failed mid-stream; moving the stream to another decode");
+                tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, role = role.as_str(), "decode failed mid-stream; moving the stream to another worker");
                 self.passive
                     .pool
-                    .report_failure(Role::Decode, dead, f.reason, &self.passive.cfg);
+                    .report_failure(role, dead, f.reason, &self.passive.cfg);
                 if f.reason.coupling().reported_by == Some(Role::Decode) {
                     self.decode_cancel.disarm();
                 }

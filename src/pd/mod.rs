@@ -420,16 +420,14 @@ impl Dispatcher {
                     // A move's attempts hang under the request's span, as this one did.
                     ctx.trace = root.clone();
                     let mover = match plan {
-                        Some(p) if ready.body.sse.is_some() && !regular => {
-                            Some(Box::new(moves::Mover::new(
-                                self.clone(),
-                                req,
-                                &ctx,
-                                p,
-                                ready.decode_incremental,
-                                attempt_no + 1,
-                            )))
-                        }
+                        Some(p) if ready.body.sse.is_some() => Some(Box::new(moves::Mover::new(
+                            self.clone(),
+                            req,
+                            &ctx,
+                            p,
+                            ready.decode_incremental,
+                            attempt_no + 1,
+                        ))),
                         _ => None,
                     };
                     return ready.into_response(record, &ctx.request_id, slot, mover);

@@ -1,12 +1,18 @@
 //! Moving a live stream to another decode: when the decode of a continuable stream dies or
 //! stalls after the client has seen tokens, the relay ([`super::flight::PdBody`]) asks the
 //! [`Mover`] for a follow-up on a fresh (prefill, decode) pair, and splices its stream onto
-//! what the client already has ([`super::splice`]).
+//! what the client already has ([`super::splice`]). A regular worker's stream (`pd::regular`)
+//! moves the same way.
 //!
 //! Invariants:
 //! - A move is an attempt like any other (choose_pair, preflight, send_legs,
 //!   wait_first_bytes), without the dead decode, with fresh rooms and rids; it spends the
 //!   retry budget, and `retry.max_stream_moves` bounds the moves of one request.
+//! - Each of a move's attempts goes where a first attempt of the follow-up would
+//!   ([`Dispatcher::regular_route`]): a PD pair or a regular worker of the same model, never
+//!   the worker that just failed. So a regular stream whose worker dies continues on another
+//!   regular worker (or a PD pair of its model), and a PD stream left with no other decode
+//!   continues on a regular worker where `models.regular_fallback` allows.
 //! - A move is made only when the answer can be continued exactly (see
 //!   [`super::continuation`]); otherwise the stream ends as before, with its error event.
 //! - A move waits (up to `retry.move_wait_ms`) while no decode is routable or while nothing
@@ -45,7 +51,9 @@ pub struct Mover {
     pub tracker: Tracker,
     moves_left: u32,
     next_attempt: u32,
+    /// The worker the stream is moved off (a decode or a regular worker).
     exclude_d: Vec<WorkerId>,
+    exclude_r: Vec<WorkerId>,
     /// The request's span, when it is traced: each move's attempts hang under it.
     trace: Option<crate::trace::Scope>,
 }
@@ -87,13 +95,48 @@ impl Dispatcher {
     }
 }
 
+impl Dispatcher {
+    /// Whether a move's next attempt has somewhere to go outside the excluded workers: a
+    /// regular worker the routing rules pick, or a PD pair.
+    fn move_target_left(
+        &self,
+        follow: &ParsedRequest,
+        exclude_p: &[WorkerId],
+        exclude_d: &[WorkerId],
+        exclude_r: &[WorkerId],
+    ) -> bool {
+        self.regular_route(follow, exclude_p, exclude_d, exclude_r)
+            || self.has_alternative(follow.scope.as_deref(), exclude_p, exclude_d)
+    }
+
+    /// [`Self::move_target_left`], looked at again every [`MOVE_WAIT_POLL`] until `until`
+    /// (bounded: the move's wait).
+    async fn move_target_within(
+        &self,
+        follow: &ParsedRequest,
+        exclude_d: &[WorkerId],
+        exclude_r: &[WorkerId],
+        until: tokio::time::Instant,
+    ) -> bool {
+        loop {
+            if self.move_target_left(follow, &[], exclude_d, exclude_r) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(MOVE_WAIT_POLL).await;
+        }
+    }
+}
+
 /// Whether an attempt failed only because no pair could be picked right now (no worker
 /// was tried, so none is blamed): every decode rank full, no eligible worker, or no
 /// prefill rank that can bootstrap.
 fn nothing_pickable(af: &super::attempt::AttemptFailure) -> bool {
     use crate::error::FailReason::{
         BootstrapNotReady, BootstrapRankMissing, BootstrapUnreachable, NoDecodeAvailable,
-        NoPrefillAvailable,
+        NoPrefillAvailable, NoWorkerAvailable,
     };
     af.blame.is_none()
         && (super::capacity::is_full(af)
@@ -101,6 +144,7 @@ fn nothing_pickable(af: &super::attempt::AttemptFailure) -> bool {
                 af.failure.reason,
                 NoDecodeAvailable
                     | NoPrefillAvailable
+                    | NoWorkerAvailable
                     | BootstrapUnreachable
                     | BootstrapNotReady
                     | BootstrapRankMissing
@@ -178,6 +222,7 @@ impl Mover {
             tracker: Tracker::new(plan, mode),
             next_attempt: attempts,
             exclude_d: Vec::new(),
+            exclude_r: Vec::new(),
             trace: ctx.trace.clone(),
         }
     }
@@ -208,9 +253,9 @@ impl Mover {
         self.req.route
     }
 
-    /// Starts moving the stream off `dead` (whose decode just failed); `Err` says why the
-    /// stream cannot be moved.
-    pub fn start(&mut self, dead: WorkerId) -> Result<MoveFuture, String> {
+    /// Starts moving the stream off `dead` (the decode or regular worker, by `role`, that
+    /// just failed); `Err` says why the stream cannot be moved.
+    pub fn start(&mut self, role: Role, dead: WorkerId) -> Result<MoveFuture, String> {
         if self.moves_left == 0 {
             return Err("no stream moves left (retry.max_stream_moves)".into());
         }
@@ -222,32 +267,42 @@ impl Mover {
         // its legs naming the model as the first attempt's did.
         follow.follow(&self.req);
         prepare_legs(&mut follow, self.tracker.plan());
-        // Only the decode that just failed is avoided: one that failed an earlier move
+        // Only the worker that just failed is avoided: one that failed an earlier move
         // may be back (its breaker says whether it is routable).
         self.exclude_d.clear();
-        self.exclude_d.push(dead);
-        // With no other decode routable now (the other one recovering, restarting, at
+        self.exclude_r.clear();
+        match role {
+            Role::Regular => self.exclude_r.push(dead),
+            Role::Decode | Role::Prefill => self.exclude_d.push(dead),
+        }
+        // With no other worker routable now (the other one recovering, restarting, at
         // capacity), the move waits for one up to `retry.move_wait_ms`: a pause in the
         // stream rather than an error.
-        // Only a decode that exists can come back: with no other decode in the pool at
-        // all, the stream ends at once.
+        // Only a worker that exists can come back: with no other decode or regular worker
+        // of the model in the pool at all, the stream ends at once.
         let (retry, budget) = self.d.retry(self.req.scope.as_deref());
         let wait = Duration::from_millis(retry.move_wait_ms);
-        let others = self
-            .d
-            .pool
-            .load()
-            .workers(Role::Decode)
-            .iter()
-            .any(|w| !self.exclude_d.contains(&w.id));
-        let scope = follow.scope.clone();
+        let others = {
+            let snap = self.d.pool.load();
+            let scope = follow.scope.as_deref();
+            let other = |r: Role, ex: &[WorkerId]| {
+                snap.workers(r).iter().any(|w| {
+                    !ex.contains(&w.id) && scope.is_none_or(|m| w.model.as_deref() == Some(m))
+                })
+            };
+            other(Role::Decode, &self.exclude_d) || other(Role::Regular, &self.exclude_r)
+        };
         if (wait.is_zero() || !others)
             && !self
                 .d
-                .has_alternative(scope.as_deref(), &[], &self.exclude_d)
+                .move_target_left(&follow, &[], &self.exclude_d, &self.exclude_r)
         {
-            return Err("no other decode to move to".into());
+            return Err(match role {
+                Role::Regular => "no other worker to move to".into(),
+                Role::Decode | Role::Prefill => "no other decode to move to".into(),
+            });
         }
+        let scope = follow.scope.clone();
         if !budget.try_withdraw(super::Spend::Reserved) {
             return Err("the retry budget is spent".into());
         }
@@ -266,13 +321,14 @@ impl Mover {
             queue: None,
         };
         let mut exclude_d = self.exclude_d.clone();
+        let mut exclude_r = self.exclude_r.clone();
         let first = self.next_attempt;
         let retries = retry.max_retries;
         self.next_attempt += 1 + retries;
         Ok(Box::pin(async move {
             let until = tokio::time::Instant::now() + wait;
             if !d
-                .alternative_within(scope.as_deref(), &[], &exclude_d, until)
+                .move_target_within(&follow, &exclude_d, &exclude_r, until)
                 .await
             {
                 return Err(Failure::new(
@@ -295,9 +351,14 @@ impl Mover {
                     sp
                 });
                 ctx.trace = span.as_ref().and_then(|s| s.scope());
-                let r = d
-                    .attempt(&follow, &ctx, first + n, &exclude_p, &exclude_d, &mut trace)
-                    .await;
+                // A PD pair or a regular worker, as for a first attempt (`pd::regular`).
+                let r = if d.regular_route(&follow, &exclude_p, &exclude_d, &exclude_r) {
+                    d.attempt_regular(&follow, &ctx, first + n, &exclude_r, &mut trace)
+                        .await
+                } else {
+                    d.attempt(&follow, &ctx, first + n, &exclude_p, &exclude_d, &mut trace)
+                        .await
+                };
                 match r {
                     Ok(mut ready) => {
                         super::attempt::record_success(&d.pool, &mut ready);
@@ -321,8 +382,7 @@ impl Mover {
                             match role {
                                 Role::Prefill => exclude_p.push(w),
                                 Role::Decode => exclude_d.push(w),
-                                // A move runs on PD pairs only.
-                                Role::Regular => {}
+                                Role::Regular => exclude_r.push(w),
                             }
                         }
                         // The continuation is pdgate's own body, built from a request
@@ -336,7 +396,7 @@ impl Mover {
                         );
                         let again = (f.reason.retryable() || rejected)
                             && n < retries
-                            && d.has_alternative(scope.as_deref(), &exclude_p, &exclude_d)
+                            && d.move_target_left(&follow, &exclude_p, &exclude_d, &exclude_r)
                             && d.retry(scope.as_deref())
                                 .1
                                 .try_withdraw(super::Spend::Reserved);

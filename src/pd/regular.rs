@@ -19,12 +19,13 @@
 //! - The body is the client's, minus the fields pdgate strips from every request (the
 //!   client's bootstrap and disaggregation fields), plus `rid` and `stream`
 //!   (`ParsedRequest::write_plain`); the answer streams through unbuffered, in the same
-//!   response body as a PD answer ([`super::flight::PdBody`], with no prefill watch and
-//!   no mover).
+//!   response body as a PD answer ([`super::flight::PdBody`], with no prefill watch).
 //! - A failure before the first byte is retried within the usual rules (another regular
-//!   worker, or a PD pair when rule 4 or 5 applies then); after it, the stream ends with
-//!   the usual error event. The worker is blamed as `Role::Regular` (its breaker); the
-//!   reasons are decode's (`decode_connect`, `decode_status`, ...), the engine that answers.
+//!   worker, or a PD pair when rule 4 or 5 applies then). After it, a continuable stream
+//!   moves as a PD stream does ([`super::moves`]: the follow-up goes to another regular
+//!   worker of the model, or a PD pair by the same rules); any other ends with the usual
+//!   error event. The worker is blamed as `Role::Regular` (its breaker); the reasons are
+//!   decode's (`decode_connect`, `decode_status`, ...), the engine that answers.
 //! - The load counter of the (worker, rank) is held by the response body and released
 //!   when it ends.
 //! - Policies: the pick uses the dispatcher's `regular_policy` (the decode policy's

@@ -36,12 +36,12 @@ async fn fleet(incremental: [bool; 2], tweak: impl FnOnce(&mut pdgate::config::C
 
 /// The client's view of an answer.
 #[derive(Debug, Default, PartialEq)]
-struct Answer {
-    text: String,
+pub(crate) struct Answer {
+    pub text: String,
     ids: Vec<i64>,
     /// Tokens, as the answer reports them (`/generate` meta_info, or OpenAI usage when
     /// asked; else the count of token events).
-    tokens: u64,
+    pub tokens: u64,
     /// Token texts in the order they came (one per event for the simulator).
     pieces: Vec<String>,
     finish_reasons: usize,
@@ -52,7 +52,7 @@ struct Answer {
     errors: usize,
 }
 
-fn read_answer(path: &str, stream: bool, incremental: bool, body: &[u8]) -> Answer {
+pub(crate) fn read_answer(path: &str, stream: bool, incremental: bool, body: &[u8]) -> Answer {
     let mut a = Answer::default();
     if !stream {
         let v: Value = serde_json::from_slice(body).expect("json answer");
@@ -175,14 +175,14 @@ fn moved_from_0_to_1(env: &Env, c: &Case, whole: &Answer, got: &Answer, before: 
 }
 
 /// One case: a route, a request body asking for `limit` tokens.
-struct Case {
-    name: &'static str,
-    path: &'static str,
-    body: Value,
-    limit: u64,
+pub(crate) struct Case {
+    pub name: &'static str,
+    pub path: &'static str,
+    pub body: Value,
+    pub limit: u64,
 }
 
-fn cases(stream: bool) -> Vec<Case> {
+pub(crate) fn cases(stream: bool) -> Vec<Case> {
     let l = 12;
     vec![
         Case {
@@ -218,7 +218,7 @@ fn cases(stream: bool) -> Vec<Case> {
     ]
 }
 
-async fn ask(env: &Env, c: &Case, incremental: bool) -> Answer {
+pub(crate) async fn ask(env: &Env, c: &Case, incremental: bool) -> Answer {
     let (st, _, bytes) = env.post(c.path, &c.body.to_string()).await;
     assert_eq!(st, 200, "{}: {}", c.name, String::from_utf8_lossy(&bytes));
     let stream = c.body["stream"] == json!(true);
@@ -226,7 +226,7 @@ async fn ask(env: &Env, c: &Case, incremental: bool) -> Answer {
 }
 
 /// Checks a moved answer against the uninterrupted one and what the second decode got.
-fn check_moved(c: &Case, whole: &Answer, got: &Answer, follow: &Value) {
+pub(crate) fn check_moved(c: &Case, whole: &Answer, got: &Answer, follow: &Value) {
     let n = c.name;
     assert_eq!(
         got.text, whole.text,

@@ -4,9 +4,9 @@
 //! A regular worker gets the client's body as it came, minus what pdgate strips from
 //! every request (the client's bootstrap and disaggregation fields, `stream`, the routing
 //! `model` of `/generate`), plus pdgate's `rid`, `stream` and, on a DP engine, the DP rank
-//! picked. Of the leg overrides only `model` applies (an alias's served name); a
-//! continuable stream's `stream_options` does not: a regular answer is never moved, so the
-//! client's own member goes through.
+//! picked. The leg overrides apply as on a PD leg: `model` (an alias's served name) and a
+//! continuable stream's `stream_options` (per-chunk usage, counted by the mover and hidden
+//! from a client that did not ask: a regular stream moves like a PD one, `pd::moves`).
 
 use super::{push_key, ParsedRequest};
 use crate::upstream::Payload;
@@ -14,11 +14,10 @@ use crate::upstream::Payload;
 impl ParsedRequest {
     /// A regular worker's body: the client's members, then `rid`, the DP rank and `stream`.
     pub fn write_plain(&self, rid: &str, routed_dp_rank: Option<u32>) -> Payload {
-        let model = |k: &str| k == "model";
-        let mut out = self.pieces_skipping(model);
+        let mut out = self.pieces_skipping(|_| true);
         let stream = self.stream;
         out.own(|o| {
-            self.push_overrides(o, model);
+            self.push_overrides(o, |_| true);
             push_key(o, "rid");
             o.push(b'"');
             o.extend_from_slice(rid.as_bytes());
@@ -118,6 +117,29 @@ mod tests {
             v,
             serde_json::json!({"text":"hi","sampling_params":{"max_new_tokens":3},
                 "rid":"pdg-1","routed_dp_rank":2,"stream":true})
+        );
+    }
+
+    #[test]
+    fn leg_overrides_replace_the_clients_members_on_the_plain_leg() {
+        let body = r#"{"model":"alias","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":false}}"#;
+        let mut req = parse(
+            ApiRoute::ChatCompletions,
+            Bytes::from_static(body.as_bytes()),
+        )
+        .unwrap();
+        req.override_on_legs("model", r#""served""#.into());
+        req.override_on_legs(
+            "stream_options",
+            r#"{"include_usage":true,"continuous_usage_stats":true}"#.into(),
+        );
+        let out = req.write_plain("pdg-2", None).to_vec();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"messages":[{"role":"user","content":"hi"}],"model":"served",
+                "stream_options":{"include_usage":true,"continuous_usage_stats":true},
+                "rid":"pdg-2","stream":true})
         );
     }
 }
