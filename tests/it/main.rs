@@ -39,6 +39,7 @@ mod models_rollout;
 mod per_model;
 mod policies;
 mod preflight;
+mod regular_moves;
 mod regular_workers;
 mod reload;
 mod retries;

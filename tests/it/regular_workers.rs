@@ -28,10 +28,10 @@ fn chat(model: &str, content: &str, stream: bool) -> String {
     .to_string()
 }
 
-struct Fleet {
-    env: Env,
+pub(crate) struct Fleet {
+    pub env: Env,
     /// model-b, model-b, model-c.
-    regular: Vec<SimEngine>,
+    pub regular: Vec<SimEngine>,
 }
 
 impl Fleet {
@@ -44,13 +44,13 @@ impl Fleet {
     fn decode(&self, i: usize) -> u64 {
         Self::count(&self.env.cluster.decodes[i])
     }
-    fn regular(&self, i: usize) -> u64 {
+    pub fn regular(&self, i: usize) -> u64 {
         Self::count(&self.regular[i])
     }
 }
 
 /// The mixed fleet, routable, with its three models known.
-async fn mixed(tweak: impl FnOnce(&mut pdgate::config::Config)) -> Fleet {
+pub(crate) async fn mixed(tweak: impl FnOnce(&mut pdgate::config::Config)) -> Fleet {
     let mut regular = Vec::new();
     for m in ["model-b", "model-b", "model-c"] {
         regular.push(
@@ -651,110 +651,4 @@ async fn an_alias_reaches_a_regular_worker_as_its_model() {
         .map(|(_, b)| b["model"].clone())
         .collect();
     assert_eq!(seen, [Value::from("model-c")]);
-}
-
-/// A regular worker that dies mid-stream costs the client nothing but latency, as a decode
-/// does (`pd::moves`): two regular workers of one model (no PD pair), the first cut after
-/// 3 chunks. Every route's stream continues on the other worker, which got the prompt plus
-/// what the client already had (the simulator's tokens depend on the prompt it receives,
-/// so a replay from scratch fails `check_moved`), with the limit reduced by the tokens
-/// sent; the client's answer is the uninterrupted one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_regular_workers_stream_moves_to_the_other_regular_worker() {
-    use crate::stream_moves::{ask, cases, check_moved};
-    use pdgate_sim::Faults;
-    let mut regular = Vec::new();
-    for _ in 0..2 {
-        let e = common::fast_engine(EngineConfig::regular(1));
-        regular.push(pdgate_sim::spawn(e).await.expect("regular engine"));
-    }
-    let urls: Vec<String> = regular.iter().map(SimEngine::url).collect();
-    let env = start(vec![], vec![], |c| {
-        c.worker = urls
-            .into_iter()
-            .map(|url| pdgate::config::RegularWorkerConfig { url, model: None })
-            .collect();
-        c.policy.decode = pdgate::config::PolicyKind::RoundRobin;
-    })
-    .await;
-    env.wait_pool("two regular workers", |s| {
-        s.routable_ranks(Role::Regular) == 2
-    })
-    .await;
-    let bodies = |e: &SimEngine| -> Vec<Value> {
-        e.recent_generate_bodies()
-            .into_iter()
-            .map(|(_, b)| b)
-            .collect()
-    };
-    for c in cases(true) {
-        regular[0].set_faults(Faults::default());
-        let whole = ask(&env, &c, false).await;
-        assert_eq!(whole.tokens, c.limit, "{}: {whole:?}", c.name);
-        regular[0].set_faults(Faults {
-            decode_die_mid_stream_after: Some(3),
-            ..Faults::default()
-        });
-        let mut moved = false;
-        for _ in 0..4 {
-            let before = [bodies(&regular[0]).len(), bodies(&regular[1]).len()];
-            let got = ask(&env, &c, false).await;
-            let after = [bodies(&regular[0]), bodies(&regular[1])];
-            if after[0].len() == before[0] {
-                // Served by the healthy worker alone.
-                assert_eq!(got.text, whole.text, "{}", c.name);
-                continue;
-            }
-            assert_eq!(
-                after[1].len(),
-                before[1] + 1,
-                "{}: one follow-up on the other worker",
-                c.name
-            );
-            check_moved(&c, &whole, &got, &after[1][before[1]]);
-            moved = true;
-            break;
-        }
-        assert!(moved, "{}: no request reached the dying worker", c.name);
-    }
-}
-
-/// A PD stream whose model has no other decode continues on a regular worker of that
-/// model (`models.regular_fallback`, as a retry would): model-b's one decode dies after 3
-/// chunks; the client's answer is the uninterrupted one, and one of model-b's regular
-/// workers got the prompt plus the partial answer, with the limit reduced.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pd_stream_with_no_other_decode_moves_to_a_regular_worker() {
-    use crate::stream_moves::{ask, check_moved, Case};
-    let f = mixed(|_| {}).await;
-    let env = &f.env;
-    let c = Case {
-        name: "model-b chat",
-        path: "/v1/chat/completions",
-        body: serde_json::json!({"model": "model-b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "stream": true}),
-        limit: 12,
-    };
-    let whole = ask(env, &c, false).await;
-    assert_eq!(whole.tokens, c.limit, "{whole:?}");
-    let decode_b = &env.cluster.decodes[1];
-    assert!(decode_b.stats().requests_total >= 1, "PD first for model-b");
-    decode_b.set_faults(pdgate_sim::Faults {
-        decode_die_mid_stream_after: Some(3),
-        ..Default::default()
-    });
-    let before = [f.regular(0), f.regular(1), f.regular(2)];
-    let got = ask(env, &c, false).await;
-    let took: Vec<usize> = (0..2).filter(|&i| f.regular(i) > before[i]).collect();
-    assert_eq!(
-        took.len(),
-        1,
-        "one of model-b's regular workers took the follow-up"
-    );
-    assert_eq!(f.regular(2), before[2], "model-c's worker got nothing");
-    let follow = f.regular[took[0]]
-        .recent_generate_bodies()
-        .last()
-        .map(|(_, b)| b.clone())
-        .expect("the follow-up's body");
-    check_moved(&c, &whole, &got, &follow);
 }

@@ -38,18 +38,18 @@ async fn fleet(incremental: [bool; 2], tweak: impl FnOnce(&mut pdgate::config::C
 #[derive(Debug, Default, PartialEq)]
 pub(crate) struct Answer {
     pub text: String,
-    ids: Vec<i64>,
+    pub ids: Vec<i64>,
     /// Tokens, as the answer reports them (`/generate` meta_info, or OpenAI usage when
     /// asked; else the count of token events).
     pub tokens: u64,
     /// Token texts in the order they came (one per event for the simulator).
-    pieces: Vec<String>,
-    finish_reasons: usize,
-    usage: Option<Value>,
+    pub pieces: Vec<String>,
+    pub finish_reasons: usize,
+    pub usage: Option<Value>,
     /// Chunks that carried a `usage` field (other than the final usage chunk).
-    chunk_usages: usize,
-    done: usize,
-    errors: usize,
+    pub chunk_usages: usize,
+    pub done: usize,
+    pub errors: usize,
 }
 
 pub(crate) fn read_answer(path: &str, stream: bool, incremental: bool, body: &[u8]) -> Answer {

@@ -1,0 +1,204 @@
+//! A regular worker's stream moves like a decode's (`pd::moves`): a regular worker that
+//! dies mid-stream costs the client nothing but latency when another worker of its model
+//! exists (another regular worker, or a PD pair), and a PD stream with no other decode
+//! moves to a regular worker of its model. The simulator's tokens depend on the prompt it
+//! receives, so a replay from scratch or a continuation without the partial answer fails
+//! `check_moved`.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use pdgate::types::Role;
+use pdgate_sim::{EngineConfig, Faults, SimEngine};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::regular_workers::mixed;
+use crate::stream_moves::{ask, cases, check_moved, read_answer, Case};
+use crate::support::common::*;
+
+/// A router over the given regular workers only (model `m`, no PD pair), routable.
+async fn regular_only(urls: Vec<String>) -> Env {
+    let env = start(vec![], vec![], |c| {
+        c.worker = urls
+            .into_iter()
+            .map(|url| pdgate::config::RegularWorkerConfig { url, model: None })
+            .collect();
+        c.policy.decode = pdgate::config::PolicyKind::RoundRobin;
+    })
+    .await;
+    env
+}
+
+/// A regular worker that dies mid-stream costs the client nothing but latency, as a decode
+/// does (`pd::moves`): two regular workers of one model (no PD pair), the first cut after
+/// 3 chunks. Every route's stream continues on the other worker, which got the prompt plus
+/// what the client already had (the simulator's tokens depend on the prompt it receives,
+/// so a replay from scratch fails `check_moved`), with the limit reduced by the tokens
+/// sent; the client's answer is the uninterrupted one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_regular_workers_stream_moves_to_the_other_regular_worker() {
+    let mut regular = Vec::new();
+    for _ in 0..2 {
+        let e = fast_engine(EngineConfig::regular(1));
+        regular.push(pdgate_sim::spawn(e).await.expect("regular engine"));
+    }
+    let env = regular_only(regular.iter().map(SimEngine::url).collect()).await;
+    env.wait_pool("two regular workers", |s| {
+        s.routable_ranks(Role::Regular) == 2
+    })
+    .await;
+    let bodies = |e: &SimEngine| -> Vec<Value> {
+        e.recent_generate_bodies()
+            .into_iter()
+            .map(|(_, b)| b)
+            .collect()
+    };
+    for c in cases(true) {
+        regular[0].set_faults(Faults::default());
+        let whole = ask(&env, &c, false).await;
+        assert_eq!(whole.tokens, c.limit, "{}: {whole:?}", c.name);
+        regular[0].set_faults(Faults {
+            decode_die_mid_stream_after: Some(3),
+            ..Faults::default()
+        });
+        let mut moved = false;
+        for _ in 0..4 {
+            let before = [bodies(&regular[0]).len(), bodies(&regular[1]).len()];
+            let got = ask(&env, &c, false).await;
+            let after = [bodies(&regular[0]), bodies(&regular[1])];
+            if after[0].len() == before[0] {
+                // Served by the healthy worker alone.
+                assert_eq!(got.text, whole.text, "{}", c.name);
+                continue;
+            }
+            assert_eq!(
+                after[1].len(),
+                before[1] + 1,
+                "{}: one follow-up on the other worker",
+                c.name
+            );
+            check_moved(&c, &whole, &got, &after[1][before[1]]);
+            moved = true;
+            break;
+        }
+        assert!(moved, "{}: no request reached the dying worker", c.name);
+    }
+}
+
+/// A PD stream whose model has no other decode continues on a regular worker of that
+/// model (`models.regular_fallback`, as a retry would): model-b's one decode dies after 3
+/// chunks; the client's answer is the uninterrupted one, and one of model-b's regular
+/// workers got the prompt plus the partial answer, with the limit reduced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pd_stream_with_no_other_decode_moves_to_a_regular_worker() {
+    let f = mixed(|_| {}).await;
+    let env = &f.env;
+    let c = Case {
+        name: "model-b chat",
+        path: "/v1/chat/completions",
+        body: serde_json::json!({"model": "model-b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "stream": true}),
+        limit: 12,
+    };
+    let whole = ask(env, &c, false).await;
+    assert_eq!(whole.tokens, c.limit, "{whole:?}");
+    let decode_b = &env.cluster.decodes[1];
+    assert!(decode_b.stats().requests_total >= 1, "PD first for model-b");
+    decode_b.set_faults(pdgate_sim::Faults {
+        decode_die_mid_stream_after: Some(3),
+        ..Default::default()
+    });
+    let before = [f.regular(0), f.regular(1), f.regular(2)];
+    let got = ask(env, &c, false).await;
+    let took: Vec<usize> = (0..2).filter(|&i| f.regular(i) > before[i]).collect();
+    assert_eq!(
+        took.len(),
+        1,
+        "one of model-b's regular workers took the follow-up"
+    );
+    assert_eq!(f.regular(2), before[2], "model-c's worker got nothing");
+    let follow = f.regular[took[0]]
+        .recent_generate_bodies()
+        .last()
+        .map(|(_, b)| b.clone())
+        .expect("the follow-up's body");
+    check_moved(&c, &whole, &got, &follow);
+}
+
+/// A regular worker's process killed while it streams (SIGKILL, no goodbye): every stream
+/// completes whole on the other regular worker, which got follow-ups carrying the partial
+/// answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_regular_worker_process_loses_no_stream() {
+    let healthy = pdgate_sim::spawn(fast_engine(EngineConfig::regular(1)))
+        .await
+        .expect("regular engine");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pdgate"))
+        .args([
+            "sim",
+            "--role",
+            "regular",
+            "--ttft-ms",
+            "2",
+            "--itl-ms",
+            "15",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("pdgate sim");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .expect("stdout")
+                .expect("a READY line");
+            if line.starts_with("READY") {
+                return line;
+            }
+        }
+    })
+    .await
+    .expect("READY in time");
+    let url = ready.split_whitespace().nth(2).expect("url").to_string();
+    let env = regular_only(vec![healthy.url(), url]).await;
+    env.wait_pool("two regular workers", |s| {
+        s.routable_ranks(Role::Regular) == 2
+    })
+    .await;
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "long story"}], "max_tokens": 60, "stream": true, "stream_options": {"include_usage": true}}).to_string();
+    let whole = {
+        let (_, _, b) = env.post("/v1/chat/completions", &body).await;
+        read_answer("/v1/chat/completions", true, false, &b)
+    };
+    assert_eq!(whole.tokens, 60);
+    let streams: Vec<_> = (0..4)
+        .map(|_| env.post("/v1/chat/completions", &body))
+        .collect();
+    let all = futures_util::future::join_all(streams);
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        child.start_kill().expect("kill");
+    };
+    let (answers, ()) = tokio::join!(all, kill);
+    for (st, _, b) in answers {
+        assert_eq!(st, 200);
+        let a = read_answer("/v1/chat/completions", true, false, &b);
+        assert_eq!(a.text, whole.text, "{}", String::from_utf8_lossy(&b));
+        assert_eq!(
+            (a.tokens, a.done, a.finish_reasons, a.errors),
+            (60, 1, 1, 0)
+        );
+        assert_eq!(a.usage, whole.usage);
+    }
+    let _ = child.wait().await;
+    let follow_ups = healthy
+        .recent_generate_bodies()
+        .iter()
+        .filter(|(_, b)| b["continue_final_message"] == true)
+        .count();
+    assert!(follow_ups >= 1, "no stream was moved off the killed worker");
+}
