@@ -266,7 +266,13 @@ impl PdBody {
         let stream_idle = p.idle_for;
         let idle_for = mover
             .as_ref()
-            .and_then(|m| m.gap(p.passive.decode, p.passive.gap_rank()))
+            .and_then(|m| {
+                m.gap(
+                    p.passive.decode_role,
+                    p.passive.decode,
+                    p.passive.gap_rank(),
+                )
+            })
             .map_or(stream_idle, |g| g.min(stream_idle));
         let mut body = PdBody {
             stream_idle,
@@ -541,11 +547,15 @@ impl PdBody {
         self.record.legs = trace;
         self.record.moved();
         self.last_data = tokio::time::Instant::now();
-        let (decode, rank) = (self.passive.decode, self.passive.gap_rank());
+        let (role, decode, rank) = (
+            self.passive.decode_role,
+            self.passive.decode,
+            self.passive.gap_rank(),
+        );
         self.idle_for = self
             .mover
             .as_ref()
-            .and_then(|m| m.gap(decode, rank))
+            .and_then(|m| m.gap(role, decode, rank))
             .map_or(self.stream_idle, |g| g.min(self.stream_idle));
         let due = self.last_data + self.idle_for;
         self.idle.as_mut().reset(due);
@@ -742,11 +752,15 @@ impl PdBody {
             if this.idle_for < this.stream_idle {
                 // Silent past the mid-stream gap: a stall, moved if it can be; if not, the
                 // stream waits on for the full idle bound.
-                let (decode, rank) = (this.passive.decode, this.passive.gap_rank());
+                let (role, decode, rank) = (
+                    this.passive.decode_role,
+                    this.passive.decode,
+                    this.passive.gap_rank(),
+                );
                 if this
                     .mover
                     .as_ref()
-                    .is_some_and(|m| m.gap(decode, rank).is_some())
+                    .is_some_and(|m| m.gap(role, decode, rank).is_some())
                     && this.try_move(&f, "stalled").is_ok()
                 {
                     cx.waker().wake_by_ref();
@@ -758,11 +772,15 @@ impl PdBody {
             }
             // Silent for the whole idle bound (the learned gap was at least as long, or
             // the move above could not start then): moved if it can be now.
-            let (decode, rank) = (this.passive.decode, this.passive.gap_rank());
+            let (role, decode, rank) = (
+                this.passive.decode_role,
+                this.passive.decode,
+                this.passive.gap_rank(),
+            );
             if this
                 .mover
                 .as_ref()
-                .is_some_and(|m| m.gap(decode, rank).is_some())
+                .is_some_and(|m| m.gap(role, decode, rank).is_some())
                 && this.try_move(&f, "stalled").is_ok()
             {
                 cx.waker().wake_by_ref();

@@ -233,9 +233,9 @@ impl Mover {
     /// here.
     ///
     /// With stall detection on, the bound is what the decode's (worker, rank) and its peers
-    /// taught ([`Dispatcher::decode_gap_deadline`]: `progress.multiplier` × the largest
+    /// taught ([`Dispatcher::gap_deadline`]: `progress.multiplier` × the largest
     /// recent gap of streams that ended well), at most `retry.mid_stream_gap_ceiling_ms`.
-    pub fn gap(&self, decode: WorkerId, rank: Option<DpRank>) -> Option<Duration> {
+    pub fn gap(&self, role: Role, decode: WorkerId, rank: Option<DpRank>) -> Option<Duration> {
         if self.moves_left == 0 || self.tracker.stopped().is_some() {
             return None;
         }
@@ -243,7 +243,7 @@ impl Mover {
         let ceiling = Duration::from_millis(retry.mid_stream_gap_ceiling_ms);
         Some(match rank {
             Some(r) if self.d.cfg.progress.enabled => {
-                self.d.decode_gap_deadline(decode, r).min(ceiling)
+                self.d.gap_deadline(role, decode, r).min(ceiling)
             }
             _ => ceiling,
         })

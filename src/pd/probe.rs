@@ -1,6 +1,8 @@
 //! Re-admitting a stalled worker: a one-token `/generate` through a *real* pair (the
 //! stalled worker and a routable partner of the other role), sent by the normal attempt
-//! stages (rooms, bootstrap fields, both legs, decode's answer read to its end).
+//! stages (rooms, bootstrap fields, both legs, decode's answer read to its end). A stalled
+//! regular worker (`pd::regular`) gets the same request whole, as a regular attempt on it
+//! sends it (it has no partner: it runs the prompt and the token itself).
 //!
 //! Why not `/health_generate`: SGLang's runs with a fake bootstrap and never exercises the
 //! KV path, which is exactly what a stalled engine has lost. Why not `/health`: it stays
@@ -171,13 +173,23 @@ impl Dispatcher {
             trace: None,
         };
         let snap = self.pool.load_full();
-        let chosen = self.choose_probe_pair(&snap, role, worker)?;
-        self.preflight(&chosen).await.map_err(|af| af.failure)?;
-        let legs = self.send_legs(&req, &ctx, 0, &chosen, None);
-        let ready = super::first_byte::wait_first_bytes(self, &req, legs)
-            .await
-            .map_err(|af| af.failure)?;
-        drop(chosen);
+        let ready = if role == Role::Regular {
+            let w = snap.worker(Role::Regular, worker).ok_or_else(|| {
+                Failure::new(FailReason::Internal, "the stalled worker left the pool")
+            })?;
+            let t = Target { worker, rank: 0 };
+            let mut trace = super::record::LegTrace::default();
+            self.attempt_regular_on(&req, &ctx, 0, w, t, None, &mut trace)
+                .await
+                .map_err(|af| af.failure)?
+        } else {
+            let chosen = self.choose_probe_pair(&snap, role, worker)?;
+            self.preflight(&chosen).await.map_err(|af| af.failure)?;
+            let legs = self.send_legs(&req, &ctx, 0, &chosen, None);
+            super::first_byte::wait_first_bytes(self, &req, legs)
+                .await
+                .map_err(|af| af.failure)?
+        };
         let record = RequestRecord::new(id, Route::Other("stall_probe"), &request_id, false);
         let resp = ready.into_response(record, &request_id, None, None);
         let body = resp.into_body().collect().await.map_err(|e| {
@@ -289,7 +301,10 @@ fn held(reason: FailReason, role: Role) -> bool {
             | FailReason::DecodeFirstByteTimeout
             | FailReason::DecodeStalled
             | FailReason::DecodeIdleTimeout
-    ) && reason.coupling().blames.is_none_or(|b| b == role)
+    ) && reason.coupling().blames.is_none_or(|b| {
+        // A regular worker's failures carry decode's reasons (`pd::regular`).
+        b == role || (role == Role::Regular && b == Role::Decode)
+    })
 }
 
 /// The wait before a worker's next probe, and how many probes in a row the engine held.
@@ -390,6 +405,25 @@ mod tests {
                 after(s(8), 2),
                 FailReason::PrefillTimeout,
                 after(s(16), 3),
+            ),
+            // A regular worker holds what it was sent as a decode would.
+            (
+                Role::Regular,
+                after(s(2), 1),
+                FailReason::DecodeStalled,
+                after(s(4), 2),
+            ),
+            (
+                Role::Regular,
+                after(s(1), 0),
+                FailReason::DecodeFirstByteTimeout,
+                after(s(1), 1),
+            ),
+            (
+                Role::Regular,
+                after(s(4), 2),
+                FailReason::DecodeConnect,
+                after(s(1), 0),
             ),
             // Held by the partner: a decode's probe whose prefill did not answer.
             (

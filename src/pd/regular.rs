@@ -41,6 +41,7 @@ use super::legs::{self, LegCancel};
 use super::record::LegTrace;
 use super::request::ParsedRequest;
 use super::sse::{Scan, SseScanner};
+use super::stall::StallWatch;
 use super::{Dispatcher, ReqCtx};
 use crate::error::{FailReason, Failure};
 use crate::memory::Charge;
@@ -123,6 +124,24 @@ impl Dispatcher {
             let f = Failure::new(FailReason::Internal, "picked worker missing from snapshot");
             return Err(AttemptFailure::unblamed(f));
         };
+        self.attempt_regular_on(req, ctx, attempt_no, w, t, pick.trial, trace)
+            .await
+    }
+
+    /// One attempt on the regular worker `w` at `t` (picked, or the stalled worker a probe
+    /// targets): send, then wait for the first bytes under the stall watch
+    /// ([`super::stall::StallWatch::regular`]) and the attempt's timeout.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn attempt_regular_on(
+        &self,
+        req: &ParsedRequest,
+        ctx: &ReqCtx,
+        attempt_no: u32,
+        w: &crate::pool::WorkerView,
+        t: crate::types::Target,
+        trial: Option<crate::pool::TrialGuard>,
+        trace: &mut LegTrace,
+    ) -> Result<Ready, AttemptFailure> {
         *trace = LegTrace {
             prefill: None,
             decode: Some((w.url.clone(), t.rank)),
@@ -141,17 +160,11 @@ impl Dispatcher {
         let guard = LoadGuard::new(w, t.rank);
         let timeouts = &self.cfg.timeouts;
         let within = timeouts.prefill() + timeouts.decode_first_byte();
-        let first = match tokio::time::timeout(within, self.regular_first_bytes(req, w, &leg)).await
-        {
-            Ok(r) => r,
-            Err(_) => Err(Failure::new(
-                FailReason::DecodeFirstByteTimeout,
-                format!(
-                    "the regular worker sent nothing within {}s",
-                    within.as_secs()
-                ),
-            )),
-        };
+        let mut stall =
+            StallWatch::regular(&self.cfg.progress, t, w, req.prompt_size(), req.stream);
+        let first = self
+            .watched_first_bytes(req, w, &leg, within, &mut stall)
+            .await;
         let (mut head, decode, first, sse, ended) = match first {
             Ok(v) => v,
             Err(f) => {
@@ -164,7 +177,7 @@ impl Dispatcher {
                 return Err(AttemptFailure {
                     blame: f.reason.leg().map(|_| (Role::Regular, t.worker)),
                     failure: f,
-                    trials: (None, pick.trial),
+                    trials: (None, trial),
                 });
             }
         };
@@ -198,12 +211,59 @@ impl Dispatcher {
                     prefill: t.worker,
                     decode: t.worker,
                     decode_role: Role::Regular,
+                    // No gap is learned from a regular worker's streams: they pause
+                    // whenever the engine computes another prompt (its decode steps wait
+                    // for a prefill batch), so a silence is judged against
+                    // `retry.mid_stream_gap_ceiling_ms` alone.
                     gaps: None,
                 },
                 merge_rate: None,
             },
-            trials: (None, pick.trial),
+            trials: (None, trial),
         })
+    }
+
+    /// [`Self::regular_first_bytes`] within `within`, under the stall watch: a worker that
+    /// sends nothing past its learned deadline while its peers progress fails the attempt
+    /// as `decode_stalled` (retried elsewhere; `Dispatcher::on_stall` counts it).
+    async fn watched_first_bytes(
+        &self,
+        req: &ParsedRequest,
+        w: &crate::pool::WorkerView,
+        leg: &LegRequest,
+        within: std::time::Duration,
+        stall: &mut StallWatch,
+    ) -> Result<FirstBytes, Failure> {
+        let first = self.regular_first_bytes(req, w, leg);
+        tokio::pin!(first);
+        let timeout = tokio::time::sleep(within);
+        tokio::pin!(timeout);
+        let look = tokio::time::sleep_until(stall.start());
+        tokio::pin!(look);
+        // Bounded: each turn ends the wait or moves the look later (the timeout holds).
+        loop {
+            tokio::select! {
+                r = &mut first => {
+                    if r.is_ok() {
+                        stall.first_byte();
+                    }
+                    return r;
+                }
+                _ = &mut timeout => {
+                    return Err(Failure::new(
+                        FailReason::DecodeFirstByteTimeout,
+                        format!(
+                            "the regular worker sent nothing within {}s",
+                            within.as_secs()
+                        ),
+                    ));
+                }
+                _ = &mut look, if stall.enabled() => {
+                    let at = stall.look(self)?;
+                    look.as_mut().reset(at);
+                }
+            }
+        }
     }
 
     /// Sends the leg and reads until its first bytes: the answer's head, then its first

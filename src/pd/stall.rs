@@ -17,6 +17,13 @@
 //!   before its prefill ends the watch (the client has bytes: mid-stream is the relay's).
 //! - Samples: a prefill that answered well ([`timed_prefill`]), a decode's first event
 //!   after its prefill ([`StallWatch::first_byte`]), a stream's largest gap (the relay).
+//! - A regular worker (`pd::regular`) is watched the same way with one phase
+//!   ([`StallWatch::regular`]): from the send to its first event (its prompt's compute and
+//!   first token, a prefill-kind sample sized by the prompt and the prompts queued ahead of
+//!   it), judged against the other regular workers. No stream gap is learned from regular
+//!   workers (their streams pause while they compute other prompts): their silence is
+//!   judged against the configured ceiling. A stalled regular worker is ejected and probed
+//!   back like the others ([`super::probe`]: a one-token request to it).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -86,6 +93,12 @@ enum Phase {
 /// One attempt's stall watch, from the legs' send to decode's first event.
 pub(super) struct StallWatch {
     enabled: bool,
+    /// The role of the worker timed in the first phase: `Prefill`, or `Regular` for a
+    /// regular worker's watch (one phase: the whole time to its first event).
+    role: Role,
+    /// A regular worker's prompt, counted as awaiting its first event until the watch ends:
+    /// the prompts queued ahead of it size its deadline (see [`Self::regular`]).
+    _awaiting: Option<crate::progress::AwaitingFirst>,
     /// The client asked for a stream: decode's first event is its first token. A
     /// non-streamed decode answers once its whole answer is made (its time grows with the
     /// output, not the time to first token), so it is not judged against first-token
@@ -117,6 +130,8 @@ impl StallWatch {
         let now = Instant::now();
         StallWatch {
             enabled: cfg.enabled,
+            role: Role::Prefill,
+            _awaiting: None,
             streamed,
             pair,
             size,
@@ -130,6 +145,36 @@ impl StallWatch {
             started: now,
             started_stamp: stamp(now),
         }
+    }
+
+    /// A regular worker's watch (see the module docs): `w` at `t`, a prompt of `size`. A
+    /// non-streamed answer is not watched: its first byte comes with the whole answer, so
+    /// it is bounded by the attempt's timeout alone.
+    ///
+    /// Sized by the work ahead: a regular engine computes prompts in turn (SGLang's plain
+    /// mode runs a prefill batch before the next), so a short prompt sent behind a long one
+    /// waits for it. The deadline and the sample are for this prompt plus the prompt
+    /// tokens this replica sent the worker that had no first event yet: queued is slow,
+    /// not stalled, while a hung engine's first stuck prompt is judged at its own size.
+    pub fn regular(
+        cfg: &ProgressConfig,
+        t: crate::types::Target,
+        w: &WorkerView,
+        size: u32,
+        streamed: bool,
+    ) -> StallWatch {
+        let pair = Pair {
+            prefill: t,
+            decode: t,
+        };
+        let awaiting = w.progress.await_first(size);
+        let sized = u64::from(size).saturating_add(awaiting.ahead);
+        let sized = u32::try_from(sized).unwrap_or(u32::MAX);
+        let mut watch = StallWatch::new(cfg, pair, w, w, sized, streamed);
+        watch.role = Role::Regular;
+        watch.enabled = cfg.enabled && streamed;
+        watch._awaiting = Some(awaiting);
+        watch
     }
 
     pub fn enabled(&self) -> bool {
@@ -196,7 +241,7 @@ impl StallWatch {
         let elapsed = self.started.elapsed();
         let (kind, _, _, lim, size) = self.current();
         let (role, me) = match self.phase {
-            Phase::Prefill => (Role::Prefill, self.pair.prefill.worker),
+            Phase::Prefill => (self.role, self.pair.prefill.worker),
             Phase::FirstToken => (Role::Decode, self.pair.decode.worker),
         };
         let snap = d.pool.load();
@@ -215,6 +260,11 @@ impl StallWatch {
 
     fn failure(&self, elapsed: Duration, deadline: Duration) -> Failure {
         let (reason, what) = match self.phase {
+            // A regular worker answers as a decode does (its failures are decode's).
+            Phase::Prefill if self.role == Role::Regular => (
+                FailReason::DecodeStalled,
+                "the regular worker sent no first event",
+            ),
             Phase::Prefill => (FailReason::PrefillStalled, "prefill made no progress"),
             Phase::FirstToken => (
                 FailReason::DecodeStalled,
@@ -239,6 +289,12 @@ impl StallWatch {
             let rank = self.pair.decode.rank;
             self.decode
                 .record(Kind::FirstToken, rank, self.started.elapsed(), 1);
+        } else if self.role == Role::Regular && self.streamed {
+            // A regular worker's whole time to its first event, sized by the prompt and
+            // what was queued ahead of it.
+            let rank = self.pair.decode.rank;
+            self.decode
+                .record(Kind::Prefill, rank, self.started.elapsed(), self.size);
         }
         self.decode.completed(self.started_stamp);
     }
@@ -264,15 +320,16 @@ impl Dispatcher {
         }
     }
 
-    /// The bound on the gap between two events of a stream from `worker`'s `rank`: learned
-    /// from its own and its peers' streams that ended well, within `[progress.gap_floor_ms,
+    /// The bound on the gap between two events of a stream from `worker`'s `rank` (a
+    /// decode, or a regular worker by `role`): learned from its own and its peers' (the
+    /// same role's) streams that ended well, within `[progress.gap_floor_ms,
     /// progress.gap_ceiling_ms]` (the ceiling until enough streams were seen). For the
-    /// relay: a decode silent for longer has stopped making progress. Computed at most
+    /// relay: a worker silent for longer has stopped making progress. Computed at most
     /// once per [`progress::GAP_BOUND_TTL`] per (worker, rank), then reused.
-    pub fn decode_gap_deadline(&self, worker: WorkerId, rank: DpRank) -> Duration {
+    pub fn gap_deadline(&self, role: Role, worker: WorkerId, rank: DpRank) -> Duration {
         let lim = limits(&self.cfg.progress, Kind::Gap);
         let snap = self.pool.load();
-        let me = snap.worker(Role::Decode, worker);
+        let me = snap.worker(role, worker);
         let now = stamp(Instant::now());
         if let Some(b) = me.and_then(|w| w.progress.cached_gap_bound(rank, now)) {
             return b;
@@ -281,7 +338,7 @@ impl Dispatcher {
             .map(|w| w.progress.estimate(Kind::Gap, rank, 1, lim.window))
             .unwrap_or_default();
         let peers = snap
-            .decodes
+            .workers(role)
             .iter()
             .filter(|w| w.id != worker)
             .map(|w| (&*w.progress, true));
@@ -322,7 +379,11 @@ mod tests {
         let p = &cfg.progress;
         let ceiling = Duration::from_millis(p.gap_ceiling_ms);
         let floor = Duration::from_millis(p.gap_floor_ms);
-        assert_eq!(d.decode_gap_deadline(ids[0], 0), ceiling, "nothing learned");
+        assert_eq!(
+            d.gap_deadline(Role::Decode, ids[0], 0),
+            ceiling,
+            "nothing learned"
+        );
         let snap = pool.load();
         let w0 = snap.worker(Role::Decode, ids[0]).unwrap();
         for _ in 0..p.min_samples {
@@ -331,14 +392,14 @@ mod tests {
         }
         // Rank 1 of worker 0 learned 800 ms gaps: 3 x 800 ms.
         assert_eq!(
-            d.decode_gap_deadline(ids[0], 1),
+            d.gap_deadline(Role::Decode, ids[0], 1),
             Duration::from_millis(2400)
         );
         // Its rank 0 has none of its own, but its peers' view does not include itself:
         // the ceiling. Worker 1 learns from its peer (worker 0).
-        assert_eq!(d.decode_gap_deadline(ids[0], 0), ceiling);
+        assert_eq!(d.gap_deadline(Role::Decode, ids[0], 0), ceiling);
         assert_eq!(
-            d.decode_gap_deadline(ids[1], 0),
+            d.gap_deadline(Role::Decode, ids[1], 0),
             Duration::from_millis(2400)
         );
         // Fast gaps are held up by the floor.
@@ -351,11 +412,11 @@ mod tests {
         }
         // The bound computed above is reused until it is a second old...
         assert_eq!(
-            d.decode_gap_deadline(ids[1], 0),
+            d.gap_deadline(Role::Decode, ids[1], 0),
             Duration::from_millis(2400)
         );
         tokio::time::advance(progress::GAP_BOUND_TTL).await;
         // ...then recomputed.
-        assert_eq!(d.decode_gap_deadline(ids[1], 0), floor);
+        assert_eq!(d.gap_deadline(Role::Decode, ids[1], 0), floor);
     }
 }

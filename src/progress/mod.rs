@@ -168,6 +168,27 @@ pub struct WorkerProgress {
     stalls: AtomicU32,
     /// A re-admission probe of this worker is running (at most one at a time).
     probing: AtomicBool,
+    /// Prompt tokens this replica sent the worker that have not had their first event yet
+    /// (regular workers: the compute queued ahead of a new prompt; [`AwaitingFirst`]).
+    awaiting: AtomicU64,
+}
+
+/// A prompt counted in its worker's [`WorkerProgress`] awaiting tokens until this is
+/// dropped (its first event came, or the attempt ended); `ahead` is what was queued before
+/// it.
+#[derive(Debug)]
+pub struct AwaitingFirst {
+    progress: std::sync::Arc<WorkerProgress>,
+    size: u64,
+    pub ahead: u64,
+}
+
+impl Drop for AwaitingFirst {
+    fn drop(&mut self) {
+        self.progress
+            .awaiting
+            .fetch_sub(self.size, Ordering::AcqRel);
+    }
 }
 
 impl std::fmt::Debug for WorkerProgress {
@@ -186,6 +207,7 @@ impl WorkerProgress {
             ranks: (0..dp.max(1)).map(|_| RankWindows::default()).collect(),
             mark: AtomicU64::new(0),
             stalls: AtomicU32::new(0),
+            awaiting: AtomicU64::new(0),
             probing: AtomicBool::new(false),
         }
     }
@@ -215,6 +237,18 @@ impl WorkerProgress {
     /// Whether a leg that started after `started` completed here.
     pub fn progressed_since(&self, started: u64) -> bool {
         self.mark.load(Ordering::Acquire) > started
+    }
+
+    /// Counts a prompt of `size` tokens as awaiting its first event on this worker until the
+    /// guard is dropped; the guard says how many tokens were awaiting before it.
+    pub fn await_first(self: &std::sync::Arc<Self>, size: u32) -> AwaitingFirst {
+        let size = u64::from(size);
+        let ahead = self.awaiting.fetch_add(size, Ordering::AcqRel);
+        AwaitingFirst {
+            progress: self.clone(),
+            size,
+            ahead,
+        }
     }
 
     /// Counts a stall; returns the stalls since the last completion.

@@ -40,6 +40,7 @@ mod per_model;
 mod policies;
 mod preflight;
 mod regular_moves;
+mod regular_stalls;
 mod regular_workers;
 mod reload;
 mod retries;

@@ -442,13 +442,17 @@ async fn decode_gap_bound_is_learned_from_streams() {
         Duration::from_millis(p.gap_floor_ms),
         Duration::from_millis(p.gap_ceiling_ms),
     );
-    assert_eq!(d.decode_gap_deadline(WorkerId(0), 0), ceiling);
+    assert_eq!(d.gap_deadline(Role::Decode, WorkerId(0), 0), ceiling);
     let streams = load(&env, 12, 2, GEN_STREAM).await;
     all_ok(&streams);
     // A computed bound is reused for a while (the ceiling above, for decode 0).
     tokio::time::sleep(pdgate::progress::GAP_BOUND_TTL).await;
     for id in 0..2 {
-        assert_eq!(d.decode_gap_deadline(WorkerId(id), 0), floor, "decode {id}");
+        assert_eq!(
+            d.gap_deadline(Role::Decode, WorkerId(id), 0),
+            floor,
+            "decode {id}"
+        );
     }
 }
 

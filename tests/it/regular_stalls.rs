@@ -1,0 +1,203 @@
+//! Stall detection on regular workers (`pd::regular`, `pd::stall`): a regular worker that
+//! stops making progress while its `/health` stays fine costs the client latency, not an
+//! error; it leaves rotation as *stalled* after `progress.eject_after_stalls` stalls and
+//! comes back only once a one-token request to it succeeds. Default `[progress]` settings
+//! (only the probe interval is set); the router's timeout for a regular worker's first
+//! event is 12 s here, so a request stuck on the hung worker would show.
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use pdgate::pool::BreakerState;
+use pdgate::types::{Role, WorkerId};
+use pdgate_sim::{EngineConfig, Faults, SimEngine};
+
+use crate::support::common::*;
+
+/// `n` streamed `/generate` requests, `conc` at a time: each one's status and latency.
+async fn load(env: &Env, n: usize, conc: usize) -> Vec<(u16, Duration)> {
+    futures_util::stream::iter(0..n)
+        .map(|_| async move {
+            let t = Instant::now();
+            let (st, _, b) = env.post("/generate", GEN_STREAM).await;
+            let text = String::from_utf8_lossy(&b).into_owned();
+            assert!(!text.contains("\"error\""), "{text}");
+            (st.as_u16(), t.elapsed())
+        })
+        .buffer_unordered(conc)
+        .collect()
+        .await
+}
+
+fn all_ok(r: &[(u16, Duration)]) -> Duration {
+    assert!(r.iter().all(|(st, _)| *st == 200), "{r:?}");
+    r.iter().map(|(_, t)| *t).max().unwrap_or_default()
+}
+
+fn hang(e: &SimEngine, on: bool) {
+    e.set_faults(Faults {
+        prefill_hang: on,
+        ..Faults::default()
+    });
+}
+
+/// The router's id of the regular worker at `url`.
+fn id_of(env: &Env, url: &str) -> WorkerId {
+    env.router
+        .pool
+        .load()
+        .workers(Role::Regular)
+        .iter()
+        .find(|w| w.url.as_str() == url)
+        .expect("regular worker")
+        .id
+}
+
+async fn wait_state(env: &Env, id: WorkerId, state: BreakerState, what: &str) {
+    env.wait_pool(what, |s| {
+        s.worker(Role::Regular, id)
+            .is_some_and(|w| w.breaker.state() == state)
+    })
+    .await;
+}
+
+/// Two regular workers, one hung mid-run: every request succeeds, none near the 12 s
+/// timeout; the hung worker is retried away from, then taken out as stalled and sent
+/// nothing; once it recovers, its probe (a one-token request to it) brings it back and it
+/// serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_regular_worker_costs_latency_not_errors_and_comes_back_after_a_probe() {
+    let mut regular = Vec::new();
+    for _ in 0..2 {
+        let e = fast_engine(EngineConfig::regular(1));
+        regular.push(pdgate_sim::spawn(e).await.expect("regular engine"));
+    }
+    let urls: Vec<String> = regular.iter().map(SimEngine::url).collect();
+    let env = start(vec![], vec![], |c| {
+        c.worker = urls
+            .iter()
+            .map(|url| pdgate::config::RegularWorkerConfig {
+                url: url.clone(),
+                model: None,
+            })
+            .collect();
+        c.policy.decode = pdgate::config::PolicyKind::RoundRobin;
+        c.progress.probe_interval_ms = 200;
+    })
+    .await;
+    env.wait_pool("two regular workers", |s| {
+        s.routable_ranks(Role::Regular) == 2
+    })
+    .await;
+    let hung = id_of(&env, &urls[0]);
+    let normal = all_ok(&load(&env, 20, 4).await);
+
+    hang(&regular[0], true);
+    let worst = all_ok(&load(&env, 30, 4).await);
+    assert!(
+        worst < normal + Duration::from_secs(5),
+        "a request was stuck: {worst:?} (normal {normal:?})"
+    );
+    // Requests whose first attempt hit the hung worker got their second on the other.
+    let first_on_hung = attempts_seen(&regular[0], 'r', 0);
+    let retried = attempts_seen(&regular[1], 'r', 1);
+    assert!(
+        retried.iter().any(|id| first_on_hung.contains(id)),
+        "no request was retried away from the hung worker: {retried:?}"
+    );
+    wait_state(&env, hung, BreakerState::Stalled, "the hung worker stalled").await;
+    // Out of rotation: only its probes reach it (held by the hang, not client requests).
+    let before = attempts_seen(&regular[0], 'r', 0).len();
+    all_ok(&load(&env, 10, 4).await);
+    assert_eq!(
+        attempts_seen(&regular[0], 'r', 0).len(),
+        before,
+        "no client request reached the stalled worker"
+    );
+
+    hang(&regular[0], false);
+    let cleared = Instant::now();
+    wait_state(&env, hung, BreakerState::Closed, "re-admitted by a probe").await;
+    assert!(
+        cleared.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        cleared.elapsed()
+    );
+    let served = regular[0].stats().requests_total;
+    all_ok(&load(&env, 10, 2).await);
+    assert!(
+        regular[0].stats().requests_total > served,
+        "the re-admitted worker serves again"
+    );
+}
+
+/// Long prompts among short ones on regular workers whose prompts run one at a time (as a
+/// plain engine's do): a healthy long prompt takes 2 s, and a short prompt sent behind it
+/// waits for it. Slow is not stalled: nothing is retried, nothing ejected. One long prompt
+/// (one worker queued while the other serves: its peer progresses, so only the queue's
+/// size in the deadline keeps the short prompts from counting as stalls), and four (both
+/// queued).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_queued_on_regular_workers_are_not_stalls() {
+    for longs in [1, 4] {
+        queued_long_prompts(longs).await;
+    }
+}
+
+async fn queued_long_prompts(n_long: usize) {
+    let mut regular = Vec::new();
+    for _ in 0..2 {
+        let mut e = fast_engine(EngineConfig::regular(1));
+        e.prefill_delay = Duration::from_millis(20);
+        e.prefill_per_token = Duration::from_millis(2);
+        regular.push(pdgate_sim::spawn(e).await.expect("regular engine"));
+    }
+    let urls: Vec<String> = regular.iter().map(SimEngine::url).collect();
+    let env = start(vec![], vec![], |c| {
+        c.worker = urls
+            .iter()
+            .map(|url| pdgate::config::RegularWorkerConfig {
+                url: url.clone(),
+                model: None,
+            })
+            .collect();
+        c.policy.decode = pdgate::config::PolicyKind::RoundRobin;
+    })
+    .await;
+    env.wait_pool("two regular workers", |s| {
+        s.routable_ranks(Role::Regular) == 2
+    })
+    .await;
+    all_ok(&load(&env, 12, 4).await);
+    let text = "w ".repeat(1000);
+    let long =
+        format!(r#"{{"text":"{text}","sampling_params":{{"max_new_tokens":2}},"stream":true}}"#);
+    let longs = futures_util::stream::iter(0..n_long)
+        .map(|_| env.post("/generate", &long))
+        .buffer_unordered(4)
+        .collect::<Vec<_>>();
+    let (longs, shorts) = tokio::join!(longs, load(&env, 30, 2));
+    all_ok(&shorts);
+    for (st, _, b) in &longs {
+        assert_eq!(*st, 200, "{}", String::from_utf8_lossy(b));
+    }
+    for (i, e) in regular.iter().enumerate() {
+        assert!(
+            attempts_seen(e, 'r', 1).is_empty(),
+            "{n_long} long: worker {i}: nothing was retried: {:?}",
+            e.recent_rids()
+        );
+        let id = id_of(&env, &urls[i]);
+        let state = env
+            .router
+            .pool
+            .load()
+            .worker(Role::Regular, id)
+            .map(|w| w.breaker.state());
+        assert_eq!(
+            state,
+            Some(BreakerState::Closed),
+            "{n_long} long: worker {i}"
+        );
+    }
+}
