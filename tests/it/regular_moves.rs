@@ -5,26 +5,50 @@
 //! receives, so a replay from scratch or a continuation without the partial answer fails
 //! `check_moved`.
 
-use std::process::Stdio;
-use std::time::Duration;
-
 use pdgate::types::Role;
 use pdgate_sim::{EngineConfig, Faults, SimEngine};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::regular_workers::mixed;
-use crate::stream_moves::{ask, cases, check_moved, read_answer, Case};
+use crate::stream_moves::{ask, cases, check_moved, streams_survive_a_kill, Case};
 use crate::support::common::*;
 
-/// A router over the given regular workers only (model `m`, no PD pair), routable.
-async fn regular_only(urls: Vec<String>) -> Env {
+/// `n` regular workers of model `m` (SGLang's plain mode; `engine` adjusts each), behind a
+/// router over them alone (no PD pair; round robin; `cfg` adjusts the config), routable,
+/// and their URLs.
+pub(crate) async fn regular_fleet(
+    n: usize,
+    engine: impl Fn(&mut EngineConfig),
+    cfg: impl FnOnce(&mut pdgate::config::Config),
+) -> (Env, Vec<SimEngine>, Vec<String>) {
+    let mut regular = Vec::new();
+    for _ in 0..n {
+        let mut e = fast_engine(EngineConfig::regular(1));
+        engine(&mut e);
+        regular.push(pdgate_sim::spawn(e).await.expect("regular engine"));
+    }
+    let urls: Vec<String> = regular.iter().map(SimEngine::url).collect();
+    let env = over_regular(&urls, cfg).await;
+    (env, regular, urls)
+}
+
+/// A router over the regular workers at `urls` alone, routable.
+async fn over_regular(urls: &[String], cfg: impl FnOnce(&mut pdgate::config::Config)) -> Env {
     let env = start(vec![], vec![], |c| {
         c.worker = urls
-            .into_iter()
-            .map(|url| pdgate::config::RegularWorkerConfig { url, model: None })
+            .iter()
+            .map(|url| pdgate::config::RegularWorkerConfig {
+                url: url.clone(),
+                model: None,
+            })
             .collect();
         c.policy.decode = pdgate::config::PolicyKind::RoundRobin;
+        cfg(c);
+    })
+    .await;
+    let n = urls.len();
+    env.wait_pool("the regular workers routable", |s| {
+        s.routable_ranks(Role::Regular) == n
     })
     .await;
     env
@@ -38,16 +62,7 @@ async fn regular_only(urls: Vec<String>) -> Env {
 /// sent; the client's answer is the uninterrupted one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_regular_workers_stream_moves_to_the_other_regular_worker() {
-    let mut regular = Vec::new();
-    for _ in 0..2 {
-        let e = fast_engine(EngineConfig::regular(1));
-        regular.push(pdgate_sim::spawn(e).await.expect("regular engine"));
-    }
-    let env = regular_only(regular.iter().map(SimEngine::url).collect()).await;
-    env.wait_pool("two regular workers", |s| {
-        s.routable_ranks(Role::Regular) == 2
-    })
-    .await;
+    let (env, regular, _) = regular_fleet(2, |_| {}, |_| {}).await;
     let bodies = |e: &SimEngine| -> Vec<Value> {
         e.recent_generate_bodies()
             .into_iter()
@@ -133,68 +148,9 @@ async fn a_killed_regular_worker_process_loses_no_stream() {
     let healthy = pdgate_sim::spawn(fast_engine(EngineConfig::regular(1)))
         .await
         .expect("regular engine");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pdgate"))
-        .args([
-            "sim",
-            "--role",
-            "regular",
-            "--ttft-ms",
-            "2",
-            "--itl-ms",
-            "15",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("pdgate sim");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let ready = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            let line = lines
-                .next_line()
-                .await
-                .expect("stdout")
-                .expect("a READY line");
-            if line.starts_with("READY") {
-                return line;
-            }
-        }
-    })
-    .await
-    .expect("READY in time");
-    let url = ready.split_whitespace().nth(2).expect("url").to_string();
-    let env = regular_only(vec![healthy.url(), url]).await;
-    env.wait_pool("two regular workers", |s| {
-        s.routable_ranks(Role::Regular) == 2
-    })
-    .await;
-    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "long story"}], "max_tokens": 60, "stream": true, "stream_options": {"include_usage": true}}).to_string();
-    let whole = {
-        let (_, _, b) = env.post("/v1/chat/completions", &body).await;
-        read_answer("/v1/chat/completions", true, false, &b)
-    };
-    assert_eq!(whole.tokens, 60);
-    let streams: Vec<_> = (0..4)
-        .map(|_| env.post("/v1/chat/completions", &body))
-        .collect();
-    let all = futures_util::future::join_all(streams);
-    let kill = async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        child.start_kill().expect("kill");
-    };
-    let (answers, ()) = tokio::join!(all, kill);
-    for (st, _, b) in answers {
-        assert_eq!(st, 200);
-        let a = read_answer("/v1/chat/completions", true, false, &b);
-        assert_eq!(a.text, whole.text, "{}", String::from_utf8_lossy(&b));
-        assert_eq!(
-            (a.tokens, a.done, a.finish_reasons, a.errors),
-            (60, 1, 1, 0)
-        );
-        assert_eq!(a.usage, whole.usage);
-    }
-    let _ = child.wait().await;
+    let (mut child, url) = sim_process("regular").await;
+    let env = over_regular(&[healthy.url(), url], |_| {}).await;
+    streams_survive_a_kill(&env, &mut child).await;
     let follow_ups = healthy
         .recent_generate_bodies()
         .iter()

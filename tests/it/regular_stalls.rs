@@ -12,6 +12,7 @@ use pdgate::pool::BreakerState;
 use pdgate::types::{Role, WorkerId};
 use pdgate_sim::{EngineConfig, Faults, SimEngine};
 
+use crate::regular_moves::regular_fleet;
 use crate::support::common::*;
 
 /// `n` streamed `/generate` requests, `conc` at a time: each one's status and latency.
@@ -67,28 +68,8 @@ async fn wait_state(env: &Env, id: WorkerId, state: BreakerState, what: &str) {
 /// serves again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_regular_worker_costs_latency_not_errors_and_comes_back_after_a_probe() {
-    let mut regular = Vec::new();
-    for _ in 0..2 {
-        let e = fast_engine(EngineConfig::regular(1));
-        regular.push(pdgate_sim::spawn(e).await.expect("regular engine"));
-    }
-    let urls: Vec<String> = regular.iter().map(SimEngine::url).collect();
-    let env = start(vec![], vec![], |c| {
-        c.worker = urls
-            .iter()
-            .map(|url| pdgate::config::RegularWorkerConfig {
-                url: url.clone(),
-                model: None,
-            })
-            .collect();
-        c.policy.decode = pdgate::config::PolicyKind::RoundRobin;
-        c.progress.probe_interval_ms = 200;
-    })
-    .await;
-    env.wait_pool("two regular workers", |s| {
-        s.routable_ranks(Role::Regular) == 2
-    })
-    .await;
+    let (env, regular, urls) =
+        regular_fleet(2, |_| {}, |c| c.progress.probe_interval_ms = 200).await;
     let hung = id_of(&env, &urls[0]);
     let normal = all_ok(&load(&env, 20, 4).await);
 
@@ -145,29 +126,11 @@ async fn long_prompts_queued_on_regular_workers_are_not_stalls() {
 }
 
 async fn queued_long_prompts(n_long: usize) {
-    let mut regular = Vec::new();
-    for _ in 0..2 {
-        let mut e = fast_engine(EngineConfig::regular(1));
+    let slow_prompts = |e: &mut EngineConfig| {
         e.prefill_delay = Duration::from_millis(20);
         e.prefill_per_token = Duration::from_millis(2);
-        regular.push(pdgate_sim::spawn(e).await.expect("regular engine"));
-    }
-    let urls: Vec<String> = regular.iter().map(SimEngine::url).collect();
-    let env = start(vec![], vec![], |c| {
-        c.worker = urls
-            .iter()
-            .map(|url| pdgate::config::RegularWorkerConfig {
-                url: url.clone(),
-                model: None,
-            })
-            .collect();
-        c.policy.decode = pdgate::config::PolicyKind::RoundRobin;
-    })
-    .await;
-    env.wait_pool("two regular workers", |s| {
-        s.routable_ranks(Role::Regular) == 2
-    })
-    .await;
+    };
+    let (env, regular, urls) = regular_fleet(2, slow_prompts, |_| {}).await;
     all_ok(&load(&env, 12, 4).await);
     let text = "w ".repeat(1000);
     let long =

@@ -4,13 +4,11 @@
 //! so a replay from scratch, or a continuation without the partial answer, fails these
 //! tests; what each decode received is read back from the simulator.
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use pdgate::config::PolicyKind;
 use pdgate_sim::{EngineConfig, Faults, SimCluster};
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::support::common::*;
 
@@ -504,37 +502,7 @@ async fn a_killed_decode_process_loses_no_stream() {
     )
     .await
     .expect("cluster");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pdgate"))
-        .args([
-            "sim",
-            "--role",
-            "decode",
-            "--ttft-ms",
-            "2",
-            "--itl-ms",
-            "15",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("pdgate sim");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let ready = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            let line = lines
-                .next_line()
-                .await
-                .expect("stdout")
-                .expect("a READY line");
-            if line.starts_with("READY") {
-                return line;
-            }
-        }
-    })
-    .await
-    .expect("READY in time");
-    let url = ready.split_whitespace().nth(2).expect("url").to_string();
+    let (mut child, url) = sim_process("decode").await;
     let mut cfg = fast_config();
     cfg.add_workers(
         cluster.prefill_endpoints(),
@@ -556,6 +524,19 @@ async fn a_killed_decode_process_loses_no_stream() {
         client: client(),
     };
     env.wait_routable(1, 2).await;
+    streams_survive_a_kill(&env, &mut child).await;
+    // The streams on the killed process were continued on the other decode.
+    let follow_ups = env.cluster.decodes[0]
+        .recent_generate_bodies()
+        .iter()
+        .filter(|(_, b)| b["continue_final_message"] == true)
+        .count();
+    assert!(follow_ups >= 1, "no stream was moved off the killed decode");
+}
+
+/// Four streamed chats of 60 tokens at once, `child` (one of the engines that serves them)
+/// killed 300 ms in: every stream completes as the uninterrupted answer does.
+pub(crate) async fn streams_survive_a_kill(env: &Env, child: &mut tokio::process::Child) {
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "long story"}], "max_tokens": 60, "stream": true, "stream_options": {"include_usage": true}}).to_string();
     let whole = {
         let (_, _, b) = env.post("/v1/chat/completions", &body).await;
@@ -582,13 +563,6 @@ async fn a_killed_decode_process_loses_no_stream() {
         assert_eq!(a.usage, whole.usage);
     }
     let _ = child.wait().await;
-    // The streams on the killed process were continued on the other decode.
-    let follow_ups = env.cluster.decodes[0]
-        .recent_generate_bodies()
-        .iter()
-        .filter(|(_, b)| b["continue_final_message"] == true)
-        .count();
-    assert!(follow_ups >= 1, "no stream was moved off the killed decode");
 }
 
 /// A stream whose decode dies while no other decode is routable waits (up to

@@ -438,3 +438,34 @@ impl std::io::Write for Captured {
         Ok(())
     }
 }
+
+/// A `pdgate sim --role ROLE` child process (2 ms to the first token, 15 ms between
+/// tokens), killed when dropped, and its engine URL from its READY line (bounded: 10 s).
+pub async fn sim_process(role: &str) -> (tokio::process::Child, String) {
+    use tokio::io::AsyncBufReadExt;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pdgate"))
+        .args(["sim", "--role", role, "--ttft-ms", "2", "--itl-ms", "15"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("pdgate sim");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .expect("stdout")
+                .expect("a READY line");
+            if line.starts_with("READY") {
+                return line;
+            }
+        }
+    })
+    .await
+    .expect("READY in time");
+    let url = ready.split_whitespace().nth(2).expect("url").to_string();
+    (child, url)
+}
