@@ -3,9 +3,13 @@
 //! false`: only the fixed leg timeouts, here the production defaults except a 30 s prefill
 //! timeout and a 20 s decode first-byte timeout so that a run stays bounded).
 //!
-//! Each case: two prefills and one decode (or one prefill and two decodes) from the
-//! simulator, prefill 20 ms, decode 4 tokens; 20 warm-up requests; then the fault is set on
-//! one engine and N requests are sent open loop at 10 requests/s (the issue's setup). It
+//! Each case: two prefills and one decode (or one prefill and two decodes, or two regular
+//! workers: SGLang's plain mode, no PD pair) from the simulator, prefill 20 ms, decode 4
+//! tokens; 20 warm-up requests; then the fault is set on one engine and N requests are sent
+//! open loop at 10 requests/s (the issue's setup). The decode and regular cases stream their
+//! requests: a decode's wait for its first token, and a regular worker's for its first
+//! event, are judged only for a stream (a non-streamed answer's first byte comes with the
+//! whole answer, so it has the fixed timeout alone); a prefill is judged either way. It
 //! reports the latency of the requests sent after the fault (p50, p99, max, how many took
 //! over 250 ms), the client errors, the requests retried, and how many requests the hung
 //! engine received in the second half of the run (after detection only its probes: one
@@ -28,6 +32,8 @@ use pdgate_sim::{EngineConfig, Faults, SimCluster, SimEngine};
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 const BODY: &str = r#"{"text":"hello there","sampling_params":{"max_new_tokens":4}}"#;
+const BODY_STREAM: &str =
+    r#"{"text":"hello there","sampling_params":{"max_new_tokens":4},"stream":true}"#;
 
 fn engine(mut e: EngineConfig) -> EngineConfig {
     e.prefill_delay = Duration::from_millis(20);
@@ -53,6 +59,7 @@ fn config(detect: bool) -> Config {
 enum Fault {
     PrefillHang,
     DecodeHang,
+    RegularHang,
 }
 
 struct Row {
@@ -65,17 +72,19 @@ struct Row {
     late_to_hung: u64,
 }
 
-async fn post(client: &HttpClient, url: &str) -> (u16, Duration) {
+async fn post(client: &HttpClient, url: &str, body: &'static str) -> (u16, Duration) {
     let t = Instant::now();
     let req = Request::post(url)
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from_static(BODY.as_bytes())))
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
         .expect("request");
     let fut = async {
         let resp = client.request(req).await.ok()?;
         let st = resp.status().as_u16();
-        resp.into_body().collect().await.ok()?;
-        Some(st)
+        let answer = resp.into_body().collect().await.ok()?.to_bytes();
+        // A stream that ended with an error event is an error too.
+        let failed = answer.windows(9).any(|w| w == b"\"error\":{");
+        Some(if failed { 502 } else { st })
     };
     let st = tokio::time::timeout(Duration::from_secs(60), fut)
         .await
@@ -97,15 +106,33 @@ fn retried_ids(e: &SimEngine) -> Vec<String> {
 }
 
 async fn case(fault: Fault, detect: bool, n: usize) -> Row {
-    let (p, d) = match fault {
-        Fault::PrefillHang => (2, 1),
-        Fault::DecodeHang => (1, 2),
+    let (p, d, r) = match fault {
+        Fault::PrefillHang => (2, 1, 0),
+        Fault::DecodeHang => (1, 2, 0),
+        Fault::RegularHang => (0, 0, 2),
     };
     let prefill: Vec<_> = (0..p).map(|_| engine(EngineConfig::prefill(1))).collect();
     let decode: Vec<_> = (0..d).map(|_| engine(EngineConfig::decode(1))).collect();
     let cluster = SimCluster::spawn(&prefill, &decode).await.expect("cluster");
+    let mut regular = Vec::new();
+    for _ in 0..r {
+        let e = pdgate_sim::spawn(engine(EngineConfig::regular(1))).await;
+        regular.push(e.expect("regular engine"));
+    }
     let mut cfg = config(detect);
     cfg.add_workers(cluster.prefill_endpoints(), cluster.decode_urls());
+    cfg.worker = regular
+        .iter()
+        .map(|e| pdgate::config::RegularWorkerConfig {
+            url: e.url(),
+            model: None,
+        })
+        .collect();
+    let body = if fault == Fault::PrefillHang {
+        BODY
+    } else {
+        BODY_STREAM
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -122,18 +149,29 @@ async fn case(fault: Fault, detect: bool, n: usize) -> Row {
     conn.set_nodelay(true);
     let client: HttpClient = Client::builder(TokioExecutor::new()).build(conn);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline && post(&client, &url).await.0 != 200 {
+    while Instant::now() < deadline && post(&client, &url, body).await.0 != 200 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Both regular workers serving (the first answer came from one of them).
+    while Instant::now() < deadline
+        && router
+            .pool
+            .load()
+            .routable_ranks(pdgate::types::Role::Regular)
+            < r
+    {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for _ in 0..20 {
-        post(&client, &url).await;
+        post(&client, &url, body).await;
     }
     let hung = match fault {
         Fault::PrefillHang => &cluster.prefills[0],
         Fault::DecodeHang => &cluster.decodes[0],
+        Fault::RegularHang => &regular[0],
     };
     hung.set_faults(Faults {
-        prefill_hang: fault == Fault::PrefillHang,
+        prefill_hang: fault != Fault::DecodeHang,
         decode_hang: fault == Fault::DecodeHang,
         ..Faults::default()
     });
@@ -144,14 +182,15 @@ async fn case(fault: Fault, detect: bool, n: usize) -> Row {
             half = hung.stats().requests_total;
         }
         let (c, u) = (client.clone(), url.clone());
-        tasks.push(tokio::spawn(async move { post(&c, &u).await }));
+        tasks.push(tokio::spawn(async move { post(&c, &u, body).await }));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let late_to_hung = hung.stats().requests_total - half;
     let mut row = Row {
         fault: match fault {
             Fault::PrefillHang => "prefill hangs (1 of 2)",
-            Fault::DecodeHang => "decode hangs before its first token (1 of 2)",
+            Fault::DecodeHang => "decode hangs before its first token (1 of 2; streamed)",
+            Fault::RegularHang => "regular worker hangs before its first event (1 of 2; streamed)",
         },
         detect,
         lat_ms: Vec::new(),
@@ -167,7 +206,11 @@ async fn case(fault: Fault, detect: bool, n: usize) -> Row {
         }
         row.lat_ms.push(took.as_secs_f64() * 1000.0);
     }
-    let ids: std::collections::BTreeSet<String> = cluster.engines().flat_map(retried_ids).collect();
+    let ids: std::collections::BTreeSet<String> = cluster
+        .engines()
+        .chain(regular.iter())
+        .flat_map(retried_ids)
+        .collect();
     row.retried = ids.len();
     row.slow = row.lat_ms.iter().filter(|ms| **ms > 250.0).count();
     row.lat_ms.sort_by(f64::total_cmp);
@@ -186,7 +229,7 @@ fn main() {
     let quick = std::env::var("PDGATE_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
     let n = if quick { 20 } else { 60 };
     let mut rows = Vec::new();
-    for fault in [Fault::PrefillHang, Fault::DecodeHang] {
+    for fault in [Fault::PrefillHang, Fault::DecodeHang, Fault::RegularHang] {
         for detect in [true, false] {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
