@@ -56,10 +56,10 @@ fn config(detect: bool) -> Config {
 }
 
 #[derive(Clone, Copy, PartialEq)]
-enum Fault {
-    PrefillHang,
-    DecodeHang,
-    RegularHang,
+enum Hung {
+    Prefill,
+    Decode,
+    Regular,
 }
 
 struct Row {
@@ -105,11 +105,11 @@ fn retried_ids(e: &SimEngine) -> Vec<String> {
         .collect()
 }
 
-async fn case(fault: Fault, detect: bool, n: usize) -> Row {
+async fn case(fault: Hung, detect: bool, n: usize) -> Row {
     let (p, d, r) = match fault {
-        Fault::PrefillHang => (2, 1, 0),
-        Fault::DecodeHang => (1, 2, 0),
-        Fault::RegularHang => (0, 0, 2),
+        Hung::Prefill => (2, 1, 0),
+        Hung::Decode => (1, 2, 0),
+        Hung::Regular => (0, 0, 2),
     };
     let prefill: Vec<_> = (0..p).map(|_| engine(EngineConfig::prefill(1))).collect();
     let decode: Vec<_> = (0..d).map(|_| engine(EngineConfig::decode(1))).collect();
@@ -128,7 +128,7 @@ async fn case(fault: Fault, detect: bool, n: usize) -> Row {
             model: None,
         })
         .collect();
-    let body = if fault == Fault::PrefillHang {
+    let body = if fault == Hung::Prefill {
         BODY
     } else {
         BODY_STREAM
@@ -166,13 +166,13 @@ async fn case(fault: Fault, detect: bool, n: usize) -> Row {
         post(&client, &url, body).await;
     }
     let hung = match fault {
-        Fault::PrefillHang => &cluster.prefills[0],
-        Fault::DecodeHang => &cluster.decodes[0],
-        Fault::RegularHang => &regular[0],
+        Hung::Prefill => &cluster.prefills[0],
+        Hung::Decode => &cluster.decodes[0],
+        Hung::Regular => &regular[0],
     };
     hung.set_faults(Faults {
-        prefill_hang: fault != Fault::DecodeHang,
-        decode_hang: fault == Fault::DecodeHang,
+        prefill_hang: fault != Hung::Decode,
+        decode_hang: fault == Hung::Decode,
         ..Faults::default()
     });
     let mut tasks = Vec::new();
@@ -188,9 +188,9 @@ async fn case(fault: Fault, detect: bool, n: usize) -> Row {
     let late_to_hung = hung.stats().requests_total - half;
     let mut row = Row {
         fault: match fault {
-            Fault::PrefillHang => "prefill hangs (1 of 2)",
-            Fault::DecodeHang => "decode hangs before its first token (1 of 2; streamed)",
-            Fault::RegularHang => "regular worker hangs before its first event (1 of 2; streamed)",
+            Hung::Prefill => "prefill hangs (1 of 2)",
+            Hung::Decode => "decode hangs before its first token (1 of 2; streamed)",
+            Hung::Regular => "regular worker hangs before its first event (1 of 2; streamed)",
         },
         detect,
         lat_ms: Vec::new(),
@@ -229,7 +229,7 @@ fn main() {
     let quick = std::env::var("PDGATE_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
     let n = if quick { 20 } else { 60 };
     let mut rows = Vec::new();
-    for fault in [Fault::PrefillHang, Fault::DecodeHang, Fault::RegularHang] {
+    for fault in [Hung::Prefill, Hung::Decode, Hung::Regular] {
         for detect in [true, false] {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
