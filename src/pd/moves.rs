@@ -51,7 +51,8 @@ pub struct Mover {
     pub tracker: Tracker,
     moves_left: u32,
     next_attempt: u32,
-    /// The worker the stream is moved off (a decode or a regular worker).
+    /// The worker the stream is moved off: a decode (`exclude_d`) or a regular worker
+    /// (`exclude_r`).
     exclude_d: Vec<WorkerId>,
     exclude_r: Vec<WorkerId>,
     /// The request's span, when it is traced: each move's attempts hang under it.
@@ -93,9 +94,7 @@ impl Dispatcher {
         }
         false
     }
-}
 
-impl Dispatcher {
     /// Whether a move's next attempt has somewhere to go outside the excluded workers: a
     /// regular worker the routing rules pick, or a PD pair.
     fn move_target_left(
