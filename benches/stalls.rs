@@ -121,13 +121,7 @@ async fn case(fault: Hung, detect: bool, n: usize) -> Row {
     }
     let mut cfg = config(detect);
     cfg.add_workers(cluster.prefill_endpoints(), cluster.decode_urls());
-    cfg.worker = regular
-        .iter()
-        .map(|e| pdgate::config::RegularWorkerConfig {
-            url: e.url(),
-            model: None,
-        })
-        .collect();
+    cfg.add_regular_workers(regular.iter().map(SimEngine::url));
     let body = if fault == Hung::Prefill {
         BODY
     } else {

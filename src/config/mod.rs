@@ -457,6 +457,14 @@ impl Default for UpstreamConfig {
 }
 
 impl Config {
+    /// Adds static regular (non-PD) workers by URL, serving the model their engine reports.
+    pub fn add_regular_workers(&mut self, urls: impl IntoIterator<Item = String>) {
+        self.worker.extend(
+            urls.into_iter()
+                .map(|url| RegularWorkerConfig { url, model: None }),
+        );
+    }
+
     /// Adds static workers: prefills as (URL, bootstrap port), decodes as URLs.
     pub fn add_workers(
         &mut self,

@@ -234,7 +234,7 @@ pub struct Passive {
 
 impl Passive {
     /// The decode's rank, where stall detection follows it.
-    fn gap_rank(&self) -> Option<DpRank> {
+    pub(super) fn gap_rank(&self) -> Option<DpRank> {
         self.gaps.as_ref().map(|(_, r)| *r)
     }
 }
@@ -264,16 +264,7 @@ impl PdBody {
         mover: Option<Box<super::moves::Mover>>,
     ) -> PdBody {
         let stream_idle = p.idle_for;
-        let idle_for = mover
-            .as_ref()
-            .and_then(|m| {
-                m.gap(
-                    p.passive.decode_role,
-                    p.passive.decode,
-                    p.passive.gap_rank(),
-                )
-            })
-            .map_or(stream_idle, |g| g.min(stream_idle));
+        let idle_for = idle_bound(mover.as_deref(), &p.passive, stream_idle);
         let mut body = PdBody {
             stream_idle,
             mover,
@@ -497,6 +488,15 @@ impl PdBody {
         Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))))
     }
 
+    /// A silent stream (`f`, its idle failure) started moving, when a move is left for it.
+    fn move_stalled(&mut self, f: &Failure) -> bool {
+        let can = self
+            .mover
+            .as_ref()
+            .is_some_and(|m| m.gap(&self.passive).is_some());
+        can && self.try_move(f, "stalled").is_ok()
+    }
+
     /// Starts moving the stream off its decode after `f`; `Err` (logged and counted) when
     /// it cannot be moved. Nothing is ended here.
     fn try_move(&mut self, f: &Failure, why: &'static str) -> Result<(), ()> {
@@ -547,19 +547,22 @@ impl PdBody {
         self.record.legs = trace;
         self.record.moved();
         self.last_data = tokio::time::Instant::now();
-        let (role, decode, rank) = (
-            self.passive.decode_role,
-            self.passive.decode,
-            self.passive.gap_rank(),
-        );
-        self.idle_for = self
-            .mover
-            .as_ref()
-            .and_then(|m| m.gap(role, decode, rank))
-            .map_or(self.stream_idle, |g| g.min(self.stream_idle));
+        self.idle_for = idle_bound(self.mover.as_deref(), &self.passive, self.stream_idle);
         let due = self.last_data + self.idle_for;
         self.idle.as_mut().reset(due);
     }
+}
+
+/// How long a stream may be silent: the mover's gap bound for its worker while a move is
+/// left, at most `stream_idle`.
+fn idle_bound(
+    mover: Option<&super::moves::Mover>,
+    passive: &Passive,
+    stream_idle: Duration,
+) -> Duration {
+    mover
+        .and_then(|m| m.gap(passive))
+        .map_or(stream_idle, |g| g.min(stream_idle))
 }
 
 /// A failure carried as a body error (cuts a non-streamed response).
@@ -752,17 +755,7 @@ impl PdBody {
             if this.idle_for < this.stream_idle {
                 // Silent past the mid-stream gap: a stall, moved if it can be; if not, the
                 // stream waits on for the full idle bound.
-                let (role, decode, rank) = (
-                    this.passive.decode_role,
-                    this.passive.decode,
-                    this.passive.gap_rank(),
-                );
-                if this
-                    .mover
-                    .as_ref()
-                    .is_some_and(|m| m.gap(role, decode, rank).is_some())
-                    && this.try_move(&f, "stalled").is_ok()
-                {
+                if this.move_stalled(&f) {
                     cx.waker().wake_by_ref();
                     return Poll::Pending;
                 }
@@ -772,17 +765,7 @@ impl PdBody {
             }
             // Silent for the whole idle bound (the learned gap was at least as long, or
             // the move above could not start then): moved if it can be now.
-            let (role, decode, rank) = (
-                this.passive.decode_role,
-                this.passive.decode,
-                this.passive.gap_rank(),
-            );
-            if this
-                .mover
-                .as_ref()
-                .is_some_and(|m| m.gap(role, decode, rank).is_some())
-                && this.try_move(&f, "stalled").is_ok()
-            {
+            if this.move_stalled(&f) {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }

@@ -36,7 +36,7 @@ use super::splice::{GenerateMode, Tracker};
 use super::{Dispatcher, ReqCtx};
 use crate::error::Failure;
 use crate::telemetry;
-use crate::types::{DpRank, RequestId, Role, WorkerId};
+use crate::types::{RequestId, Role, WorkerId};
 
 /// A move under way: the new attempt's parts and the legs it picked.
 pub type MoveFuture = Pin<Box<dyn Future<Output = Result<(Ready, LegTrace), Failure>> + Send>>;
@@ -51,10 +51,6 @@ pub struct Mover {
     pub tracker: Tracker,
     moves_left: u32,
     next_attempt: u32,
-    /// The worker the stream is moved off: a decode (`exclude_d`) or a regular worker
-    /// (`exclude_r`).
-    exclude_d: Vec<WorkerId>,
-    exclude_r: Vec<WorkerId>,
     /// The request's span, when it is traced: each move's attempts hang under it.
     trace: Option<crate::trace::Scope>,
 }
@@ -220,8 +216,6 @@ impl Mover {
             forward: ctx.forward.as_slice().into(),
             tracker: Tracker::new(plan, mode),
             next_attempt: attempts,
-            exclude_d: Vec::new(),
-            exclude_r: Vec::new(),
             trace: ctx.trace.clone(),
         }
     }
@@ -234,16 +228,17 @@ impl Mover {
     /// With stall detection on, the bound is what the decode's (worker, rank) and its peers
     /// taught ([`Dispatcher::gap_deadline`]: `progress.multiplier` × the largest
     /// recent gap of streams that ended well), at most `retry.mid_stream_gap_ceiling_ms`.
-    pub fn gap(&self, role: Role, decode: WorkerId, rank: Option<DpRank>) -> Option<Duration> {
+    pub fn gap(&self, at: &super::flight::Passive) -> Option<Duration> {
         if self.moves_left == 0 || self.tracker.stopped().is_some() {
             return None;
         }
         let retry = self.d.retry(self.req.scope.as_deref()).0;
         let ceiling = Duration::from_millis(retry.mid_stream_gap_ceiling_ms);
-        Some(match rank {
-            Some(r) if self.d.cfg.progress.enabled => {
-                self.d.gap_deadline(role, decode, r).min(ceiling)
-            }
+        Some(match at.gap_rank() {
+            Some(r) if self.d.cfg.progress.enabled => self
+                .d
+                .gap_deadline(at.decode_role, at.decode, r)
+                .min(ceiling),
             _ => ceiling,
         })
     }
@@ -268,12 +263,10 @@ impl Mover {
         prepare_legs(&mut follow, self.tracker.plan());
         // Only the worker that just failed is avoided: one that failed an earlier move
         // may be back (its breaker says whether it is routable).
-        self.exclude_d.clear();
-        self.exclude_r.clear();
-        match role {
-            Role::Regular => self.exclude_r.push(dead),
-            Role::Decode | Role::Prefill => self.exclude_d.push(dead),
-        }
+        let (mut exclude_d, mut exclude_r) = match role {
+            Role::Regular => (Vec::new(), vec![dead]),
+            Role::Decode | Role::Prefill => (vec![dead], Vec::new()),
+        };
         // With no other worker routable now (the other one recovering, restarting, at
         // capacity), the move waits for one up to `retry.move_wait_ms`: a pause in the
         // stream rather than an error.
@@ -289,12 +282,12 @@ impl Mover {
                     !ex.contains(&w.id) && scope.is_none_or(|m| w.model.as_deref() == Some(m))
                 })
             };
-            other(Role::Decode, &self.exclude_d) || other(Role::Regular, &self.exclude_r)
+            other(Role::Decode, &exclude_d) || other(Role::Regular, &exclude_r)
         };
         if (wait.is_zero() || !others)
             && !self
                 .d
-                .move_target_left(&follow, &[], &self.exclude_d, &self.exclude_r)
+                .move_target_left(&follow, &[], &exclude_d, &exclude_r)
         {
             return Err(match role {
                 Role::Regular => "no other worker to move to".into(),
@@ -319,8 +312,6 @@ impl Mover {
             // and the stream ends with its error frame.
             queue: None,
         };
-        let mut exclude_d = self.exclude_d.clone();
-        let mut exclude_r = self.exclude_r.clone();
         let first = self.next_attempt;
         let retries = retry.max_retries;
         self.next_attempt += 1 + retries;

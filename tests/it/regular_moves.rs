@@ -35,13 +35,7 @@ pub(crate) async fn regular_fleet(
 /// A router over the regular workers at `urls` alone, routable.
 async fn over_regular(urls: &[String], cfg: impl FnOnce(&mut pdgate::config::Config)) -> Env {
     let env = start(vec![], vec![], |c| {
-        c.worker = urls
-            .iter()
-            .map(|url| pdgate::config::RegularWorkerConfig {
-                url: url.clone(),
-                model: None,
-            })
-            .collect();
+        c.add_regular_workers(urls.iter().cloned());
         c.policy.decode = pdgate::config::PolicyKind::RoundRobin;
         cfg(c);
     })

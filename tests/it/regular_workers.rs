@@ -70,10 +70,7 @@ pub(crate) async fn mixed(tweak: impl FnOnce(&mut pdgate::config::Config)) -> Fl
             engine(EngineConfig::decode(1), "model-b"),
         ],
         |c| {
-            c.worker = urls
-                .into_iter()
-                .map(|url| pdgate::config::RegularWorkerConfig { url, model: None })
-                .collect();
+            c.add_regular_workers(urls);
             tweak(c);
         },
     )
