@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use super::request::ApiRoute;
 use crate::body::{BoxError, RespBody};
 use crate::error::FailReason;
-use crate::telemetry::{self, access};
+use crate::telemetry::{self, access, AtomicHistogram};
 use crate::types::{DpRank, RequestId};
 use crate::upstream::BaseUrl;
 
@@ -190,6 +190,7 @@ impl RequestRecord {
         };
         match self.last_event.replace(now) {
             None => {
+                register_series();
                 let ttft = now.saturating_duration_since(self.start);
                 self.ttft = Some(ttft);
                 if let Some(s) = series {
@@ -205,8 +206,8 @@ impl RequestRecord {
                 if self.max_gap.is_none_or(|m| gap > m) {
                     self.max_gap = Some(gap);
                 }
-                if let Some(s) = series {
-                    s.inter_event().record(gap.as_secs_f64());
+                if let Route::Api(r) = self.route {
+                    INTER_EVENT[r as usize].observe(gap);
                 }
             }
         }
@@ -363,7 +364,6 @@ struct RouteSeries {
     requests: [OnceLock<Counter>; OUTCOMES],
     duration: [OnceLock<Histogram>; OUTCOMES],
     ttft: OnceLock<Histogram>,
-    inter_event: OnceLock<Histogram>,
 }
 
 impl RouteSeries {
@@ -373,7 +373,6 @@ impl RouteSeries {
             requests: [const { OnceLock::new() }; OUTCOMES],
             duration: [const { OnceLock::new() }; OUTCOMES],
             ttft: OnceLock::new(),
-            inter_event: OnceLock::new(),
         }
     }
 
@@ -396,12 +395,36 @@ impl RouteSeries {
         self.ttft
             .get_or_init(|| metrics::histogram!(telemetry::TIME_TO_FIRST_TOKEN, "route" => route))
     }
+}
 
-    fn inter_event(&self) -> &Histogram {
-        let route = self.route.label();
-        self.inter_event
-            .get_or_init(|| metrics::histogram!(telemetry::INTER_EVENT, "route" => route))
-    }
+/// `pdgate_stream_inter_event_seconds` by route (in [`ApiRoute`] order): observed on every
+/// event of every stream, so kept in atomics ([`telemetry::StaticHistograms`]).
+static INTER_EVENT: [AtomicHistogram; ROUTES] =
+    [const { AtomicHistogram::new(telemetry::INTER_EVENT_BUCKETS) }; ROUTES];
+
+static INTER_EVENT_FAMILY: telemetry::StaticHistograms = telemetry::StaticHistograms {
+    name: telemetry::INTER_EVENT,
+    label: "route",
+    members: &[
+        (
+            ApiRoute::Generate.label(),
+            &INTER_EVENT[ApiRoute::Generate as usize],
+        ),
+        (
+            ApiRoute::ChatCompletions.label(),
+            &INTER_EVENT[ApiRoute::ChatCompletions as usize],
+        ),
+        (
+            ApiRoute::Completions.label(),
+            &INTER_EVENT[ApiRoute::Completions as usize],
+        ),
+    ],
+};
+
+/// Puts the per-route stream series in the exposition (once; every record calls it).
+fn register_series() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| telemetry::register(&INTER_EVENT_FAMILY));
 }
 
 static ROUTE_SERIES: [RouteSeries; ROUTES] = [
@@ -460,6 +483,9 @@ mod tests {
         assert_eq!(Outcome::Ok.index(), OUTCOMES - 1);
         for (i, s) in ROUTE_SERIES.iter().enumerate() {
             assert_eq!(s.route as usize, i);
+            let (label, h) = INTER_EVENT_FAMILY.members[i];
+            assert_eq!(label, s.route.label());
+            assert!(std::ptr::eq(h, &INTER_EVENT[i]));
         }
     }
 }

@@ -38,7 +38,7 @@ impl ApiRoute {
             ApiRoute::Completions => "/v1/completions",
         }
     }
-    pub fn label(self) -> &'static str {
+    pub const fn label(self) -> &'static str {
         match self {
             ApiRoute::Generate => "generate",
             ApiRoute::ChatCompletions => "chat_completions",

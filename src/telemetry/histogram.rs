@@ -11,20 +11,27 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+/// The most buckets a histogram has (a table's bucket list is checked against it).
+pub const MAX_BUCKETS: usize = 24;
+
 /// Observations of a duration, bucketed.
 #[derive(Debug)]
 pub struct AtomicHistogram {
     buckets: &'static [f64],
-    /// One per bucket, then `+Inf`.
-    counts: Box<[AtomicU64]>,
+    /// One per bucket, then `+Inf` (the slots past it unused): a fixed array, so that a
+    /// histogram can be a `static`.
+    counts: [AtomicU64; MAX_BUCKETS + 1],
     sum_micros: AtomicU64,
 }
 
 impl AtomicHistogram {
-    pub fn new(buckets: &'static [f64]) -> AtomicHistogram {
+    /// Panics (at compile time for a `static`) when `buckets` has more than
+    /// [`MAX_BUCKETS`].
+    pub const fn new(buckets: &'static [f64]) -> AtomicHistogram {
+        assert!(buckets.len() <= MAX_BUCKETS, "too many buckets");
         AtomicHistogram {
             buckets,
-            counts: (0..=buckets.len()).map(|_| AtomicU64::new(0)).collect(),
+            counts: [const { AtomicU64::new(0) }; MAX_BUCKETS + 1],
             sum_micros: AtomicU64::new(0),
         }
     }
@@ -44,8 +51,9 @@ impl AtomicHistogram {
     /// in seconds.
     pub fn read(&self) -> (Vec<(Option<f64>, u64)>, f64) {
         let mut acc = 0u64;
-        let mut out = Vec::with_capacity(self.counts.len());
-        for (i, c) in self.counts.iter().enumerate() {
+        let used = &self.counts[..=self.buckets.len()];
+        let mut out = Vec::with_capacity(used.len());
+        for (i, c) in used.iter().enumerate() {
             acc = acc.saturating_add(c.load(Ordering::Relaxed));
             out.push((self.buckets.get(i).copied(), acc));
         }
