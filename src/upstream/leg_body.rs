@@ -147,11 +147,16 @@ impl LegBody {
                     self.framing = Framing::Chunked(Chunk::Size);
                 }
                 Chunk::Size => {
-                    let Some(i) = self.line_end()? else {
-                        return Ok(());
+                    let (size, line) = match plain_size_line(&self.buf) {
+                        Some(p) => p,
+                        None => {
+                            let Some(i) = self.line_end()? else {
+                                return Ok(());
+                            };
+                            (parse_chunk_size(trim_cr(&self.buf[..i]))?, i + 1)
+                        }
                     };
-                    let size = parse_chunk_size(trim_cr(&self.buf[..i]))?;
-                    self.buf.advance(i + 1);
+                    self.buf.advance(line);
                     self.framing = Framing::Chunked(if size == 0 {
                         Chunk::Trailers
                     } else {
@@ -184,6 +189,56 @@ impl LegBody {
         }
     }
 
+    /// The rest of the current chunk (`left` bytes, all buffered) and the data of every
+    /// whole chunk buffered after it, as one frame: each following chunk's data is moved
+    /// in place to follow the previous one, over the framing between them, so nothing is
+    /// allocated. It stops before the last chunk, a size line that is not plain (see
+    /// [`plain_size_line`]), or a chunk not wholly buffered; what it stops at is read as
+    /// before, the framing left at the CRLF after the data taken. `None` when no chunk
+    /// follows whole (the caller takes the current chunk's data alone).
+    ///
+    /// Why: an engine writes each event as its own chunk, and when several arrived in one
+    /// read, relaying them as one frame costs the request path, the client's framing and
+    /// the write once for all of them rather than once each. Nothing waits: only bytes
+    /// already read are joined.
+    fn merged_chunks(&mut self, left: u64) -> Option<Bytes> {
+        let left = usize::try_from(left).ok()?;
+        // The smallest chunk after the CRLF: `1\r\n`, a byte.
+        if self.buf.len() < left + 6 {
+            return None;
+        }
+        let b = &mut self.buf[..];
+        // `b[..w]` is the data so far; `b[r..]` is unread (it starts at a data CRLF).
+        let (mut w, mut r) = (left, left);
+        loop {
+            if b.get(r..r + 2) != Some(b"\r\n") {
+                break;
+            }
+            let Some((size, line)) = b.get(r + 2..).and_then(plain_size_line) else {
+                break;
+            };
+            let start = r + 2 + line;
+            let Some(end) = usize::try_from(size)
+                .ok()
+                .and_then(|n| start.checked_add(n))
+            else {
+                break;
+            };
+            if size == 0 || end > b.len() {
+                break;
+            }
+            b.copy_within(start..end, w);
+            w += end - start;
+            r = end;
+        }
+        if r == left {
+            return None;
+        }
+        let data = self.buf.split_to(w).freeze();
+        self.buf.advance(r - w);
+        Some(data)
+    }
+
     /// Up to `max` buffered bytes as a frame.
     fn take_data(&mut self, max: u64) -> Bytes {
         let n = (self.buf.len() as u64).min(max) as usize;
@@ -201,6 +256,31 @@ impl LegBody {
 
 fn trim_cr(line: &[u8]) -> &[u8] {
     line.strip_suffix(b"\r").unwrap_or(line)
+}
+
+/// The usual chunk-size line at the start of `buf`, hex digits and CRLF, in one pass: the
+/// size and the line's length. `None` for anything else (an extension, whitespace, too many
+/// digits, a line not yet whole), which [`parse_chunk_size`] reads or refuses.
+///
+/// Why: every event of a stream is a chunk; its size line read here is a short digit loop,
+/// where the general path scans for the line's end and splits it first.
+fn plain_size_line(buf: &[u8]) -> Option<(u64, usize)> {
+    let mut size = 0u64;
+    for (i, &d) in buf.iter().enumerate() {
+        let v = match d {
+            b'0'..=b'9' => d - b'0',
+            b'a'..=b'f' => d - b'a' + 10,
+            b'A'..=b'F' => d - b'A' + 10,
+            b'\r' if i > 0 && buf.get(i + 1) == Some(&b'\n') => return Some((size, i + 2)),
+            _ => return None,
+        };
+        // As many digits as `parse_chunk_size` takes.
+        if i == 15 {
+            return None;
+        }
+        size = size * 16 + u64::from(v);
+    }
+    None
 }
 
 fn parse_chunk_size(line: &[u8]) -> Result<u64, ProtocolError> {
@@ -264,8 +344,11 @@ impl Body for LegBody {
                     }
                     if let Framing::Chunked(Chunk::Data(left)) = this.framing {
                         if !this.buf.is_empty() {
-                            let data = this.take_data(left);
-                            let left = left - data.len() as u64;
+                            let data = match this.merged_chunks(left) {
+                                Some(data) => data,
+                                None => this.take_data(left),
+                            };
+                            let left = left.saturating_sub(data.len() as u64);
                             this.framing = Framing::Chunked(if left == 0 {
                                 Chunk::DataEnd
                             } else {
@@ -341,6 +424,29 @@ mod tests {
         ];
         for (line, want) in cases {
             assert_eq!(parse_chunk_size(line).ok(), *want, "{line:?}");
+            // The one-pass reader agrees wherever it answers.
+            let mut crlf = line.to_vec();
+            crlf.extend_from_slice(b"\r\n");
+            if let Some((n, len)) = plain_size_line(&crlf) {
+                assert_eq!(Some(n), *want, "{line:?}");
+                assert_eq!(len, crlf.len());
+            }
+        }
+        // (buffer, (size, line length))
+        type Case = (&'static [u8], Option<(u64, usize)>);
+        let plain: &[Case] = &[
+            (b"1a\r\ndata", Some((26, 4))),
+            (b"0\r\n\r\n", Some((0, 3))),
+            (b"1a;x=1\r\n", None),
+            (b"1a \r\n", None),
+            (b"\r\n", None),
+            (b"1a\r", None),
+            (b"1a\n", None),
+            (b"fffffffffffffff\r\n", Some((0xfff_ffff_ffff_ffff, 17))),
+            (b"1000000000000000\r\n", None),
+        ];
+        for (buf, want) in plain {
+            assert_eq!(plain_size_line(buf), *want, "{buf:?}");
         }
     }
 }

@@ -526,3 +526,40 @@ proptest! {
         prop_assert_eq!(reused, !short && !matches!(kind, Kind::Eof));
     }
 }
+
+/// Chunks read together are relayed as one frame, up to what stops the merge: a size line
+/// with an extension, a chunk not wholly read, the last chunk (which ends the body with the
+/// frame). Each case is one read; the frames are what the body gives before it needs more.
+#[test]
+fn whole_chunks_read_together_are_one_frame() {
+    let cases: &[(&str, &[&str], bool)] = &[
+        ("3\r\nabc\r\n", &["abc"], false),
+        ("3\r\nabc\r\n2\r\nde\r\n1\r\nf\r\n", &["abcdef"], false),
+        ("3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n", &["abcde"], true),
+        // An extension stops the merge; the general path reads it.
+        ("3\r\nabc\r\n2;x=1\r\nde\r\n1\r\nf\r\n", &["abc", "def"], false),
+        // A chunk not wholly read: what is read of it comes next.
+        ("3\r\nabc\r\n2\r\nde\r\n5\r\nfg", &["abcde", "fg"], false),
+        ("A\r\n0123456789\r\na\r\nabcdefghij\r\n", &["0123456789abcdefghij"], false),
+    ];
+    for (read, want, ends) in cases {
+        with_conn(|_, leg, _engine| {
+            let mut body = LegBody::new(leg, BytesMut::new(), Framing::chunked(), None);
+            body.buf.extend_from_slice(read.as_bytes());
+            let mut cx = Context::from_waker(Waker::noop());
+            let mut frames = Vec::new();
+            loop {
+                match Pin::new(&mut body).poll_frame(&mut cx) {
+                    Poll::Ready(Some(Ok(f))) => {
+                        let d = f.into_data().expect("data");
+                        frames.push(String::from_utf8(d.to_vec()).expect("utf-8"));
+                    }
+                    Poll::Ready(Some(Err(e))) => panic!("{read:?}: {e}"),
+                    Poll::Ready(None) | Poll::Pending => break,
+                }
+            }
+            assert_eq!(&frames, want, "{read:?}");
+            assert_eq!(body.is_end_stream(), *ends, "{read:?}");
+        });
+    }
+}
