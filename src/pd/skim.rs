@@ -141,6 +141,19 @@ fn bytes_eq(w: u64, c: u8) -> u64 {
 /// The end (exclusive) of the string whose opening quote is at `i`. Keys and most values
 /// are short: eight bytes at a time over the first bytes, `memchr` past them.
 fn string_end(b: &[u8], i: usize) -> Option<usize> {
+    string_end_of::<false>(b, i)
+}
+
+/// [`string_end`] of a string that holds no raw `\n` (`None` if it does): a string that
+/// can be relayed as part of one SSE data line. (JSON escapes a newline in a string, so
+/// only a broken engine sends one raw.)
+pub(crate) fn string_end_in_line(b: &[u8], i: usize) -> Option<usize> {
+    string_end_of::<true>(b, i)
+}
+
+/// [`string_end`]; with `NO_LF`, `None` at a raw `\n` in the string (each test in the same
+/// pass as the quote and backslash ones).
+fn string_end_of<const NO_LF: bool>(b: &[u8], i: usize) -> Option<usize> {
     const SHORT: usize = 64;
     let end = b.len().min(i + 1 + SHORT);
     let mut j = i + 1;
@@ -148,23 +161,35 @@ fn string_end(b: &[u8], i: usize) -> Option<usize> {
         let mut w = [0u8; 8];
         w.copy_from_slice(&b[j..j + 8]);
         let w = u64::from_le_bytes(w);
-        let m = bytes_eq(w, b'"') | bytes_eq(w, b'\\');
+        let mut m = bytes_eq(w, b'"') | bytes_eq(w, b'\\');
+        if NO_LF {
+            m |= bytes_eq(w, b'\n');
+        }
         if m == 0 {
             j += 8;
             continue;
         }
         let k = j + (m.trailing_zeros() / 8) as usize;
-        if b[k] == b'"' {
-            return Some(k + 1);
+        match b[k] {
+            b'"' => return Some(k + 1),
+            b'\n' => return None,
+            // An escape: the byte after it is no newline either.
+            _ if NO_LF && b.get(k + 1) == Some(&b'\n') => return None,
+            _ => j = k + 2,
         }
-        j = k + 2;
     }
     while j < end {
         match b[j] {
             b'"' => return Some(j + 1),
+            b'\\' if NO_LF && b.get(j + 1) == Some(&b'\n') => return None,
             b'\\' => j += 2,
+            b'\n' if NO_LF => return None,
             _ => j += 1,
         }
+    }
+    if NO_LF {
+        let e = long_string_end(b, j)?;
+        return (!b[j..e].contains(&b'\n')).then_some(e);
     }
     long_string_end(b, j)
 }
@@ -558,6 +583,15 @@ mod tests {
                 }
             };
             proptest::prop_assert_eq!(string_end(&b, 0), want);
+        }
+
+        #[test]
+        fn string_end_in_line_refuses_exactly_a_raw_newline(data in proptest::collection::vec(
+            proptest::sample::select(b"ab\\\"\n".to_vec()), 0..150)) {
+            let mut b = vec![b'"'];
+            b.extend_from_slice(&data);
+            let want = string_end(&b, 0).filter(|&e| !b[..e].contains(&b'\n'));
+            proptest::prop_assert_eq!(string_end_in_line(&b, 0), want);
         }
 
         #[test]

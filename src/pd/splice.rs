@@ -371,7 +371,8 @@ impl Tracker {
     /// Why: most runs are one token event; read as a whole, the run needs no scan for its
     /// events' ends, and its output is two copies (the run without the usage member).
     /// It is one event: a payload that matches the template is one JSON object whose bytes
-    /// are the template's, a string and digits, and it holds no `\n` unless its text does.
+    /// are the template's (a data line's), a string and digits, and a matching text holds no
+    /// raw `\n`.
     fn one_token(&mut self, run: &Bytes) -> Option<Bytes> {
         if self.segment > 0
             || self.lazy_limit > 0
@@ -382,10 +383,8 @@ impl Tracker {
         }
         let data = run.strip_prefix(b"data: ")?.strip_suffix(b"\n\n")?;
         let t = self.shape.token(data)?;
-        let piece = data.get(t.piece.clone())?;
-        // A few bytes: core's inline search (a `memchr` crate call costs more than it
-        // saves here).
-        if (self.check_aborts && !t.abort_free) || piece.contains(&b'\n') {
+        // (A matching event's text holds no raw `\n`: see `skim::ShapeCache::token`.)
+        if self.check_aborts && !t.abort_free {
             return None;
         }
         // What the client does not get (the usage member and its comma), in the run's

@@ -22,7 +22,7 @@
 
 use std::ops::Range;
 
-use super::{chunk, members, parse_u64, string_end, value_end, ws, Chunk, Flags};
+use super::{chunk, members, parse_u64, string_end_in_line, value_end, ws, Chunk, Flags};
 
 /// See the module docs. One per stream (the template is that stream's shape).
 #[derive(Debug, Default)]
@@ -201,7 +201,8 @@ impl ShapeCache {
 
     /// `b` as a [`Token`] when it matches the template, without building its [`Chunk`]:
     /// the same answer [`Self::chunk`] would give, read where it differs from the
-    /// template. `None` (a miss) changes nothing: call [`Self::chunk`] then.
+    /// template. `None` (a miss) changes nothing: call [`Self::chunk`] then. A text that
+    /// holds a raw `\n` (which JSON escapes) misses, so a hit is one line if its template is.
     pub fn token(&mut self, b: &[u8]) -> Option<Token> {
         let t = self.matched(b)?;
         #[cfg(test)]
@@ -260,7 +261,8 @@ impl ShapeCache {
         if b.get(ps) != Some(&b'"') || !b.starts_with(&self.head) {
             return None;
         }
-        let pe = string_end(b, ps)?;
+        // A text with a raw newline would end the event's data line: a miss.
+        let pe = string_end_in_line(b, ps)?;
         let (end, completion, prompt) = self.tail.read(b, pe)?;
         if end != b.len() {
             return None;
