@@ -1,0 +1,64 @@
+"""Instructions per request and per streamed token from run.sh's callgrind files.
+
+    count.py DIR TAG            totals: per request (256 and 4 tokens), per token
+    count.py DIR TAG BASE_TAG   the same for both, and the per-token difference by function
+
+Per request = (total of 120 requests - total of 20) / 100, so start-up and shut-down cancel
+out; per token = (per request at 256 tokens - at 4) / 252. quanta's clock calibration (a
+start-up loop whose length varies from run to run) is left out."""
+import glob
+import re
+import subprocess
+import sys
+
+
+def load(path):
+    out = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", path],
+                         capture_output=True, text=True).stdout
+    lines = out.splitlines()
+    start = next((i for i, l in enumerate(lines) if "file:function" in l), 0)
+    end = next((i for i, l in enumerate(lines) if "Auto-annotated source" in l), len(lines))
+    per_fn, total = {}, 0
+    for l in lines[:start] + lines[start:end]:
+        m = re.match(r"\s*([\d,]+) \([^)]*\)\s+(\S.*)", l)
+        if not m:
+            continue
+        v = int(m.group(1).replace(",", ""))
+        if "PROGRAM TOTALS" in l:
+            total = v
+            continue
+        k = re.sub(r"\s*\[.*\]$", "", m.group(2))
+        k = re.sub(r"^.*?:(?=[<a-zA-Z_])", "", k, count=1)
+        if "calibrate" in k:
+            total -= v
+            continue
+        per_fn[k] = per_fn.get(k, 0) + v
+    return per_fn, total
+
+
+def run(d, tag):
+    f = lambda t: load(glob.glob(f"{d}/cg-{t}.*.out")[0])
+    (l20, tl20), (l120, tl120) = f(tag + "-256-20"), f(tag + "-256-120")
+    (s20, ts20), (s120, ts120) = f(tag + "-4-20"), f(tag + "-4-120")
+    long_req, short_req = (tl120 - tl20) / 100, (ts120 - ts20) / 100
+    fns = {}
+    for k in set(l120) | set(s120):
+        lr = (l120.get(k, 0) - l20.get(k, 0)) / 100
+        sr = (s120.get(k, 0) - s20.get(k, 0)) / 100
+        fns[k] = (lr - sr) / 252
+    return long_req, short_req, (long_req - short_req) / 252, fns
+
+
+d = sys.argv[1]
+tags = sys.argv[2:]
+results = {t: run(d, t) for t in tags}
+print("| binary | per request, 256 tokens | per request, 4 tokens | per token |")
+print("|---|---|---|---|")
+for t, (l, s, p, _) in results.items():
+    print(f"| {t} | {l / 1000:.1f} k | {s / 1000:.1f} k | {p:.0f} |")
+if len(tags) == 2:
+    a, b = results[tags[0]][3], results[tags[1]][3]
+    rows = sorted(((a.get(k, 0) - b.get(k, 0), k) for k in set(a) | set(b)), reverse=True)
+    print(f"\nper token, {tags[0]} - {tags[1]}, by function (self cost; inlining moves costs between rows):")
+    for v, k in rows[:20] + [(0, "...")] + rows[-12:]:
+        print(f"{v:8.1f}  {k[:140]}")
