@@ -38,7 +38,8 @@ pub struct RetryConfig {
     /// How long a stream whose decode died waits for another decode to become routable
     /// when none is (the other decode recovering, restarting or at capacity) before it
     /// ends with its error frame. The client sees a pause, not an error. A retry before the
-    /// first byte waits the same way for a routable alternative.
+    /// first byte, after an attempt a worker failed, waits the same way for a routable
+    /// alternative (a request that could not be sent anywhere is answered at once).
     pub move_wait_ms: u64,
 }
 

@@ -98,20 +98,37 @@ async fn expect_error(env: &Env, stream: bool, status: u16, kinds: &[&str]) {
 
 // ---- faults visible before dispatch: never dispatched, 503 at once or another prefill ----
 
+/// A wait no fail-fast answer may take: a retry's wait for a recovering alternative
+/// (`retry.move_wait_ms`) set this long shows whether the answer waited for it.
+const LONG_MOVE_WAIT_MS: u64 = 120_000;
+
+/// [`expect_error`] of a fault the router saw before dispatch: answered at once, not after
+/// a wait for an alternative (the only worker of a role is seen unroutable: nothing was
+/// sent, nobody is blamed, and there is nothing to retry on).
+async fn expect_error_at_once(env: &Env, stream: bool, status: u16, kinds: &[&str]) {
+    let bound = Duration::from_secs(20);
+    if tokio::time::timeout(bound, expect_error(env, stream, status, kinds))
+        .await
+        .is_err()
+    {
+        panic!("stream={stream}: no answer within {bound:?}: it waited for retry.move_wait_ms");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_down() {
     for stream in [false, true] {
         let env = start(
             vec![EngineConfig::prefill(2)],
             vec![EngineConfig::decode(1)],
-            |_| {},
+            |c| c.retry.move_wait_ms = LONG_MOVE_WAIT_MS,
         )
         .await;
         env.wait_routable(2, 1).await;
         env.cluster.prefills[0].set_down(true);
         env.wait_pool("prefill out", |s| s.prefill_routable.is_empty())
             .await;
-        expect_error(
+        expect_error_at_once(
             &env,
             stream,
             503,
@@ -132,7 +149,7 @@ async fn bootstrap_down() {
         let env = start(
             vec![EngineConfig::prefill(2)],
             vec![EngineConfig::decode(1)],
-            |_| {},
+            |c| c.retry.move_wait_ms = LONG_MOVE_WAIT_MS,
         )
         .await;
         env.wait_routable(2, 1).await;
@@ -142,7 +159,7 @@ async fn bootstrap_down() {
         });
         env.wait_pool("bootstrap out", |s| s.prefill_routable.is_empty())
             .await;
-        expect_error(&env, stream, 503, &["bootstrap_unreachable"]).await;
+        expect_error_at_once(&env, stream, 503, &["bootstrap_unreachable"]).await;
         assert_eq!(env.cluster.decodes[0].stats().requests_total, 0);
         // Back when the bootstrap server answers again.
         env.cluster.prefills[0].set_faults(Faults::default());
@@ -168,12 +185,12 @@ async fn ranks_never_registered() {
             let env = start(
                 vec![with_faults(EngineConfig::prefill(2), f.clone())],
                 vec![EngineConfig::decode(1)],
-                |_| {},
+                |c| c.retry.move_wait_ms = LONG_MOVE_WAIT_MS,
             )
             .await;
             env.wait_pool("prefill healthy", |s| s.prefills[0].healthy)
                 .await;
-            expect_error(&env, stream, 503, &["bootstrap_not_ready"]).await;
+            expect_error_at_once(&env, stream, 503, &["bootstrap_not_ready"]).await;
             assert_eq!(env.stats().requests_total, 0, "no leg may be sent");
         }
     }

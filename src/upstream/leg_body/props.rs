@@ -537,10 +537,18 @@ fn whole_chunks_read_together_are_one_frame() {
         ("3\r\nabc\r\n2\r\nde\r\n1\r\nf\r\n", &["abcdef"], false),
         ("3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n", &["abcde"], true),
         // An extension stops the merge; the general path reads it.
-        ("3\r\nabc\r\n2;x=1\r\nde\r\n1\r\nf\r\n", &["abc", "def"], false),
+        (
+            "3\r\nabc\r\n2;x=1\r\nde\r\n1\r\nf\r\n",
+            &["abc", "def"],
+            false,
+        ),
         // A chunk not wholly read: what is read of it comes next.
         ("3\r\nabc\r\n2\r\nde\r\n5\r\nfg", &["abcde", "fg"], false),
-        ("A\r\n0123456789\r\na\r\nabcdefghij\r\n", &["0123456789abcdefghij"], false),
+        (
+            "A\r\n0123456789\r\na\r\nabcdefghij\r\n",
+            &["0123456789abcdefghij"],
+            false,
+        ),
     ];
     for (read, want, ends) in cases {
         with_conn(|_, leg, _engine| {
