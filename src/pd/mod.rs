@@ -484,24 +484,15 @@ impl Dispatcher {
                     } else if !budget.has_balance(spend) {
                         Some("the retry budget is spent")
                     } else if !(self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
-                        || match blame {
-                            // A worker failed the attempt: its alternative may be one that
-                            // is recovering, worth a pause.
-                            Some(_) => {
-                                self.alternative_within(
-                                    req.scope.as_deref(),
-                                    &exclude_p,
-                                    &exclude_d,
-                                    deadline,
-                                )
-                                .await
-                            }
-                            // Nothing was sent (nothing routable, or a keep-alive race):
-                            // what the router sees now is the answer, at once (fail fast).
-                            None => {
-                                self.has_alternative(req.scope.as_deref(), &exclude_p, &exclude_d)
-                            }
-                        })
+                        || self
+                            .alternative_within(
+                                req.scope.as_deref(),
+                                &exclude_p,
+                                &exclude_d,
+                                blame.is_some(),
+                                deadline,
+                            )
+                            .await)
                     {
                         Some("no other pair to retry on")
                     } else if !budget.try_withdraw(spend) {

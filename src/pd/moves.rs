@@ -61,16 +61,23 @@ impl Dispatcher {
     /// excluded exists but is not routable now (its breaker open after a fault, its ranks
     /// re-registering): a failed attempt whose only alternative is recovering costs the
     /// client that pause, as a stream's move does, not an error. With no such worker (the
-    /// only one of a role was blamed) the answer is at once.
+    /// only one of a role was blamed) the answer is at once, and so it is when no worker
+    /// failed the attempt (`blamed` false: nothing was sent, because nothing was routable
+    /// or a pooled connection raced its close): what the router sees now is the answer,
+    /// as fail fast promises, rather than a wait for the very workers it saw down.
     pub(super) async fn alternative_within(
         &self,
         scope: Option<&str>,
         exclude_p: &[WorkerId],
         exclude_d: &[WorkerId],
+        blamed: bool,
         deadline: tokio::time::Instant,
     ) -> bool {
         if self.has_alternative(scope, exclude_p, exclude_d) {
             return true;
+        }
+        if !blamed {
+            return false;
         }
         let wait = Duration::from_millis(self.retry(scope).0.move_wait_ms);
         let snap = self.pool.load();

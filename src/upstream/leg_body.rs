@@ -204,7 +204,7 @@ impl LegBody {
     fn merged_chunks(&mut self, left: u64) -> Option<Bytes> {
         let left = usize::try_from(left).ok()?;
         // The smallest chunk after the CRLF: `1\r\n`, a byte.
-        if self.buf.len() < left + 6 {
+        if self.buf.len() < left.saturating_add(6) {
             return None;
         }
         let b = &mut self.buf[..];
@@ -344,11 +344,15 @@ impl Body for LegBody {
                     }
                     if let Framing::Chunked(Chunk::Data(left)) = this.framing {
                         if !this.buf.is_empty() {
-                            let data = match this.merged_chunks(left) {
-                                Some(data) => data,
-                                None => this.take_data(left),
+                            let (data, left) = match this.merged_chunks(left) {
+                                // It ends at the CRLF after its last chunk's data.
+                                Some(data) => (data, 0),
+                                None => {
+                                    let data = this.take_data(left);
+                                    let rest = left - data.len() as u64;
+                                    (data, rest)
+                                }
                             };
-                            let left = left.saturating_sub(data.len() as u64);
                             this.framing = Framing::Chunked(if left == 0 {
                                 Chunk::DataEnd
                             } else {
