@@ -105,6 +105,10 @@ pub struct SimArgs {
     /// `--incremental-streaming-output`).
     #[arg(long)]
     pub incremental_streaming_output: bool,
+    /// OpenAI routes: no usage on each chunk, whatever `stream_options` asks (older SGLang
+    /// builds and other OpenAI-compatible servers).
+    #[arg(long)]
+    pub ignore_continuous_usage: bool,
     /// Fault: engines start down.
     #[arg(long)]
     pub down: bool,
@@ -189,6 +193,7 @@ impl SimArgs {
             legacy_bootstrap_bug: self.legacy_bootstrap_bug,
             max_running_requests: self.max_running_requests,
             incremental_streaming_output: self.incremental_streaming_output,
+            ignore_continuous_usage: self.ignore_continuous_usage,
             faults: self.faults(),
             ..Default::default()
         };

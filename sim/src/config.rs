@@ -157,6 +157,9 @@ pub struct EngineConfig {
     /// SGLang's `--incremental-streaming-output`: a streamed `/generate` event holds only
     /// its new text and ids (default: the whole answer so far).
     pub incremental_streaming_output: bool,
+    /// OpenAI routes: ignore `stream_options.continuous_usage_stats` (no usage on each
+    /// chunk), as older SGLang builds and other OpenAI-compatible servers do.
+    pub ignore_continuous_usage: bool,
     /// Faults active from the start.
     pub faults: Faults,
 }
@@ -197,6 +200,7 @@ impl Default for EngineConfig {
             legacy_bootstrap_bug: false,
             max_running_requests: None,
             incremental_streaming_output: false,
+            ignore_continuous_usage: false,
             faults: Faults::default(),
         }
     }

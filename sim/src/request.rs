@@ -285,11 +285,11 @@ pub(crate) fn parse(
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let continuous_usage = m
-        .get("stream_options")
-        .and_then(|o| o.get("continuous_usage_stats"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let continuous_usage = !cfg.ignore_continuous_usage
+        && m.get("stream_options")
+            .and_then(|o| o.get("continuous_usage_stats"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
     let return_logprob = match m.get("return_logprob") {
         Some(Value::Bool(b)) => *b,
         Some(Value::Array(a)) => a.iter().any(|v| v.as_bool() == Some(true)),

@@ -207,7 +207,9 @@ impl Dispatcher {
                 idle_for: timeouts.stream_idle(),
                 passive: Passive {
                     pool: self.pool.clone(),
-                    cfg: self.cfg.breaker.clone(),
+                    // The model's own thresholds, as before the first byte and on the PD
+                    // path (not the top level's).
+                    cfg: self.breaker_cfg(req.scope.as_deref()).clone(),
                     prefill: t.worker,
                     decode: t.worker,
                     decode_role: Role::Regular,

@@ -61,6 +61,10 @@ pub type Stop = &'static str;
 /// The [`Stop`] of an answer that finished (a finish reason was relayed).
 const COMPLETE: Stop = "the answer was complete";
 
+/// Why a stream whose engine did not count the tokens it sent is not continued.
+pub const UNCOUNTED: &str =
+    "the engine reported no completion tokens for what was sent (no per-chunk usage), so a follow-up's limit could overshoot the client's";
+
 /// The most bytes of events an OpenAI stream keeps unread before a move (see the module
 /// docs): about a dozen chunks, so that short answers skip their account.
 pub const LAZY_BYTES: usize = 4 * 1024;
@@ -84,6 +88,10 @@ pub struct Tracker {
     /// `cur.text` once decoded (when a move needs it).
     raw_text: Vec<u8>,
     prompt_tokens: Option<u64>,
+    /// This segment relayed text the engine has not counted yet (its events carry no
+    /// completion tokens: an engine that ignores `continuous_usage_stats`). Such a stream
+    /// is not continued: the follow-up's limit could not be reduced by what was sent.
+    uncounted: bool,
     /// `[DONE]` was forwarded.
     done_seen: bool,
     /// The final usage chunk (no choices) was forwarded.
@@ -150,6 +158,19 @@ fn choices(data: &[u8]) -> Option<bool> {
         b'[' => Some(data.get(skim::ws(data, v + 1))? != &b']'),
         b'n' => (data.get(v..v + 4) == Some(b"null")).then_some(false),
         _ => None,
+    }
+}
+
+/// One event's count into `cur`: the engine's completion tokens so far when it reported
+/// them; else whether it relayed text the engine has not counted (see
+/// `Tracker::uncounted`).
+fn count(cur: &mut Sent, uncounted: &mut bool, completion_tokens: Option<u64>, text_relayed: bool) {
+    match completion_tokens {
+        Some(n) => {
+            cur.completion_tokens = n;
+            *uncounted = false;
+        }
+        None => *uncounted |= text_relayed,
     }
 }
 
@@ -235,6 +256,7 @@ impl Tracker {
             last: None,
             raw_text: Vec::new(),
             prompt_tokens: None,
+            uncounted: false,
             done_seen: false,
             usage_chunk_sent: false,
             id: None,
@@ -509,11 +531,14 @@ impl Tracker {
         if meta.and_then(|m| m.finish_reason).is_some() {
             self.stop = Some(COMPLETE);
         }
-        if let Some(n) = meta.and_then(|m| m.completion_tokens) {
-            self.cur.completion_tokens = n;
-        }
         let text = c.text.as_deref().unwrap_or("");
         let ids = c.output_ids.as_deref().unwrap_or(&[]);
+        count(
+            &mut self.cur,
+            &mut self.uncounted,
+            meta.and_then(|m| m.completion_tokens),
+            !text.is_empty() || !ids.is_empty(),
+        );
         let (text_was, ids_was) = (self.cur.text.len(), self.cur.ids.len());
         match self.mode {
             GenerateMode::Cumulative => {
@@ -577,9 +602,7 @@ impl Tracker {
             return Replace::Keep;
         };
         let completion_tokens = c.completion_tokens;
-        if let Some(n) = completion_tokens {
-            self.cur.completion_tokens = n;
-        }
+        let mut text_relayed = false;
         if self.segment == 0 {
             if let Some(p) = c.prompt_tokens {
                 self.prompt_tokens = Some(p);
@@ -601,11 +624,18 @@ impl Tracker {
                 .map_or(&[][..], |r| &data[r]);
             // Kept escaped; decoded once, when a move needs it.
             self.raw_text.extend_from_slice(piece);
+            text_relayed |= !piece.is_empty();
             note(&mut self.stop, ch.flags(data));
             if !piece.is_empty() || ch.finish_reason.is_some() || !ch.has_delta {
                 role_only = false;
             }
         }
+        count(
+            &mut self.cur,
+            &mut self.uncounted,
+            completion_tokens,
+            text_relayed,
+        );
         let usage_chunk = c.choices.is_empty() && c.usage.is_some();
         let usage_member = c.usage_member.clone();
         let show_usage = if usage_chunk {
@@ -680,9 +710,12 @@ impl Tracker {
 
     /// Records a matching token event: its counts, its text, its flags.
     fn record_token(&mut self, data: &[u8], t: skim::Token) {
-        if let Some(n) = t.completion_tokens {
-            self.cur.completion_tokens = n;
-        }
+        count(
+            &mut self.cur,
+            &mut self.uncounted,
+            t.completion_tokens,
+            !t.piece.is_empty(),
+        );
         if let Some(p) = t.prompt_tokens {
             self.prompt_tokens = Some(p);
         }
@@ -747,6 +780,11 @@ impl Tracker {
         if let Some(why) = self.stop {
             return Err(why.to_string());
         }
+        if self.uncounted {
+            // The follow-up's limit is the client's less what the engine counted: with
+            // tokens it did not count, a follow-up could overshoot the client's limit.
+            return Err(UNCOUNTED.to_string());
+        }
         let mut s = self.base.clone();
         s.text.push_str(&self.cur.text);
         s.ids.extend_from_slice(&self.cur.ids);
@@ -765,6 +803,7 @@ impl Tracker {
         self.cur = Sent::default();
         self.last = None;
         self.raw_text.clear();
+        self.uncounted = false;
         self.segment += 1;
     }
 }

@@ -649,3 +649,47 @@ async fn an_alias_reaches_a_regular_worker_as_its_model() {
         .collect();
     assert_eq!(seen, [Value::from("model-c")]);
 }
+
+/// A regular worker's mid-stream failure counts against its model's own breaker
+/// thresholds (`[models.settings."M".breaker]`), as its failures before the first byte and
+/// the PD path's do: the top level's breaker is off here, model-c's opens at its first
+/// failure (issue 33's first bug: the regular path built its watch from the top level's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_regular_workers_mid_stream_failure_counts_against_its_models_breaker() {
+    let f = mixed(|c| {
+        c.breaker.failure_threshold = 0;
+        c.models
+            .settings
+            .entry("model-c".into())
+            .or_default()
+            .breaker = Some(pdgate::config::models::BreakerOverride {
+            failure_threshold: Some(1),
+            open_ms: Some(60_000),
+            max_open_ms: Some(60_000),
+            max_ejection_ratio: Some(1.0),
+        });
+    })
+    .await;
+    let env = &f.env;
+    f.regular[2].set_faults(pdgate_sim::Faults {
+        decode_die_mid_stream_after: Some(2),
+        ..Default::default()
+    });
+    let body = serde_json::json!({
+        "model": "model-c",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "stream": true,
+    })
+    .to_string();
+    let (status, _, answer) = env.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "the first bytes came before the failure");
+    let (events, done) = common::sse_events(&answer);
+    assert!(done && events.len() >= 2, "{events:?}");
+    assert_eq!(f.regular(2), 1, "not retried after the first byte");
+    env.wait_pool("model-c's breaker open on its worker", |s| {
+        s.model("model-c")
+            .is_some_and(|m| m.regular_routable.is_empty())
+    })
+    .await;
+}

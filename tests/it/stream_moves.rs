@@ -890,3 +890,64 @@ fn json_limit(follow: &Value, path: &str) -> u64 {
     };
     v.as_u64().expect("a limit")
 }
+
+/// A decode that does not report per-chunk usage (it ignores
+/// `stream_options.continuous_usage_stats`, as older SGLang builds and other
+/// OpenAI-compatible servers do): the tokens the client already has cannot be counted from
+/// the engine's own figures, so a stream that breaks is not continued with a limit that
+/// could overshoot: it ends with the error event, as with moves off, and no follow-up is
+/// sent. The client never gets more tokens than it asked for (issue 33's second bug: the
+/// follow-up went out with the whole limit again and clients got 110 tokens of 80).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_without_per_chunk_usage_is_not_continued_past_its_limit() {
+    let decodes = (0..2)
+        .map(|_| {
+            let mut d = fast_engine(EngineConfig::decode(1));
+            d.ignore_continuous_usage = true;
+            d
+        })
+        .collect();
+    let prefill = vec![fast_engine(EngineConfig::prefill(1))];
+    let env = start_with_admin(prefill, decodes, |c| {
+        c.policy.decode = PolicyKind::RoundRobin;
+    })
+    .await;
+    env.wait_routable(1, 2).await;
+    env.cluster.decodes[0].set_faults(Faults {
+        decode_die_mid_stream_after: Some(3),
+        ..Faults::default()
+    });
+    for c in cases(true).into_iter().filter(|c| c.path != "/generate") {
+        let mut seen = false;
+        for _ in 0..4 {
+            let before = bodies(&env);
+            let (st, _, bytes) = env.post(c.path, &c.body.to_string()).await;
+            assert_eq!(st, 200, "{}", c.name);
+            let after = bodies(&env);
+            let got = read_answer(c.path, true, false, &bytes);
+            assert!(
+                got.pieces.len() as u64 <= c.limit,
+                "{}: {} tokens past the limit of {}: {got:?}",
+                c.name,
+                got.pieces.len(),
+                c.limit
+            );
+            if after[0].len() == before[0].len() {
+                continue;
+            }
+            let (events, done) = sse_events(&bytes);
+            assert!(done, "{}: {}", c.name, String::from_utf8_lossy(&bytes));
+            assert_eq!(
+                events.last().unwrap()["error"]["type"],
+                "decode_broken",
+                "{}: {}",
+                c.name,
+                String::from_utf8_lossy(&bytes)
+            );
+            assert_eq!(after[1].len(), before[1].len(), "{}: no follow-up", c.name);
+            seen = true;
+            break;
+        }
+        assert!(seen, "{}: never reached the dying decode", c.name);
+    }
+}

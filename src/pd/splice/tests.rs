@@ -456,3 +456,57 @@ fn a_cumulative_generate_stream_stops_at_an_abort() {
     let sent = t.sent().unwrap();
     assert_eq!((sent.text.as_str(), sent.completion_tokens), (" a b", 2));
 }
+
+/// A stream is continued only from the engine's own count of what it sent: text relayed
+/// after the last event that carried completion tokens (an engine that ignores
+/// `continuous_usage_stats`) makes `sent` refuse, in eager and deferred accounting alike;
+/// a role chunk without usage does not. Table: the chunks' usage, and whether `sent` is
+/// `Ok` with that count.
+#[test]
+fn text_the_engine_did_not_count_is_not_continued() {
+    type Usage = Option<(u64, u64)>;
+    let cases: [(&str, [Usage; 3], Option<u64>); 4] = [
+        (
+            "usage on every chunk",
+            [Some((5, 0)), Some((5, 1)), Some((5, 2))],
+            Some(2),
+        ),
+        ("no usage at all", [None, None, None], None),
+        (
+            "role chunk without usage",
+            [None, Some((5, 1)), Some((5, 2))],
+            Some(2),
+        ),
+        (
+            "usage stops after the first token",
+            [Some((5, 0)), Some((5, 1)), None],
+            None,
+        ),
+    ];
+    for (name, usage, want) in cases {
+        for eager in [false, true] {
+            let t = Tracker::new(
+                plan(ApiRoute::ChatCompletions, 8, false, false),
+                GenerateMode::Cumulative,
+            );
+            let mut t = if eager { t.eager() } else { t };
+            t.relay_ok(chat_chunk(Some(""), true, None, usage[0]));
+            t.relay_ok(chat_chunk(Some(" a"), false, None, usage[1]));
+            t.relay_ok(chat_chunk(Some(" b"), false, None, usage[2]));
+            match (t.sent(), want) {
+                (Ok(s), Some(n)) => assert_eq!(s.completion_tokens, n, "{name}"),
+                (Err(why), None) => assert_eq!(why, UNCOUNTED, "{name}"),
+                (got, _) => panic!("{name} (eager {eager}): {got:?}"),
+            }
+        }
+    }
+    // `/generate` without `meta_info.completion_tokens` likewise.
+    let mut t = Tracker::new(
+        plan(ApiRoute::Generate, 8, false, false),
+        GenerateMode::Incremental,
+    );
+    t.relay_ok(Bytes::from_static(
+        b"data: {\"text\":\" a\",\"meta_info\":{}}\n\n",
+    ));
+    assert_eq!(t.sent().unwrap_err(), UNCOUNTED);
+}
