@@ -20,7 +20,7 @@
 use std::time::{Duration, Instant};
 
 use pdgate::config::Config;
-use pdgate::pd::RngSource;
+use pdgate::dispatch::RngSource;
 use pdgate_sim::{EngineConfig, HitsSnapshot, SimCluster};
 
 const DPS: [u32; 3] = [1, 8, 32];

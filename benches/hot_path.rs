@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use pdgate::pd::request::{parse, ApiRoute, LegFields};
-use pdgate::pd::room::assign;
-use pdgate::pd::sse::{Scan, SseScanner};
+use pdgate::dispatch::attempt::room::assign;
+use pdgate::relay::sse::{Scan, SseScanner};
+use pdgate::request::{parse, ApiRoute, LegFields};
 
 const CHAT: &str = r#"{"model":"sim-model","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"What is the capital of France?"}],"max_tokens":64,"temperature":0.7,"stream":true}"#;
 
@@ -195,11 +195,11 @@ fn bench_sse(c: &mut Criterion) {
 }
 
 /// A continuable stream's per-event cost after the scanner: pdgate's account of what was
-/// sent (`pd::splice`). A chat chunk with the per-chunk usage pdgate asked for (parsed, and
+/// sent (`relay::splice`). A chat chunk with the per-chunk usage pdgate asked for (parsed, and
 /// the usage cut out for the client), and a cumulative `/generate` event (only kept).
 fn bench_tracked(c: &mut Criterion) {
-    use pdgate::pd::continuation::Plan;
-    use pdgate::pd::splice::{GenerateMode, Tracker};
+    use pdgate::relay::splice::{GenerateMode, Tracker};
+    use pdgate::request::continuation::Plan;
     let mut g = c.benchmark_group("stream_account");
     let plan = |route| Plan {
         route,
@@ -228,11 +228,11 @@ fn bench_tracked(c: &mut Criterion) {
     g.finish();
 }
 
-/// Reading a prefill answer's input logprobs (`pd::logprobs`): an 8,000-token prompt's
+/// Reading a prefill answer's input logprobs (`relay::logprobs`): an 8,000-token prompt's
 /// `input_token_logprobs` (about 150 KB), found and kept as byte ranges of the answer.
 fn bench_prefill_logprobs(c: &mut Criterion) {
     use pdgate::memory::Charge;
-    use pdgate::pd::logprobs::PrefillLogprobs;
+    use pdgate::relay::logprobs::PrefillLogprobs;
     let entries: Vec<String> = (0..8000)
         .map(|i| format!("[-{}.{:03},{},null]", i % 7, i % 1000, 1000 + i))
         .collect();

@@ -26,7 +26,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use pdgate::config::Config;
-use pdgate::pd::RngSource;
+use pdgate::dispatch::RngSource;
 use pdgate_sim::{EngineConfig, Faults, SimCluster, SimEngine};
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;

@@ -4,11 +4,11 @@
 //!
 //! Invariant: a slot is held until the response body ends (or is dropped), so a long
 //! stream counts for its whole life, and past it by a prefill leg still answering (see
-//! `pd::flight`): the slot travels with the request. The fast path is one atomic
+//! `relay::body`): the slot travels with the request. The fast path is one atomic
 //! (`try_acquire`).
 //!
 //! Its own module (not the front door's) because both the front door (which admits) and
-//! `pd` (whose response body and detached legs hold the slot) use it.
+//! `dispatch` and `relay` (whose response body and detached legs hold the slot) use it.
 //!
 //! A reload changes the limits in place ([`Admission::reconfigure`]): a higher
 //! `max_in_flight` adds permits at once; a lower one takes free permits away at once and the
@@ -18,7 +18,7 @@
 //!
 //! The same queue (its bound and its timeout) holds requests waiting for a decode slot
 //! (`pool::capacity`): [`Admission::enqueue`] counts such a request in the queue without
-//! a semaphore, and `pd` waits on the pool's capacity signal under the returned
+//! a semaphore, and `dispatch` waits on the pool's capacity signal under the returned
 //! [`Queued`]'s deadline.
 //!
 //! The byte budget (`crate::memory`, `admission.max_bytes_in_flight`) is admission's too:

@@ -5,7 +5,7 @@
 
 use clap::Args;
 use pdgate::config::Config;
-use pdgate::pd::RngSource;
+use pdgate::dispatch::RngSource;
 use pdgate::types::Role;
 use pdgate_sim::{EngineConfig, SimCluster};
 

@@ -34,7 +34,7 @@ pub enum FailReason {
     TooManyConnections,
     NoPrefillAvailable,
     NoDecodeAvailable,
-    /// No routable regular (non-PD) worker of the request's model (`pd::regular`).
+    /// No routable regular (non-PD) worker of the request's model (`dispatch::regular`).
     NoWorkerAvailable,
     BootstrapUnreachable,
     BootstrapNotReady,

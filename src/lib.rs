@@ -1,7 +1,10 @@
 //! pdgate: a router and load balancer for prefill/decode (PD) disaggregated SGLang serving.
 //!
-//! The crate is organised by concept: [`server`] (the front door), [`pd`] (one request's
-//! life under the room-to-rank contract), [`bootstrap`] (the embedded decode-side
+//! The crate is organised by concept: [`server`] (the front door), [`dispatch`] (one
+//! request's life under the room-to-rank contract: its attempts, retries and stream moves),
+//! [`relay`] (the response body from the first byte on), [`legs`] (sending one leg and
+//! reading what its answer says), [`request`] (the client's request as parsed, its record,
+//! its follow-up body), [`skim`] (top-level JSON reading), [`bootstrap`] (the embedded decode-side
 //! bootstrap poll), [`pool`] (the lock-free worker snapshot), [`policy`] (selection),
 //! [`health`] (active checks) and [`config`]; [`check`] is `pdgate check`, the deployment
 //! doctor, above the router.
@@ -21,23 +24,27 @@ pub mod check;
 pub mod cli;
 pub mod config;
 pub mod discovery;
+pub mod dispatch;
 pub mod engine;
 pub mod error;
 pub mod fleet;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod health;
+pub mod legs;
 pub mod listen;
 pub mod memory;
 pub mod metrics_listener;
 pub mod models;
-pub mod pd;
 pub mod policy;
 pub mod pool;
 pub mod progress;
+pub mod relay;
 pub mod reload;
+pub mod request;
 pub mod router;
 pub mod server;
+pub mod skim;
 pub mod telemetry;
 pub mod trace;
 pub mod types;

@@ -8,7 +8,7 @@ use clap::FromArgMatches;
 use command::{Cli, Command};
 use pdgate::cli::prefill_groups;
 use pdgate::config::{LogConfig, LogFormat};
-use pdgate::pd::RngSource;
+use pdgate::dispatch::RngSource;
 use pdgate::telemetry::access;
 
 /// The main log (text or JSON, filtered by `log.level` or `RUST_LOG`) and, with

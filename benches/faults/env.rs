@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use pdgate::config::Config;
-use pdgate::pd::RngSource;
+use pdgate::dispatch::RngSource;
 use pdgate::pool::Snapshot;
 use pdgate::router::Router;
 use pdgate::types::Role;

@@ -93,8 +93,8 @@ fn demote_this_thread() {
 }
 
 /// The most bytes a task moves before it lets the event loop run other tasks: what a
-/// response body hands hyper (`pd::flight::PdBody`), what a stream's logprob merge writes at
-/// once (`pd::sse::SseScanner::take_held`), one `writev` to a leg (`upstream::payload`), and
+/// response body hands hyper (`relay::body::PdBody`), what a stream's logprob merge writes at
+/// once (`relay::sse::SseScanner::take_held`), one `writev` to a leg (`upstream::payload`), and
 /// what a body read or a leg written moves between yields ([`Pacer`]). A loopback or LAN
 /// socket takes megabytes per call, and tokio's budget counts calls, not bytes: a
 /// maximum-size body was read, then written to a leg, in runs of 10–20 ms of copying with

@@ -249,7 +249,9 @@ pub(super) async fn probe_request(cfg: &Config, up: &Upstream) -> Check {
         Err(e) => return fail(format!("cannot bind 127.0.0.1:0: {e}"), "free a local port"),
     };
     let router =
-        match crate::router::start(cfg.clone(), Some(listener), crate::pd::RngSource::Os).await {
+        match crate::router::start(cfg.clone(), Some(listener), crate::dispatch::RngSource::Os)
+            .await
+        {
             Ok(r) => r,
             Err(e) => return fail(format!("the router did not start: {e}"), "see the error"),
         };

@@ -27,12 +27,12 @@ use crate::auth;
 use crate::discovery::selector;
 use crate::engine::ServerInfo;
 use crate::health::{self, capacity, load};
-use crate::pd::continuation;
-use crate::pd::legs;
-use crate::pd::logprobs::PrefillLogprobs;
-use crate::pd::request::{self, ApiRoute, LegFields, ParsedRequest};
-use crate::pd::splice::{GenerateMode, Tracker};
-use crate::pd::sse::{Scan, SseScanner};
+use crate::legs;
+use crate::relay::logprobs::PrefillLogprobs;
+use crate::relay::splice::{GenerateMode, Tracker};
+use crate::relay::sse::{Scan, SseScanner};
+use crate::request::continuation;
+use crate::request::{self, ApiRoute, LegFields, ParsedRequest};
 use crate::types::Role;
 
 pub use loopback::{bootstrap, leg_answer};
@@ -65,7 +65,7 @@ const ROUTES: [ApiRoute; 3] = [
 ];
 
 /// The first byte picks a route, the rest is the body: a client request
-/// (`pd::request::parse`). A request that parses is written as both legs, and each leg
+/// (`request::parse`). A request that parses is written as both legs, and each leg
 /// must parse again with the same members in the same order, the same shape (stream,
 /// batch, n) and pdgate's own fields in place of any the client sent; the affinity key,
 /// size estimate and continuation plan are computed (they read the body again).
@@ -168,7 +168,7 @@ fn scan<'a>(lp: Option<Arc<PrefillLogprobs>>, chunks: impl Iterator<Item = &'a [
     Scanned::Ended(out)
 }
 
-/// A decode's SSE stream through `pd::sse::SseScanner`: the first byte says whether the
+/// A decode's SSE stream through `relay::sse::SseScanner`: the first byte says whether the
 /// prefill's logprobs are merged (bit 0) and the size of the pieces the stream is cut into
 /// (the rest). The stream pushed whole and pushed in pieces must give the same bytes and
 /// the same abort (unless one broke on the event size limit); without logprobs and
@@ -251,7 +251,7 @@ fn event_count(run: &[u8]) -> usize {
     n
 }
 
-/// A continuable stream (`pd::continuation`, `pd::splice`): `[selector] request \0
+/// A continuable stream (`request::continuation`, `relay::splice`): `[selector] request \0
 /// stream`. The selector picks the route (`% 3`), the engine's `/generate` mode (bit 2)
 /// and the piece size of the stream (the rest). A request that can be continued relays
 /// the stream, builds the follow-up from what was sent, which must parse as a request
@@ -314,8 +314,8 @@ pub fn splice(data: &[u8]) {
 
 /// Engine answers read off the request path, by the first byte: a load report
 /// (`health::load`, `health::capacity`), server info (`engine::ServerInfo` and its
-/// admission), a prefill's answer with logprobs merged into a decode's (`pd::logprobs`),
-/// and an error or abort body (`pd::legs`).
+/// admission), a prefill's answer with logprobs merged into a decode's (`relay::logprobs`),
+/// and an error or abort body (`legs`).
 pub fn engine_json(data: &[u8]) {
     let Some((&sel, body)) = data.split_first() else {
         return;

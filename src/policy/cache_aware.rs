@@ -44,7 +44,7 @@ use super::{Candidate, PickCtx, Policy};
 use crate::config::PolicyConfig;
 
 /// 64-bit FNV-1a: stable across processes, builds and versions (same function as the
-/// prefix key in `pd::request`).
+/// prefix key in `request`).
 pub fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in bytes {

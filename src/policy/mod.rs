@@ -1,6 +1,6 @@
 //! Selection policies: pure functions over a pool [`Snapshot`] that pick one routable
 //! worker; [`select`] then takes that worker's least-loaded routable DP rank (the room is
-//! made to match it, see `pd::room`). The randomness is injected (`rng`), so a policy is
+//! made to match it, see `dispatch::attempt::room`). The randomness is injected (`rng`), so a policy is
 //! deterministic under a seeded generator. Kinds: `random`, `round_robin`, `power_of_two`
 //! (load-aware) and `cache_aware` (prefix affinity with bounded loads); see POLICIES.md.
 //!
@@ -39,7 +39,7 @@ pub use round_robin::RoundRobin;
 pub struct PickCtx<'a> {
     /// Workers that already failed this request.
     pub exclude: &'a [WorkerId],
-    /// Hash of the prompt's prefix (see `pd::request::ParsedRequest::prefix_hash`).
+    /// Hash of the prompt's prefix (see `request::ParsedRequest::prefix_hash`).
     pub prefix_hash: Option<u64>,
     /// What the request needs of a decode rank (decode picks only; `None`: capacity is
     /// not checked).

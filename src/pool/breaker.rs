@@ -226,7 +226,7 @@ impl Pool {
             }
         }
         let counted = self.breaker_counting(role, id, Some(reason));
-        // A regular worker's one leg fails with decode's reasons (`pd::regular`).
+        // A regular worker's one leg fails with decode's reasons (`dispatch::regular`).
         let leg = match reason.leg() {
             Some(Role::Decode) if role == Role::Regular => Some(Role::Regular),
             other => other,

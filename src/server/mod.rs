@@ -8,6 +8,7 @@
 //! At most `server.max_connections` connections are served at once, and an HTTP/2
 //! connection without a stream is closed after `server.idle_timeout_secs` ([`conn`]).
 
+mod app;
 mod conn;
 mod routes;
 mod sglang;
@@ -24,9 +25,9 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::auth::ClientKeys;
-use crate::pd::Dispatcher;
+use crate::dispatch::Dispatcher;
 
-pub use routes::App;
+pub use app::App;
 
 pub use crate::types::REQUEST_ID;
 
@@ -68,7 +69,7 @@ impl Server {
 
     /// Applies a reloaded config to the request path (see [`App::reconfigure`]).
     /// The dispatcher requests start with now (e.g. for its learned stall bounds).
-    pub fn dispatcher(&self) -> Arc<crate::pd::Dispatcher> {
+    pub fn dispatcher(&self) -> Arc<crate::dispatch::Dispatcher> {
         self.app.dispatcher.load_full()
     }
 

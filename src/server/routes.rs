@@ -18,48 +18,25 @@
 //! (`/health`, `/liveness`, `/readiness`) and `/metrics` (only served here with
 //! `server.public_metrics`) do not.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-
-use arc_swap::ArcSwap;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
+use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
+use super::app::{forward_headers, json_response, reject, App};
 use crate::admission::Admission;
-use crate::auth::ClientKeys;
 use crate::body::{full_body, RespBody};
-use crate::config::Config;
+use crate::dispatch::{Dispatcher, ReqCtx};
 use crate::error::{FailReason, Failure};
 use crate::memory::Charge;
-use crate::pd::record::{RequestRecord, Route};
-use crate::pd::request::{self, ApiRoute};
-use crate::pd::{Dispatcher, ReqCtx};
+use crate::request::record::{RequestRecord, Route};
+use crate::request::{self, ApiRoute};
 use crate::types::REQUEST_ID;
 use crate::types::{RequestId, Role};
-
-/// Headers forwarded to engines as they are. `traceparent` first: a traced request skips
-/// it (its legs carry their own, [`forward_headers`]).
-static FORWARD: [HeaderName; 2] = [
-    HeaderName::from_static("traceparent"),
-    HeaderName::from_static("tracestate"),
-];
-
-/// The front door's state.
-pub struct App {
-    /// Swapped whole by a config reload; each request loads it once.
-    pub dispatcher: ArcSwap<Dispatcher>,
-    pub draining: AtomicBool,
-    pub(super) admission: Arc<Admission>,
-    /// Client API keys (reloaded in place by whoever holds the `Arc`).
-    pub(super) keys: std::sync::Arc<ClientKeys>,
-    /// The admin API's control routes on this port (SGLang's router serves them on its
-    /// main port), set once by the router when an admin listener runs.
-    pub(super) control: std::sync::OnceLock<crate::admin::FrontControl>,
-}
 
 enum Endpoint {
     Pd(ApiRoute),
@@ -82,12 +59,6 @@ impl Endpoint {
             Endpoint::Sglang(c) => Route::Other(c.label()),
         }
     }
-}
-
-/// A request answered with `f`, accounted for in `rec`.
-pub(super) fn reject(mut rec: RequestRecord, f: Failure, rid: &HeaderValue) -> Response<RespBody> {
-    rec.fail(f.reason);
-    rec.answer(f.into_response(Some(rid)))
 }
 
 /// `/metrics` is a route of the front door only with `server.public_metrics` (it always is
@@ -187,45 +158,7 @@ fn valid_request_id(v: &HeaderValue) -> bool {
     !b.is_empty() && b.len() <= 128 && b.iter().all(|c| c.is_ascii_graphic())
 }
 
-pub(super) fn json_response(
-    status: StatusCode,
-    body: impl Into<Bytes>,
-    rid: &HeaderValue,
-) -> Response<RespBody> {
-    let mut r = Response::new(full_body(body));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    r.headers_mut().insert(REQUEST_ID, rid.clone());
-    r
-}
-
 impl App {
-    pub fn new(dispatcher: Dispatcher, keys: std::sync::Arc<ClientKeys>) -> App {
-        App {
-            admission: Arc::new(Admission::new(&dispatcher.cfg.admission)),
-            dispatcher: ArcSwap::from_pointee(dispatcher),
-            draining: AtomicBool::new(false),
-            keys,
-            control: std::sync::OnceLock::new(),
-        }
-    }
-
-    /// Applies a reloaded config: the dispatcher (policies, timeouts, breaker and retry
-    /// settings) and the admission limits. Requests in flight keep what they started with.
-    pub fn reconfigure(&self, cfg: Arc<Config>) {
-        self.admission.reconfigure(&cfg.admission);
-        let next = self.dispatcher.load().reconfigured(cfg);
-        self.dispatcher.store(Arc::new(next));
-    }
-
-    /// How long hyper gives a client for a request head (`server.header_read_timeout_secs`).
-    pub fn header_read_timeout(&self) -> std::time::Duration {
-        self.dispatcher.load().cfg.server.header_read_timeout()
-    }
-
     pub async fn handle(&self, req: Request<Incoming>) -> Response<RespBody> {
         let id = RequestId::random();
         let rid_header = req
@@ -325,7 +258,7 @@ impl App {
         route: ApiRoute,
         req: Request<Incoming>,
         rid_header: HeaderValue,
-        mut slot: Option<crate::pd::AdmissionSlot>,
+        mut slot: Option<crate::dispatch::AdmissionSlot>,
         rec: RequestRecord,
     ) -> Response<RespBody> {
         let (parts, body) = req.into_parts();
@@ -548,35 +481,4 @@ fn start_trace(
             tr.set("pdgate.client_request_id", v.to_string());
         }
     }
-}
-
-/// The allow-listed headers both legs carry, as `name: value\r\n` lines. With client
-/// keys on (`client_key`), the client's `Authorization` is its pdgate key and is never
-/// forwarded, whatever `upstream.forward_authorization` says: engines get
-/// `upstream.api_key` or nothing. A traced request (`traced`) does not forward the
-/// caller's `traceparent`: each leg carries its own (`crate::trace`).
-pub(super) fn forward_headers(
-    up: &crate::upstream::Upstream,
-    incoming: &HeaderMap,
-    rid: &HeaderValue,
-    client_key: bool,
-    traced: bool,
-) -> Vec<u8> {
-    let mut out = Vec::with_capacity(64);
-    let auth = match &up.auth {
-        Some(a) => Some(a),
-        None if up.forward_authorization && !client_key => incoming.get(header::AUTHORIZATION),
-        None => None,
-    };
-    let fwd = FORWARD
-        .iter()
-        .skip(usize::from(traced))
-        .filter_map(|name| incoming.get(name).map(|v| (name, v)));
-    crate::upstream::header_lines(
-        std::iter::once((&REQUEST_ID, rid))
-            .chain(fwd)
-            .chain(auth.map(|a| (&header::AUTHORIZATION, a))),
-        &mut out,
-    );
-    out
 }

@@ -40,15 +40,15 @@ use serde_json::{json, Map, Value};
 
 use crate::admin::view::worker_ref;
 use crate::body::RespBody;
+use crate::dispatch::{Dispatcher, ReqCtx};
 use crate::error::{FailReason, Failure};
-use crate::pd::record::RequestRecord;
-use crate::pd::request::{self, ApiRoute};
-use crate::pd::{Dispatcher, ReqCtx};
 use crate::pool::WorkerView;
+use crate::request::record::RequestRecord;
+use crate::request::{self, ApiRoute};
 use crate::types::RequestId;
 use crate::upstream::CallError;
 
-use super::routes::{json_response, reject, App};
+use super::app::{json_response, reject, App};
 
 /// One of SGLang router's routes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -425,7 +425,7 @@ impl App {
             Err(f) => return reject(rec, f, &rid),
         };
         let forward =
-            super::routes::forward_headers(&d.up, req.headers(), &rid, rec.key_id.is_some(), false);
+            super::app::forward_headers(&d.up, req.headers(), &rid, rec.key_id.is_some(), false);
         let ctx = ReqCtx {
             id: RequestId::random(),
             request_id: rid.clone(),

@@ -18,8 +18,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::net::TcpStream;
 
+use super::conns::{poll_read_more, HostConns, LegSettings};
 use super::error::{LegError, ProtocolError};
-use super::leg::{poll_read_more, HostConns, LegSettings};
 
 /// Longest chunk-size or trailer line accepted.
 const MAX_LINE: usize = 4096;

@@ -12,14 +12,16 @@
 //!
 //! [`Upstream`] is a cheap handle (one `Arc`): legs keep a clone to send their abort.
 
+mod conns;
 mod error;
 mod leg;
 mod leg_body;
 mod payload;
 
 pub use crate::url::{parse_base_url, BaseUrl, UrlError};
+pub use conns::{HostConns, LegSettings};
 pub use error::{error_chain, CallError, LegError, ProtocolError};
-pub use leg::{header_lines, HostConns, LegRequest, LegSettings};
+pub use leg::{header_lines, LegRequest};
 pub use leg_body::LegBody;
 pub use payload::Payload;
 

@@ -601,7 +601,7 @@ async fn an_exposed_admin_listener_needs_a_token() {
             cfg,
             Some(front().await),
             AdminListener::FromConfig,
-            pdgate::pd::RngSource::Os,
+            pdgate::dispatch::RngSource::Os,
         )
         .await;
         let Err(StartError::Admin(msg)) = r else {
@@ -624,7 +624,7 @@ async fn an_exposed_admin_listener_needs_a_token() {
         cfg,
         Some(front().await),
         AdminListener::FromConfig,
-        pdgate::pd::RngSource::Os,
+        pdgate::dispatch::RngSource::Os,
     )
     .await
     .expect("router");
@@ -639,7 +639,7 @@ async fn an_exposed_admin_listener_needs_a_token() {
         cfg,
         Some(front().await),
         AdminListener::Bound(admin),
-        pdgate::pd::RngSource::Os,
+        pdgate::dispatch::RngSource::Os,
     )
     .await;
     assert!(matches!(r, Err(StartError::Admin(m)) if m.contains("admin.api_key_file")));

@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use http::StatusCode;
 use pdgate::config::Config;
-use pdgate::pd::RngSource;
+use pdgate::dispatch::RngSource;
 use pdgate::types::{Role, WorkerId};
 use pdgate_sim::{EngineConfig, SimCluster};
 

@@ -21,7 +21,7 @@ use crate::support::common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pdgate::pd::RngSource;
+use pdgate::dispatch::RngSource;
 use pdgate::pool::BreakerState;
 use pdgate::router::Router;
 use pdgate_sim::{EngineConfig, Faults, Role, SimCluster, SimEngine};

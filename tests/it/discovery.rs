@@ -590,11 +590,14 @@ async fn a_malformed_selector_refuses_the_start_naming_it() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let err =
-            pdgate::router::start(cfg, Some(listener), pdgate::pd::RngSource::Seeded(1.into()))
-                .await
-                .err()
-                .expect("refused");
+        let err = pdgate::router::start(
+            cfg,
+            Some(listener),
+            pdgate::dispatch::RngSource::Seeded(1.into()),
+        )
+        .await
+        .err()
+        .expect("refused");
         assert!(err.to_string().contains(want), "{err}");
     }
 }

@@ -13,7 +13,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use pdgate::config::{Config, DecodeWorkerConfig, PrefillWorkerConfig};
-use pdgate::pd::RngSource;
+use pdgate::dispatch::RngSource;
 use pdgate::types::Role;
 
 /// An engine (and bootstrap server, on the same port) that claims `dp_size` ranks.

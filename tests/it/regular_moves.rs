@@ -1,4 +1,4 @@
-//! A regular worker's stream moves like a decode's (`pd::moves`): a regular worker that
+//! A regular worker's stream moves like a decode's (`dispatch::moves`): a regular worker that
 //! dies mid-stream costs the client nothing but latency when another worker of its model
 //! exists (another regular worker, or a PD pair), and a PD stream with no other decode
 //! moves to a regular worker of its model. The simulator's tokens depend on the prompt it
@@ -49,7 +49,7 @@ async fn over_regular(urls: &[String], cfg: impl FnOnce(&mut pdgate::config::Con
 }
 
 /// A regular worker that dies mid-stream costs the client nothing but latency, as a decode
-/// does (`pd::moves`): two regular workers of one model (no PD pair), the first cut after
+/// does (`dispatch::moves`): two regular workers of one model (no PD pair), the first cut after
 /// 3 chunks. Every route's stream continues on the other worker, which got the prompt plus
 /// what the client already had (the simulator's tokens depend on the prompt it receives,
 /// so a replay from scratch fails `check_moved`), with the limit reduced by the tokens

@@ -1,4 +1,4 @@
-//! Stall detection on regular workers (`pd::regular`, `pd::stall`): a regular worker that
+//! Stall detection on regular workers (`dispatch::regular`, `dispatch::stall`): a regular worker that
 //! stops making progress while its `/health` stays fine costs the client latency, not an
 //! error; it leaves rotation as *stalled* after `progress.eject_after_stalls` stalls and
 //! comes back only once a one-token request to it succeeds. Default `[progress]` settings

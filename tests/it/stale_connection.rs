@@ -134,10 +134,13 @@ async fn keep_alive_race(max_retries: u32) {
         model: None,
     });
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let router =
-        pdgate::router::start(cfg, Some(listener), pdgate::pd::RngSource::Seeded(1.into()))
-            .await
-            .expect("router");
+    let router = pdgate::router::start(
+        cfg,
+        Some(listener),
+        pdgate::dispatch::RngSource::Seeded(1.into()),
+    )
+    .await
+    .expect("router");
     let env = Env {
         cluster,
         router,

@@ -514,7 +514,7 @@ async fn a_killed_decode_process_loses_no_stream() {
         cfg,
         Some(listener),
         pdgate::router::AdminListener::Off,
-        pdgate::pd::RngSource::Seeded(1.into()),
+        pdgate::dispatch::RngSource::Seeded(1.into()),
     )
     .await
     .expect("router");

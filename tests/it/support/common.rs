@@ -11,7 +11,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use pdgate::config::Config;
-use pdgate::pd::RngSource;
+use pdgate::dispatch::RngSource;
 use pdgate::router::Router;
 use pdgate_sim::{EngineConfig, Faults, SimCluster, SimEngine, StatsSnapshot};
 

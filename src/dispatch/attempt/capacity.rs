@@ -1,0 +1,103 @@
+//! Decode capacity on the request path: what a request needs of a decode rank, and its
+//! wait in the admission queue while every eligible decode rank is full.
+//!
+//! Neither leg is sent before a slot is reserved on the decode rank
+//! (`pool::capacity::Reservation`, one CAS), and the slot is held by the decode leg's
+//! load guard until the response body ends. When no rank has room, the request joins the
+//! admission queue (its bound, `admission.max_queue`, and its deadline,
+//! `admission.queue_timeout_ms`), and waits for the pool's capacity signal — a released
+//! slot, a load poll, a worker joining — never polling. A full queue answers 429, an
+//! expired wait 503, both with `Retry-After` (`FailReason::Overloaded`,
+//! `FailReason::QueueTimeout`). The request keeps its place in the queue across the
+//! wake-ups of one attempt.
+
+use std::pin::Pin;
+
+use super::AttemptFailure;
+use super::{Dispatcher, ReqCtx};
+use crate::admission::Queued;
+use crate::error::{FailReason, Failure};
+use crate::pool::capacity::{Limits, Need, Waiter};
+use crate::pool::Snapshot;
+use crate::request::ParsedRequest;
+use crate::types::{Role, WorkerId};
+
+const FULL: &str = "every eligible decode rank is at capacity";
+
+impl Dispatcher {
+    /// What `req` needs of a decode rank under the current `[capacity]` settings.
+    pub(in crate::dispatch) fn capacity_need(&self, req: &ParsedRequest) -> Need {
+        let c = &self.cfg.capacity;
+        let limits = Limits {
+            override_per_rank: c.decode_max_running_per_rank,
+            learn_from_engine: c.learn_from_engine,
+            kv_bound: c.kv_bound,
+        };
+        Need {
+            limits,
+            tokens: req.kv_tokens_estimate(),
+            slots: req.instances() as u64,
+        }
+    }
+}
+
+/// The failure a pick reports when decodes exist but none has room (an internal marker:
+/// the attempt waits on it, and it reaches a client only if nothing can wait).
+pub(in crate::dispatch) fn full_failure() -> AttemptFailure {
+    AttemptFailure::unblamed(Failure::new(FailReason::Overloaded, FULL))
+}
+
+/// Whether a pick failed only because every decode rank is full.
+pub(in crate::dispatch) fn is_full(af: &AttemptFailure) -> bool {
+    af.blame.is_none() && af.failure.reason == FailReason::Overloaded && af.failure.message == FULL
+}
+
+/// Whether some routable decode (among `among`, else all) is not excluded (so a failed
+/// pick means "full").
+pub(in crate::dispatch) fn any_routable(
+    snap: &Snapshot,
+    among: Option<&[crate::pool::Routable]>,
+    exclude: &[WorkerId],
+) -> bool {
+    among
+        .unwrap_or_else(|| snap.routable(Role::Decode))
+        .iter()
+        .any(|r| !exclude.contains(&r.worker))
+}
+
+/// A request's place in the admission queue while it waits for a decode slot.
+pub(in crate::dispatch) struct Queue<'a> {
+    queued: Queued<'a>,
+    waiter: Waiter,
+}
+
+impl<'a> Queue<'a> {
+    /// Joins the queue; a full queue (or no queue) answers 429.
+    pub(in crate::dispatch) fn join(
+        d: &Dispatcher,
+        ctx: &'a ReqCtx,
+        full: AttemptFailure,
+    ) -> Result<Queue<'a>, AttemptFailure> {
+        let Some(adm) = ctx.queue.as_deref() else {
+            return Err(full);
+        };
+        let queued = adm.enqueue(FULL).map_err(AttemptFailure::unblamed)?;
+        Ok(Queue {
+            queued,
+            waiter: d.pool.capacity_signal().waiter(),
+        })
+    }
+
+    /// A wake-up; enable it before looking at capacity again.
+    pub(in crate::dispatch) fn wake(&self) -> Pin<Box<tokio::sync::futures::Notified<'_>>> {
+        Box::pin(self.waiter.notified())
+    }
+
+    /// Waits for `wake` under the queue's deadline.
+    pub(in crate::dispatch) async fn wait(
+        &self,
+        wake: Pin<Box<tokio::sync::futures::Notified<'_>>>,
+    ) -> Result<(), Failure> {
+        self.queued.wait(wake, "no decode slot").await
+    }
+}

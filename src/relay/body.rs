@@ -1,0 +1,629 @@
+//! The client's response body once an attempt produced its first bytes: it streams the
+//! decode to the client while it keeps watching the prefill ([`super::prefill`]).
+//!
+//! Invariants:
+//! - Whatever ends the response (its last byte, a failure, the client going away), both
+//!   legs are finished or cancelled, and every load counter is released, when the body is
+//!   dropped — except a prefill leg still answering after decode's answer was complete:
+//!   it runs on (bounded by its deadline) and holds its rank's load counter and the
+//!   request's admission slot until it ends.
+//! - After the first byte reached the client a failure is never retried: a streamed
+//!   response ends with one JSON error event and `data: [DONE]`; a non-streamed one is cut.
+//!   The one exception is a continuable stream whose decode died or stalled: it is moved to
+//!   a new pair and continued exactly (through [`super::mover::Moves`], which `dispatch::moves` implements), or else ends the same way.
+//! - A stream that cannot move pays nothing for moves: no mover, no per-event parsing.
+//! - The decode body is never buffered: each frame is forwarded when it arrives (an SSE
+//!   stream at event granularity, see [`super::sse`]).
+//! - The request's record rides in the body: a stream's first event relayed is its time to
+//!   first token, each later write one inter-event gap; the request is counted and
+//!   access-logged when the body is dropped ([`crate::request::record`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response};
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, SizeHint};
+use tokio::time::Sleep;
+
+use super::mover::{self, MoveFuture, MoveOutcome, Mover};
+use super::parts::{Passive, PdBodyParts, Ready};
+use super::prefill::PrefillWatch;
+use super::sse::{Scan, SseScanner};
+use crate::admission::Slot;
+use crate::body::{BoxError, RespBody};
+use crate::error::{FailReason, Failure};
+use crate::legs::LegCancel;
+use crate::pool::LoadGuard;
+use crate::request::record::{self, Outcome, Phase, RequestRecord};
+use crate::types::Role;
+use crate::upstream::LegBody;
+
+/// The client's response body: decode's bytes, watched.
+pub struct PdBody {
+    pending: Option<Bytes>,
+    decode: Option<LegBody>,
+    decode_cancel: LegCancel,
+    _decode_guard: LoadGuard,
+    sse: Option<SseScanner>,
+    prefill: Option<PrefillWatch>,
+    /// See [`PdBodyParts::prefill_trial`].
+    prefill_trial: Option<crate::pool::TrialGuard>,
+    /// Fires `idle_for` after the last decode bytes; re-armed lazily (only when it fires
+    /// early), so that a frame costs a clock read, not a timer-wheel update.
+    idle: Pin<Box<Sleep>>,
+    idle_for: Duration,
+    /// `timeouts.stream_idle`: the bound once no move is left (`idle_for` is the shorter
+    /// mid-stream gap while a stall can still be moved).
+    stream_idle: Duration,
+    /// A continuable stream's account and its way to another decode (through [`super::mover::Moves`], which `dispatch::moves` implements).
+    mover: Option<Box<Mover>>,
+    /// A move under way, and why it was made.
+    moving: Option<(MoveFuture, &'static str)>,
+    /// The move failed: its failure is not the current pair's to report.
+    moved_failed: bool,
+    last_data: tokio::time::Instant,
+    record: RequestRecord,
+    passive: Passive,
+    /// The request's admission slot: released with this body, or handed to a prefill leg
+    /// still running when decode's answer is complete.
+    slot: Option<Slot>,
+    done: bool,
+    /// What goes out: a slice at a time, at the merge rate when the stream repeats input
+    /// logprobs ([`crate::body::Outflow`]).
+    out: crate::body::Outflow,
+}
+
+impl PdBody {
+    /// The response to a client from `ready`: its head (with the request id) and this
+    /// body, which holds the admission `slot` (and the bytes the answer held) until it
+    /// ends, and moves the stream with `mover` when it can.
+    pub fn respond(
+        ready: Ready,
+        mut record: RequestRecord,
+        request_id: &HeaderValue,
+        slot: Option<Slot>,
+        mover: Option<Box<Mover>>,
+    ) -> Response<RespBody> {
+        let mut head = ready.head;
+        record.set_status(head.status);
+        head.headers
+            .insert(crate::types::REQUEST_ID, request_id.clone());
+        let mut slot = slot;
+        if let Some(s) = slot.as_mut() {
+            s.hold_bytes(ready.held);
+        }
+        let body = PdBody::new(ready.body, record, slot, mover);
+        Response::from_parts(head, body.boxed_unsync())
+    }
+
+    pub fn new(
+        p: PdBodyParts,
+        record: RequestRecord,
+        slot: Option<Slot>,
+        mover: Option<Box<Mover>>,
+    ) -> PdBody {
+        let stream_idle = p.idle_for;
+        let idle_for = idle_bound(mover.as_deref(), &p.passive, stream_idle);
+        let mut body = PdBody {
+            stream_idle,
+            mover,
+            moving: None,
+            moved_failed: false,
+            pending: (!p.first.is_empty()).then_some(p.first),
+            decode: Some(p.decode),
+            decode_cancel: p.decode_cancel,
+            _decode_guard: p.decode_guard,
+            sse: p.sse,
+            prefill: p.prefill,
+            prefill_trial: p.prefill_trial,
+            idle: Box::pin(tokio::time::sleep(idle_for)),
+            idle_for,
+            last_data: tokio::time::Instant::now(),
+            record,
+            passive: p.passive,
+            slot,
+            done: false,
+            out: crate::body::Outflow::default(),
+        };
+        body.out.set_rate(p.merge_rate);
+        body.adopt_scanner();
+        body
+    }
+
+    /// The decode's stream ended and every event it sent has been merged.
+    fn decode_ended(&self) -> bool {
+        self.decode.as_ref().is_some_and(Body::is_end_stream)
+            && !self.sse.as_ref().is_some_and(SseScanner::holds)
+    }
+
+    /// A prefill leg still running when the stream ends runs on to its own end, recording
+    /// its verdict and freeing its half-open trial then.
+    fn detach_prefill(&mut self) {
+        if let Some(pw) = self.prefill.take() {
+            let verdict = (
+                self.passive.pool.clone(),
+                self.passive.prefill,
+                self.prefill_trial.take(),
+            );
+            pw.detach(self.slot.take(), Some(verdict));
+        }
+    }
+
+    /// Decode's answer is complete: nothing is cancelled, and a prefill answer still on its
+    /// way (its KV was sent, or decode could not have answered) is left to finish on its
+    /// own. Returns the scanner's unfinished tail, if any.
+    fn end_ok(&mut self) -> Bytes {
+        self.done = true;
+        self.decode = None;
+        self.decode_cancel.disarm();
+        self.detach_prefill();
+        self.record.finish(Outcome::Ok);
+        // A moved stream's largest gap is the pause of its move, not its decode's rhythm:
+        // learned from, it would lift the bound that finds the next stall.
+        if let (Some((p, rank)), Some(gap), 0) = (
+            &self.passive.gaps,
+            self.record.max_gap(),
+            self.record.moves(),
+        ) {
+            p.record(crate::progress::Kind::Gap, *rank, gap, 1);
+        }
+        self.sse
+            .as_mut()
+            .map(SseScanner::finish)
+            .unwrap_or_default()
+    }
+
+    /// Ends the response with `f`: cancels what still runs, then an SSE error event or a
+    /// cut connection.
+    fn fail(&mut self, f: Failure, before: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "request failed after streaming began");
+        record::failed(f.reason, Phase::Streaming);
+        self.record.fail(f.reason);
+        // A failed move reported its own legs' failures; the dead pair was reported when
+        // the move began.
+        let reported = std::mem::take(&mut self.moved_failed);
+        if let Some(role) = f.reason.leg().filter(|_| !reported) {
+            let (role, id) = match role {
+                crate::types::Role::Prefill => (role, self.passive.prefill),
+                // A regular worker's answer fails like a decode's (`Passive::decode_role`).
+                crate::types::Role::Decode | crate::types::Role::Regular => {
+                    (self.passive.decode_role, self.passive.decode)
+                }
+            };
+            self.passive
+                .pool
+                .report_failure(role, id, f.reason, &self.passive.cfg);
+        }
+        self.done = true;
+        self.decode = None;
+        self.prefill = None;
+        if f.reason.coupling().reported_by == Some(crate::types::Role::Decode) {
+            // The decode answered the failure itself: nothing to abort.
+            self.decode_cancel.disarm();
+        }
+        if self.sse.is_some() {
+            let mut out = Vec::with_capacity(before.len() + 256);
+            out.extend_from_slice(&before);
+            out.extend_from_slice(&f.sse_event());
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))))
+        } else {
+            Poll::Ready(Some(Err(Box::new(FailureError(f)))))
+        }
+    }
+}
+
+impl PdBody {
+    /// Forwarded events pass the mover's account (and its rewrite after a move); `Err`:
+    /// an event carried an abort or an error (the tracker checks for them: see
+    /// [`Self::adopt_scanner`]), with what goes to the client before it.
+    fn relay(&mut self, b: Bytes) -> Result<Bytes, super::splice::Aborted> {
+        match self.mover.as_mut() {
+            Some(m) if !b.is_empty() => m.tracker.relay(b),
+            _ => Ok(b),
+        }
+    }
+
+    /// The decode's events are cut by `self.sse`; a stream that can move has its tracker
+    /// check them for aborts as it reads them (most it has read by then), not the scanner.
+    fn adopt_scanner(&mut self) {
+        if let (Some(sse), Some(m)) = (self.sse.as_mut(), self.mover.as_mut()) {
+            if sse.leave_abort_checks() {
+                m.tracker.check_aborts();
+            }
+        }
+    }
+
+    /// The decode failed mid-stream: move the stream to another decode if it can be
+    /// continued, else end it with `f`. `before` (whole events ahead of the failure) is
+    /// forwarded first either way.
+    fn fail_or_move(
+        &mut self,
+        f: Failure,
+        before: Bytes,
+        why: &'static str,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.relay(before) {
+            Ok(before) => self.fail_or_move_relayed(f, before, why, cx),
+            // An event ahead of the failure was itself an abort: that is the failure.
+            Err(a) => self.aborted(a, cx),
+        }
+    }
+
+    /// An event carried an abort or an error: [`Self::fail_or_move_relayed`] with it.
+    fn aborted(
+        &mut self,
+        a: super::splice::Aborted,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let f = crate::legs::decode_abort_failure(&a.abort);
+        let why = f.reason.as_str();
+        self.fail_or_move_relayed(f, a.before, why, cx)
+    }
+
+    /// [`Self::fail_or_move`] with `before` already relayed.
+    fn fail_or_move_relayed(
+        &mut self,
+        f: Failure,
+        before: Bytes,
+        why: &'static str,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.answer_complete() {
+            return self.close_complete(&f, before);
+        }
+        if self.try_move(&f, why).is_err() {
+            return self.fail(f, before);
+        }
+        if !before.is_empty() {
+            self.record.event_sent(tokio::time::Instant::now());
+            return Poll::Ready(Some(Ok(Frame::data(before))));
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+
+    /// The client has the whole answer (a finish reason was relayed): a decode that fails
+    /// now only failed to end its stream.
+    fn answer_complete(&mut self) -> bool {
+        self.mover.as_mut().is_some_and(|m| m.tracker.complete())
+    }
+
+    /// Ends a complete answer whose decode failed before ending its stream: what the
+    /// client still lacks (its usage chunk, `[DONE]`) is written by pdgate, and the request
+    /// counts as answered; the decode's failure still counts for its breaker (no stream
+    /// gap is learned from it).
+    fn close_complete(
+        &mut self,
+        f: &Failure,
+        before: Bytes,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        tracing::info!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "decode failed after the answer was complete; stream ended by pdgate");
+        let (role, decode) = (self.passive.decode_role, self.passive.decode);
+        self.passive
+            .pool
+            .report_failure(role, decode, f.reason, &self.passive.cfg);
+        if f.reason.coupling().reported_by == Some(Role::Decode) {
+            self.decode_cancel.disarm();
+        }
+        let closing = self
+            .mover
+            .as_mut()
+            .map(|m| m.tracker.closing())
+            .unwrap_or_default();
+        self.done = true;
+        self.decode = None;
+        self.detach_prefill();
+        self.record.finish(Outcome::Ok);
+        let carry = self
+            .sse
+            .as_mut()
+            .map(SseScanner::finish)
+            .unwrap_or_default();
+        let mut out = Vec::with_capacity(before.len() + carry.len() + closing.len());
+        out.extend_from_slice(&before);
+        out.extend_from_slice(&carry);
+        out.extend_from_slice(&closing);
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))))
+    }
+
+    /// A silent stream (`f`, its idle failure) started moving, when a move is left for it.
+    fn move_stalled(&mut self, f: &Failure) -> bool {
+        let can = self
+            .mover
+            .as_ref()
+            .is_some_and(|m| m.gap(&self.passive).is_some());
+        can && self.try_move(f, "stalled").is_ok()
+    }
+
+    /// Starts moving the stream off its decode after `f`; `Err` (logged and counted) when
+    /// it cannot be moved. Nothing is ended here.
+    fn try_move(&mut self, f: &Failure, why: &'static str) -> Result<(), ()> {
+        let Some(m) = self.mover.as_mut() else {
+            return Err(());
+        };
+        let route = m.route();
+        let (role, dead) = (self.passive.decode_role, self.passive.decode);
+        match m.start(role, dead) {
+            Ok(fut) => {
+                tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, role = role.as_str(), "decode failed mid-stream; moving the stream to another worker");
+                self.passive
+                    .pool
+                    .report_failure(role, dead, f.reason, &self.passive.cfg);
+                if f.reason.coupling().reported_by == Some(Role::Decode) {
+                    self.decode_cancel.disarm();
+                }
+                // The dead decode's leg and anything left of its prefill end here.
+                self.decode = None;
+                self.prefill = None;
+                self.moving = Some((fut, why));
+                Ok(())
+            }
+            Err(refused) => {
+                tracing::info!(request_id = %self.record.id(), reason = why, refused = %refused, "stream not moved");
+                mover::count(route, why, MoveOutcome::Refused);
+                Err(())
+            }
+        }
+    }
+
+    /// The move's new pair streams now: its parts replace the dead decode's.
+    fn install(&mut self, ready: Ready, trace: crate::request::record::LegTrace) {
+        let p = ready.body;
+        if let Some(m) = self.mover.as_mut() {
+            m.moved_to(ready.decode_incremental);
+        }
+        self.decode = Some(p.decode);
+        self.decode_cancel = p.decode_cancel;
+        self._decode_guard = p.decode_guard;
+        self.sse = p.sse;
+        self.adopt_scanner();
+        self.prefill = p.prefill;
+        self.prefill_trial = p.prefill_trial;
+        self.passive = p.passive;
+        self.out.set_rate(p.merge_rate);
+        self.pending = (!p.first.is_empty()).then_some(p.first);
+        self.record.legs = trace;
+        self.record.moved();
+        self.last_data = tokio::time::Instant::now();
+        self.idle_for = idle_bound(self.mover.as_deref(), &self.passive, self.stream_idle);
+        let due = self.last_data + self.idle_for;
+        self.idle.as_mut().reset(due);
+    }
+}
+
+/// How long a stream may be silent: the mover's gap bound for its worker while a move is
+/// left, at most `stream_idle`.
+fn idle_bound(mover: Option<&Mover>, passive: &Passive, stream_idle: Duration) -> Duration {
+    mover
+        .and_then(|m| m.gap(passive))
+        .map_or(stream_idle, |g| g.min(stream_idle))
+}
+
+/// A failure carried as a body error (cuts a non-streamed response).
+#[derive(Debug)]
+pub struct FailureError(pub Failure);
+impl std::fmt::Display for FailureError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+impl std::error::Error for FailureError {}
+
+impl Body for PdBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    /// [`PdBody::poll_next`], handed to hyper through [`crate::body::Outflow`]: at most
+    /// [`crate::body::SLICE_BYTES`] at a time, with a yield to the event loop after each.
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if let Some(data) = std::task::ready!(this.out.poll_pending(cx)) {
+            return Poll::Ready(Some(Ok(Frame::data(data))));
+        }
+        match this.poll_next(cx) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => this.out.send(data, cx).map(|d| Some(Ok(Frame::data(d)))),
+                Err(frame) => Poll::Ready(Some(Ok(frame))),
+            },
+            other => other,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.pending.is_none() && self.out.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+impl PdBody {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if let Some((fut, why)) = this.moving.as_mut() {
+            let why = *why;
+            let route = this.record.route();
+            let route = match route {
+                record::Route::Api(r) => r,
+                record::Route::Other(_) => crate::request::ApiRoute::Generate,
+            };
+            match fut.as_mut().poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok((ready, trace))) => {
+                    this.moving = None;
+                    mover::count(route, why, MoveOutcome::Moved);
+                    this.install(ready, trace);
+                }
+                Poll::Ready(Err(f)) => {
+                    this.moving = None;
+                    mover::count(route, why, MoveOutcome::Failed);
+                    this.moved_failed = true;
+                    return this.fail(f, Bytes::new());
+                }
+            }
+        }
+        if let Some(b) = this.pending.take() {
+            let b = match this.relay(b) {
+                Ok(b) => b,
+                Err(a) => return this.aborted(a, cx),
+            };
+            let at_end = this.decode_ended();
+            // A continued stream's first event may be one the client already had (dropped).
+            if !b.is_empty() || at_end {
+                if this.sse.is_some() {
+                    this.record.event_sent(tokio::time::Instant::now());
+                }
+                // The whole answer may have come with the first bytes (a non-streamed
+                // answer with a Content-Length, after which hyper stops polling this body).
+                let b = if at_end { join(b, this.end_ok()) } else { b };
+                return Poll::Ready(Some(Ok(Frame::data(b))));
+            }
+        }
+        if let Some(pw) = this.prefill.as_mut() {
+            if let Poll::Ready(r) = Pin::new(pw).poll(cx) {
+                this.prefill = None;
+                match r {
+                    // The prefill's own leg succeeded: its verdict, then its trial.
+                    Ok(_) => {
+                        let p = &this.passive;
+                        p.pool.report_success(Role::Prefill, p.prefill);
+                        this.prefill_trial = None;
+                    }
+                    Err(f) => return this.fail(f, Bytes::new()),
+                }
+            }
+        }
+        loop {
+            let Some(decode) = this.decode.as_mut() else {
+                return Poll::Ready(None);
+            };
+            // Events the scanner still holds go first (an empty push merges them).
+            let held = this.sse.as_ref().is_some_and(SseScanner::holds);
+            let polled = match held {
+                true => Poll::Ready(Some(Ok(Frame::data(Bytes::new())))),
+                false => Pin::new(decode).poll_frame(cx),
+            };
+            match polled {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    let now = tokio::time::Instant::now();
+                    this.last_data = now;
+                    let out = match this.sse.as_mut() {
+                        None => data,
+                        Some(sse) => match sse.push(data) {
+                            Scan::Forward(b) => match this.relay(b) {
+                                Ok(b) => b,
+                                Err(a) => return this.aborted(a, cx),
+                            },
+                            Scan::Abort { before, abort } => {
+                                let f = crate::legs::decode_abort_failure(&abort);
+                                let why = f.reason.as_str();
+                                return this.fail_or_move(f, before, why, cx);
+                            }
+                            Scan::Broken { message } => {
+                                let f = Failure::new(FailReason::DecodeBroken, message);
+                                return this.fail(f, Bytes::new());
+                            }
+                        },
+                    };
+                    let at_end = this.decode_ended();
+                    let out = if at_end {
+                        join(out, this.end_ok())
+                    } else {
+                        out
+                    };
+                    if out.is_empty() {
+                        if at_end {
+                            return Poll::Ready(None);
+                        }
+                        continue;
+                    }
+                    if this.sse.is_some() {
+                        this.record.event_sent(now);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(out))));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    let f = Failure::new(
+                        FailReason::DecodeBroken,
+                        format!(
+                            "decode stream broke off: {}",
+                            crate::upstream::error_chain(&e)
+                        ),
+                    );
+                    return this.fail_or_move(f, Bytes::new(), "decode_broken", cx);
+                }
+                Poll::Ready(None) => {
+                    let tail = this.end_ok();
+                    if !tail.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(tail))));
+                    }
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => break,
+            }
+        }
+        while this.idle.as_mut().poll(cx).is_ready() {
+            let due = this.last_data + this.idle_for;
+            if due > tokio::time::Instant::now() {
+                // Data came since the timer was armed: re-arm from the last data.
+                this.idle.as_mut().reset(due);
+                continue;
+            }
+            let f = Failure::new(
+                FailReason::DecodeIdleTimeout,
+                format!("decode sent nothing for {}s", this.idle_for.as_secs_f64()),
+            );
+            if this.answer_complete() {
+                return this.close_complete(&f, Bytes::new());
+            }
+            if this.idle_for < this.stream_idle {
+                // Silent past the mid-stream gap: a stall, moved if it can be; if not, the
+                // stream waits on for the full idle bound.
+                if this.move_stalled(&f) {
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                this.idle_for = this.stream_idle;
+                this.idle.as_mut().reset(this.last_data + this.stream_idle);
+                continue;
+            }
+            // Silent for the whole idle bound (the learned gap was at least as long, or
+            // the move above could not start then): moved if it can be now.
+            if this.move_stalled(&f) {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            return this.fail(f, Bytes::new());
+        }
+        Poll::Pending
+    }
+}
+
+/// `a` then `b`, copying only when both hold bytes.
+fn join(a: Bytes, b: Bytes) -> Bytes {
+    match (a.is_empty(), b.is_empty()) {
+        (_, true) => a,
+        (true, false) => b,
+        (false, false) => {
+            let mut v = Vec::with_capacity(a.len() + b.len());
+            v.extend_from_slice(&a);
+            v.extend_from_slice(&b);
+            Bytes::from(v)
+        }
+    }
+}
