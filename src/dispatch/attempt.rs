@@ -18,7 +18,9 @@
 //! [`crate::error::FailReason::coupling`].
 
 use std::future::Future;
+use std::sync::Arc;
 
+use super::model::Model;
 use super::{Dispatcher, ReqCtx};
 use crate::bootstrap::{preflight, Layout};
 use crate::config::ContractMode;
@@ -36,6 +38,39 @@ use crate::request::{LegFields, ParsedRequest};
 use crate::trace::{Span, SpanKind};
 use crate::types::{Pair, Role, WorkerId};
 use crate::upstream::{LegBody, LegError, LegRequest};
+
+/// The workers the next attempts avoid, by role: those blamed for a failed attempt.
+#[derive(Clone, Debug, Default)]
+pub struct Excluded {
+    prefill: Vec<WorkerId>,
+    decode: Vec<WorkerId>,
+    regular: Vec<WorkerId>,
+}
+
+impl Excluded {
+    /// Only `worker` (of `role`).
+    pub fn only(role: Role, worker: WorkerId) -> Excluded {
+        let mut e = Excluded::default();
+        e.push(role, worker);
+        e
+    }
+
+    pub fn of(&self, role: Role) -> &[WorkerId] {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+            Role::Regular => &self.regular,
+        }
+    }
+
+    pub fn push(&mut self, role: Role, worker: WorkerId) {
+        match role {
+            Role::Prefill => self.prefill.push(worker),
+            Role::Decode => self.decode.push(worker),
+            Role::Regular => self.regular.push(worker),
+        }
+    }
+}
 
 /// A failed attempt and the worker it blames (excluded from the next attempt).
 pub struct AttemptFailure {
@@ -105,29 +140,34 @@ pub(super) struct LegsInFlight<D> {
 pub(super) type DecodeHead = Result<http::Response<LegBody>, LegError>;
 
 impl Dispatcher {
+    /// One attempt on a PD pair, picked from `snap` (and from a fresh snapshot after each
+    /// wait for a decode slot).
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn attempt(
         &self,
+        snap: Arc<Snapshot>,
         req: &ParsedRequest,
+        model: &Model,
         ctx: &ReqCtx,
         attempt_no: u32,
-        exclude_p: &[WorkerId],
-        exclude_d: &[WorkerId],
+        ex: &Excluded,
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
         let need = self.capacity_need(req);
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
-        let mut snap;
+        let mut snap = snap;
+        let mut waited = false;
         let (chosen, slot) = loop {
             // Waiting: listen for a freed slot before looking, so no release is missed.
-            let mut wake = queued
-                .as_ref()
-                .map(|q: &super::attempt::capacity::Queue<'_>| q.wake());
+            let mut wake = queued.as_ref().map(|q: &capacity::Queue<'_>| q.wake());
             if let Some(w) = wake.as_mut() {
                 w.as_mut().enable();
             }
-            snap = self.pool.load_full();
-            let full = match self.choose_pair(&snap, req, exclude_p, exclude_d, Some(need)) {
+            if std::mem::replace(&mut waited, true) {
+                snap = self.pool.load_full();
+            }
+            let full = match self.choose_pair(&snap, req, model, ex, Some(need)) {
                 Ok(c) => match Reservation::try_take(
                     &c.decode.capacity,
                     c.pair.decode.rank,
@@ -138,16 +178,16 @@ impl Dispatcher {
                     None if c.pair.decode.rank as usize >= c.decode.capacity.len() => {
                         break (c, None)
                     }
-                    None => super::attempt::capacity::full_failure(),
+                    None => capacity::full_failure(),
                 },
-                Err(af) if super::attempt::capacity::is_full(&af) => af,
+                Err(af) if capacity::is_full(&af) => af,
                 Err(af) => return Err(failed(pick, af)),
             };
             // At capacity: join the admission queue once (then look again, listening), or
             // wait for a wake-up under the queue's deadline.
             if queued.is_none() {
                 drop(wake);
-                queued = Some(super::attempt::capacity::Queue::join(self, ctx, full)?);
+                queued = Some(capacity::Queue::join(self, ctx, full)?);
                 continue;
             }
             if let (Some(q), Some(w)) = (&queued, wake) {
@@ -184,7 +224,7 @@ impl Dispatcher {
         trace.room = legs.room;
         let first_byte = legs.span.take();
         let incremental = chosen.decode.incremental_stream;
-        match super::attempt::first_byte::wait_first_bytes(self, req, legs).await {
+        match first_byte::wait_first_bytes(self, req, model, legs).await {
             Ok(mut ready) => {
                 ready.decode_incremental = incremental;
                 ready.trials = trials;
@@ -202,11 +242,13 @@ impl Dispatcher {
         &self,
         snap: &'s Snapshot,
         req: &ParsedRequest,
-        exclude_p: &[WorkerId],
-        exclude_d: &[WorkerId],
+        model: &Model,
+        ex: &Excluded,
         need: Option<Need>,
     ) -> Result<ChosenPair<'s>, AttemptFailure> {
-        let (prefill_policy, decode_policy) = self.policies(req.scope.as_deref());
+        let policies = model.policies();
+        let (prefill_policy, decode_policy) = (policies.prefill.as_ref(), policies.decode.as_ref());
+        let (exclude_p, exclude_d) = (ex.of(Role::Prefill), ex.of(Role::Decode));
         let prefix_hash = if prefill_policy.wants_prefix() || decode_policy.wants_prefix() {
             req.prefix_hash()
         } else {
@@ -214,7 +256,7 @@ impl Dispatcher {
         };
         // The request's model (none: one handoff group serves all); the decode comes from
         // the picked prefill's handoff group, never another.
-        let scope = req.scope.as_deref();
+        let scope = model.name();
         let prefill_among = (scope.is_some() || snap.groups.len() > 1)
             .then(|| snap.routable_for(Role::Prefill, scope));
         // A retry that excluded decodes picks only among prefills whose handoff group still
@@ -258,10 +300,8 @@ impl Dispatcher {
             return Err(AttemptFailure::unblamed(Failure::new(reason, msg)));
         };
         let Some(decode_pick) = decode_pick else {
-            if need.is_some()
-                && super::attempt::capacity::any_routable(snap, decode_among, exclude_d)
-            {
-                return Err(super::attempt::capacity::full_failure());
+            if need.is_some() && capacity::any_routable(snap, decode_among, exclude_d) {
+                return Err(capacity::full_failure());
             }
             let msg = if snap.decodes.is_empty() {
                 "no decode workers are configured"

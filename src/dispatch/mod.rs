@@ -19,8 +19,9 @@
 //!    ARCHITECTURE.md, "The locks a request takes".
 
 pub mod attempt;
+pub mod attempts;
+pub mod model;
 pub mod moves;
-pub mod per_model;
 mod probe;
 mod regular;
 mod stall;
@@ -33,10 +34,9 @@ use rand::{RngCore, SeedableRng};
 
 use crate::body::RespBody;
 use crate::config::Config;
-use crate::error::{FailReason, Failure};
-use crate::policy::{self, Policy};
+use crate::error::FailReason;
 use crate::pool::Pool;
-use crate::request::record::{self, Phase, RequestRecord};
+use crate::request::record::RequestRecord;
 use crate::request::{self, ParsedRequest};
 use crate::types::{RequestId, Role, WorkerId};
 use crate::upstream::Upstream;
@@ -180,14 +180,11 @@ pub struct Dispatcher {
     pub pool: Arc<Pool>,
     pub up: Upstream,
     pub cfg: Arc<Config>,
-    prefill_policy: Arc<dyn Policy>,
-    decode_policy: Arc<dyn Policy>,
-    /// Picks regular (non-PD) workers (`dispatch::regular`): the decode policy's kind, its own
-    /// state.
-    regular_policy: Arc<dyn Policy>,
-    budget: Arc<RetryBudget>,
-    /// Models with settings of their own (`[models.settings]`; see [`per_model`]).
-    per_model: per_model::PerModel,
+    /// The top level's settings: what a request of a model without settings of its own
+    /// is dispatched with ([`model`]).
+    top: Arc<model::Settings>,
+    /// Models with settings of their own (`[models.settings]`; see [`model`]).
+    per_model: model::PerModel,
     pub rng: Arc<RngSource>,
     /// Traces (`[trace]`), when enabled: kept across reloads (a restart-only section).
     pub tracer: Option<crate::trace::Tracer>,
@@ -220,12 +217,10 @@ impl Dispatcher {
     pub fn new(pool: Arc<Pool>, up: Upstream, cfg: Arc<Config>, rng: RngSource) -> Dispatcher {
         let rate = shared_rate(None, cfg.upstream.stream_logprob_bytes_per_sec);
         let bulk = shared_rate(None, cfg.server.large_body_bytes_per_sec);
+        let top = Arc::new(model::Settings::top(&cfg, None));
         Dispatcher {
-            prefill_policy: policy::build_with(cfg.policy.prefill, &cfg.policy).into(),
-            decode_policy: policy::build_with(cfg.policy.decode, &cfg.policy).into(),
-            regular_policy: policy::build_with(cfg.policy.decode, &cfg.policy).into(),
-            budget: Arc::new(RetryBudget::new(&cfg.retry)),
-            per_model: per_model::PerModel::build(&cfg, None),
+            per_model: model::PerModel::build(&cfg, None, &top),
+            top,
             pool,
             up,
             cfg,
@@ -245,37 +240,17 @@ impl Dispatcher {
     /// The same dispatcher under a new config: policies are rebuilt only when the policy
     /// settings changed (so round-robin positions and cache-aware rings survive a reload
     /// that did not touch them), the retry budget only when the retry settings did; each
-    /// model's own state likewise ([`per_model::PerModel::build`]).
+    /// model's own state likewise ([`model::PerModel::build`]).
     pub fn reconfigured(&self, cfg: Arc<Config>) -> Dispatcher {
-        let same_policy = self.cfg.policy == cfg.policy;
-        let same_retry = self.cfg.retry.same_budget(&cfg.retry);
         let rate = shared_rate(
             self.merge_rate.as_ref(),
             cfg.upstream.stream_logprob_bytes_per_sec,
         );
         let bulk = shared_rate(self.bulk_rate.as_ref(), cfg.server.large_body_bytes_per_sec);
+        let top = Arc::new(model::Settings::top(&cfg, Some(&self.top)));
         Dispatcher {
-            prefill_policy: if same_policy {
-                self.prefill_policy.clone()
-            } else {
-                policy::build_with(cfg.policy.prefill, &cfg.policy).into()
-            },
-            decode_policy: if same_policy {
-                self.decode_policy.clone()
-            } else {
-                policy::build_with(cfg.policy.decode, &cfg.policy).into()
-            },
-            regular_policy: if same_policy {
-                self.regular_policy.clone()
-            } else {
-                policy::build_with(cfg.policy.decode, &cfg.policy).into()
-            },
-            budget: if same_retry {
-                self.budget.clone()
-            } else {
-                Arc::new(RetryBudget::new(&cfg.retry))
-            },
-            per_model: per_model::PerModel::build(&cfg, Some(&self.per_model)),
+            per_model: model::PerModel::build(&cfg, Some(&self.per_model), &top),
+            top,
             pool: self.pool.clone(),
             up: self.up.clone(),
             cfg,
@@ -315,18 +290,15 @@ impl Dispatcher {
         record.set_stream(req.stream);
         // The request's model: which workers may serve it (one lookup; nothing while one
         // handoff group serves everything and no name must match).
+        let model;
         match crate::models::resolve(&self.cfg.models, &self.pool, || req.model()) {
             Ok(scope) => {
                 record.model = scope.clone();
                 if let Some(m) = scope.as_deref() {
                     self.alias_on_legs(&mut req, m);
                 }
-                // One group serving everything resolves to "any"; a model with settings
-                // of its own still needs its name (the same workers either way).
-                req.scope = match scope {
-                    None => self.per_model.only_model(&self.pool),
-                    s => s,
-                };
+                model = self.resolve_model(scope);
+                req.scope = model.name.clone();
             }
             Err(f) => {
                 record.fail(f.reason);
@@ -336,7 +308,7 @@ impl Dispatcher {
         if !req.replaced.is_empty() {
             tracing::info!(request_id = %ctx.id, fields = ?req.replaced, "client-supplied PD fields replaced by pdgate's own");
         }
-        if let Some(a) = self.model_admission(req.scope.as_deref()) {
+        if let Some(a) = &model.settings.admission {
             // The model's own cap, on top of the replica-wide slot taken at the door.
             match a.admit().await {
                 Ok(s) => match ctx.slot.as_mut() {
@@ -349,182 +321,52 @@ impl Dispatcher {
                 }
             }
         }
-        let (retry, budget) = self.retry(req.scope.as_deref());
-        budget.deposit();
-        let plan = moves::plan_for(self, &req);
+        model.budget().deposit();
+        let plan = moves::plan_for(&model, &req);
         if let Some(p) = &plan {
             moves::prepare_legs(&mut req, p);
         }
-        let deadline = tokio::time::Instant::now() + self.cfg.timeouts.request();
-        let mut exclude_p: Vec<WorkerId> = Vec::new();
-        let mut exclude_d: Vec<WorkerId> = Vec::new();
-        let mut exclude_r: Vec<WorkerId> = Vec::new();
-        let mut attempt_no = 0u32;
-        // Retries counted against `retry.max_retries`: a keep-alive race (the engine
-        // closed a pooled connection as the leg was sent) is retried without counting.
-        let mut counted = 0u32;
         let root = record.trace.as_ref().and_then(|t| t.scope());
-        let mut retry_reason: Option<&'static str> = None;
-        let failure = loop {
-            record.set_attempts(attempt_no + 1);
-            let mut attempt_span = root.as_ref().map(|s| {
-                let mut sp = s.child("attempt", crate::trace::SpanKind::Internal);
-                sp.set("pdgate.attempt", attempt_no);
-                if let Some(why) = retry_reason {
-                    sp.set("retry.reason", why);
+        let mut run = attempts::Drive::new(attempts::Purpose::Answer, &model, 0);
+        run.deadline = Some(tokio::time::Instant::now() + self.cfg.timeouts.request());
+        run.root = root.clone();
+        let res = self
+            .drive(
+                &req,
+                &mut ctx,
+                &mut run,
+                attempts::Account::Request(&mut record),
+            )
+            .await;
+        let attempt_no = run.attempt_no;
+        drop(run);
+        match res {
+            Ok(ready) => {
+                if let Some(t) = record.trace.as_mut() {
+                    t.relay_started();
                 }
-                sp
-            });
-            ctx.trace = attempt_span.as_ref().and_then(|s| s.scope());
-            let trace = &mut record.legs;
-            // PD or a regular worker, per attempt (`dispatch::regular`).
-            let regular = self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r);
-            let fut = async {
-                if regular {
-                    self.attempt_regular(&req, &ctx, attempt_no, &exclude_r, trace)
-                        .await
-                } else {
-                    self.attempt(&req, &ctx, attempt_no, &exclude_p, &exclude_d, trace)
-                        .await
-                }
-            };
-            let res = match tokio::time::timeout_at(deadline, fut).await {
-                Ok(r) => r,
-                Err(_) => Err(attempt::AttemptFailure {
-                    trials: crate::relay::Trials::default(),
-                    failure: Failure::new(
-                        FailReason::RequestTimeout,
-                        format!(
-                            "no response within the request timeout of {}s",
-                            self.cfg.timeouts.request_secs
-                        ),
-                    ),
-                    blame: None,
-                }),
-            };
-            match res {
-                Ok(mut ready) => {
-                    drop(attempt_span);
-                    if let Some(t) = record.trace.as_mut() {
-                        t.relay_started();
-                    }
-                    ready.record_success(&self.pool);
-                    let slot = ctx.slot.take();
-                    // A move's attempts hang under the request's span, as this one did.
-                    ctx.trace = root.clone();
-                    let mover = match plan {
-                        Some(p) if ready.body.sse.is_some() => Some(Box::new(moves::mover(
-                            self.clone(),
-                            req,
-                            &ctx,
-                            p,
-                            ready.decode_incremental,
-                            attempt_no + 1,
-                        ))),
-                        _ => None,
-                    };
-                    return crate::relay::PdBody::respond(
-                        ready,
-                        record,
-                        &ctx.request_id,
-                        slot,
-                        mover,
-                    );
-                }
-                Err(af) => {
-                    let f = &af.failure;
-                    record::failed(f.reason, Phase::BeforeFirstByte);
-                    if let Some(sp) = attempt_span.as_mut() {
-                        sp.fail(f.reason.as_str());
-                        if let Some((role, w)) = af.blame {
-                            sp.set("pdgate.blamed_role", role.as_str());
-                            sp.set("pdgate.blamed_worker_id", u64::from(w.0));
-                        }
-                    }
-                    // The line names the worker blamed (id and URL), when one is.
-                    let blamed = af.blame.map(|(role, w)| {
-                        let url = self.pool.load().worker(role, w).map(|v| v.url.to_string());
-                        (role, w, url.unwrap_or_default())
-                    });
-                    tracing::warn!(
-                        request_id = %ctx.id,
-                        attempt = attempt_no,
-                        reason = f.reason.as_str(),
-                        error = %f.message,
-                        role = blamed.as_ref().map_or("-", |b| b.0.as_str()),
-                        worker_id = ?blamed.as_ref().map(|b| b.1 .0),
-                        worker = blamed.as_ref().map_or("-", |b| b.2.as_str()),
-                        "attempt failed"
-                    );
-                    // A keep-alive race (the engine closed the leg's pooled connection just
-                    // as it was sent) is nobody's fault: no breaker count, no exclusion.
-                    let blame = af.blame.filter(|_| !f.stale_connection);
-                    if let Some((role, w)) = blame {
-                        let breaker = self.breaker_cfg(req.scope.as_deref());
-                        self.pool.report_failure(role, w, f.reason, breaker);
-                        if f.reason.is_stall() {
-                            self.on_stall(role, w);
-                        }
-                        match role {
-                            Role::Prefill => exclude_p.push(w),
-                            Role::Decode => exclude_d.push(w),
-                            Role::Regular => exclude_r.push(w),
-                        }
-                    }
-                    // Retry only where a fresh pair can avoid the blamed worker; why not
-                    // otherwise (logged: the chaos soak tells its losses apart by it).
-                    let spend = Spend::retry_of(f.reason);
-                    let why_not = if !f.reason.retryable() {
-                        None
-                    } else if !(f.stale_connection || counted < retry.max_retries)
-                        || attempt_no >= MAX_ATTEMPTS
-                    {
-                        Some("the request's retries are spent")
-                    } else if !budget.has_balance(spend) {
-                        Some("the retry budget is spent")
-                    } else if !(self.regular_route(&req, &exclude_p, &exclude_d, &exclude_r)
-                        || self
-                            .alternative_within(
-                                req.scope.as_deref(),
-                                &exclude_p,
-                                &exclude_d,
-                                blame.is_some(),
-                                deadline,
-                            )
-                            .await)
-                    {
-                        Some("no other pair to retry on")
-                    } else if !budget.try_withdraw(spend) {
-                        Some("the retry budget is spent")
-                    } else {
-                        record::retried(f.reason);
-                        retry_reason = Some(f.reason.as_str());
-                        if !f.stale_connection {
-                            counted += 1;
-                        }
-                        attempt_no += 1;
-                        continue;
-                    };
-                    if let Some(why) = why_not {
-                        tracing::info!(request_id = %ctx.id, reason = f.reason.as_str(), attempt = attempt_no, why, "not retried");
-                    }
-                    break af.failure;
-                }
+                let slot = ctx.slot.take();
+                // A move's attempts hang under the request's span, as this one did.
+                ctx.trace = root;
+                let mover = match plan {
+                    Some(p) if ready.body.sse.is_some() => Some(Box::new(moves::mover(
+                        self.clone(),
+                        req,
+                        model,
+                        &ctx,
+                        p,
+                        ready.decode_incremental,
+                        attempt_no + 1,
+                    ))),
+                    _ => None,
+                };
+                crate::relay::PdBody::respond(ready, record, &ctx.request_id, slot, mover)
             }
-        };
-        record.fail(failure.reason);
-        record.answer(failure.into_response(Some(&ctx.request_id)))
-    }
-
-    /// Whether both pools (of the request's model) still have a routable target outside
-    /// the excluded workers.
-    fn has_alternative(
-        &self,
-        scope: Option<&str>,
-        exclude_p: &[WorkerId],
-        exclude_d: &[WorkerId],
-    ) -> bool {
-        pair_left(&self.pool.load(), scope, exclude_p, exclude_d)
+            Err(failure) => {
+                record.fail(failure.reason);
+                record.answer(failure.into_response(Some(&ctx.request_id)))
+            }
+        }
     }
 }
 
@@ -541,14 +383,9 @@ fn any_routable_left(
 }
 
 /// Whether `snap` has a routable prefill and decode for `scope` outside the exclusions.
-fn pair_left(
-    snap: &crate::pool::Snapshot,
-    scope: Option<&str>,
-    exclude_p: &[WorkerId],
-    exclude_d: &[WorkerId],
-) -> bool {
-    any_routable_left(snap, Role::Prefill, scope, exclude_p)
-        && any_routable_left(snap, Role::Decode, scope, exclude_d)
+fn pair_left(snap: &crate::pool::Snapshot, scope: Option<&str>, ex: &attempt::Excluded) -> bool {
+    any_routable_left(snap, Role::Prefill, scope, ex.of(Role::Prefill))
+        && any_routable_left(snap, Role::Decode, scope, ex.of(Role::Decode))
 }
 
 #[cfg(test)]

@@ -59,10 +59,7 @@ impl Dispatcher {
             pool: self.pool.clone(),
             up: self.up.clone(),
             cfg: self.cfg.clone(),
-            prefill_policy: self.prefill_policy.clone(),
-            decode_policy: self.decode_policy.clone(),
-            regular_policy: self.regular_policy.clone(),
-            budget: self.budget.clone(),
+            top: self.top.clone(),
             per_model: self.per_model.clone(),
             rng: self.rng.clone(),
             // A probe is pdgate's own request: not traced.
@@ -173,20 +170,27 @@ impl Dispatcher {
             trace: None,
         };
         let snap = self.pool.load_full();
+        // The stalled worker's own model: its settings (breaker thresholds, policies).
+        let model = {
+            let w = snap.worker(role, worker).ok_or_else(|| {
+                Failure::new(FailReason::Internal, "the stalled worker left the pool")
+            })?;
+            self.model_of_worker(w)
+        };
         let ready = if role == Role::Regular {
             let w = snap.worker(Role::Regular, worker).ok_or_else(|| {
                 Failure::new(FailReason::Internal, "the stalled worker left the pool")
             })?;
             let t = Target { worker, rank: 0 };
             let mut trace = crate::request::record::LegTrace::default();
-            self.attempt_regular_on(&req, &ctx, 0, w, t, None, &mut trace)
+            self.attempt_regular_on(&req, &model, &ctx, 0, w, t, None, &mut trace)
                 .await
                 .map_err(|af| af.failure)?
         } else {
             let chosen = self.choose_probe_pair(&snap, role, worker)?;
             self.preflight(&chosen).await.map_err(|af| af.failure)?;
             let legs = self.send_legs(&req, &ctx, 0, &chosen, None);
-            super::attempt::first_byte::wait_first_bytes(self, &req, legs)
+            super::attempt::first_byte::wait_first_bytes(self, &req, &model, legs)
                 .await
                 .map_err(|af| af.failure)?
         };
@@ -232,10 +236,10 @@ impl Dispatcher {
             Role::Decode => Role::Prefill,
             Role::Regular => return Err(gone()),
         };
-        let (prefill_policy, decode_policy) = self.policies(me.model.as_deref());
+        let settings = self.settings_of(me.model.as_deref());
         let policy = match other {
-            Role::Prefill => prefill_policy,
-            Role::Decode | Role::Regular => decode_policy,
+            Role::Prefill => settings.policies.prefill.as_ref(),
+            Role::Decode | Role::Regular => settings.policies.decode.as_ref(),
         };
         // A partner from the stalled worker's own handoff group only.
         let ctx = PickCtx {

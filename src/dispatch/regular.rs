@@ -29,13 +29,15 @@
 //! - The load counter of the (worker, rank) is held by the response body and released
 //!   when it ends.
 //! - Policies: the pick uses the dispatcher's `regular_policy` (the decode policy's
-//!   kind), or under a model's policy override its own (`dispatch::per_model::Policies`).
+//!   kind), or under a model's policy override its own (`dispatch::model::Policies`).
 
 use bytes::Bytes;
 use http::header;
 use http_body_util::BodyExt;
 
 use super::attempt::AttemptFailure;
+use super::attempt::Excluded;
+use super::model::Model;
 use super::stall::StallWatch;
 use super::{Dispatcher, ReqCtx};
 use crate::error::{FailReason, Failure};
@@ -48,7 +50,7 @@ use crate::relay::Ready;
 use crate::relay::{Passive, PdBodyParts};
 use crate::request::record::LegTrace;
 use crate::request::ParsedRequest;
-use crate::types::{Pair, Role, WorkerId};
+use crate::types::{Pair, Role};
 use crate::upstream::{error_chain, LegBody, LegRequest};
 
 impl Dispatcher {
@@ -56,17 +58,16 @@ impl Dispatcher {
     /// empty-slice check while no regular worker is routable.
     pub(super) fn regular_route(
         &self,
+        snap: &Snapshot,
         req: &ParsedRequest,
-        exclude_p: &[WorkerId],
-        exclude_d: &[WorkerId],
-        exclude_r: &[WorkerId],
+        model: &Model,
+        ex: &Excluded,
     ) -> bool {
-        let snap = self.pool.load();
         if snap.regular_routable.is_empty() {
             return false;
         }
-        let scope = req.scope.as_deref();
-        if !super::any_routable_left(&snap, Role::Regular, scope, exclude_r) {
+        let scope = model.name();
+        if !super::any_routable_left(snap, Role::Regular, scope, ex.of(Role::Regular)) {
             return false;
         }
         // The model's name: its scope, else the only model served.
@@ -81,31 +82,33 @@ impl Dispatcher {
         if !has_pd {
             return true;
         }
-        let models = &self.cfg.models;
-        let bypass = name.and_then(|m| models.settings.get(m)?.short_prompt_tokens);
-        if let Some(limit) = bypass {
+        // The model's own bypass (a fleet serving one model with settings resolves to it:
+        // `Dispatcher::resolve_model`).
+        if let Some(limit) = model.settings.short_prompt_tokens {
             if req.prompt_tokens() < u64::from(limit) {
                 return true;
             }
         }
-        models.regular_fallback && !super::pair_left(&snap, scope, exclude_p, exclude_d)
+        self.cfg.models.regular_fallback && !super::pair_left(snap, scope, ex)
     }
 
     /// One attempt on a regular worker: pick, send, wait for the first bytes (the first
     /// whole event of a stream), within `timeouts.prefill_secs + decode_first_byte_secs`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn attempt_regular(
         &self,
+        snap: &Snapshot,
         req: &ParsedRequest,
+        model: &Model,
         ctx: &ReqCtx,
         attempt_no: u32,
-        exclude_r: &[WorkerId],
+        ex: &Excluded,
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
-        let snap = self.pool.load_full();
-        let scope = req.scope.as_deref();
-        let policy = self.regular_policy_of(scope);
+        let scope = model.name();
+        let policy = model.policies().regular.as_ref();
         let pctx = PickCtx {
-            exclude: exclude_r,
+            exclude: ex.of(Role::Regular),
             prefix_hash: if policy.wants_prefix() {
                 req.prefix_hash()
             } else {
@@ -116,16 +119,16 @@ impl Dispatcher {
         };
         let Some(pick) = self
             .rng
-            .with(|rng| policy::select(policy, &snap, Role::Regular, &pctx, rng))
+            .with(|rng| policy::select(policy, snap, Role::Regular, &pctx, rng))
         else {
-            return Err(AttemptFailure::unblamed(no_regular(&snap, scope)));
+            return Err(AttemptFailure::unblamed(no_regular(snap, scope)));
         };
         let t = pick.target;
         let Some(w) = snap.worker(Role::Regular, t.worker) else {
             let f = Failure::new(FailReason::Internal, "picked worker missing from snapshot");
             return Err(AttemptFailure::unblamed(f));
         };
-        self.attempt_regular_on(req, ctx, attempt_no, w, t, pick.trial, trace)
+        self.attempt_regular_on(req, model, ctx, attempt_no, w, t, pick.trial, trace)
             .await
     }
 
@@ -136,6 +139,7 @@ impl Dispatcher {
     pub(super) async fn attempt_regular_on(
         &self,
         req: &ParsedRequest,
+        model: &Model,
         ctx: &ReqCtx,
         attempt_no: u32,
         w: &crate::pool::WorkerView,
@@ -210,7 +214,7 @@ impl Dispatcher {
                     pool: self.pool.clone(),
                     // The model's own thresholds, as before the first byte and on the PD
                     // path (not the top level's).
-                    cfg: self.breaker_cfg(req.scope.as_deref()).clone(),
+                    cfg: model.breaker().clone(),
                     prefill: t.worker,
                     decode: t.worker,
                     decode_role: Role::Regular,

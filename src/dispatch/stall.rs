@@ -312,8 +312,9 @@ impl Dispatcher {
         let n = w.progress.stalled();
         let p = &self.cfg.progress;
         tracing::warn!(role = %role, worker = %w.url, stalls = n, "leg stalled");
-        let breaker = self.breaker_cfg(w.model.as_deref());
-        if n >= p.eject_after_stalls && self.pool.eject_stalled(role, worker, breaker) {
+        // The worker's own model's thresholds (a stall concerns the worker).
+        let settings = self.settings_of(w.model.as_deref());
+        if n >= p.eject_after_stalls && self.pool.eject_stalled(role, worker, &settings.breaker) {
             if let Some(claim) = w.progress.claim_probe() {
                 self.spawn_probe(role, worker, claim);
             }

@@ -25,6 +25,7 @@ use http::header;
 use http_body_util::BodyExt;
 use tokio::time::Sleep;
 
+use super::super::model::Model;
 use super::super::stall::StallWatch;
 use super::super::Dispatcher;
 use super::{AttemptFailure, DecodeHead, LegsInFlight};
@@ -91,6 +92,7 @@ impl PrefillProgress<'_> {
 pub(in crate::dispatch) async fn wait_first_bytes<D>(
     d: &Dispatcher,
     req: &ParsedRequest,
+    model: &Model,
     legs: LegsInFlight<D>,
 ) -> Result<Ready, AttemptFailure>
 where
@@ -285,7 +287,7 @@ where
             idle_for: timeouts.stream_idle(),
             passive: Passive {
                 pool: d.pool.clone(),
-                cfg: d.breaker_cfg(req.scope.as_deref()).clone(),
+                cfg: model.breaker().clone(),
                 prefill: pair.prefill.worker,
                 decode: pair.decode.worker,
                 decode_role: Role::Decode,

@@ -87,8 +87,10 @@ proptest! {
         let pair_exists = prefills.iter().any(|(pk, ph)| {
             *ph && wanted(*pk) && decodes.iter().any(|(dk, dh)| *dh && dk == pk)
         });
+        let model = d.resolve_model(req.scope.clone());
+        let none = crate::dispatch::attempt::Excluded::default();
         for _ in 0..4 {
-            match d.choose_pair(&snap, &req, &[], &[], None) {
+            match d.choose_pair(&snap, &req, &model, &none, None) {
                 Ok(c) => {
                     let pk = &snap.groups[c.prefill.group].key;
                     let dk = &snap.groups[c.decode.group].key;

@@ -97,7 +97,9 @@ proptest! {
         let pair_up = of(Role::Prefill).any(|w| w.2) && of(Role::Decode).any(|w| w.2);
         let short = threshold.is_some_and(|t| 8 < t);
 
-        let regular = d.regular_route(&req, &[], &[], &[]);
+        let model = d.resolve_model(req.scope.clone());
+        let none = crate::dispatch::attempt::Excluded::default();
+        let regular = d.regular_route(&pool.load(), &req, &model, &none);
         prop_assert!(!regular || regular_up, "regular without a routable regular worker");
         if regular_up && !has_pd {
             prop_assert!(regular, "a regular-only model did not go regular");
@@ -116,7 +118,7 @@ proptest! {
             among: Some(snap.routable_for(Role::Regular, Some(m))),
         };
         let pick = d.rng.with(|rng| {
-            policy::select(d.regular_policy.as_ref(), &snap, Role::Regular, &pctx, rng)
+            policy::select(model.policies().regular.as_ref(), &snap, Role::Regular, &pctx, rng)
         });
         match pick {
             Some(p) => {
