@@ -572,6 +572,26 @@ async fn pdgate_check_knows_regular_workers() {
     );
 }
 
+/// model-c's one regular worker dies after 2 chunks of a streamed chat: the client's
+/// events, whether `[DONE]` came, and the raw answer.
+async fn break_model_c_stream(f: &Fleet) -> (Vec<Value>, bool, bytes::Bytes) {
+    f.regular[2].set_faults(pdgate_sim::Faults {
+        decode_die_mid_stream_after: Some(2),
+        ..Default::default()
+    });
+    let body = serde_json::json!({
+        "model": "model-c",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "stream": true,
+    })
+    .to_string();
+    let (status, _, answer) = f.env.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "the first bytes came before the failure");
+    let (events, done) = common::sse_events(&answer);
+    (events, done, answer)
+}
+
 /// A regular worker that dies mid-stream with no other worker of its model to move to
 /// (model-c has one): the client, who already has tokens, gets the usual error event and
 /// `[DONE]` at once (no retry after the first byte, no move, no wait for the other models'
@@ -587,20 +607,7 @@ async fn a_regular_stream_that_breaks_ends_with_an_error_event() {
     })
     .await;
     let env = &f.env;
-    f.regular[2].set_faults(pdgate_sim::Faults {
-        decode_die_mid_stream_after: Some(2),
-        ..Default::default()
-    });
-    let body = serde_json::json!({
-        "model": "model-c",
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 8,
-        "stream": true,
-    })
-    .to_string();
-    let (status, _, answer) = env.post("/v1/chat/completions", &body).await;
-    assert_eq!(status, 200, "the first bytes came before the failure");
-    let (events, done) = common::sse_events(&answer);
+    let (events, done, answer) = break_model_c_stream(&f).await;
     assert!(done, "{}", String::from_utf8_lossy(&answer));
     let last = events.last().expect("events");
     assert_eq!(
@@ -671,20 +678,7 @@ async fn a_regular_workers_mid_stream_failure_counts_against_its_models_breaker(
     })
     .await;
     let env = &f.env;
-    f.regular[2].set_faults(pdgate_sim::Faults {
-        decode_die_mid_stream_after: Some(2),
-        ..Default::default()
-    });
-    let body = serde_json::json!({
-        "model": "model-c",
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 8,
-        "stream": true,
-    })
-    .to_string();
-    let (status, _, answer) = env.post("/v1/chat/completions", &body).await;
-    assert_eq!(status, 200, "the first bytes came before the failure");
-    let (events, done) = common::sse_events(&answer);
+    let (events, done, _) = break_model_c_stream(&f).await;
     assert!(done && events.len() >= 2, "{events:?}");
     assert_eq!(f.regular(2), 1, "not retried after the first byte");
     env.wait_pool("model-c's breaker open on its worker", |s| {
