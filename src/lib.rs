@@ -9,7 +9,9 @@
 //! [`health`] (active checks) and [`config`]; [`check`] is `pdgate check`, the deployment
 //! doctor, above the router.
 //!
-//! The library holds no test doubles: the SGLang engine simulator is the `pdgate-sim` crate
+//! The library as the router builds it holds no test doubles (the fuzz entry points and
+//! their fake engine on loopback are behind the `fuzzing` feature, for the fuzz crate and
+//! the corpus replay test): the SGLang engine simulator is the `pdgate-sim` crate
 //! (`sim/`), used by the `pdgate` binary's `sim` and `demo` commands and by the tests and
 //! benches; the SGLang PD wire types both share ([`types::Role`], the default bootstrap
 //! port) come from the `sglang-pd` crate (`protocol/`).
@@ -28,6 +30,7 @@ pub mod dispatch;
 pub mod engine;
 pub mod error;
 pub mod fleet;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod health;
