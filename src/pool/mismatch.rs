@@ -63,7 +63,7 @@ impl Pool {
     /// layouts and engine facts are learned).
     pub fn warn_mismatches(&self) {
         let found = self.layout_mismatches();
-        metrics::gauge!("pdgate_layout_mismatches").set(found.len() as f64);
+        metrics::gauge!(crate::telemetry::LAYOUT_MISMATCHES).set(found.len() as f64);
         for m in &found {
             tracing::warn!(prefill = %m.prefill, decode = %m.decode, prefill_value = %m.prefill_value, decode_value = %m.decode_value, "{} differs between prefill and decode", m.what);
         }

@@ -49,7 +49,7 @@ impl Drop for Slot {
         let left = self.0.open.fetch_sub(1, Ordering::AcqRel) - 1;
         // Increments and decrements commute: threads racing here cannot leave a stale
         // value behind, as two racing `set`s could.
-        metrics::gauge!("pdgate_open_connections").decrement(1.0);
+        metrics::gauge!(crate::telemetry::OPEN_CONNECTIONS).decrement(1.0);
         if left == 0 {
             self.0.emptied.notify_waiters();
         }
@@ -64,7 +64,7 @@ impl Registry {
                 (max == 0 || n < max).then_some(n + 1)
             })
             .ok()?;
-        metrics::gauge!("pdgate_open_connections").increment(1.0);
+        metrics::gauge!(crate::telemetry::OPEN_CONNECTIONS).increment(1.0);
         Some(Slot(self.clone()))
     }
 
@@ -91,7 +91,7 @@ pub const MAX_REFUSALS_IN_FLIGHT: usize = 64;
 /// Answers a connection beyond the limit and closes it (bounded: one second to write, and
 /// at most [`MAX_REFUSALS_IN_FLIGHT`] at once, counted by `refusals`).
 pub fn refuse(stream: TcpStream, max: usize, refusals: &Arc<tokio::sync::Semaphore>) {
-    metrics::counter!("pdgate_connections_rejected_total").increment(1);
+    metrics::counter!(crate::telemetry::CONNECTIONS_REJECTED).increment(1);
     let Ok(permit) = refusals.clone().try_acquire_owned() else {
         drop(stream);
         return;

@@ -155,7 +155,7 @@ pub async fn send(
         match exchange(stream, host, s, req, true).await {
             // The engine had closed the idle connection: it has not read this request.
             Err(LegError::Write(_)) => {
-                metrics::counter!("pdgate_upstream_stale_retries_total").increment(1);
+                metrics::counter!(crate::telemetry::STALE_RETRIES).increment(1);
             }
             other => return other,
         }

@@ -183,7 +183,7 @@ impl Upstream {
             return;
         };
         let Ok(permit) = self.aborts.clone().try_acquire_owned() else {
-            metrics::counter!("pdgate_leg_aborts_dropped_total").increment(1);
+            metrics::counter!(crate::telemetry::LEG_ABORTS_DROPPED).increment(1);
             return;
         };
         let body = serde_json::json!({ "rid": rid, "abort_all": false }).to_string();
@@ -200,7 +200,7 @@ impl Upstream {
                         Duration::from_secs(2),
                     )
                     .await;
-                metrics::counter!("pdgate_leg_aborts_total").increment(1);
+                metrics::counter!(crate::telemetry::LEG_ABORTS).increment(1);
                 if let Err(e) = r {
                     tracing::debug!(rid, error = %e, "abort_request failed");
                 }

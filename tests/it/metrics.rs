@@ -639,3 +639,51 @@ fn every_series_named_in_the_source_is_described() {
     }
     assert!(found > 20, "only {found} names found: is the scan broken?");
 }
+
+/// Every series name lives once, in `telemetry` (its constant and its `SERIES` row): no
+/// production file outside `src/telemetry/` writes a `pdgate_` name as a string literal,
+/// so no series can be exported that the table (and so the docs and the dashboard test)
+/// does not know.
+#[test]
+fn series_names_are_written_only_in_telemetry() {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).expect("src").flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                if !p.ends_with("telemetry") {
+                    walk(&p, out);
+                }
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &mut files,
+    );
+    assert!(files.len() > 50, "{} files", files.len());
+    let mut found = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap_or_default();
+        // Production code only: a file's inline tests start at its first `#[cfg(test)]`
+        // module; test files are skipped.
+        let name = f.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name == "tests.rs" || name.ends_with("_tests.rs") || name.ends_with("props.rs") {
+            continue;
+        }
+        let prod = text.split("#[cfg(test)]\nmod ").next().unwrap_or("");
+        for (i, line) in prod.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if code.contains("\"pdgate_") {
+                found.push(format!("{}:{}: {}", f.display(), i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "series names outside telemetry:\n{}",
+        found.join("\n")
+    );
+}
