@@ -20,6 +20,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::error::{FailReason, Failure};
+use crate::types::fnv1a;
 use crate::upstream::Payload;
 
 /// The generation routes pdgate dispatches as PD requests.
@@ -113,17 +114,6 @@ pub struct ParsedRequest {
 
 /// How many bytes of a prompt's raw JSON form its affinity key.
 pub const PREFIX_KEY_BYTES: usize = 256;
-
-/// 64-bit FNV-1a: stable across processes, builds and versions, so that independent
-/// pdgate replicas map the same prompt to the same key.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
 
 impl ParsedRequest {
     /// Prompt instances (prompts × samples): the number of rooms one attempt needs.

@@ -14,6 +14,30 @@ pub const REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-reques
 /// protocol crate [`sglang_pd`] that the simulator shares.
 pub use sglang_pd::Role;
 
+/// A role's index in per-role arrays (`[T; ROLES]`): prefill 0, decode 1, regular 2.
+pub const fn role_index(role: Role) -> usize {
+    match role {
+        Role::Prefill => 0,
+        Role::Decode => 1,
+        Role::Regular => 2,
+    }
+}
+
+/// How many roles there are (the length of per-role arrays).
+pub const ROLES: usize = 3;
+
+/// 64-bit FNV-1a: stable across processes, builds and versions, so that independent
+/// pdgate replicas map the same prompt to the same key (`request`'s prefix key) and the
+/// same worker to the same points (`policy::cache_aware`'s ring). Never change it.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
 /// Index of a worker in its pool's configuration order; stable for the worker's life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerId(pub u32);

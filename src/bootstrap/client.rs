@@ -7,6 +7,7 @@
 //! `target_pp_rank`, a missing rank is a 500) and v1 (`engine_rank`/`target_dp_group`).
 //! The generation is found once per server, newest first, and remembered.
 
+use crate::upstream::{snippet, BODY_SNIPPET};
 use std::time::Duration;
 
 use http::StatusCode;
@@ -53,11 +54,6 @@ pub fn checked_dp(dp_size: u32) -> Result<u32, BootstrapError> {
         return Err(BootstrapError::DpSizeTooLarge { dp_size });
     }
     Ok(dp_size.max(1))
-}
-
-fn snippet(b: &[u8]) -> String {
-    let s = String::from_utf8_lossy(&b[..b.len().min(200)]);
-    s.trim().to_string()
 }
 
 #[derive(Deserialize)]
@@ -119,12 +115,14 @@ pub async fn sentinel(
         };
         let (status, body) = up.get(url, path, timeout).await?;
         match (g, status) {
-            (_, StatusCode::SERVICE_UNAVAILABLE) => return Ok(Sentinel::NotReady(snippet(&body))),
+            (_, StatusCode::SERVICE_UNAVAILABLE) => {
+                return Ok(Sentinel::NotReady(snippet(&body, BODY_SNIPPET)))
+            }
             (Generation::V3, StatusCode::OK) => {
                 let info: V3Info =
                     serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
                         status: 200,
-                        body: snippet(&body),
+                        body: snippet(&body, BODY_SNIPPET),
                     })?;
                 return Ok(Sentinel::Ready(Layout {
                     generation: Generation::V3,
@@ -141,7 +139,7 @@ pub async fn sentinel(
                 let info: OldInfo =
                     serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
                         status: 200,
-                        body: snippet(&body),
+                        body: snippet(&body, BODY_SNIPPET),
                     })?;
                 // A v1 server ignores the v2 query's extra parameter; tell them apart by
                 // the answer's shape (v2 names attention-TP and PP sizes).
@@ -171,7 +169,7 @@ pub async fn sentinel(
             (_, s) => {
                 last = Some(BootstrapError::BadAnswer {
                     status: s.as_u16(),
-                    body: snippet(&body),
+                    body: snippet(&body, BODY_SNIPPET),
                 });
             }
         }
@@ -208,7 +206,7 @@ pub async fn rank_route(
             let r: Route =
                 serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
                     status: 200,
-                    body: snippet(&body),
+                    body: snippet(&body, BODY_SNIPPET),
                 })?;
             Ok(RankRoute::Ready {
                 rank_ip: r.rank_ip,
@@ -216,13 +214,15 @@ pub async fn rank_route(
             })
         }
         StatusCode::SERVICE_UNAVAILABLE => Ok(RankRoute::NotReady),
-        StatusCode::NOT_FOUND if gen == Generation::V3 => Ok(RankRoute::Missing(snippet(&body))),
+        StatusCode::NOT_FOUND if gen == Generation::V3 => {
+            Ok(RankRoute::Missing(snippet(&body, BODY_SNIPPET)))
+        }
         StatusCode::INTERNAL_SERVER_ERROR if gen != Generation::V3 => {
-            Ok(RankRoute::Missing(snippet(&body)))
+            Ok(RankRoute::Missing(snippet(&body, BODY_SNIPPET)))
         }
         s => Err(BootstrapError::BadAnswer {
             status: s.as_u16(),
-            body: snippet(&body),
+            body: snippet(&body, BODY_SNIPPET),
         }),
     }
 }
@@ -235,7 +235,7 @@ pub async fn health(up: &Upstream, url: &BaseUrl, timeout: Duration) -> Result<(
     } else {
         Err(BootstrapError::BadAnswer {
             status: status.as_u16(),
-            body: snippet(&body),
+            body: snippet(&body, BODY_SNIPPET),
         })
     }
 }
@@ -251,12 +251,12 @@ pub async fn server_info(
         if status == StatusCode::OK {
             return serde_json::from_slice(&body).map_err(|_| BootstrapError::BadAnswer {
                 status: 200,
-                body: snippet(&body),
+                body: snippet(&body, BODY_SNIPPET),
             });
         }
         last = Some(BootstrapError::BadAnswer {
             status: status.as_u16(),
-            body: snippet(&body),
+            body: snippet(&body, BODY_SNIPPET),
         });
     }
     Err(last.unwrap_or(BootstrapError::BadAnswer {

@@ -21,6 +21,7 @@
 //! - Layer: above [`crate::router`] (the end-to-end probe starts one in-process); nothing in
 //!   the library imports this module, only the binary.
 
+use crate::upstream::{snippet, BODY_SNIPPET};
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
@@ -307,11 +308,6 @@ fn probe_config(cfg: &Config, engines: &[Engine]) -> Config {
     c
 }
 
-fn snippet(b: &[u8]) -> String {
-    let s = String::from_utf8_lossy(&b[..b.len().min(200)]);
-    s.trim().to_string()
-}
-
 fn or_unknown<T: ToString>(v: &Option<T>) -> String {
     v.as_ref().map_or_else(|| "?".to_string(), T::to_string)
 }
@@ -390,7 +386,10 @@ async fn probe_engine(
                 p.checks.push(Check::fail(
                     t,
                     "health",
-                    format!("GET /health answered {status}: {}", snippet(&body)),
+                    format!(
+                        "GET /health answered {status}: {}",
+                        snippet(&body, BODY_SNIPPET)
+                    ),
                     "the engine is up but not healthy: see its logs (it may still be loading \
                      the model, or its scheduler died)",
                 ));

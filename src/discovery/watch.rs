@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::metrics::{Stats, LAST_SYNC};
 use crate::telemetry::unix_now;
-use crate::types::Role;
+use crate::types::{role_index, Role};
 
 /// One role's pods, by UID.
 #[derive(Debug, Default)]
@@ -45,14 +45,6 @@ pub struct RoleStore {
 #[derive(Debug, Default)]
 pub struct Stores {
     pub roles: Mutex<[RoleStore; 3]>,
-}
-
-pub fn role_index(role: Role) -> usize {
-    match role {
-        Role::Prefill => 0,
-        Role::Decode => 1,
-        Role::Regular => 2,
-    }
 }
 
 fn uid(pod: &Pod) -> Option<String> {

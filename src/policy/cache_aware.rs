@@ -42,17 +42,7 @@ use rand::RngCore;
 use super::power_of_two::{load, PowerOfTwo};
 use super::{Candidate, PickCtx, Policy};
 use crate::config::PolicyConfig;
-
-/// 64-bit FNV-1a: stable across processes, builds and versions (same function as the
-/// prefix key in `request`).
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
+use crate::types::fnv1a;
 
 /// SplitMix64's finaliser: a fixed bijective mixer.
 fn mix64(mut z: u64) -> u64 {

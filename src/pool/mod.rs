@@ -44,7 +44,7 @@ use tokio::sync::watch;
 
 use crate::engine::{HandoffKey, Layout, ServerInfo};
 use crate::progress::WorkerProgress;
-use crate::types::{DpRank, Role, WorkerId};
+use crate::types::{role_index, DpRank, Role, WorkerId};
 use crate::upstream::{BaseUrl, HostConns};
 
 /// A prefill's bootstrap server as decode engines reach it.
@@ -626,14 +626,6 @@ impl Master {
             stats: Arc::default(),
         });
         id
-    }
-}
-
-fn role_index(role: Role) -> usize {
-    match role {
-        Role::Prefill => 0,
-        Role::Decode => 1,
-        Role::Regular => 2,
     }
 }
 

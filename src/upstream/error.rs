@@ -107,8 +107,19 @@ pub enum ProtocolError {
 impl ProtocolError {
     /// The start of a malformed value, for a message (lossy, at most 32 bytes).
     pub(crate) fn snippet(v: &[u8]) -> String {
-        String::from_utf8_lossy(&v[..v.len().min(32)]).into_owned()
+        snippet(v, 32)
     }
+}
+
+/// How much of an engine's answer body a message quotes.
+pub const BODY_SNIPPET: usize = 200;
+
+/// The start of what an engine sent (a body, a malformed value), for a message: at most
+/// `max` bytes, lossy UTF-8, trimmed.
+pub fn snippet(b: &[u8], max: usize) -> String {
+    String::from_utf8_lossy(&b[..b.len().min(max)])
+        .trim()
+        .to_string()
 }
 
 /// Why a background call failed.

@@ -20,7 +20,7 @@ mod payload;
 
 pub use crate::url::{parse_base_url, BaseUrl, UrlError};
 pub use conns::{HostConns, LegSettings};
-pub use error::{error_chain, CallError, LegError, ProtocolError};
+pub use error::{error_chain, snippet, CallError, LegError, ProtocolError, BODY_SNIPPET};
 pub use leg::{header_lines, LegRequest};
 pub use leg_body::LegBody;
 pub use payload::Payload;
