@@ -3,6 +3,7 @@
 //! arbitrary bytes. Included from `request.rs` under `cfg(test)`.
 use super::tests::simple_leg;
 use super::*;
+use crate::error::FailReason;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use serde_json::Value;

@@ -1,6 +1,7 @@
 //! Unit tests of the request parser and leg writer (kept apart: `request.rs` stays short).
 
 use super::*;
+use crate::error::FailReason;
 use serde_json::Value;
 
 fn leg(
