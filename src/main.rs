@@ -141,7 +141,7 @@ fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// mimalloc's setting that `serve` runs with (README, "Memory").
+/// mimalloc's setting that `serve` runs with (docs/pools-and-capacity.md, "Memory").
 const PURGE_DELAY_VAR: &str = "MIMALLOC_PURGE_DELAY";
 
 /// The purge delay `serve` runs with, in ms: how long mimalloc keeps freed pages resident
@@ -151,7 +151,7 @@ const PURGE_DELAY_MS: &str = "100";
 /// Makes mimalloc give freed memory back within 100 ms. Its default delay (1 s in mimalloc
 /// 3) kept pages freed by large bodies resident, so a flood of maximum-size bodies left RSS
 /// at up to ~1.9x the bytes in flight (the hostile bench; 223 MiB against the 206 MiB bound
-/// even with refused bodies no longer read), past the bound that the README's formula and
+/// even with refused bodies no longer read), past the bound that the docs' memory formula and
 /// the manifests' memory limit rely on. A shorter delay costs the request path: every page
 /// that empties is purged and faulted back in (at 64 concurrent requests ~2 minor page
 /// faults per request at 0, ~0.5 at 10 ms, ~0.1 at 100 ms, 0.03 at 1 s), which moved the
@@ -179,7 +179,7 @@ fn purge_freed_memory_promptly() {
         .exec();
     eprintln!(
         "pdgate: could not re-execute {} with {PURGE_DELAY_VAR}={PURGE_DELAY_MS} ({err}); memory freed by \
-         large bodies may stay resident longer than README's Memory formula allows",
+         large bodies may stay resident longer than the memory bound allows (docs/pools-and-capacity.md, Memory)",
         exe.display()
     );
 }

@@ -58,7 +58,7 @@ pub enum Origin {
     Derived,
 }
 
-/// One series: everything the exposition, the README table and the dashboard test read.
+/// One series: everything the exposition, the docs' table (docs/operations.md) and the dashboard test read.
 #[derive(Clone, Copy, Debug)]
 pub struct Series {
     pub name: &'static str,

@@ -381,7 +381,7 @@ async fn the_demo_serves_the_requests_it_prints() {
 }
 
 /// `serve` runs with mimalloc giving freed memory back within 100 ms (`MIMALLOC_PURGE_DELAY=100`,
-/// set by re-executing itself: README, "Memory"); an operator's own value is kept. Read from
+/// set by re-executing itself: docs/pools-and-capacity.md, "Memory"); an operator's own value is kept. Read from
 /// the running process's environment, once it logged its start.
 #[test]
 fn serve_runs_with_the_allocator_giving_freed_memory_back_promptly() {
