@@ -326,7 +326,7 @@ fn main() -> std::process::ExitCode {
                     m.shutdown().await;
                 }
                 tracing::info!(
-                    drain_secs = began.elapsed().as_secs_f64(),
+                    drained_in = ?began.elapsed(),
                     "drain ended; pdgate exits"
                 );
                 Ok(())

@@ -39,7 +39,7 @@ use tokio::sync::Notify;
 use super::client::{self, BootstrapError, Generation, RankRoute, Sentinel};
 use crate::config::{BootstrapConfig, LiveConfig};
 use crate::pool::{BootstrapInfo, Pool, RankFailure, RankReadiness, WorkerState};
-use crate::types::{Role, WorkerId};
+use crate::types::{Role, WorkerId, WorkerIdent};
 use crate::upstream::{BaseUrl, CallError, Upstream};
 
 /// Rank routes the refresher asks for at once.
@@ -173,7 +173,7 @@ pub fn spawn(
         let (given, host_given) = (port.is_some(), host.is_some());
         let port = match port {
             Some(p) => p,
-            None => discover_port(&up, &live, &engine).await,
+            None => discover_port(&pool, &up, &live, id, &engine).await,
         };
         let host = host.unwrap_or_else(|| engine.host().to_string());
         let info = BootstrapInfo {
@@ -313,7 +313,20 @@ async fn prove(
 }
 
 /// The engine's `disaggregation_bootstrap_port`, else 8998 (retrying while unreachable).
-async fn discover_port(up: &Upstream, live: &LiveConfig, engine: &BaseUrl) -> u16 {
+///
+/// An engine down at start is asked again when its health check first sees it up (it
+/// wakes the worker's `refresh`), else at the slow re-read interval: the port is known,
+/// and the prefill routable, within about one health interval of its engine coming up.
+async fn discover_port(
+    pool: &Pool,
+    up: &Upstream,
+    live: &LiveConfig,
+    id: WorkerId,
+    engine: &BaseUrl,
+) -> u16 {
+    let Some(wake) = pool.with_worker(Role::Prefill, id, |w| w.refresh.clone()) else {
+        return DEFAULT_BOOTSTRAP_PORT; // the worker already left the pool
+    };
     let mut attempts = 0u32;
     loop {
         let cfg = live.load().bootstrap.clone();
@@ -329,10 +342,17 @@ async fn discover_port(up: &Upstream, live: &LiveConfig, engine: &BaseUrl) -> u1
             }
             Err(e) => {
                 attempts += 1;
-                if attempts == 1 || attempts.is_multiple_of(30) {
-                    tracing::warn!(prefill = %engine, error = %e, "prefill unreachable; waiting to learn its bootstrap port");
+                // Its health check names an engine that is down (at WARN, with the
+                // reason); this says what waits on it.
+                if attempts == 1 {
+                    tracing::info!(worker_id = %WorkerIdent::new(Role::Prefill, id), worker_url = %engine, error = %e, "prefill unreachable; waiting to learn its bootstrap port");
+                } else if attempts.is_multiple_of(30) {
+                    tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, id), worker_url = %engine, error = %e, attempts, "prefill still unreachable; its bootstrap port is unknown");
                 }
-                tokio::time::sleep(cfg.refresh_interval()).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(cfg.refresh_interval()) => {}
+                    _ = wake.notified() => {}
+                }
             }
         }
     }
