@@ -94,6 +94,9 @@ fn log_start(cfg: &pdgate::config::Config, notes: &[(bool, String)]) {
             tracing::info!("{line}");
         }
     }
+    for line in cfg.start_warnings() {
+        tracing::warn!("{line}");
+    }
 }
 
 async fn wait_for_signal() {
@@ -298,7 +301,7 @@ fn main() -> std::process::ExitCode {
                         std::net::TcpListener::bind(addr)
                             .and_then(|l| l.set_nonblocking(true).map(|()| l))
                             .and_then(tokio::net::TcpListener::from_std)
-                            .map_err(|e| format!("cannot listen on {addr} (metrics_listener): {e}"))
+                            .map_err(|e| format!("cannot listen on {addr} for the metrics listener (metrics_listener.host, metrics_listener.port; --prometheus-host, --prometheus-port): {e}"))
                     })
                     .transpose()?;
                 let router = std::sync::Arc::new(

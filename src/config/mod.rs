@@ -21,6 +21,7 @@ mod ops;
 mod progress;
 mod resilience;
 mod trace;
+mod warnings;
 
 /// The config as it is now: swapped whole on reload, read by background tasks at each step
 /// (a health check reads `load().health` before each probe).

@@ -24,6 +24,7 @@ mod down_at_start;
 mod engine_bounds;
 mod example_config;
 mod faults;
+mod first_day;
 mod fleet;
 mod front_door;
 mod fuzz_corpus;
