@@ -20,6 +20,7 @@ mod contract;
 mod detached_prefill;
 mod discovery;
 mod discovery_e2e;
+mod docs;
 mod down_at_start;
 mod engine_bounds;
 mod example_config;
