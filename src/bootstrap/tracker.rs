@@ -68,12 +68,12 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, _now: Inst
         // Start-up (from unknown) at INFO; every later transition at WARN.
         if *old == RankReadiness::Unknown {
             tracing::info!(
-                prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
+                worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, rank, from = old.label(), to = new.label(), reason,
                 "bootstrap rank state"
             );
         } else {
             tracing::warn!(
-                prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
+                worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, rank, from = old.label(), to = new.label(), reason,
                 "bootstrap rank state"
             );
         }
@@ -207,7 +207,8 @@ pub fn spawn(
                 let verdict = prove(&pool2, &up2, &live2, proof).await;
                 if let Some(m) = &verdict {
                     tracing::error!(
-                        prefill = %engine2,
+                        worker_id = %WorkerIdent::new(Role::Prefill, id),
+                        worker_url = %engine2,
                         bootstrap = %url2,
                         reason = m.label(),
                         error = %m.message(),
@@ -337,7 +338,7 @@ async fn discover_port(
                     .unwrap_or(DEFAULT_BOOTSTRAP_PORT)
             }
             Err(BootstrapError::BadAnswer { status, .. }) => {
-                tracing::warn!(prefill = %engine, status, "no server info; using bootstrap port 8998");
+                tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, id), worker_url = %engine, status, "no server info; using bootstrap port 8998");
                 return DEFAULT_BOOTSTRAP_PORT;
             }
             Err(e) => {
@@ -428,10 +429,10 @@ pub async fn refresh_once(
                 first = w.layout.is_none();
                 let mut changed = w.layout.as_ref() != Some(&layout);
                 if changed {
-                    tracing::info!(prefill = %w.url, dp = layout.dp_size, follow_bootstrap_room = layout.follow_bootstrap_room,
+                    tracing::info!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, dp = layout.dp_size, follow_bootstrap_room = layout.follow_bootstrap_room,
                         page_size = ?layout.page_size, kv_cache_dtype = ?layout.kv_cache_dtype, "prefill layout");
                     if !layout.follow_bootstrap_room {
-                        tracing::warn!(prefill = %w.url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank");
+                        tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank");
                     }
                 }
                 changed |= w.ranks.len() > layout.dp_size as usize;
@@ -457,7 +458,7 @@ pub async fn refresh_once(
         }
         Ok(Sentinel::NotReady(text)) => {
             pool.update_worker_if(Role::Prefill, id, |w| {
-                tracing::debug!(prefill = %w.url, text, "bootstrap server not ready");
+                tracing::debug!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, text, "bootstrap server not ready");
                 all_bootstrapping(w, now)
             });
             1
@@ -466,10 +467,10 @@ pub async fn refresh_once(
             pool.update_worker_if(Role::Prefill, id, |w| {
                 if matches!(e, BootstrapError::DpSizeTooLarge { .. }) {
                     if w.ranks.iter().all(|r| r.label() != "failed") {
-                        tracing::error!(prefill = %w.url, error = %e, "prefill refused");
+                        tracing::error!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, error = %e, "prefill refused");
                     }
                 } else {
-                    tracing::debug!(prefill = %w.url, error = %e, "sentinel failed");
+                    tracing::debug!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, error = %e, "sentinel failed");
                 }
                 fail_all(w, failure_of(&e), now)
             });
@@ -532,7 +533,7 @@ async fn heartbeat(
             misses = 0;
             if lost {
                 lost = false;
-                tracing::info!(bootstrap = %url, "bootstrap heartbeat back");
+                tracing::info!(worker_id = %WorkerIdent::new(Role::Prefill, id), bootstrap = %url, "bootstrap heartbeat back");
             }
         }
         match res {
@@ -574,11 +575,11 @@ async fn heartbeat(
                         if matches!(e, BootstrapError::DpSizeTooLarge { .. })
                             && w.ranks.iter().all(|r| r.label() != "failed")
                         {
-                            tracing::error!(prefill = %w.url, error = %e, "prefill refused");
+                            tracing::error!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, error = %e, "prefill refused");
                         }
                         let mut changed = fail_all(w, reason, now);
                         if lose {
-                            tracing::warn!(bootstrap = %url, misses, error = %e, "bootstrap heartbeat lost; failing in-flight requests");
+                            tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, id), bootstrap = %url, misses, error = %e, "bootstrap heartbeat lost; failing in-flight requests");
                             metrics::counter!(crate::telemetry::BOOTSTRAP_HEARTBEAT_LOST)
                                 .increment(1);
                             w.layout = None;

@@ -39,7 +39,7 @@ use crate::pd::record::{RequestRecord, Route};
 use crate::pd::request::{self, ApiRoute};
 use crate::pd::{Dispatcher, ReqCtx};
 use crate::types::REQUEST_ID;
-use crate::types::{RequestId, Role};
+use crate::types::{RequestId, Role, WorkerIdent};
 
 /// Headers forwarded to engines as they are. `traceparent` first: a traced request skips
 /// it (its legs carry their own, [`forward_headers`]).
@@ -501,9 +501,11 @@ impl App {
                     return Ok(json_response(StatusCode::OK, body, rid))
                 }
                 Ok((s, _)) => {
-                    tracing::debug!(worker = %w.url, status = s.as_u16(), "/v1/models failed")
+                    tracing::debug!(worker_id = %WorkerIdent::new(w.role, w.id), worker_url = %w.url, status = s.as_u16(), "/v1/models failed")
                 }
-                Err(e) => tracing::debug!(worker = %w.url, error = %e, "/v1/models failed"),
+                Err(e) => {
+                    tracing::debug!(worker_id = %WorkerIdent::new(w.role, w.id), worker_url = %w.url, error = %e, "/v1/models failed")
+                }
             }
         }
         let reason = if snap
