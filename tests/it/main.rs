@@ -31,6 +31,7 @@ mod front_door;
 mod fuzz_corpus;
 mod garbage;
 mod health_flags;
+mod image_runs;
 mod interop_bootstrap;
 mod interop_uvicorn;
 mod layers;

@@ -49,7 +49,7 @@ pub(crate) fn spawn(args: &[&str]) -> (Running, Receiver<String>) {
 }
 
 /// `pdgate ARGS` with stdout piped, its lines sent to the receiver.
-fn spawn_pdgate(args: &[&str]) -> (Running, Receiver<String>) {
+pub(crate) fn spawn_pdgate(args: &[&str]) -> (Running, Receiver<String>) {
     let mut child = pdgate()
         .args(args)
         .stdout(Stdio::piped())
