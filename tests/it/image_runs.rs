@@ -28,44 +28,19 @@ struct Run {
 /// that follow each (up to the next run or the end of the comment block).
 fn documented_runs(dockerfile: &str, cmd: &[String]) -> Vec<Run> {
     let lines: Vec<&str> = dockerfile.lines().collect();
-    let mut out = Vec::new();
-    for (i, line) in lines.iter().enumerate() {
-        let Some(run) = line
-            .trim_start_matches('#')
-            .trim()
-            .strip_prefix("docker run ")
-        else {
-            continue;
-        };
-        let words: Vec<&str> = run.split_whitespace().collect();
-        let at = words
-            .iter()
-            .position(|w| *w == "pdgate")
-            .unwrap_or_else(|| panic!("{line}: no image pdgate"));
-        let args: Vec<String> = match &words[at + 1..] {
-            [] => cmd.to_vec(),
-            rest => rest.iter().map(|w| w.to_string()).collect(),
-        };
-        let mut ports = BTreeSet::new();
-        for note in lines[i + 1..]
-            .iter()
-            .take_while(|l| l.starts_with("#  ") && !l.contains("docker run "))
-        {
-            for w in note.split(|c: char| !c.is_ascii_digit()) {
-                if let Ok(p) = w.parse::<u16>() {
-                    if p >= 1024 {
-                        ports.insert(p);
-                    }
-                }
-            }
-        }
-        out.push(Run {
-            line: line.trim_start_matches('#').trim().to_string(),
-            args,
-            ports,
-        });
-    }
-    out
+    crate::manifests::docker::documented_runs(dockerfile, cmd)
+        .into_iter()
+        .map(|(i, line, args)| {
+            let ports = lines[i + 1..]
+                .iter()
+                .take_while(|l| l.starts_with("#  ") && !l.contains("docker run "))
+                .flat_map(|note| note.split(|c: char| !c.is_ascii_digit()))
+                .filter_map(|w| w.parse::<u16>().ok())
+                .filter(|p| *p >= 1024)
+                .collect();
+            Run { line, args, ports }
+        })
+        .collect()
 }
 
 /// `GET path` on 127.0.0.1:`port`: the status line's code.
