@@ -22,7 +22,7 @@
 //! Reported: the normal clients' p50/p99/max and errors, quiet against hostile (target: p99
 //! within 2x, no error, no stall), the router's CPU (share of one core) in each phase and its
 //! peak RSS (sampled every 50 ms, and the kernel's high-water mark) against the documented
-//! bound (`pdgate::memory::rss_bound` of the default config: README, "Memory"), and what each
+//! bound (`pdgate::memory::rss_bound` of the default config: docs/pools-and-capacity.md, "Memory"), and what each
 //! kind of hostile client got.
 //!
 //! The requests that reach engines (normal ones, maximum-size bodies, logprob bombs) name a
@@ -931,7 +931,7 @@ fn main() {
             loud.errors + loud_open.errors
         );
         println!(
-            "peak RSS: {:.1} MiB sampled, {:.1} MiB high-water mark; documented bound (README, Memory) for {conns} connections {:.1} MiB",
+            "peak RSS: {:.1} MiB sampled, {:.1} MiB high-water mark; documented bound (docs/pools-and-capacity.md, Memory) for {conns} connections {:.1} MiB",
             loud.peak_rss_kib.max(loud_open.peak_rss_kib) as f64 / 1024.0,
             hwm_kib as f64 / 1024.0,
             bound as f64 / (1 << 20) as f64

@@ -131,8 +131,7 @@ pub struct ServeArgs {
     /// SGLang router flags that set a pdgate setting under SGLang's name.
     #[command(flatten, next_help_heading = "SGLang router flags")]
     pub sglang: sglang::SglangArgs,
-    /// SGLang router flags pdgate has no setting for (hidden; README, "Coming from SGLang's
-    /// router").
+    /// SGLang router flags pdgate has no setting for (hidden; docs/coming-from-sglang.md).
     #[command(flatten)]
     pub sglang_compat: sglang::SglangCompat,
 }

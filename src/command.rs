@@ -56,8 +56,8 @@ pub fn cli() -> clap::Command {
         .mut_subcommand("serve", |c| {
             pdgate::cli::with_defaults(c).after_help(
                 "Every other flag of SGLang's router (smg launch) is accepted as a no-op, \
-                 ignored with a warning at start, or refused with what replaces it: README, \
-                 \"Coming from SGLang's router\".",
+                 ignored with a warning at start, or refused with what replaces it: \
+                 docs/coming-from-sglang.md.",
             )
         })
         .mut_subcommand("check", |c| {

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use crate::config::LiveConfig;
 use crate::pool::{DrainBy, Pool, WorkerSource};
-use crate::types::{Role, WorkerId};
+use crate::types::{Role, WorkerId, WorkerIdent};
 use crate::upstream::{BaseUrl, Upstream};
 
 /// A worker to add.
@@ -139,7 +139,7 @@ impl Fleet {
         if let Some(m) = model {
             self.pool.set_model(role, id, Some(m.into()));
         }
-        tracing::info!(role = %role, worker = %url, source = label, "worker added");
+        tracing::info!(worker_id = %WorkerIdent::new(role, id), worker_url = %url, source = label, "worker added");
         if role == Role::Prefill {
             crate::bootstrap::tracker::spawn(
                 self.pool.clone(),
@@ -194,7 +194,8 @@ impl Fleet {
         if !self.pool.set_drain(role, id, by, on) {
             return Err(FleetError::NotFound { role, id });
         }
-        tracing::info!(role = %role, worker = id.0, draining = on, by = ?by, "worker drain");
+        let url = self.pool.load().worker(role, id).map(|w| w.url.to_string());
+        tracing::info!(worker_id = %WorkerIdent::new(role, id), worker_url = url.as_deref().unwrap_or("-"), draining = on, by = by.label(), "worker drain");
         Ok(())
     }
 
@@ -234,7 +235,7 @@ impl Fleet {
                 Removed::AlreadyGone
             };
             if let Some(url) = url {
-                tracing::info!(role = %role, worker = %url, outcome = ?how, "worker removed");
+                tracing::info!(worker_id = %WorkerIdent::new(role, id), worker_url = %url, outcome = ?how, "worker removed");
             }
             how
         }))

@@ -94,6 +94,9 @@ fn log_start(cfg: &pdgate::config::Config, notes: &[(bool, String)]) {
             tracing::info!("{line}");
         }
     }
+    for line in cfg.start_warnings() {
+        tracing::warn!("{line}");
+    }
 }
 
 async fn wait_for_signal() {
@@ -141,7 +144,7 @@ fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// mimalloc's setting that `serve` runs with (README, "Memory").
+/// mimalloc's setting that `serve` runs with (docs/pools-and-capacity.md, "Memory").
 const PURGE_DELAY_VAR: &str = "MIMALLOC_PURGE_DELAY";
 
 /// The purge delay `serve` runs with, in ms: how long mimalloc keeps freed pages resident
@@ -151,7 +154,7 @@ const PURGE_DELAY_MS: &str = "100";
 /// Makes mimalloc give freed memory back within 100 ms. Its default delay (1 s in mimalloc
 /// 3) kept pages freed by large bodies resident, so a flood of maximum-size bodies left RSS
 /// at up to ~1.9x the bytes in flight (the hostile bench; 223 MiB against the 206 MiB bound
-/// even with refused bodies no longer read), past the bound that the README's formula and
+/// even with refused bodies no longer read), past the bound that the docs' memory formula and
 /// the manifests' memory limit rely on. A shorter delay costs the request path: every page
 /// that empties is purged and faulted back in (at 64 concurrent requests ~2 minor page
 /// faults per request at 0, ~0.5 at 10 ms, ~0.1 at 100 ms, 0.03 at 1 s), which moved the
@@ -179,7 +182,7 @@ fn purge_freed_memory_promptly() {
         .exec();
     eprintln!(
         "pdgate: could not re-execute {} with {PURGE_DELAY_VAR}={PURGE_DELAY_MS} ({err}); memory freed by \
-         large bodies may stay resident longer than README's Memory formula allows",
+         large bodies may stay resident longer than the memory bound allows (docs/pools-and-capacity.md, Memory)",
         exe.display()
     );
 }
@@ -298,7 +301,7 @@ fn main() -> std::process::ExitCode {
                         std::net::TcpListener::bind(addr)
                             .and_then(|l| l.set_nonblocking(true).map(|()| l))
                             .and_then(tokio::net::TcpListener::from_std)
-                            .map_err(|e| format!("cannot listen on {addr} (metrics_listener): {e}"))
+                            .map_err(|e| format!("cannot listen on {addr} for the metrics listener (metrics_listener.host, metrics_listener.port; --prometheus-host, --prometheus-port): {e}"))
                     })
                     .transpose()?;
                 let router = std::sync::Arc::new(
@@ -326,7 +329,7 @@ fn main() -> std::process::ExitCode {
                     m.shutdown().await;
                 }
                 tracing::info!(
-                    drain_secs = began.elapsed().as_secs_f64(),
+                    drained_in = ?began.elapsed(),
                     "drain ended; pdgate exits"
                 );
                 Ok(())

@@ -48,9 +48,9 @@ pub const RSS_PER_BUDGET_BYTE: f64 = 1.25;
 pub const RSS_PER_CONNECTION_BYTES: u64 = 8 << 10;
 
 /// The bound on the process's resident memory that the defaults and the Kubernetes
-/// manifests are sized by (README, "Memory"): base + budget x factor + connections x
-/// per-connection cost. `connections` is how many client connections to plan for (at
-/// most `server.max_connections`).
+/// manifests are sized by (docs/pools-and-capacity.md, "Memory"): base, plus budget x
+/// factor, plus connections x per-connection cost. `connections` is how many client
+/// connections to plan for (at most `server.max_connections`).
 pub fn rss_bound(max_bytes_in_flight: usize, connections: usize) -> u64 {
     RSS_BASE_BYTES
         + (max_bytes_in_flight as f64 * RSS_PER_BUDGET_BYTE) as u64

@@ -156,6 +156,11 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
 
 /// Sections that only take effect at start keep their running values in `new`.
 fn keep_restart_only(old: &Config, new: &mut Config, changed: &mut Vec<&'static str>) {
+    // The file's values, before the running ones are put back: the warning names each key.
+    let (was, asked) = (
+        serde_json::to_value(old).ok(),
+        serde_json::to_value(&*new).ok(),
+    );
     macro_rules! keep {
         ($($field:ident).+, $name:literal) => {
             if old.$($field).+ != new.$($field).+ {
@@ -176,7 +181,43 @@ fn keep_restart_only(old: &Config, new: &mut Config, changed: &mut Vec<&'static 
     keep!(log.level, "log.level");
     keep!(log.buffer_lines, "log.buffer_lines");
     for s in changed.iter() {
-        tracing::warn!(section = s, "changed in the config file, but takes effect only at a restart; the running value is kept");
+        let keys = match (&was, &asked) {
+            (Some(a), Some(b)) => changed_keys(a, b, s),
+            _ => vec![s.to_string()],
+        };
+        tracing::warn!(
+            section = s,
+            keys = %keys.join(", "),
+            "changed in the config file, but takes effect only at a restart; the running value \
+             is kept (restart pdgate to apply it)"
+        );
+    }
+}
+
+/// The dotted keys under `path` (`"server"`, `"admin.host"`) whose values differ between
+/// two serialized configs: the leaves of a section, or `path` itself.
+fn changed_keys(a: &serde_json::Value, b: &serde_json::Value, path: &str) -> Vec<String> {
+    let at = |v: &serde_json::Value| {
+        path.split('.')
+            .try_fold(v.clone(), |v, k| v.get(k).cloned())
+            .unwrap_or(serde_json::Value::Null)
+    };
+    let (a, b) = (at(a), at(b));
+    match (a.as_object(), b.as_object()) {
+        (Some(x), Some(y)) => {
+            let mut keys: Vec<String> = x
+                .keys()
+                .chain(y.keys().filter(|k| !x.contains_key(*k)))
+                .filter(|k| x.get(*k) != y.get(*k))
+                .map(|k| format!("{path}.{k}"))
+                .collect();
+            keys.sort();
+            if keys.is_empty() {
+                keys.push(path.to_string());
+            }
+            keys
+        }
+        _ => vec![path.to_string()],
     }
 }
 
@@ -304,7 +345,8 @@ pub async fn run(router: &Router, source: Source, file: Option<PathBuf>, watch: 
 
 #[cfg(test)]
 mod tests {
-    use super::minus;
+    use super::{changed_keys, keep_restart_only, minus};
+    use crate::config::Config;
 
     #[test]
     fn multiset_difference() {
@@ -317,5 +359,30 @@ mod tests {
         for (a, b, want) in cases {
             assert_eq!(&minus(a, b), want, "{a:?} - {b:?}");
         }
+    }
+
+    /// A reload's restart warning names the keys that changed, not only their section.
+    #[test]
+    fn restart_only_changes_are_named_by_key() {
+        let old = Config::default();
+        let mut new = old.clone();
+        new.server.port = 9000;
+        new.server.max_connections = 10;
+        new.admin.port = 29001;
+        new.log.level = "debug".to_string();
+        let mut changed = Vec::new();
+        let (a, b) = (
+            serde_json::to_value(&old).unwrap(),
+            serde_json::to_value(&new).unwrap(),
+        );
+        keep_restart_only(&old, &mut new, &mut changed);
+        assert_eq!(changed, ["server", "admin.port", "log.level"]);
+        assert_eq!(new, old, "the running values are kept");
+        assert_eq!(
+            changed_keys(&a, &b, "server"),
+            ["server.max_connections", "server.port"]
+        );
+        assert_eq!(changed_keys(&a, &b, "admin.port"), ["admin.port"]);
+        assert_eq!(changed_keys(&a, &b, "discovery"), ["discovery"]);
     }
 }

@@ -80,8 +80,10 @@ pub enum StartError {
     Fleet(#[from] crate::fleet::FleetError),
     #[error("service discovery: {0}")]
     Discovery(#[from] crate::discovery::DiscoveryError),
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr} for the {listener}: {source}")]
     Bind {
+        /// Which listener, and the settings that place it.
+        listener: &'static str,
         addr: String,
         source: std::io::Error,
     },
@@ -103,6 +105,10 @@ pub fn upstream_settings(cfg: &Config) -> UpstreamSettings {
         forward_authorization: cfg.upstream.forward_authorization,
     }
 }
+
+/// The listeners a bind error names, with the settings that place them.
+const FRONT_DOOR: &str = "front door (server.host, server.port; --host, --port)";
+const ADMIN_LISTENER: &str = "admin listener (admin.host, admin.port; --admin-host, --admin-port)";
 
 /// Binds with an explicit accept backlog (the default of 128 overflows when hundreds of
 /// clients connect at once, and each overflowed client waits a 1 s SYN retry).
@@ -158,7 +164,8 @@ pub async fn start_with(
         }
         AdminListener::Bound(l) => {
             let addr = l.local_addr().map_err(|source| StartError::Bind {
-                addr: "admin listener".into(),
+                listener: ADMIN_LISTENER,
+                addr: "a bound socket".into(),
                 source,
             })?;
             let token = AdminToken::from_config(&cfg, addr.ip()).map_err(StartError::Admin)?;
@@ -218,6 +225,7 @@ pub async fn start_with(
         None => {
             let addr = std::net::SocketAddr::new(cfg.server.host, cfg.server.port);
             bind(addr, cfg.server.listen_backlog).map_err(|source| StartError::Bind {
+                listener: FRONT_DOOR,
                 addr: addr.to_string(),
                 source,
             })?
@@ -229,12 +237,14 @@ pub async fn start_with(
             let l = match l {
                 Some(l) => l,
                 None => bind(addr, 128).map_err(|source| StartError::Bind {
+                    listener: ADMIN_LISTENER,
                     addr: addr.to_string(),
                     source,
                 })?,
             };
             Some(
                 AdminServer::start(l, fleet.clone(), token).map_err(|source| StartError::Bind {
+                    listener: ADMIN_LISTENER,
                     addr: addr.to_string(),
                     source,
                 })?,
@@ -252,7 +262,8 @@ pub async fn start_with(
     let dispatcher = Dispatcher::new(pool.clone(), up, cfg, rng).with_tracer(tracer);
     let server = Server::start(listener, dispatcher, keys.clone(), drain).map_err(|source| {
         StartError::Bind {
-            addr: "listener".into(),
+            listener: FRONT_DOOR,
+            addr: "a bound socket".into(),
             source,
         }
     })?;

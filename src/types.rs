@@ -46,7 +46,31 @@ impl WorkerId {
     /// Its stable id with its role, as the admin API and `/metrics` (`worker_id`) show it:
     /// `prefill-3`, `decode-0` (ids count per role and are never reused in it).
     pub fn reference(self, role: Role) -> String {
-        format!("{}-{}", role.as_str(), self.0)
+        WorkerIdent::new(role, self).to_string()
+    }
+}
+
+/// A worker's one name: `prefill-3`, `decode-0`, `regular-1` (ids count per role and are
+/// never reused in it). Every log line about a worker carries it as `worker_id` beside the
+/// engine's URL as `worker_url`, the same two names as the `worker_id` and `worker_url`
+/// labels of the `pdgate_worker_*` series, the admin API's `id` and `url`, and the trace
+/// attributes (docs/operations.md, "Logs"). Displayed without allocating:
+/// `tracing::warn!(worker_id = %WorkerIdent::new(role, id), worker_url = %url, ...)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WorkerIdent {
+    pub role: Role,
+    pub id: WorkerId,
+}
+
+impl WorkerIdent {
+    pub fn new(role: Role, id: WorkerId) -> WorkerIdent {
+        WorkerIdent { role, id }
+    }
+}
+
+impl fmt::Display for WorkerIdent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.role.as_str(), self.id.0)
     }
 }
 

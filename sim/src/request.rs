@@ -182,9 +182,19 @@ fn int_field(m: &Map<String, Value>, key: &str) -> Result<Option<i64>, ReqError>
     }
 }
 
-fn cap_tokens(v: Option<&Value>, default: u32) -> u32 {
-    v.and_then(Value::as_u64)
-        .map_or(default, |t| t.min(u64::from(MAX_OUTPUT_TOKENS)) as u32)
+/// A token limit as SGLang checks it: absent or null takes the default; a negative or
+/// non-integer limit is a 400 (SGLang's `SamplingParams.verify`: "must be at least 0"),
+/// never a silent default.
+fn cap_tokens(v: Option<&Value>, default: u32) -> Result<u32, ReqError> {
+    match v {
+        None | Some(Value::Null) => Ok(default),
+        Some(x) => match x.as_u64() {
+            Some(t) => Ok(t.min(u64::from(MAX_OUTPUT_TOKENS)) as u32),
+            None => Err(ReqError::value(format!(
+                "max_new_tokens must be at least 0, got {x}."
+            ))),
+        },
+    }
 }
 
 /// Parses a generate request body. `dp_header` is `X-Data-Parallel-Rank`.
@@ -228,7 +238,7 @@ pub(crate) fn parse(
                     vec![p],
                     false,
                     n,
-                    vec![cap_tokens(max, cfg.default_output_tokens)],
+                    vec![cap_tokens(max, cfg.default_output_tokens)?],
                 )
             }
             Api::Completions => {
@@ -250,7 +260,7 @@ pub(crate) fn parse(
                     _ => return Err(ReqError::schema("prompt: Field required")),
                 };
                 let n = m.get("n").and_then(Value::as_u64).unwrap_or(1).max(1) as usize;
-                let max = cap_tokens(m.get("max_tokens"), cfg.default_output_tokens);
+                let max = cap_tokens(m.get("max_tokens"), cfg.default_output_tokens)?;
                 let len = prompts.len();
                 (prompts, len > 1, n, vec![max; len])
             }
@@ -403,7 +413,7 @@ fn parse_generate_prompts(m: &Map<String, Value>, cfg: &EngineConfig) -> Result<
                 cfg.default_output_tokens,
             )
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
     Ok((prompts, is_list, n, max))
 }
 

@@ -2,9 +2,10 @@
 //! tower layer that checks it.
 //!
 //! Invariants:
-//! - The token comes from exactly one place: `admin.api_key`, else the first line of
-//!   `admin.api_key_file`, else the `PDGATE_ADMIN_API_KEY` environment variable. Setting
-//!   both config keys is refused (which one wins would be a guess).
+//! - The token comes from exactly one place: `admin.api_key`, the first line of
+//!   `admin.api_key_file`, or the `PDGATE_ADMIN_API_KEY` environment variable. Setting two
+//!   of them is refused, naming both (which one wins would be a guess, and an operator who
+//!   rotates one would find the other still in use).
 //! - A listener on a non-loopback address never runs without a token: start and reload
 //!   both refuse it, naming the keys to set.
 //! - The presented token is compared in constant time: both sides are hashed (so the
@@ -48,6 +49,20 @@ pub fn resolve(
     cfg: &AdminConfig,
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<Option<String>, String> {
+    let from_env = env(TOKEN_ENV)
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty());
+    let key = match (&cfg.api_key, &cfg.api_key_file) {
+        (Some(_), _) => Some("admin.api_key (or --api-key)"),
+        (None, Some(_)) => Some("admin.api_key_file (--admin-api-key-file)"),
+        (None, None) => None,
+    };
+    if let (Some(key), Some(_)) = (key, &from_env) {
+        return Err(format!(
+            "two admin tokens: {key} and the {TOKEN_ENV} environment variable are both set; \
+             keep one (unset {TOKEN_ENV}, or drop {key})"
+        ));
+    }
     match (&cfg.api_key, &cfg.api_key_file) {
         (Some(_), Some(_)) => {
             Err("admin.api_key and admin.api_key_file are both set: keep one".to_string())
@@ -62,9 +77,7 @@ pub fn resolve(
                 None => Err(format!("admin.api_key_file {} is empty", path.display())),
             }
         }
-        (None, None) => Ok(env(TOKEN_ENV)
-            .map(|v| v.trim().to_string())
-            .filter(|v| !v.is_empty())),
+        (None, None) => Ok(from_env),
     }
 }
 
@@ -206,21 +219,28 @@ mod tests {
         let no_env = |_: &str| None;
         let a = cfg(Some("from-config"), None);
         assert_eq!(
-            resolve(&a.admin, env).unwrap().as_deref(),
+            resolve(&a.admin, no_env).unwrap().as_deref(),
             Some("from-config")
         );
         let b = cfg(None, Some(&f));
         assert_eq!(
-            resolve(&b.admin, env).unwrap().as_deref(),
+            resolve(&b.admin, no_env).unwrap().as_deref(),
             Some("from-file")
         );
+        // A config token and the environment's: refused, naming both and what to do.
+        for two in [&a, &b] {
+            let e = resolve(&two.admin, env).unwrap_err();
+            assert!(e.contains(TOKEN_ENV) && e.contains("keep one"), "{e}");
+        }
+        let e = resolve(&b.admin, env).unwrap_err();
+        assert!(e.contains("admin.api_key_file"), "{e}");
         let c = cfg(None, None);
         assert_eq!(resolve(&c.admin, env).unwrap().as_deref(), Some("from-env"));
         assert_eq!(resolve(&c.admin, no_env).unwrap(), None);
         let both = cfg(Some("k"), Some(&f));
         assert!(resolve(&both.admin, env).unwrap_err().contains("both set"));
         let e = cfg(None, Some(&empty));
-        assert!(resolve(&e.admin, env).unwrap_err().contains("empty"));
+        assert!(resolve(&e.admin, no_env).unwrap_err().contains("empty"));
     }
 
     #[test]

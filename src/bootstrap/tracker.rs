@@ -39,7 +39,7 @@ use tokio::sync::Notify;
 use super::client::{self, BootstrapError, Generation, RankRoute, Sentinel};
 use crate::config::{BootstrapConfig, LiveConfig};
 use crate::pool::{BootstrapInfo, Pool, RankFailure, RankReadiness, WorkerState};
-use crate::types::{Role, WorkerId};
+use crate::types::{Role, WorkerId, WorkerIdent};
 use crate::upstream::{BaseUrl, CallError, Upstream};
 
 /// Rank routes the refresher asks for at once.
@@ -68,12 +68,12 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, _now: Inst
         // Start-up (from unknown) at INFO; every later transition at WARN.
         if *old == RankReadiness::Unknown {
             tracing::info!(
-                prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
+                worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, rank, from = old.label(), to = new.label(), reason,
                 "bootstrap rank state"
             );
         } else {
             tracing::warn!(
-                prefill = %w.url, rank, from = old.label(), to = new.label(), reason,
+                worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, rank, from = old.label(), to = new.label(), reason,
                 "bootstrap rank state"
             );
         }
@@ -173,7 +173,7 @@ pub fn spawn(
         let (given, host_given) = (port.is_some(), host.is_some());
         let port = match port {
             Some(p) => p,
-            None => discover_port(&up, &live, &engine).await,
+            None => discover_port(&pool, &up, &live, id, &engine).await,
         };
         let host = host.unwrap_or_else(|| engine.host().to_string());
         let info = BootstrapInfo {
@@ -207,7 +207,8 @@ pub fn spawn(
                 let verdict = prove(&pool2, &up2, &live2, proof).await;
                 if let Some(m) = &verdict {
                     tracing::error!(
-                        prefill = %engine2,
+                        worker_id = %WorkerIdent::new(Role::Prefill, id),
+                        worker_url = %engine2,
                         bootstrap = %url2,
                         reason = m.label(),
                         error = %m.message(),
@@ -313,7 +314,20 @@ async fn prove(
 }
 
 /// The engine's `disaggregation_bootstrap_port`, else 8998 (retrying while unreachable).
-async fn discover_port(up: &Upstream, live: &LiveConfig, engine: &BaseUrl) -> u16 {
+///
+/// An engine down at start is asked again when its health check first sees it up (it
+/// wakes the worker's `refresh`), else at the slow re-read interval: the port is known,
+/// and the prefill routable, within about one health interval of its engine coming up.
+async fn discover_port(
+    pool: &Pool,
+    up: &Upstream,
+    live: &LiveConfig,
+    id: WorkerId,
+    engine: &BaseUrl,
+) -> u16 {
+    let Some(wake) = pool.with_worker(Role::Prefill, id, |w| w.refresh.clone()) else {
+        return DEFAULT_BOOTSTRAP_PORT; // the worker already left the pool
+    };
     let mut attempts = 0u32;
     loop {
         let cfg = live.load().bootstrap.clone();
@@ -324,15 +338,22 @@ async fn discover_port(up: &Upstream, live: &LiveConfig, engine: &BaseUrl) -> u1
                     .unwrap_or(DEFAULT_BOOTSTRAP_PORT)
             }
             Err(BootstrapError::BadAnswer { status, .. }) => {
-                tracing::warn!(prefill = %engine, status, "no server info; using bootstrap port 8998");
+                tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, id), worker_url = %engine, status, "no server info; using bootstrap port 8998");
                 return DEFAULT_BOOTSTRAP_PORT;
             }
             Err(e) => {
                 attempts += 1;
-                if attempts == 1 || attempts.is_multiple_of(30) {
-                    tracing::warn!(prefill = %engine, error = %e, "prefill unreachable; waiting to learn its bootstrap port");
+                // Its health check names an engine that is down (at WARN, with the
+                // reason); this says what waits on it.
+                if attempts == 1 {
+                    tracing::info!(worker_id = %WorkerIdent::new(Role::Prefill, id), worker_url = %engine, error = %e, "prefill unreachable; waiting to learn its bootstrap port");
+                } else if attempts.is_multiple_of(30) {
+                    tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, id), worker_url = %engine, error = %e, attempts, "prefill still unreachable; its bootstrap port is unknown");
                 }
-                tokio::time::sleep(cfg.refresh_interval()).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(cfg.refresh_interval()) => {}
+                    _ = wake.notified() => {}
+                }
             }
         }
     }
@@ -408,10 +429,10 @@ pub async fn refresh_once(
                 first = w.layout.is_none();
                 let mut changed = w.layout.as_ref() != Some(&layout);
                 if changed {
-                    tracing::info!(prefill = %w.url, dp = layout.dp_size, follow_bootstrap_room = layout.follow_bootstrap_room,
+                    tracing::info!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, dp = layout.dp_size, follow_bootstrap_room = layout.follow_bootstrap_room,
                         page_size = ?layout.page_size, kv_cache_dtype = ?layout.kv_cache_dtype, "prefill layout");
                     if !layout.follow_bootstrap_room {
-                        tracing::warn!(prefill = %w.url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank");
+                        tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank");
                     }
                 }
                 changed |= w.ranks.len() > layout.dp_size as usize;
@@ -437,7 +458,7 @@ pub async fn refresh_once(
         }
         Ok(Sentinel::NotReady(text)) => {
             pool.update_worker_if(Role::Prefill, id, |w| {
-                tracing::debug!(prefill = %w.url, text, "bootstrap server not ready");
+                tracing::debug!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, text, "bootstrap server not ready");
                 all_bootstrapping(w, now)
             });
             1
@@ -446,10 +467,10 @@ pub async fn refresh_once(
             pool.update_worker_if(Role::Prefill, id, |w| {
                 if matches!(e, BootstrapError::DpSizeTooLarge { .. }) {
                     if w.ranks.iter().all(|r| r.label() != "failed") {
-                        tracing::error!(prefill = %w.url, error = %e, "prefill refused");
+                        tracing::error!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, error = %e, "prefill refused");
                     }
                 } else {
-                    tracing::debug!(prefill = %w.url, error = %e, "sentinel failed");
+                    tracing::debug!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, error = %e, "sentinel failed");
                 }
                 fail_all(w, failure_of(&e), now)
             });
@@ -512,7 +533,7 @@ async fn heartbeat(
             misses = 0;
             if lost {
                 lost = false;
-                tracing::info!(bootstrap = %url, "bootstrap heartbeat back");
+                tracing::info!(worker_id = %WorkerIdent::new(Role::Prefill, id), bootstrap = %url, "bootstrap heartbeat back");
             }
         }
         match res {
@@ -554,11 +575,11 @@ async fn heartbeat(
                         if matches!(e, BootstrapError::DpSizeTooLarge { .. })
                             && w.ranks.iter().all(|r| r.label() != "failed")
                         {
-                            tracing::error!(prefill = %w.url, error = %e, "prefill refused");
+                            tracing::error!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, error = %e, "prefill refused");
                         }
                         let mut changed = fail_all(w, reason, now);
                         if lose {
-                            tracing::warn!(bootstrap = %url, misses, error = %e, "bootstrap heartbeat lost; failing in-flight requests");
+                            tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, id), bootstrap = %url, misses, error = %e, "bootstrap heartbeat lost; failing in-flight requests");
                             metrics::counter!(crate::telemetry::BOOTSTRAP_HEARTBEAT_LOST)
                                 .increment(1);
                             w.layout = None;

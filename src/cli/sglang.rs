@@ -239,7 +239,7 @@ pub const FLAGS: &[Flag] = &[
     f("log-json", Mapped),
     f("prometheus-port", Mapped),
     f("prometheus-host", Mapped),
-    f("prometheus-duration-buckets", Ignored("pdgate's histogram buckets are fixed per series (README, Metrics)")),
+    f("prometheus-duration-buckets", Ignored("pdgate's histogram buckets are fixed per series (docs/operations.md, Metrics)")),
     f("jemalloc-prof-dir", Ignored("pdgate uses mimalloc and writes no heap profiles")),
     f("request-id-headers", Only { value: "x-request-id", why: "pdgate takes a request's id from x-request-id (else makes one) and returns it in x-request-id" }),
     f("storage-context-headers", STORAGE),

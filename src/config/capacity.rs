@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{range, ConfigError};
 
-/// `[capacity]`: decode capacity per DP rank (see README, "Decode capacity").
+/// `[capacity]`: decode capacity per DP rank (see docs/pools-and-capacity.md, "Decode capacity").
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CapacityConfig {

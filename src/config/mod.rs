@@ -21,6 +21,7 @@ mod ops;
 mod progress;
 mod resilience;
 mod trace;
+mod warnings;
 
 /// The config as it is now: swapped whole on reload, read by background tasks at each step
 /// (a health check reads `load().health` before each probe).
@@ -323,7 +324,7 @@ pub struct AdmissionConfig {
     /// with `Retry-After`; one that can never fit gets 413. A large request (over 1/64 of
     /// it) may fill 7/8 of it, the rest is kept for small ones. At least 8/7 of
     /// `server.max_body_bytes`. The process's memory is about a base plus this times a
-    /// small factor (README, "Memory").
+    /// small factor (docs/pools-and-capacity.md, "Memory").
     pub max_bytes_in_flight: usize,
 }
 

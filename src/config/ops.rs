@@ -299,6 +299,26 @@ pub(super) fn validate(cfg: &super::Config) -> Result<(), ConfigError> {
         ));
     }
     let m = &cfg.metrics_listener;
+    // Two listeners on one address: the second bind would fail at start with an error that
+    // names neither setting; refused here, naming both. Port 0 picks a free port each.
+    let overlap = |(h1, p1): (IpAddr, u16), (h2, p2): (IpAddr, u16)| {
+        p1 != 0 && p1 == p2 && (h1 == h2 || h1.is_unspecified() || h2.is_unspecified())
+    };
+    let front = (cfg.server.host, cfg.server.port);
+    if a.enabled && overlap(front, (a.host, a.port)) {
+        return Err(invalid(format!(
+            "server.port = {} is also admin.port: the front door and the admin listener need \
+             a port each; move one (--port N, or --admin-port N)",
+            a.port
+        )));
+    }
+    if m.enabled && overlap(front, (m.host, m.port)) {
+        return Err(invalid(format!(
+            "server.port = {} is also metrics_listener.port: the front door and the metrics \
+             listener need a port each; move one (--port N, or --prometheus-port N)",
+            m.port
+        )));
+    }
     if m.enabled && a.enabled && m.port != 0 && m.port == a.port {
         return Err(invalid(format!(
             "metrics_listener.port = {} is also admin.port: move one (--prometheus-port N, \

@@ -207,3 +207,37 @@ fn policy_keys_parse_and_are_checked() {
         assert!(err.contains(key), "{err}");
     }
 }
+
+/// Two listeners on one address are refused at start, naming both settings and the flags
+/// that move them; port 0 (a free port each) and distinct addresses are fine.
+#[test]
+fn listeners_need_an_address_each() {
+    let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+    let mut cfg = Config::default();
+    cfg.admin.port = cfg.server.port;
+    let err = cfg.validate().unwrap_err().to_string();
+    for part in ["server.port", "admin.port", "--port", "--admin-port"] {
+        assert!(err.contains(part), "{err}");
+    }
+    // 0.0.0.0 overlaps every address of the port.
+    cfg.server.host = ip("0.0.0.0");
+    assert!(cfg.validate().is_err());
+    cfg.server.host = ip("127.0.0.1");
+    cfg.admin.host = ip("127.0.0.2");
+    assert!(cfg.validate().is_ok(), "two addresses, one port");
+    cfg.admin.enabled = false;
+    cfg.admin.host = ip("127.0.0.1");
+    assert!(cfg.validate().is_ok(), "no admin listener");
+    let mut cfg = Config::default();
+    cfg.metrics_listener.enabled = true;
+    cfg.metrics_listener.port = cfg.server.port;
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("metrics_listener.port") && err.contains("--prometheus-port"),
+        "{err}"
+    );
+    let mut cfg = Config::default();
+    cfg.server.port = 0;
+    cfg.admin.port = 0;
+    assert!(cfg.validate().is_ok(), "port 0 picks a free port each");
+}

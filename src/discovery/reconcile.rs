@@ -214,8 +214,9 @@ impl Reconciler {
         match self.fleet.add(spec) {
             Ok(id) => {
                 tracing::info!(
-                    pod = %pod.name, namespace = %pod.namespace, uid = %uid, role = %ep.role,
-                    worker = %ep.url, bootstrap_port = ?ep.bootstrap_port,
+                    pod = %pod.name, namespace = %pod.namespace, uid = %uid,
+                    worker_id = %crate::types::WorkerIdent::new(ep.role, id), worker_url = %ep.url,
+                    bootstrap_port = ?ep.bootstrap_port,
                     "discovered pod added; routable once its server info and health check pass"
                 );
                 self.tracked.insert(

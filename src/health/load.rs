@@ -200,7 +200,7 @@ pub async fn poll_once_body(
             continue;
         }
         if let Answer::Usable(r, b) = ask(up, url, g, timeout).await {
-            tracing::debug!(worker = %url, endpoint = g.path(), "engine load endpoint");
+            tracing::debug!(worker_url = %url, endpoint = g.path(), "engine load endpoint");
             *gen = g;
             return Some((r, b));
         }

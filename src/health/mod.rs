@@ -28,7 +28,7 @@ use std::time::Duration;
 use crate::bootstrap::client;
 use crate::config::{HealthConfig, LiveConfig};
 use crate::pool::Pool;
-use crate::types::{Role, WorkerId};
+use crate::types::{Role, WorkerId, WorkerIdent};
 use crate::upstream::{BaseUrl, Upstream};
 
 /// The health verdict of one worker, fed one check at a time (pure; the task below
@@ -139,7 +139,12 @@ pub fn spawn(
                 let c = live.load();
                 (c.health.clone(), c.bootstrap.clone())
             };
-            let good = matches!(up.get(&url, "/health", cfg.timeout()).await, Ok((s, _)) if s.is_success());
+            // Why a check failed, for the line that says the worker is down.
+            let (good, mut why) = match up.get(&url, "/health", cfg.timeout()).await {
+                Ok((s, _)) if s.is_success() => (true, None),
+                Ok((s, _)) => (false, Some(format!("GET /health answered {}", s.as_u16()))),
+                Err(e) => (false, Some(format!("GET /health failed: {e}"))),
+            };
             if good && (!have_info || refused) {
                 if let Ok(info) = client::server_info(&up, &url, bcfg.http_timeout()).await {
                     have_info = true;
@@ -150,13 +155,13 @@ pub fn spawn(
                         match &verdict {
                             Err(why) => {
                                 if w.refused.as_deref() != Some(why.as_str()) {
-                                    tracing::error!(role = %role, worker = %w.url, error = %why, "worker refused");
+                                    tracing::error!(worker_id = %WorkerIdent::new(role, id), worker_url = %w.url, reason = %why, "worker refused");
                                 }
                                 w.refused = Some(why.clone());
                             }
                             Ok(dp) => {
                                 if w.refused.take().is_some() {
-                                    tracing::info!(role = %role, worker = %w.url, "worker no longer refused");
+                                    tracing::info!(worker_id = %WorkerIdent::new(role, id), worker_url = %w.url, "worker no longer refused");
                                 }
                                 if let (Some(dp), Role::Decode | Role::Regular) = (dp, role) {
                                     w.dp_size = Some(*dp);
@@ -179,24 +184,32 @@ pub fn spawn(
                 return; // the worker left the pool
             };
             // Without its server info yet, a worker that must have it counts as down.
+            if good && !have_info && require_info {
+                why = Some("its /server_info has not answered yet".to_string());
+            }
             let good = good && (have_info || !require_info);
             let verdict = run.observe(good, healthy, &cfg);
             if verdict != Verdict::Keep {
                 let good = verdict == Verdict::Up;
+                let reason = why.as_deref().unwrap_or("-");
                 pool.update_worker(role, id, |w| {
                     let first = !w.health_checked;
                     w.healthy = good;
                     w.health_checked = true;
                     // `pdgate_worker_healthy` is read from the pool at scrape time.
-                    // The first verdict at INFO; every later change at WARN.
-                    if !first {
-                        tracing::warn!(role = %role, worker = %w.url, healthy = good, "worker health");
-                    } else {
-                        tracing::info!(role = %role, worker = %w.url, healthy = good, "worker health");
+                    // A worker up at its first check at INFO; one down at its first check
+                    // (an engine down when pdgate starts, or added before it runs) and
+                    // every later change at WARN, a worker down with the reason.
+                    let ident = WorkerIdent::new(role, id);
+                    match (first, good) {
+                        (true, true) => tracing::info!(worker_id = %ident, worker_url = %w.url, "worker is up"),
+                        (_, false) => tracing::warn!(worker_id = %ident, worker_url = %w.url, reason, "worker is down"),
+                        (false, true) => tracing::warn!(worker_id = %ident, worker_url = %w.url, "worker is up again"),
                     }
-                    if good && ever_up && role == Role::Prefill {
-                        // Back after being down (maybe a restart): its bootstrap tracker
-                        // re-reads the rank routes now.
+                    // Up after being down (a restart), or up for the first time while its
+                    // bootstrap port is still unknown (down at start): its bootstrap
+                    // tracker reads the port and the rank routes now.
+                    if good && role == Role::Prefill && (ever_up || w.bootstrap.is_none()) {
                         w.refresh.notify_one();
                     }
                 });

@@ -31,7 +31,7 @@ use std::time::Duration;
 use crate::config::BreakerConfig;
 use crate::error::FailReason;
 use crate::telemetry;
-use crate::types::{Role, WorkerId};
+use crate::types::{Role, WorkerId, WorkerIdent};
 
 use super::Pool;
 
@@ -187,7 +187,7 @@ impl Pool {
         // The cap's check and the transition under one lock (see `Pool::eject_lock`).
         let _one = self.eject_lock.lock().unwrap_or_else(|p| p.into_inner());
         if !self.may_eject(role, id, cfg) {
-            tracing::warn!(role = %role, worker = %id, "stalled worker kept in rotation: the ejection cap is reached");
+            tracing::warn!(worker_id = %WorkerIdent::new(role, id), worker_url = %url_of(self, role, id), "stalled worker kept in rotation: the ejection cap is reached");
             metrics::counter!(telemetry::BREAKER_EJECTION_CAPPED, "role" => role.as_str())
                 .increment(1);
             return false;
@@ -204,7 +204,7 @@ impl Pool {
         {
             return false;
         }
-        tracing::warn!(role = %role, worker = %id, "worker stalled: out of rotation until a probe through a real pair succeeds");
+        tracing::warn!(worker_id = %WorkerIdent::new(role, id), worker_url = %url_of(self, role, id), "worker stalled: out of rotation until a probe through a real pair succeeds");
         metrics::counter!(telemetry::BREAKER_TRANSITIONS, "role" => role.as_str(), "to" => BreakerState::Stalled.label()).increment(1);
         self.rebuild_soon();
         true
@@ -252,7 +252,7 @@ impl Pool {
                 } else if self.may_eject(role, id, cfg) {
                     self.open(role, id, &b, cfg, 0, reason);
                 } else {
-                    tracing::warn!(role = %role, worker = %id, "breaker would open but the ejection cap is reached");
+                    tracing::warn!(worker_id = %WorkerIdent::new(role, id), worker_url = %url_of(self, role, id), "breaker would open but the ejection cap is reached");
                     metrics::counter!(telemetry::BREAKER_EJECTION_CAPPED, "role" => role.as_str())
                         .increment(1);
                 }
@@ -305,7 +305,7 @@ impl Pool {
         reason: FailReason,
     ) {
         let dur = open_for(cfg, reopens);
-        tracing::warn!(role = %role, worker = %id, reason = reason.as_str(), open_ms = dur.as_millis() as u64, "circuit opened");
+        tracing::warn!(worker_id = %WorkerIdent::new(role, id), worker_url = %url_of(self, role, id), reason = reason.as_str(), open_for = ?dur, "circuit opened");
         self.set_breaker(role, id, b, BreakerState::Open);
         let pool = Arc::clone(self);
         let b = Arc::clone(b);
@@ -328,8 +328,7 @@ impl Pool {
         if to == BreakerState::Closed {
             b.consecutive.store(0, Ordering::Relaxed);
         }
-        let url = self.load().worker(role, id).map(|w| w.url.to_string());
-        tracing::warn!(role = %role, worker_id = %id, worker = url.as_deref().unwrap_or("-"), from = from.label(), to = to.label(), "circuit breaker");
+        tracing::warn!(worker_id = %WorkerIdent::new(role, id), worker_url = %url_of(self, role, id), from = from.label(), to = to.label(), "circuit breaker");
         metrics::counter!(telemetry::BREAKER_TRANSITIONS, "role" => role.as_str(), "to" => to.label()).increment(1);
         // Rebuild the snapshot so routability follows the new state.
         self.rebuild_soon();
@@ -356,6 +355,13 @@ impl Pool {
             }
         }
     }
+}
+
+/// A worker's URL for a log line (`-` once it left the pool).
+fn url_of(pool: &Pool, role: Role, id: WorkerId) -> String {
+    pool.load()
+        .worker(role, id)
+        .map_or_else(|| "-".to_string(), |w| w.url.to_string())
 }
 
 #[cfg(test)]

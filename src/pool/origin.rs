@@ -56,3 +56,14 @@ pub enum DrainBy {
     Unready,
     Leaving,
 }
+
+impl DrainBy {
+    /// Its name in logs: `operator`, `pod_unready`, `leaving`.
+    pub fn label(self) -> &'static str {
+        match self {
+            DrainBy::Operator => "operator",
+            DrainBy::Unready => "pod_unready",
+            DrainBy::Leaving => "leaving",
+        }
+    }
+}

@@ -22,7 +22,8 @@ const BREAKER_STATES: [BreakerState; 4] = [
 
 const RANK_STATES: [&str; 4] = ["unknown", "bootstrapping", "ready", "failed"];
 
-/// A worker's labels: its role, its stable id (`prefill-0`) and its URL, then `extra`.
+/// A worker's labels: its role, its stable id (`prefill-0`, `worker_id`) and its URL
+/// (`worker_url`), the two names every log line and admin answer gives it, then `extra`.
 fn labels<'a>(
     w: &'a WorkerView,
     id: &'a str,
@@ -31,7 +32,7 @@ fn labels<'a>(
     let mut l = vec![
         ("role", w.role.as_str()),
         ("worker_id", id),
-        ("worker", w.url.as_str()),
+        ("worker_url", w.url.as_str()),
     ];
     l.extend(extra);
     l
@@ -104,12 +105,13 @@ impl Source for Snapshot {
         }
 
         out.family(telemetry::BOOTSTRAP_RANK_STATE);
-        for w in &self.prefills {
+        for (w, id) in workers().filter(|(w, _)| w.role == Role::Prefill) {
             for (rank, now) in w.ranks.iter().enumerate() {
                 let rank = rank.to_string();
                 for st in RANK_STATES {
                     let labels = [
-                        ("prefill", w.url.as_str()),
+                        ("worker_id", id),
+                        ("worker_url", w.url.as_str()),
                         ("rank", rank.as_str()),
                         ("state", st),
                     ];
@@ -175,13 +177,13 @@ mod tests {
         let text = telemetry::render_derived(&pool);
         drop(guard);
         for line in [
-            "pdgate_worker_healthy{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\"} 1\n",
-            "pdgate_worker_in_flight_requests{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",rank=\"0\"} 0\n",
-            "pdgate_worker_in_flight_requests{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",rank=\"1\"} 1\n",
-            "pdgate_worker_breaker_state{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",state=\"closed\"} 1\n",
-            "pdgate_worker_breaker_state{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",state=\"open\"} 0\n",
-            "pdgate_worker_requests_total{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\",outcome=\"ok\"} 0\n",
-            "pdgate_worker_first_byte_seconds_count{role=\"decode\",worker_id=\"decode-0\",worker=\"http://127.0.0.1:9\"} 0\n",
+            "pdgate_worker_healthy{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\"} 1\n",
+            "pdgate_worker_in_flight_requests{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",rank=\"0\"} 0\n",
+            "pdgate_worker_in_flight_requests{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",rank=\"1\"} 1\n",
+            "pdgate_worker_breaker_state{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",state=\"closed\"} 1\n",
+            "pdgate_worker_breaker_state{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",state=\"open\"} 0\n",
+            "pdgate_worker_requests_total{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",outcome=\"ok\"} 0\n",
+            "pdgate_worker_first_byte_seconds_count{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\"} 0\n",
             "pdgate_routable_ranks{role=\"decode\"} 2\n",
             "pdgate_routable_ranks{role=\"prefill\"} 0\n",
         ] {
@@ -215,7 +217,8 @@ mod tests {
         uniq.dedup();
         assert_eq!(uniq.len(), keys.len(), "duplicate series in\n{text}");
         for id in ["prefill-0", "prefill-1", "decode-0", "decode-1"] {
-            let ok = format!("worker_id=\"{id}\",worker=\"http://127.0.0.1:9\",outcome=\"ok\"}}");
+            let ok =
+                format!("worker_id=\"{id}\",worker_url=\"http://127.0.0.1:9\",outcome=\"ok\"}}");
             let n = if id == "decode-1" { 1 } else { 0 };
             assert!(text.contains(&format!("{ok} {n}\n")), "{id} in\n{text}");
         }

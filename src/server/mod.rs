@@ -162,7 +162,7 @@ async fn accept_loop(
     }
     drop(listener);
     tracing::info!(
-        drain_secs = drain.as_secs_f64(),
+        drain_deadline = ?drain,
         connections = registry.open(),
         "shutting down: draining in-flight requests"
     );
@@ -233,7 +233,7 @@ async fn serve(
                 conn.as_mut().graceful_shutdown();
             }
             _ = idle_timer => {
-                tracing::debug!(idle_secs = idle.as_secs_f64(), "idle HTTP/2 connection closed");
+                tracing::debug!(idle = ?idle, "idle HTTP/2 connection closed");
                 closing = true;
                 conn.as_mut().graceful_shutdown();
             }

@@ -36,7 +36,7 @@ use crate::memory::Charge;
 use crate::request::record::{RequestRecord, Route};
 use crate::request::{self, ApiRoute};
 use crate::types::REQUEST_ID;
-use crate::types::{RequestId, Role};
+use crate::types::{RequestId, Role, WorkerIdent};
 
 enum Endpoint {
     Pd(ApiRoute),
@@ -434,9 +434,11 @@ impl App {
                     return Ok(json_response(StatusCode::OK, body, rid))
                 }
                 Ok((s, _)) => {
-                    tracing::debug!(worker = %w.url, status = s.as_u16(), "/v1/models failed")
+                    tracing::debug!(worker_id = %WorkerIdent::new(w.role, w.id), worker_url = %w.url, status = s.as_u16(), "/v1/models failed")
                 }
-                Err(e) => tracing::debug!(worker = %w.url, error = %e, "/v1/models failed"),
+                Err(e) => {
+                    tracing::debug!(worker_id = %WorkerIdent::new(w.role, w.id), worker_url = %w.url, error = %e, "/v1/models failed")
+                }
             }
         }
         let reason = if snap

@@ -270,10 +270,10 @@ impl App {
                     }
                     Ok((s, _)) if s == StatusCode::NOT_FOUND => continue,
                     Ok((s, _)) => {
-                        tracing::debug!(worker = %url, path = p, status = s.as_u16(), "engine info failed");
+                        tracing::debug!(worker_url = %url, path = p, status = s.as_u16(), "engine info failed");
                     }
                     Err(e) => {
-                        tracing::debug!(worker = %url, path = p, error = %e, "engine info failed");
+                        tracing::debug!(worker_url = %url, path = p, error = %e, "engine info failed");
                     }
                 }
                 break;
@@ -369,7 +369,7 @@ impl App {
         for (id, r) in results {
             match r {
                 Ok(()) => ok.push(Value::String(id)),
-                Err(e) => failed.push(json!({"worker": id, "error": e})),
+                Err(e) => failed.push(json!({"worker_id": id, "error": e})),
             }
         }
         let message = if total == 0 {
@@ -510,7 +510,7 @@ async fn flush_one(
         Ok((s, _)) if s.is_success() => Ok(()),
         Ok((s, _)) => Err(format!("engine answered {}", s.as_u16())),
         Err(e) => {
-            tracing::warn!(worker = %url, error = %e, "flush_cache failed");
+            tracing::warn!(worker_id = %id, worker_url = %url, error = %e, "flush_cache failed");
             Err(call_error(&e).to_string())
         }
     };
@@ -527,7 +527,7 @@ fn get_loads(d: &Dispatcher, rid: &HeaderValue) -> Response<RespBody> {
             .map(|r| json!({"dp_rank": r, "load": w.engine_load(r), "in_flight": w.in_flight(r)}))
             .collect();
         json!({
-            "worker": worker_ref(w.role, w.id),
+            "worker_id": worker_ref(w.role, w.id),
             "worker_type": w.role.to_string(),
             "healthy": w.healthy,
             "load": (0..dp).map(|r| w.engine_load(r)).sum::<u64>(),

@@ -58,7 +58,7 @@ pub enum Origin {
     Derived,
 }
 
-/// One series: everything the exposition, the README table and the dashboard test read.
+/// One series: everything the exposition, the docs' table (docs/operations.md) and the dashboard test read.
 #[derive(Clone, Copy, Debug)]
 pub struct Series {
     pub name: &'static str,
@@ -280,19 +280,19 @@ pub static SERIES: &[Series] = &[
         "Unix time of the last complete pod LIST of every discovery selector (age: time() minus this)."),
     s(DISCOVERY_WORKERS, G, Unit::Count, &["role"],
         "Workers discovery has in the pool, by role."),
-    derived_of(s(WORKER_REQUESTS, C, Unit::Count, &["role", "worker_id", "worker", "outcome"],
+    derived_of(s(WORKER_REQUESTS, C, Unit::Count, &["role", "worker_id", "worker_url", "outcome"],
         "Legs by worker and outcome: ok, or the failure reason blamed on this worker's leg; counted where its circuit breaker hears it (a stall probe's leg included). Only workers in the pool: a removed worker's series leave the next scrape.")),
-    derived_of(histogram(WORKER_PREFILL_DURATION, &["role", "worker_id", "worker"], LATENCY_BUCKETS,
+    derived_of(histogram(WORKER_PREFILL_DURATION, &["role", "worker_id", "worker_url"], LATENCY_BUCKETS,
         "Prefill legs that answered: time from the leg's send to the prefill's answer, per prefill worker.")),
-    derived_of(histogram(WORKER_FIRST_BYTE, &["role", "worker_id", "worker"], LATENCY_BUCKETS,
+    derived_of(histogram(WORKER_FIRST_BYTE, &["role", "worker_id", "worker_url"], LATENCY_BUCKETS,
         "Decode legs: time from the legs' send to the decode's first bytes (it waits for its prefill), per decode worker.")),
-    derived(WORKER_HEALTHY, &["role", "worker_id", "worker"],
+    derived(WORKER_HEALTHY, &["role", "worker_id", "worker_url"],
         "1 when the worker passes its active health checks, else 0."),
-    derived(WORKER_IN_FLIGHT, &["role", "worker_id", "worker", "rank"],
+    derived(WORKER_IN_FLIGHT, &["role", "worker_id", "worker_url", "rank"],
         "Legs pdgate has in flight on a worker's DP rank (what the policies balance; sum by worker for the worker's total)."),
-    derived(WORKER_BREAKER_STATE, &["role", "worker_id", "worker", "state"],
+    derived(WORKER_BREAKER_STATE, &["role", "worker_id", "worker_url", "state"],
         "1 for the circuit breaker's current state (closed, open, half_open, stalled) of each worker, else 0."),
-    derived(BOOTSTRAP_RANK_STATE, &["prefill", "rank", "state"],
+    derived(BOOTSTRAP_RANK_STATE, &["worker_id", "worker_url", "rank", "state"],
         "1 for the current bootstrap state (unknown, bootstrapping, ready, failed) of each (prefill, DP rank), else 0."),
     derived(ROUTABLE_RANKS, &["role"],
         "(worker, DP rank)s that can take a leg now: healthy, breaker not open and, for a prefill, bootstrap ready."),
@@ -469,7 +469,7 @@ mod tests {
                 s.name
             );
             assert!(s.buckets.windows(2).all(|w| w[0] < w[1]), "{}", s.name);
-            if s.origin == Origin::Derived && s.labels.contains(&"worker") {
+            if s.origin == Origin::Derived && s.labels.contains(&"worker_url") {
                 assert!(s.labels.contains(&"worker_id"), "{}", s.name);
             }
         }

@@ -2,7 +2,7 @@
 //! an OTLP collector, continuing the caller's W3C `traceparent` and handing one to each
 //! engine leg (SGLang traces too, under pdgate's spans).
 //!
-//! The tree (names are stable; see README, "Traces"):
+//! The tree (names are stable; see docs/operations.md, "Traces"):
 //!
 //! ```text
 //! POST /v1/chat/completions   SERVER  the request, until its response body ends

@@ -235,7 +235,7 @@ async fn two_replicas_stay_within_the_stated_overshoot() {
     );
     let peak = cluster.decodes[0].stats().peak_held;
     eprintln!("two replicas, cap {CAP}: the decode held at most {peak} at once");
-    // The bound README states: cap + (replicas - 1) x min(cap, requests one replica
+    // The bound docs/pools-and-capacity.md states: cap + (replicas - 1) x min(cap, requests one replica
     // admits per poll interval) <= cap x replicas.
     let replicas = routers.len() as u64;
     let bound = u64::from(CAP) + (replicas - 1) * u64::from(CAP);

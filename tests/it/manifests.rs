@@ -9,7 +9,7 @@
 //!   config, Services select pods that have their ports, and discovery's selectors find
 //!   the engine pods, whose ports and bootstrap annotation agree with the engines' flags.
 
-mod docker;
+pub(crate) mod docker;
 mod fleet;
 mod kustomize;
 mod monitoring;

@@ -156,8 +156,8 @@ async fn queued_long_prompts(n_long: usize) {
         .collect::<Vec<_>>();
     // The long prompts reach their engines before the short ones start: the queue a
     // deadline is sized by is what pdgate sent ahead, and an engine may take first a prompt
-    // sent a moment later (on another connection); that race is a known limit (README,
-    // "Stall detection"), and this test is about the queue.
+    // sent a moment later (on another connection); that race is a known limit
+    // (docs/stalls-and-moves.md), and this test is about the queue.
     let arrived = |r: &[SimEngine]| r.iter().map(|e| e.stats().requests_total).sum::<u64>();
     let before = arrived(&regular);
     let shorts = async {

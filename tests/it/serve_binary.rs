@@ -19,7 +19,7 @@ fn pdgate() -> Command {
 
 /// A child killed when the test ends, passed or not (a failed assertion must not leave a
 /// router running).
-struct Running(Child);
+pub(crate) struct Running(Child);
 
 impl Drop for Running {
     fn drop(&mut self) {
@@ -42,14 +42,14 @@ impl std::ops::DerefMut for Running {
 }
 
 /// `pdgate serve ARGS` with stdout piped, its lines sent to the receiver.
-fn spawn(args: &[&str]) -> (Running, Receiver<String>) {
+pub(crate) fn spawn(args: &[&str]) -> (Running, Receiver<String>) {
     let mut all = vec!["serve", "--port", "0", "--admin-port", "0"];
     all.extend_from_slice(args);
     spawn_pdgate(&all)
 }
 
 /// `pdgate ARGS` with stdout piped, its lines sent to the receiver.
-fn spawn_pdgate(args: &[&str]) -> (Running, Receiver<String>) {
+pub(crate) fn spawn_pdgate(args: &[&str]) -> (Running, Receiver<String>) {
     let mut child = pdgate()
         .args(args)
         .stdout(Stdio::piped())
@@ -67,7 +67,7 @@ fn spawn_pdgate(args: &[&str]) -> (Running, Receiver<String>) {
 }
 
 /// Lines until one satisfies `f` (all of them, that one last).
-fn until(rx: &Receiver<String>, what: &str, f: impl Fn(&str) -> bool) -> Vec<String> {
+pub(crate) fn until(rx: &Receiver<String>, what: &str, f: impl Fn(&str) -> bool) -> Vec<String> {
     let mut seen = Vec::new();
     loop {
         let line = rx
@@ -81,7 +81,7 @@ fn until(rx: &Receiver<String>, what: &str, f: impl Fn(&str) -> bool) -> Vec<Str
     }
 }
 
-fn term(child: &mut Child) {
+pub(crate) fn term(child: &mut Child) {
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -89,7 +89,7 @@ fn term(child: &mut Child) {
     assert!(status.success());
 }
 
-fn json(line: &str) -> serde_json::Value {
+pub(crate) fn json(line: &str) -> serde_json::Value {
     serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
 }
 
@@ -169,9 +169,17 @@ async fn json_logs_start_line_metrics_listener_and_drain_line() {
     }
     term(&mut child);
     let rest = until(&rx, "drain ended", |l| l.contains("drain ended"));
-    assert_eq!(
-        json(rest.last().unwrap())["message"],
-        "drain ended; pdgate exits"
+    let last = json(rest.last().unwrap());
+    assert_eq!(last["message"], "drain ended; pdgate exits");
+    // A duration in human units ("75.4µs", "1.2s"), not seconds in exponent notation.
+    let took = last["drained_in"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{last}"));
+    assert!(
+        took.ends_with('s')
+            && !took.contains('e')
+            && took.starts_with(|c: char| c.is_ascii_digit()),
+        "{last}"
     );
     assert!(child.wait().unwrap().success());
     assert!(
@@ -381,7 +389,7 @@ async fn the_demo_serves_the_requests_it_prints() {
 }
 
 /// `serve` runs with mimalloc giving freed memory back within 100 ms (`MIMALLOC_PURGE_DELAY=100`,
-/// set by re-executing itself: README, "Memory"); an operator's own value is kept. Read from
+/// set by re-executing itself: docs/pools-and-capacity.md, "Memory"); an operator's own value is kept. Read from
 /// the running process's environment, once it logged its start.
 #[test]
 fn serve_runs_with_the_allocator_giving_freed_memory_back_promptly() {

@@ -96,8 +96,8 @@ fn shape_ok(path: &str, v: &Value) -> bool {
         }
         "/get_loads" => {
             v["total_workers"] == 2
-                && v["loads"][0]["worker"] == "prefill-0"
-                && v["loads"][1]["worker"] == "decode-0"
+                && v["loads"][0]["worker_id"] == "prefill-0"
+                && v["loads"][1]["worker_id"] == "decode-0"
                 && v["loads"][1]["worker_type"] == "decode"
         }
         "/list_workers" => v["urls"].as_array().is_some_and(|a| a.len() == 2),

@@ -470,13 +470,13 @@ fn the_metrics_port_may_not_be_the_admin_port() {
     assert!(serve(&["--prometheus-port", "29000", "--admin-port", "29001"]).is_ok());
 }
 
-/// The README's table names every SGLang router flag.
+/// The docs' table (docs/coming-from-sglang.md) names every SGLang router flag.
 #[test]
-fn the_readme_maps_every_flag() {
-    let readme = include_str!("../../README.md");
+fn the_docs_map_every_flag() {
+    let readme = include_str!("../../docs/coming-from-sglang.md");
     let at = readme
         .find("Every SGLang router flag:")
-        .expect("the README's SGLang section");
+        .expect("the docs' SGLang flag table");
     let table = &readme[at..];
     let missing: Vec<String> = fixture_flags()
         .into_iter()
@@ -484,7 +484,7 @@ fn the_readme_maps_every_flag() {
         .collect();
     assert!(
         missing.is_empty(),
-        "SGLang router flags missing from the README: {missing:?}"
+        "SGLang router flags missing from docs/coming-from-sglang.md: {missing:?}"
     );
 }
 

@@ -426,3 +426,42 @@ async fn a_cross_model_handoff_is_refused_and_counted() {
     assert_eq!(s.violation_kv_layout_mismatch, 1, "{s:?}");
     assert_eq!(s.kv_transfers, 0, "{s:?}");
 }
+
+/// A negative or non-integer token limit is a 400, as SGLang answers it, on every route
+/// and before any KV transfer; an absent or null one takes the default.
+#[tokio::test(crate = "crate::support::rt")]
+async fn a_negative_token_limit_is_refused() {
+    let c = cluster(1, 1).await;
+    let url = |path: &str| format!("{}{path}", c.decodes[0].url());
+    let bad = [
+        (
+            "/generate",
+            json!({"text": "hi", "sampling_params": {"max_new_tokens": -5}}),
+        ),
+        (
+            "/generate",
+            json!({"text": "hi", "sampling_params": {"max_new_tokens": 2.5}}),
+        ),
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": -5})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "8"}),
+        ),
+    ];
+    for (path, body) in bad {
+        let body = with_bootstrap(&c, body, json!(7));
+        let a = post(&url(path), &body.to_string()).await;
+        assert_eq!(a.status, 400, "{path} {body}: {}", a.body);
+        assert!(a.body.contains("must be at least 0"), "{}", a.body);
+    }
+    assert_eq!(c.total_stats().kv_transfers, 0);
+    // Null is "not given" (SGLang's default applies): served.
+    let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": null}});
+    let body = with_bootstrap(&c, body, json!(8));
+    let (p, d) = pd(&c, "/generate", &body, &body).await;
+    assert_eq!((p.status, d.status), (200, 200), "{} {}", p.body, d.body);
+}

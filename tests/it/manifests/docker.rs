@@ -145,6 +145,32 @@ fn parse(argv: &[String], files: &[(&str, &Path)]) -> Result<(), String> {
     }
 }
 
+/// The Dockerfile's documented `docker run` lines: (the line's index, the line, its pdgate
+/// arguments: what follows the image name, or `cmd` when nothing does).
+pub(crate) fn documented_runs(text: &str, cmd: &[String]) -> Vec<(usize, String, Vec<String>)> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let Some(run) = line
+            .trim_start_matches('#')
+            .trim()
+            .strip_prefix("docker run ")
+        else {
+            continue;
+        };
+        let words: Vec<&str> = run.split_whitespace().collect();
+        let at = words
+            .iter()
+            .position(|w| *w == "pdgate")
+            .unwrap_or_else(|| panic!("{line}: no image pdgate"));
+        let argv: Vec<String> = match &words[at + 1..] {
+            [] => cmd.to_vec(),
+            rest => rest.iter().map(|w| w.to_string()).collect(),
+        };
+        out.push((i, line.trim_start_matches('#').trim().to_string(), argv));
+    }
+    out
+}
+
 #[test]
 fn the_default_command_and_the_documented_docker_runs_parse() {
     let text = dockerfile();
@@ -161,29 +187,16 @@ fn the_default_command_and_the_documented_docker_runs_parse() {
     assert!(text.contains("COPY config/pdgate.example.toml /etc/pdgate/pdgate.toml"));
     parse(&cmd, &files).unwrap_or_else(|e| panic!("CMD {cmd:?}: {e}"));
     // The documented runs: what follows the image name, or the CMD when nothing does.
-    let mut runs = 0;
-    for line in text.lines() {
-        let Some(run) = line
-            .trim_start_matches('#')
-            .trim()
-            .strip_prefix("docker run ")
-        else {
-            continue;
-        };
-        let words: Vec<&str> = run.split_whitespace().collect();
-        let at = words
-            .iter()
-            .position(|w| *w == "pdgate")
-            .unwrap_or_else(|| panic!("{line}: no image pdgate"));
-        let argv: Vec<String> = match &words[at + 1..] {
-            [] => cmd.clone(),
-            rest => rest.iter().map(|w| w.to_string()).collect(),
-        };
+    let runs = documented_runs(&text, &cmd);
+    for (_, line, argv) in &runs {
         // A mounted file over /etc/pdgate/pdgate.toml is a config like the example one.
-        parse(&argv, &files).unwrap_or_else(|e| panic!("{line}: {e}"));
-        runs += 1;
+        parse(argv, &files).unwrap_or_else(|e| panic!("{line}: {e}"));
     }
-    assert!(runs >= 2, "{runs} documented docker run lines");
+    assert!(
+        runs.len() >= 2,
+        "{} documented docker run lines",
+        runs.len()
+    );
     // A misspelled flag in such a line would fail.
     let bad: Vec<String> = ["sim", "--prefil", "2"].map(String::from).to_vec();
     assert!(parse(&bad, &files).is_err());

@@ -336,7 +336,7 @@ impl<'a> Fleet<'a> {
         {
             return Err("pdgate must run non-root with a read-only root filesystem".into());
         }
-        // The memory limit holds the documented bound (README, "Memory") for this config:
+        // The memory limit holds the documented bound (docs/pools-and-capacity.md, "Memory") for this config:
         // base + byte budget x factor + connections x per-connection cost.
         let limit = c
             .resources

@@ -135,6 +135,14 @@ fn service_monitors(
         if m.spec.endpoints.is_empty() {
             return Err("a ServiceMonitor without endpoints".into());
         }
+        // A stock Operator install picks it up as shipped.
+        let stock = labels_of(STOCK_SERVICEMONITOR_SELECTOR);
+        if !matches(Some(&stock), m.metadata.labels.as_ref()) {
+            return Err(format!(
+                "the ServiceMonitor lacks the labels a stock Prometheus Operator selects: \
+                 {STOCK_SERVICEMONITOR_SELECTOR:?}"
+            ));
+        }
         for e in &m.spec.endpoints {
             let p = spec
                 .ports
@@ -158,14 +166,63 @@ fn service_monitors(
     Ok(())
 }
 
+/// The labels a stock Prometheus Operator install gives its Prometheus pods
+/// (kube-prometheus-stack installed as `kube-prometheus-stack`; kube-prometheus's differ
+/// only in the instance names), and its namespace's (only the name Kubernetes sets).
+const STOCK_PROMETHEUS_POD: &[(&str, &str)] = &[
+    ("app.kubernetes.io/name", "prometheus"),
+    ("app.kubernetes.io/managed-by", "prometheus-operator"),
+    (
+        "app.kubernetes.io/instance",
+        "kube-prometheus-stack-prometheus",
+    ),
+    ("prometheus", "kube-prometheus-stack-prometheus"),
+    (
+        "operator.prometheus.io/name",
+        "kube-prometheus-stack-prometheus",
+    ),
+];
+const STOCK_PROMETHEUS_NAMESPACE: &[(&str, &str)] =
+    &[("kubernetes.io/metadata.name", "monitoring")];
+/// The label kube-prometheus-stack's Prometheus selects ServiceMonitors by (its Helm
+/// release); kube-prometheus selects every ServiceMonitor.
+const STOCK_SERVICEMONITOR_SELECTOR: &[(&str, &str)] = &[("release", "kube-prometheus-stack")];
+
+fn labels_of(l: &[(&str, &str)]) -> Labels {
+    l.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Whether `peer` lets in a stock Prometheus pod from its own namespace (`monitoring`,
+/// which is not pdgate's `ns`): a namespace selector that matches it (an empty one matches
+/// every namespace; none means pdgate's namespace only) and a pod selector that does.
+fn admits(peer: &NetworkPolicyPeer, ns: &Option<String>) -> bool {
+    let selects = |s: &Option<LabelSelector>, l: &Labels| {
+        s.as_ref().is_some_and(|s| {
+            s.match_expressions.as_ref().is_none_or(Vec::is_empty)
+                && s.match_labels
+                    .as_ref()
+                    .is_none_or(|m| m.iter().all(|(k, v)| l.get(k) == Some(v)))
+        })
+    };
+    let ns_ok = match &peer.namespace_selector {
+        None => ns.as_deref() == Some("monitoring"),
+        s => selects(s, &labels_of(STOCK_PROMETHEUS_NAMESPACE)),
+    };
+    ns_ok && selects(&peer.pod_selector, &labels_of(STOCK_PROMETHEUS_POD))
+}
+
 fn network_policies(
     objs: &[Value],
     ns: &Option<String>,
     labels: &Labels,
     c: &Container,
 ) -> Res<()> {
+    // Every peer names the pods it lets in (never an IP block, never every pod), and a
+    // stock Prometheus Operator's Prometheus is one of them.
     let from_monitoring = |peers: &[NetworkPolicyPeer]| {
-        let set = |s: &Option<LabelSelector>| {
+        let pods = |s: &Option<LabelSelector>| {
             s.as_ref()
                 .and_then(|s| s.match_labels.as_ref())
                 .is_some_and(|l| !l.is_empty())
@@ -173,7 +230,8 @@ fn network_policies(
         !peers.is_empty()
             && peers
                 .iter()
-                .all(|p| set(&p.namespace_selector) && set(&p.pod_selector) && p.ip_block.is_none())
+                .all(|p| pods(&p.pod_selector) && p.ip_block.is_none())
+            && peers.iter().any(|p| admits(p, ns))
     };
     for np in of_kind::<NetworkPolicy>(objs, "NetworkPolicy")? {
         let spec = np.spec.ok_or("NetworkPolicy without spec")?;
