@@ -36,7 +36,7 @@ use crate::relay::{LostSeen, PrefillFuture, PrefillWatch, Ready, Trials};
 use crate::request::record::LegTrace;
 use crate::request::{LegFields, ParsedRequest};
 use crate::trace::{Span, SpanKind};
-use crate::types::{Pair, Role, WorkerId};
+use crate::types::{Pair, Role, WorkerId, WorkerIdent};
 use crate::upstream::{LegBody, LegError, LegRequest};
 
 /// The workers the next attempts avoid, by role: those blamed for a failed attempt.
@@ -434,8 +434,10 @@ impl Dispatcher {
         // Traced: each leg names its own span as the engine's parent.
         let prefill_span = leg_span(ctx, "prefill", c.prefill, pt.rank, &mut prefill_req);
         let decode_span = leg_span(ctx, "decode_first_byte", c.decode, dt.rank, &mut decode_req);
-        tracing::debug!(request_id = %ctx.id, prefill = %c.prefill.url, prefill_rank = pt.rank,
-            decode = %c.decode.url, decode_rank = dt.rank, rooms = ?rooms, "dispatch");
+        tracing::debug!(request_id = %ctx.id,
+            prefill_id = %WorkerIdent::new(Role::Prefill, pt.worker), prefill_url = %c.prefill.url, prefill_rank = pt.rank,
+            decode_id = %WorkerIdent::new(Role::Decode, dt.worker), decode_url = %c.decode.url, decode_rank = dt.rank,
+            rooms = ?rooms, "dispatch");
 
         let timeouts = &self.cfg.timeouts;
         let size = req.prompt_size();

@@ -33,7 +33,7 @@ use crate::error::{FailReason, Failure};
 use crate::relay::Ready;
 use crate::request::record::{self, LegTrace, Phase, RequestRecord};
 use crate::request::ParsedRequest;
-use crate::types::Role;
+use crate::types::{Role, WorkerIdent};
 
 use super::attempt::{AttemptFailure, Excluded};
 
@@ -254,10 +254,10 @@ impl Dispatcher {
                 sp.set("pdgate.blamed_worker_id", u64::from(w.0));
             }
         }
-        // The line names the worker blamed (id and URL), when one is.
+        // The line names the worker blamed (its one name and URL), when one is.
         let blamed = af.blame.map(|(role, w)| {
             let url = self.pool.load().worker(role, w).map(|v| v.url.to_string());
-            (role, w, url.unwrap_or_default())
+            (role, WorkerIdent::new(role, w), url.unwrap_or_default())
         });
         let message = match run.purpose {
             Purpose::Answer => "attempt failed",
@@ -269,8 +269,8 @@ impl Dispatcher {
             reason = f.reason.as_str(),
             error = %f.message,
             role = blamed.as_ref().map_or("-", |b| b.0.as_str()),
-            worker_id = ?blamed.as_ref().map(|b| b.1 .0),
-            worker = blamed.as_ref().map_or("-", |b| b.2.as_str()),
+            worker_id = %blamed.as_ref().map_or("-".to_string(), |b| b.1.to_string()),
+            worker_url = blamed.as_ref().map_or("-", |b| b.2.as_str()),
             model = req.scope.as_deref().unwrap_or("-"),
             "{message}"
         );

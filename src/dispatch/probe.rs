@@ -46,7 +46,7 @@ use crate::pool::{BreakerState, RankReadiness, Snapshot};
 use crate::progress::ProbeClaim;
 use crate::request::record::{RequestRecord, Route};
 use crate::request::{self, ApiRoute};
-use crate::types::{Pair, RequestId, Role, Target, WorkerId};
+use crate::types::{Pair, RequestId, Role, Target, WorkerId, WorkerIdent};
 
 /// The probe: one token, greedy, a fixed short prompt.
 const PROBE_BODY: &[u8] =
@@ -112,12 +112,12 @@ impl Dispatcher {
                         w.progress.clear_stalls();
                     }
                     self.pool.report_success(role, worker);
-                    tracing::info!(role = %role, worker = %url, "stalled worker re-admitted: a probe through a real pair succeeded");
+                    tracing::info!(role = %role, worker_id = %WorkerIdent::new(role, worker), worker_url = %url, "stalled worker re-admitted: a probe through a real pair succeeded");
                     return;
                 }
                 Err(f) => {
                     wait = wait.next(f.reason, role, &p);
-                    tracing::info!(role = %role, worker = %url, error = %f, next_ms = wait.wait.as_millis() as u64, "stall probe failed");
+                    tracing::info!(role = %role, worker_id = %WorkerIdent::new(role, worker), worker_url = %url, error = %f, next_ms = wait.wait.as_millis() as u64, "stall probe failed");
                 }
             }
         }

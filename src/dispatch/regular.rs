@@ -50,7 +50,7 @@ use crate::relay::Ready;
 use crate::relay::{Passive, PdBodyParts};
 use crate::request::record::LegTrace;
 use crate::request::ParsedRequest;
-use crate::types::{Pair, Role};
+use crate::types::{Pair, Role, WorkerIdent};
 use crate::upstream::{error_chain, LegBody, LegRequest};
 
 impl Dispatcher {
@@ -160,7 +160,7 @@ impl Dispatcher {
         if let Some(sp) = span.as_mut() {
             sp.set("pdgate.role", "regular");
         }
-        tracing::debug!(request_id = %ctx.id, worker = %w.url, rank = t.rank, "dispatch to a regular worker");
+        tracing::debug!(request_id = %ctx.id, worker_id = %WorkerIdent::new(Role::Regular, t.worker), worker_url = %w.url, rank = t.rank, "dispatch to a regular worker");
         let mut cancel = LegCancel::new(&self.up, &w.url, rid);
         let guard = LoadGuard::new(w, t.rank);
         let timeouts = &self.cfg.timeouts;

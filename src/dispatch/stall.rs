@@ -37,7 +37,7 @@ use crate::error::{FailReason, Failure};
 use crate::legs::PrefillDone;
 use crate::pool::{WorkerStats, WorkerView};
 use crate::progress::{self, Estimate, Kind, Limits, Peers, Verdict, WorkerProgress};
-use crate::types::{DpRank, Pair, Role, WorkerId};
+use crate::types::{DpRank, Pair, Role, WorkerId, WorkerIdent};
 
 /// The limits of one kind of deadline from the config.
 pub fn limits(cfg: &ProgressConfig, kind: Kind) -> Limits {
@@ -311,7 +311,7 @@ impl Dispatcher {
         };
         let n = w.progress.stalled();
         let p = &self.cfg.progress;
-        tracing::warn!(role = %role, worker = %w.url, stalls = n, "leg stalled");
+        tracing::warn!(role = %role, worker_id = %WorkerIdent::new(role, worker), worker_url = %w.url, stalls = n, "leg stalled");
         // The worker's own model's thresholds (a stall concerns the worker).
         let settings = self.settings_of(w.model.as_deref());
         if n >= p.eject_after_stalls && self.pool.eject_stalled(role, worker, &settings.breaker) {

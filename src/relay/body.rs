@@ -350,7 +350,15 @@ impl PdBody {
         let (role, dead) = (self.passive.decode_role, self.passive.decode);
         match m.start(role, dead) {
             Ok(fut) => {
-                tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, role = role.as_str(), "decode failed mid-stream; moving the stream to another worker");
+                let url = self
+                    .passive
+                    .pool
+                    .load()
+                    .worker(role, dead)
+                    .map(|w| w.url.to_string());
+                tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, role = role.as_str(),
+                    worker_id = %crate::types::WorkerIdent::new(role, dead), worker_url = url.as_deref().unwrap_or("-"),
+                    "decode failed mid-stream; moving the stream to another worker");
                 self.passive
                     .pool
                     .report_failure(role, dead, f.reason, &self.passive.cfg);

@@ -45,7 +45,7 @@ async fn a_failed_attempt_names_its_worker() {
     assert!(line.contains("WARN"), "{line}");
     assert!(line.contains(&bad_hostport), "{line}");
     assert!(
-        line.contains("role=\"prefill\"") && line.contains("worker_id=Some(0)"),
+        line.contains("role=\"prefill\"") && line.contains("worker_id=prefill-0"),
         "{line}"
     );
 }
