@@ -153,7 +153,7 @@ impl Dispatcher {
         ex: &Excluded,
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
-        let need = self.capacity_need(req);
+        let need = capacity::need(&self.cfg.capacity, req);
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap = snap;

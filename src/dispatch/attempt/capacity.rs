@@ -16,6 +16,7 @@ use std::pin::Pin;
 use super::AttemptFailure;
 use super::{Dispatcher, ReqCtx};
 use crate::admission::Queued;
+use crate::config::CapacityConfig;
 use crate::error::{FailReason, Failure};
 use crate::pool::capacity::{Limits, Need, Waiter};
 use crate::pool::Snapshot;
@@ -24,20 +25,17 @@ use crate::types::{Role, WorkerId};
 
 const FULL: &str = "every eligible decode rank is at capacity";
 
-impl Dispatcher {
-    /// What `req` needs of a decode rank under the current `[capacity]` settings.
-    pub(in crate::dispatch) fn capacity_need(&self, req: &ParsedRequest) -> Need {
-        let c = &self.cfg.capacity;
-        let limits = Limits {
-            override_per_rank: c.decode_max_running_per_rank,
-            learn_from_engine: c.learn_from_engine,
-            kv_bound: c.kv_bound,
-        };
-        Need {
-            limits,
-            tokens: req.kv_tokens_estimate(),
-            slots: req.instances() as u64,
-        }
+/// What `req` needs of a decode rank under the `[capacity]` settings `c`.
+pub(in crate::dispatch) fn need(c: &CapacityConfig, req: &ParsedRequest) -> Need {
+    let limits = Limits {
+        override_per_rank: c.decode_max_running_per_rank,
+        learn_from_engine: c.learn_from_engine,
+        kv_bound: c.kv_bound,
+    };
+    Need {
+        limits,
+        tokens: req.kv_tokens_estimate(),
+        slots: req.instances() as u64,
     }
 }
 
