@@ -432,3 +432,57 @@ fn the_architecture_table_is_the_import_graph() {
         wrong.join("\n")
     );
 }
+
+/// A type's inherent `impl` blocks live in one folder (its own concept's): no
+/// `impl Dispatcher { .. }` in another folder than the dispatcher's. Trait impls
+/// (`impl Trait for T`) may live with the trait.
+#[test]
+fn a_types_impl_lives_in_one_folder() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for (dir, _) in folders(&root.join("src")) {
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            if p.is_file() && name.ends_with(".rs") && !test_file(&name) {
+                files.push(p);
+            }
+        }
+    }
+    let mut homes: BTreeMap<String, BTreeSet<PathBuf>> = BTreeMap::new();
+    for f in &files {
+        let text = production_text(&std::fs::read_to_string(f).unwrap_or_default());
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix("impl") else {
+                continue;
+            };
+            // `impl<T> Name<T> {` or `impl Name {`; not `impl Trait for Name {`.
+            let rest = match rest.strip_prefix('<') {
+                Some(r) => r.split_once('>').map_or("", |(_, r)| r),
+                None => rest,
+            };
+            if !rest.starts_with(' ') || rest.contains(" for ") || !rest.trim_end().ends_with('{') {
+                continue;
+            }
+            let name = ident_at(rest.trim_start());
+            if !name.is_empty() {
+                let dir = f.parent().map(Path::to_path_buf).unwrap_or_default();
+                homes.entry(name).or_default().insert(dir);
+            }
+        }
+    }
+    assert!(
+        homes.contains_key("Dispatcher") && homes.contains_key("PdBody"),
+        "{homes:?}"
+    );
+    let spread: Vec<String> = homes
+        .iter()
+        .filter(|(_, dirs)| dirs.len() > 1)
+        .map(|(t, dirs)| format!("{t}: {dirs:?}"))
+        .collect();
+    assert!(
+        spread.is_empty(),
+        "impls of one type in several folders:\n{}",
+        spread.join("\n")
+    );
+}
