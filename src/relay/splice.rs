@@ -31,11 +31,7 @@
 //! Invariants: bytes pass unchanged unless a rewrite is needed; one event in gives at most
 //! one event out; `[DONE]` and comments pass as they are; an abort is never accounted.
 
-use std::borrow::Cow;
-
 use bytes::Bytes;
-use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::legs::{abort_in_answer, InAnswer};
@@ -43,7 +39,9 @@ use crate::request::continuation::{Plan, Sent};
 use crate::request::ApiRoute;
 use crate::skim;
 
+mod chunk;
 mod events;
+use chunk::{choices, count, cut_member, cut_range, note, push_event, GenChunk, Replace};
 use events::{events, payload_with};
 
 /// How an engine streams `/generate`.
@@ -115,133 +113,6 @@ pub struct Tracker {
 pub struct Aborted {
     pub before: Bytes,
     pub abort: InAnswer,
-}
-
-#[derive(Deserialize)]
-struct GenChunk<'a> {
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
-    #[serde(default)]
-    output_ids: Option<Vec<i64>>,
-    #[serde(borrow, default)]
-    meta_info: Option<GenMeta<'a>>,
-}
-
-#[derive(Deserialize)]
-struct GenMeta<'a> {
-    #[serde(default)]
-    completion_tokens: Option<u64>,
-    #[serde(default)]
-    prompt_tokens: Option<u64>,
-    #[serde(borrow, default)]
-    finish_reason: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    id: Option<Cow<'a, str>>,
-}
-
-/// Whether the chunk `data` holds a choice: `Some(true)` when its (first) `"choices"` key
-/// has an array that is not empty, `Some(false)` when it has none (no key, `[]`, `null`),
-/// `None` when it is something else. Engines write no other `"choices"` key before the
-/// chunk's own.
-fn choices(data: &[u8]) -> Option<bool> {
-    static CHOICES: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-        std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"choices\""));
-    let Some(k) = CHOICES.find(data) else {
-        return Some(false);
-    };
-    let colon = skim::ws(data, k + 9);
-    if data.get(colon) != Some(&b':') {
-        return None;
-    }
-    let v = skim::ws(data, colon + 1);
-    match data.get(v)? {
-        b'[' => Some(data.get(skim::ws(data, v + 1))? != &b']'),
-        b'n' => (data.get(v..v + 4) == Some(b"null")).then_some(false),
-        _ => None,
-    }
-}
-
-/// One event's count into `cur`: the engine's completion tokens so far when it reported
-/// them; else whether it relayed text the engine has not counted (see
-/// `Tracker::uncounted`).
-fn count(cur: &mut Sent, uncounted: &mut bool, completion_tokens: Option<u64>, text_relayed: bool) {
-    match completion_tokens {
-        Some(n) => {
-            cur.completion_tokens = n;
-            *uncounted = false;
-        }
-        None => *uncounted |= text_relayed,
-    }
-}
-
-/// The bytes of `data` that go when the member at `member` (from its key's opening quote to
-/// the end of its value, as [`skim::Chunk::usage_member`] gives) is cut out: the member and
-/// the comma before it, or, for the first member, the comma after it (with the whitespace
-/// around). `None` when `member` is not in `data`.
-fn cut_range(data: &[u8], member: std::ops::Range<usize>) -> Option<std::ops::Range<usize>> {
-    let before = data.get(..member.start)?.trim_ascii_end();
-    let after = data.get(member.end..)?;
-    Some(match before.strip_suffix(b",") {
-        Some(b) => b.len()..member.end,
-        None => {
-            // The first member: drop the comma after it instead.
-            let rest = after.trim_ascii_start();
-            let rest = rest.strip_prefix(b",").unwrap_or(rest);
-            before.len()..data.len() - rest.len()
-        }
-    })
-}
-
-/// `data` without the member at `member` and the comma that joined it ([`cut_range`]).
-fn cut_member(out: &mut Vec<u8>, data: &[u8], member: std::ops::Range<usize>) {
-    match cut_range(data, member) {
-        Some(r) => {
-            out.extend_from_slice(&data[..r.start]);
-            out.extend_from_slice(&data[r.end..]);
-        }
-        None => out.extend_from_slice(data),
-    }
-}
-
-/// What becomes of one data payload (see [`Tracker::relay`]).
-enum Replace {
-    /// Forwarded as it is.
-    Keep,
-    /// Dropped.
-    Drop,
-    /// Replaced by these bytes.
-    With(Vec<u8>),
-    /// Forwarded without this member (and the comma that joined it).
-    Cut(std::ops::Range<usize>),
-}
-
-impl From<Option<Option<Vec<u8>>>> for Replace {
-    fn from(r: Option<Option<Vec<u8>>>) -> Replace {
-        match r {
-            None => Replace::Keep,
-            Some(None) => Replace::Drop,
-            Some(Some(d)) => Replace::With(d),
-        }
-    }
-}
-
-/// What a choice showed that stops a move (the last one shown wins).
-fn note(stop: &mut Option<Stop>, f: skim::Flags) {
-    if f.tool_call {
-        *stop = Some("a tool call was in progress");
-    }
-    if f.reasoning {
-        *stop = Some("reasoning was in progress");
-    }
-    if f.finish {
-        *stop = Some(COMPLETE);
-    }
-}
-
-fn push_event(out: &mut Vec<u8>, data: &[u8]) {
-    out.extend_from_slice(b"data: ");
-    out.extend_from_slice(data);
-    out.extend_from_slice(b"\n\n");
 }
 
 impl Tracker {
