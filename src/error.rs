@@ -10,7 +10,7 @@ use bytes::Bytes;
 use crate::types::Role;
 use http::{header, HeaderValue, Response, StatusCode};
 
-use crate::body::{full_body, RespBody};
+use crate::body::RespBody;
 
 /// The reason a request failed. `as_str` is the error `type` and the metrics label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -441,13 +441,8 @@ impl Failure {
     /// The complete HTTP response for a failure before headers.
     pub fn into_response(self, request_id: Option<&HeaderValue>) -> Response<RespBody> {
         let status = self.status();
-        let mut resp = Response::new(full_body(self.json()));
-        *resp.status_mut() = status;
+        let mut resp = crate::body::whole_response(status, crate::body::JSON, self.json());
         let h = resp.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
         if matches!(
             status,
             StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS

@@ -18,7 +18,7 @@ use http::{header, HeaderValue, Method, Request, Response};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::body::{full_body, RespBody};
+use crate::body::RespBody;
 use crate::error::{FailReason, Failure};
 use crate::pool::Pool;
 
@@ -67,10 +67,7 @@ impl MetricsListener {
 }
 
 fn text(ctype: &'static str, body: String) -> Response<RespBody> {
-    let mut r = Response::new(full_body(body));
-    r.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static(ctype));
-    r
+    crate::body::whole_response(http::StatusCode::OK, ctype, body)
 }
 
 /// The whole API: two paths.

@@ -17,7 +17,7 @@ use http_body_util::{BodyExt, Limited};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::body::{full_body, RespBody};
+use crate::body::{whole_response, RespBody};
 use crate::bootstrap::ownership::UNPROVED;
 use crate::error::{FailReason, Failure};
 use crate::fleet::{Fleet, FleetError, Removed, WorkerSpec};
@@ -74,23 +74,11 @@ fn route(path: &str) -> Option<(Route, &'static [Method])> {
 }
 
 fn json_response(status: StatusCode, v: &Value) -> Response<RespBody> {
-    let mut r = Response::new(full_body(v.to_string()));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    r
+    whole_response(status, crate::body::JSON, v.to_string())
 }
 
 fn text_response(status: StatusCode, text: String) -> Response<RespBody> {
-    let mut r = Response::new(full_body(text));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    r
+    whole_response(status, "text/plain; charset=utf-8", text)
 }
 
 fn fail(reason: FailReason, message: impl Into<String>) -> Failure {
@@ -192,12 +180,11 @@ impl Api {
         match r {
             Route::Metrics => {
                 let text = crate::telemetry::render(&**self.fleet.pool());
-                let mut resp = Response::new(full_body(text));
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static(crate::telemetry::CONTENT_TYPE),
-                );
-                Ok(resp)
+                Ok(whole_response(
+                    StatusCode::OK,
+                    crate::telemetry::CONTENT_TYPE,
+                    text,
+                ))
             }
             // The process serves: what a liveness probe asks (not behind the front door's
             // connection limit, and answered while a drain runs).
@@ -674,44 +661,4 @@ pub async fn serve(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn query_components_are_decoded() {
-        let q = query(Some(
-            "url=http%3A%2F%2Fh%3A1&worker_type=prefill&x=a+b&url=second&flag",
-        ))
-        .unwrap_or_default();
-        assert_eq!(q["url"], "http://h:1", "the first of a name wins");
-        assert_eq!(q["worker_type"], "prefill");
-        assert_eq!(q["x"], "a b");
-        assert_eq!(q["flag"], "");
-        assert!(query(Some("url=%zz")).is_err());
-        assert!(query(Some("url=%e2%82")).is_err(), "not UTF-8");
-    }
-
-    #[test]
-    fn routes_and_their_methods() {
-        let table = [
-            ("/metrics", true),
-            ("/liveness", true),
-            ("/readiness", true),
-            ("/workers", true),
-            ("/workers/", true),
-            ("/workers/prefill-1", true),
-            ("/workers/prefill-1/drain", true),
-            ("/workers/prefill-1/undrain", true),
-            ("/workers/prefill-1/other", false),
-            ("/config", true),
-            ("/add_worker", true),
-            ("/remove_worker", true),
-            ("/list_workers", true),
-            ("/", false),
-            ("/generate", false),
-        ];
-        for (p, known) in table {
-            assert_eq!(route(p).is_some(), known, "{p}");
-        }
-    }
-}
+mod tests;

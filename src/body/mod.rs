@@ -25,6 +25,25 @@ pub fn full_body(b: impl Into<Bytes>) -> RespBody {
         .boxed_unsync()
 }
 
+/// The `Content-Type` of JSON answers.
+pub const JSON: &str = "application/json";
+
+/// A whole answer: `status`, `Content-Type: content_type`, and `b` (every JSON, text and
+/// `/metrics` answer pdgate writes itself is made here).
+pub fn whole_response(
+    status: http::StatusCode,
+    content_type: &'static str,
+    b: impl Into<Bytes>,
+) -> http::Response<RespBody> {
+    let mut r = http::Response::new(full_body(b));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(content_type),
+    );
+    r
+}
+
 /// Bodies of at least this many bytes are read (validated, parsed) on the blocking pool by
 /// [`off_loop`]. Reading JSON runs at roughly a gigabyte a second, so a maximum-size request
 /// body held the event loop, and every request on it, for tens of milliseconds

@@ -11,7 +11,7 @@ use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 use crate::admission::Admission;
 use crate::auth::ClientKeys;
-use crate::body::{full_body, RespBody};
+use crate::body::{whole_response, RespBody, JSON};
 use crate::config::Config;
 use crate::dispatch::Dispatcher;
 use crate::error::Failure;
@@ -75,12 +75,7 @@ pub(super) fn json_response(
     body: impl Into<Bytes>,
     rid: &HeaderValue,
 ) -> Response<RespBody> {
-    let mut r = Response::new(full_body(body));
-    *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    let mut r = whole_response(status, JSON, body);
     r.headers_mut().insert(REQUEST_ID, rid.clone());
     r
 }

@@ -29,7 +29,7 @@ use hyper::body::Incoming;
 
 use super::app::{forward_headers, json_response, reject, App};
 use crate::admission::Admission;
-use crate::body::{full_body, RespBody};
+use crate::body::RespBody;
 use crate::dispatch::{Dispatcher, ReqCtx};
 use crate::error::{FailReason, Failure};
 use crate::memory::Charge;
@@ -234,12 +234,11 @@ impl App {
             Endpoint::Readiness => rec.answer(self.readiness(&rid_header)),
             Endpoint::Metrics => {
                 let text = crate::telemetry::render(&*d.pool);
-                let mut r = Response::new(full_body(text));
-                r.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static(crate::telemetry::CONTENT_TYPE),
-                );
-                rec.answer(r)
+                rec.answer(crate::body::whole_response(
+                    StatusCode::OK,
+                    crate::telemetry::CONTENT_TYPE,
+                    text,
+                ))
             }
             Endpoint::Sglang(c) => self.sglang(d.clone(), c, req, rid_header, rec).await,
             Endpoint::Models => match self.keys.identify(req.headers()) {
