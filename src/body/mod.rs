@@ -25,6 +25,48 @@ pub fn full_body(b: impl Into<Bytes>) -> RespBody {
         .boxed_unsync()
 }
 
+/// A response body that holds `guard` until the body ends (its last frame) or is dropped:
+/// what a request holds for its response's whole life (its record, accounted when it is
+/// released; its connection's stream slot). The one pass-through body wrapper.
+pub struct Guarded<G> {
+    inner: RespBody,
+    guard: Option<G>,
+}
+
+impl<G> Guarded<G> {
+    pub fn new(inner: RespBody, guard: G) -> Guarded<G> {
+        Guarded {
+            inner,
+            guard: Some(guard),
+        }
+    }
+}
+
+impl<G: Unpin> hyper::body::Body for Guarded<G> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let r = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        if matches!(r, std::task::Poll::Ready(None)) || this.inner.is_end_stream() {
+            this.guard = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// The `Content-Type` of JSON answers.
 pub const JSON: &str = "application/json";
 

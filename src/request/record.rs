@@ -14,19 +14,15 @@
 //! - Per request, metrics cost cached handle lookups only: every (route, outcome) handle is
 //!   registered once, at its first use, in the static tables below.
 
-use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
-use hyper::body::{Body, Frame, SizeHint};
 use metrics::{Counter, Histogram};
 use tokio::time::Instant;
 
 use super::ApiRoute;
-use crate::body::{BoxError, RespBody};
+use crate::body::RespBody;
 use crate::error::FailReason;
 use crate::telemetry::{self, access, AtomicHistogram};
 use crate::types::{DpRank, RequestId};
@@ -220,10 +216,7 @@ impl RequestRecord {
         self.set_status(resp.status());
         self.finish(Outcome::Ok);
         resp.map(|inner| {
-            http_body_util::BodyExt::boxed_unsync(Recorded {
-                inner,
-                record: Some(self),
-            })
+            http_body_util::BodyExt::boxed_unsync(crate::body::Guarded::new(inner, self))
         })
     }
 
@@ -320,37 +313,6 @@ impl Drop for RequestRecord {
         if let Some(t) = self.trace.take() {
             self.end_trace(t, outcome);
         }
-    }
-}
-
-/// A response body carrying its request's record until it ends.
-struct Recorded {
-    inner: RespBody,
-    record: Option<RequestRecord>,
-}
-
-impl Body for Recorded {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = &mut *self;
-        let r = Pin::new(&mut this.inner).poll_frame(cx);
-        if matches!(r, Poll::Ready(None)) || this.inner.is_end_stream() {
-            this.record = None;
-        }
-        r
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 

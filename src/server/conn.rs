@@ -21,13 +21,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use hyper::body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use crate::body::{BoxError, RespBody};
 use crate::error::{FailReason, Failure};
 
 /// The HTTP/2 connection preface's first bytes (RFC 9113 §3.4); no HTTP/1 method is `PRI`.
@@ -269,38 +266,6 @@ impl Drop for StreamGuard {
         let ms = a.start.elapsed().as_millis() as u64;
         a.idle_since_ms.store(ms, Ordering::Release);
         a.active.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// A response body that holds its stream's [`StreamGuard`] until it ends.
-pub struct Tracked {
-    inner: RespBody,
-    _stream: StreamGuard,
-}
-
-impl Tracked {
-    pub fn wrap(inner: RespBody, stream: StreamGuard) -> Tracked {
-        Tracked {
-            inner,
-            _stream: stream,
-        }
-    }
-}
-
-impl Body for Tracked {
-    type Data = Bytes;
-    type Error = BoxError;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 

@@ -205,9 +205,9 @@ async fn serve(
             let resp = app.handle(req).await;
             Ok::<_, std::convert::Infallible>(match stream {
                 None => resp,
-                Some(g) => {
-                    resp.map(|b| http_body_util::BodyExt::boxed_unsync(conn::Tracked::wrap(b, g)))
-                }
+                Some(g) => resp.map(|b| {
+                    http_body_util::BodyExt::boxed_unsync(crate::body::Guarded::new(b, g))
+                }),
             })
         }
     });
