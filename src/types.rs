@@ -68,6 +68,12 @@ impl WorkerIdent {
     }
 }
 
+impl serde::Serialize for WorkerIdent {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl fmt::Display for WorkerIdent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}-{}", self.role.as_str(), self.id.0)

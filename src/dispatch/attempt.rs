@@ -33,7 +33,7 @@ use crate::pool::{
     WorkerView,
 };
 use crate::relay::{LostSeen, PrefillFuture, PrefillWatch, Ready, Trials};
-use crate::request::record::LegTrace;
+use crate::request::record::{LegAt, LegTrace};
 use crate::request::{LegFields, ParsedRequest};
 use crate::trace::{Span, SpanKind};
 use crate::types::{Pair, Role, WorkerId, WorkerIdent};
@@ -197,19 +197,27 @@ impl Dispatcher {
         if let Some(mut sp) = pick {
             sp.set(
                 "pdgate.prefill.worker_id",
-                u64::from(chosen.pair.prefill.worker.0),
+                WorkerIdent::new(Role::Prefill, chosen.pair.prefill.worker).to_string(),
             );
             sp.set("pdgate.prefill.dp_rank", chosen.pair.prefill.rank);
             sp.set(
                 "pdgate.decode.worker_id",
-                u64::from(chosen.pair.decode.worker.0),
+                WorkerIdent::new(Role::Decode, chosen.pair.decode.worker).to_string(),
             );
             sp.set("pdgate.decode.dp_rank", chosen.pair.decode.rank);
             sp.set("pdgate.queued", queued.is_some());
         }
         *trace = LegTrace {
-            prefill: Some((chosen.prefill.url.clone(), chosen.pair.prefill.rank)),
-            decode: Some((chosen.decode.url.clone(), chosen.pair.decode.rank)),
+            prefill: Some(LegAt {
+                worker: WorkerIdent::new(Role::Prefill, chosen.pair.prefill.worker),
+                url: chosen.prefill.url.clone(),
+                rank: chosen.pair.prefill.rank,
+            }),
+            decode: Some(LegAt {
+                worker: WorkerIdent::new(Role::Decode, chosen.pair.decode.worker),
+                url: chosen.decode.url.clone(),
+                rank: chosen.pair.decode.rank,
+            }),
             room: None,
         };
         let mut chosen = chosen;
@@ -516,7 +524,10 @@ pub(super) fn leg_span(
     leg: &mut LegRequest,
 ) -> Option<Span> {
     let mut sp = span(ctx, name, SpanKind::Client)?;
-    sp.set("pdgate.worker_id", u64::from(w.id.0));
+    sp.set(
+        "pdgate.worker_id",
+        WorkerIdent::new(w.role, w.id).to_string(),
+    );
     sp.set("pdgate.dp_rank", rank);
     sp.set("server.address", w.url.to_string());
     if let Some(tp) = sp.traceparent() {

@@ -251,7 +251,10 @@ impl Dispatcher {
             sp.fail(f.reason.as_str());
             if let Some((role, w)) = af.blame {
                 sp.set("pdgate.blamed_role", role.as_str());
-                sp.set("pdgate.blamed_worker_id", u64::from(w.0));
+                sp.set(
+                    "pdgate.blamed_worker_id",
+                    WorkerIdent::new(role, w).to_string(),
+                );
             }
         }
         // The line names the worker blamed (its one name and URL), when one is.

@@ -48,7 +48,7 @@ use crate::pool::{LoadGuard, Snapshot};
 use crate::relay::sse::{Scan, SseScanner};
 use crate::relay::Ready;
 use crate::relay::{Passive, PdBodyParts};
-use crate::request::record::LegTrace;
+use crate::request::record::{LegAt, LegTrace};
 use crate::request::ParsedRequest;
 use crate::types::{Pair, Role, WorkerIdent};
 use crate::upstream::{error_chain, LegBody, LegRequest};
@@ -149,7 +149,11 @@ impl Dispatcher {
     ) -> Result<Ready, AttemptFailure> {
         *trace = LegTrace {
             prefill: None,
-            decode: Some((w.url.clone(), t.rank)),
+            decode: Some(LegAt {
+                worker: WorkerIdent::new(Role::Regular, t.worker),
+                url: w.url.clone(),
+                rank: t.rank,
+            }),
             room: None,
         };
         let rid = ctx.id.leg_rid(attempt_no, 'r');

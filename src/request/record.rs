@@ -25,7 +25,7 @@ use super::ApiRoute;
 use crate::body::RespBody;
 use crate::error::FailReason;
 use crate::telemetry::{self, access, AtomicHistogram};
-use crate::types::{DpRank, RequestId};
+use crate::types::{DpRank, RequestId, WorkerIdent};
 use crate::upstream::BaseUrl;
 
 /// The endpoint a request hit.
@@ -72,9 +72,17 @@ impl Outcome {
 /// The last attempt's legs (the access log's prefill, decode and room).
 #[derive(Debug, Default)]
 pub struct LegTrace {
-    pub prefill: Option<(BaseUrl, DpRank)>,
-    pub decode: Option<(BaseUrl, DpRank)>,
+    pub prefill: Option<LegAt>,
+    pub decode: Option<LegAt>,
     pub room: Option<u64>,
+}
+
+/// Where a leg went: its worker's one name, its URL and the DP rank.
+#[derive(Clone, Debug)]
+pub struct LegAt {
+    pub worker: WorkerIdent,
+    pub url: BaseUrl,
+    pub rank: DpRank,
 }
 
 /// One request's account (see the module docs).
@@ -260,10 +268,12 @@ impl RequestRecord {
                 Outcome::Ok => None,
                 Outcome::Failed(r) => Some(r.as_str()),
             },
-            prefill: self.legs.prefill.as_ref().map(|(u, _)| u.as_str()),
-            prefill_rank: self.legs.prefill.as_ref().map(|(_, r)| *r),
-            decode: self.legs.decode.as_ref().map(|(u, _)| u.as_str()),
-            decode_rank: self.legs.decode.as_ref().map(|(_, r)| *r),
+            prefill: self.legs.prefill.as_ref().map(|l| l.url.as_str()),
+            prefill_id: self.legs.prefill.as_ref().map(|l| l.worker),
+            prefill_rank: self.legs.prefill.as_ref().map(|l| l.rank),
+            decode: self.legs.decode.as_ref().map(|l| l.url.as_str()),
+            decode_id: self.legs.decode.as_ref().map(|l| l.worker),
+            decode_rank: self.legs.decode.as_ref().map(|l| l.rank),
             room: self.legs.room.map(|r| r.to_string()),
             attempts: self.attempts,
             moves: self.moves,

@@ -50,10 +50,13 @@ pub struct AccessLine<'a> {
     /// `null` on success, else the failure's error type (`client_disconnected` when the
     /// client went away, also mid-stream).
     pub fail_reason: Option<&'a str>,
-    /// The last attempt's prefill worker (URL) and DP rank.
+    /// The last attempt's prefill worker (URL, its one name `prefill-N`) and DP rank.
     pub prefill: Option<&'a str>,
+    pub prefill_id: Option<crate::types::WorkerIdent>,
     pub prefill_rank: Option<u32>,
+    /// The decode (or regular) worker that answered, likewise.
     pub decode: Option<&'a str>,
+    pub decode_id: Option<crate::types::WorkerIdent>,
     pub decode_rank: Option<u32>,
     /// The last attempt's (first) bootstrap room.
     pub room: Option<String>,
@@ -183,8 +186,13 @@ mod tests {
                 status: 200,
                 fail_reason: None,
                 prefill: Some("http://p:1"),
+                prefill_id: Some(crate::types::WorkerIdent::new(
+                    crate::types::Role::Prefill,
+                    crate::types::WorkerId(3),
+                )),
                 prefill_rank: Some(1),
                 decode: None,
+                decode_id: None,
                 decode_rank: None,
                 room: Some(u64::MAX.to_string()),
                 attempts: 1,
@@ -202,7 +210,8 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
         assert_eq!(v["request_id"], "r\"1");
         assert_eq!(v["room"], u64::MAX.to_string());
-        assert!(v["decode"].is_null());
+        assert!(v["decode"].is_null() && v["decode_id"].is_null());
+        assert_eq!(v["prefill_id"], "prefill-3", "the worker's one name");
         assert!(v["timestamp"].as_str().unwrap().ends_with('Z'), "{v}");
     }
 }

@@ -112,7 +112,7 @@ type Req<'a> = (&'a str, &'a str, &'a str, &'a str, &'a str);
 type Want<'a> = (u16, &'a str, Option<&'a str>, Option<bool>);
 
 /// The keys every line has, whatever happened.
-const KEYS: [&str; 17] = [
+const KEYS: [&str; 19] = [
     "request_id",
     "id",
     "route",
@@ -120,8 +120,10 @@ const KEYS: [&str; 17] = [
     "status",
     "fail_reason",
     "prefill",
+    "prefill_id",
     "prefill_rank",
     "decode",
+    "decode_id",
     "decode_rank",
     "room",
     "attempts",
@@ -156,6 +158,8 @@ fn assert_legs(v: &Value, env: &Env, prefill_dp: u64) {
     let rank = v["prefill_rank"].as_u64().unwrap();
     assert!(rank < prefill_dp, "{v}");
     assert_eq!(v["decode_rank"], 0, "{v}");
+    assert_eq!(v["decode_id"], "decode-0", "the decode's one name: {v}");
+    assert_eq!(v["prefill_id"], "prefill-0", "the prefill's one name: {v}");
     let room: u64 = v["room"].as_str().unwrap().parse().unwrap();
     assert_eq!(room % prefill_dp, rank, "{v}");
 }
