@@ -194,11 +194,13 @@ impl PerModel {
     }
 
     /// Whether no model has settings of its own.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
     /// The own state of `model`, when it has settings of its own.
+    #[cfg(test)]
     pub fn get(&self, model: Option<&str>) -> Option<&ModelState> {
         self.settings_of(model).map(|(s, _)| s)
     }

@@ -138,7 +138,7 @@ impl Moves for Follow {
     /// With stall detection on, the bound is what the decode's (worker, rank) and its peers
     /// taught ([`Dispatcher::gap_deadline`]: `progress.multiplier` × the largest
     /// recent gap of streams that ended well), at most `retry.mid_stream_gap_ceiling_ms`.
-    fn gap(&self, _tracker: &Tracker, at: &Passive) -> Option<Duration> {
+    fn gap(&self, at: &Passive) -> Option<Duration> {
         if self.moves_left == 0 {
             return None;
         }

@@ -22,7 +22,7 @@ pub type MoveFuture = Pin<Box<dyn Future<Output = Result<(Ready, LegTrace), Fail
 pub trait Moves: Send {
     /// The longest silence after which the decode at `at` is taken for stalled and the
     /// stream moved; `None` when no move is left.
-    fn gap(&self, tracker: &Tracker, at: &Passive) -> Option<Duration>;
+    fn gap(&self, at: &Passive) -> Option<Duration>;
     /// Starts moving the stream off `dead` (the decode or regular worker, by `role`, that
     /// just failed), from what `tracker` says was sent; `Err` says why it cannot be moved.
     fn start(
@@ -50,7 +50,7 @@ impl Mover {
         if self.tracker.stopped().is_some() {
             return None;
         }
-        self.moves.gap(&self.tracker, at)
+        self.moves.gap(at)
     }
 
     pub fn route(&self) -> ApiRoute {
