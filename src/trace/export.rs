@@ -113,7 +113,10 @@ struct Run {
 impl Run {
     async fn run(mut self, mut rx: mpsc::Receiver<SpanData>, stop: Arc<Notify>) {
         let mut batch: Vec<SpanData> = Vec::with_capacity(self.max_batch);
-        let mut tick = tokio::time::interval(self.interval);
+        // The first tick one interval from now, not at once: a task first polled after
+        // spans were queued would otherwise send them before their interval had passed.
+        let start = tokio::time::Instant::now() + self.interval;
+        let mut tick = tokio::time::interval_at(start, self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let room = self.max_batch - batch.len();

@@ -117,3 +117,38 @@ fn a_full_queue_drops_and_counts_without_waiting() {
     let kept = std::iter::from_fn(|| rx.try_recv().ok()).count();
     assert_eq!(kept, 2);
 }
+
+/// A span queued before the exporter task first runs waits for its interval: the first
+/// tick is one interval after start, not at once. (Before, the task's first poll could
+/// take the span and the immediate tick together and send it at once; the select's
+/// branch order is random, so the scenario runs several times.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_span_queued_before_the_exporter_runs_waits_for_its_interval() {
+    // A closed port: an export that happens fails at once and is counted as dropped.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    for _ in 0..12 {
+        let cfg = crate::config::TraceConfig {
+            enabled: true,
+            endpoint: format!("http://127.0.0.1:{port}"),
+            export_interval_ms: 600_000,
+            export_timeout_ms: 2_000,
+            ..Default::default()
+        };
+        // On a current-thread runtime the spawned task has not run yet.
+        let (t, exporter) = super::export::start(&cfg);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let r = t
+            .start_request(&headers(None), "r".into(), &mut rng)
+            .unwrap();
+        r.finish(200, None);
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let stats = exporter.stats();
+        assert_eq!(stats.exported.load(Ordering::Relaxed), 0);
+        assert_eq!(stats.dropped.load(Ordering::Relaxed), 0, "sent before its interval");
+        // Shutdown sends it (and the closed port drops it, counted).
+        exporter.shutdown().await;
+        assert_eq!(exporter.stats().dropped.load(Ordering::Relaxed), 1);
+    }
+}

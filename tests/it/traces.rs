@@ -313,7 +313,7 @@ async fn queued_spans_are_flushed_at_shutdown() {
     assert_eq!(status, 200);
     // Let the request's last spans reach the queue (the body's end drops its record).
     tokio::time::sleep(Duration::from_millis(100)).await;
-    // The interval's first tick fired at start, with nothing to send.
+    // The interval's first tick is one interval after start: nothing is sent before.
     assert!(col.trace(TRACE).is_empty(), "{:#?}", col.trace(TRACE));
     tokio::time::timeout(Duration::from_secs(10), env.router.shutdown())
         .await
