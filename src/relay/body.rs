@@ -37,45 +37,169 @@ use crate::admission::Slot;
 use crate::body::{BoxError, RespBody};
 use crate::error::{FailReason, Failure};
 use crate::legs::LegCancel;
-use crate::pool::LoadGuard;
+use crate::pool::{LoadGuard, TrialGuard};
 use crate::request::record::{self, Outcome, Phase, RequestRecord};
 use crate::types::Role;
 use crate::upstream::LegBody;
 
 /// The client's response body: decode's bytes, watched.
 pub struct PdBody {
-    pending: Option<Bytes>,
-    decode: Option<LegBody>,
-    decode_cancel: LegCancel,
-    _decode_guard: LoadGuard,
-    sse: Option<SseScanner>,
-    prefill: Option<PrefillWatch>,
-    /// See [`PdBodyParts::prefill_trial`].
-    prefill_trial: Option<crate::pool::TrialGuard>,
-    /// Fires `idle_for` after the last decode bytes; re-armed lazily (only when it fires
-    /// early), so that a frame costs a clock read, not a timer-wheel update.
-    idle: Pin<Box<Sleep>>,
-    idle_for: Duration,
-    /// `timeouts.stream_idle`: the bound once no move is left (`idle_for` is the shorter
-    /// mid-stream gap while a stall can still be moved).
-    stream_idle: Duration,
-    /// A continuable stream's account and its way to another decode (through [`super::mover::Moves`], which `dispatch::moves` implements).
+    /// Where the response is: relaying a pair's decode, moving to a new pair, or ended.
+    state: State,
+    /// How long the decode may be silent.
+    idle: IdleWatch,
+    /// A continuable stream's account and its way to another decode (through
+    /// [`super::mover::Moves`], which `dispatch::moves` implements).
     mover: Option<Box<Mover>>,
-    /// A move under way, and why it was made.
-    moving: Option<(MoveFuture, &'static str)>,
-    /// The move failed: its failure is not the current pair's to report.
-    moved_failed: bool,
-    last_data: tokio::time::Instant,
-    record: RequestRecord,
+    /// Where the pair's failures are reported (the dead pair's while a move is under way).
     passive: Passive,
+    /// The response is an SSE stream (for its whole life, moves included): a failure ends
+    /// it with an error event, and each write is an event whose time is recorded.
+    events: bool,
+    record: RequestRecord,
     /// The request's admission slot: released with this body, or handed to a prefill leg
     /// still running when decode's answer is complete.
     slot: Option<Slot>,
-    done: bool,
     /// What goes out: a slice at a time, at the merge rate when the stream repeats input
     /// logprobs ([`crate::body::Outflow`]).
     out: crate::body::Outflow,
 }
+
+/// Where a response is. `Relaying` → `Ended` is the common life; a continuable stream
+/// goes `Relaying` → `Moving` → `Relaying` once per move, or `Moving` → `Ended` when the
+/// move fails. Nothing is read once `Ended`.
+// `Relaying` is the state nearly every response lives and dies in, and the body is boxed
+// once already: boxing the legs would cost each request an allocation to make two rare
+// states smaller.
+#[allow(clippy::large_enum_variant)]
+enum State {
+    /// A pair's decode streams to the client.
+    Relaying(Legs),
+    /// The decode died or stalled; a follow-up attempt finds the stream a new pair.
+    Moving(Moving),
+    /// The answer is complete, or the response failed.
+    Ended,
+}
+
+/// The live pair: what the relay reads and what it must finish or cancel.
+struct Legs {
+    /// Bytes to relay before the decode is read again (the attempt's first bytes).
+    pending: Option<Bytes>,
+    decode: LegBody,
+    /// Aborts the decode's request on its engine when dropped armed.
+    cancel: LegCancel,
+    /// The decode rank's load counter.
+    _guard: LoadGuard,
+    /// Cuts an SSE decode stream into events; `None`: bytes pass as they come.
+    sse: Option<SseScanner>,
+    /// The prefill leg, while it still runs.
+    prefill: Option<PrefillWatch>,
+    /// See [`PdBodyParts::prefill_trial`].
+    prefill_trial: Option<TrialGuard>,
+}
+
+impl Legs {
+    /// The decode's stream ended and every event it sent has been merged.
+    fn decode_ended(&self) -> bool {
+        self.decode.is_end_stream() && !self.sse.as_ref().is_some_and(SseScanner::holds)
+    }
+}
+
+/// A move under way.
+struct Moving {
+    fut: MoveFuture,
+    /// Why it moves (the `reason` of `pdgate_stream_moves_total`).
+    why: &'static str,
+    /// What the dead pair still holds (its decode's cancel, its rank's load counter, its
+    /// prefill's half-open trial): released when the move ends, either way.
+    _dead: (LegCancel, LoadGuard, Option<TrialGuard>),
+}
+
+/// The silence bound on the decode: the mover's mid-stream gap while a move is left (a
+/// stall), then `timeouts.stream_idle`.
+struct IdleWatch {
+    /// Fires `bound` after the last decode bytes; re-armed lazily (only when it fires
+    /// early), so that a frame costs a clock read, not a timer-wheel update.
+    timer: Pin<Box<Sleep>>,
+    bound: Duration,
+    /// `timeouts.stream_idle`: the bound once no move is left.
+    stream_idle: Duration,
+    last_data: tokio::time::Instant,
+}
+
+impl IdleWatch {
+    fn new(bound: Duration, stream_idle: Duration) -> IdleWatch {
+        IdleWatch {
+            timer: Box::pin(tokio::time::sleep(bound)),
+            bound,
+            stream_idle,
+            last_data: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Bytes came now.
+    fn saw_data(&mut self, now: tokio::time::Instant) {
+        self.last_data = now;
+    }
+
+    /// A new decode streams: silence is counted from now, to `bound`.
+    fn restart(&mut self, bound: Duration) {
+        self.last_data = tokio::time::Instant::now();
+        self.bound = bound;
+        self.timer.as_mut().reset(self.last_data + bound);
+    }
+
+    /// The bound is the shorter mid-stream gap (a silence past it is a stall).
+    fn is_gap(&self) -> bool {
+        self.bound < self.stream_idle
+    }
+
+    /// No move is left for a stall: the stream waits on for the whole idle bound.
+    fn widen(&mut self) {
+        self.bound = self.stream_idle;
+        self.timer.as_mut().reset(self.last_data + self.stream_idle);
+    }
+
+    /// Ready when the decode has been silent for the bound.
+    fn poll_silent(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        while self.timer.as_mut().poll(cx).is_ready() {
+            let due = self.last_data + self.bound;
+            if due > tokio::time::Instant::now() {
+                // Data came since the timer was armed: re-arm from the last data.
+                self.timer.as_mut().reset(due);
+                continue;
+            }
+            return Poll::Ready(());
+        }
+        Poll::Pending
+    }
+}
+
+/// `p` taken apart: the pair's legs, where its failures go, and its merge rate.
+fn split(p: PdBodyParts) -> (Legs, Passive, Option<std::sync::Arc<crate::body::ByteRate>>) {
+    let legs = Legs {
+        pending: (!p.first.is_empty()).then_some(p.first),
+        decode: p.decode,
+        cancel: p.decode_cancel,
+        _guard: p.decode_guard,
+        sse: p.sse,
+        prefill: p.prefill,
+        prefill_trial: p.prefill_trial,
+    };
+    (legs, p.passive, p.merge_rate)
+}
+
+/// Forwarded events pass the mover's account (and its rewrite after a move); `Err`: an
+/// event carried an abort or an error (the tracker checks for them: see
+/// [`PdBody::adopt_scanner`]), with what goes to the client before it.
+fn relay(mover: &mut Option<Box<Mover>>, b: Bytes) -> Result<Bytes, super::splice::Aborted> {
+    match mover.as_mut() {
+        Some(m) if !b.is_empty() => m.tracker.relay(b),
+        _ => Ok(b),
+    }
+}
+
+type Polled = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
 
 impl PdBody {
     /// The response to a client from `ready`: its head (with the request id) and this
@@ -107,60 +231,64 @@ impl PdBody {
         mover: Option<Box<Mover>>,
     ) -> PdBody {
         let stream_idle = p.idle_for;
-        let idle_for = idle_bound(mover.as_deref(), &p.passive, stream_idle);
+        let (legs, passive, merge_rate) = split(p);
+        let bound = idle_bound(mover.as_deref(), &passive, stream_idle);
         let mut body = PdBody {
-            stream_idle,
+            events: legs.sse.is_some(),
+            state: State::Relaying(legs),
+            idle: IdleWatch::new(bound, stream_idle),
             mover,
-            moving: None,
-            moved_failed: false,
-            pending: (!p.first.is_empty()).then_some(p.first),
-            decode: Some(p.decode),
-            decode_cancel: p.decode_cancel,
-            _decode_guard: p.decode_guard,
-            sse: p.sse,
-            prefill: p.prefill,
-            prefill_trial: p.prefill_trial,
-            idle: Box::pin(tokio::time::sleep(idle_for)),
-            idle_for,
-            last_data: tokio::time::Instant::now(),
+            passive,
             record,
-            passive: p.passive,
             slot,
-            done: false,
             out: crate::body::Outflow::default(),
         };
-        body.out.set_rate(p.merge_rate);
+        body.out.set_rate(merge_rate);
         body.adopt_scanner();
         body
     }
 
-    /// The decode's stream ended and every event it sent has been merged.
-    fn decode_ended(&self) -> bool {
-        self.decode.as_ref().is_some_and(Body::is_end_stream)
-            && !self.sse.as_ref().is_some_and(SseScanner::holds)
+    /// The decode's events are cut by its scanner; a stream that can move has its tracker
+    /// check them for aborts as it reads them (most it has read by then), not the scanner.
+    fn adopt_scanner(&mut self) {
+        if let (State::Relaying(legs), Some(m)) = (&mut self.state, self.mover.as_mut()) {
+            if legs
+                .sse
+                .as_mut()
+                .is_some_and(SseScanner::leave_abort_checks)
+            {
+                m.tracker.check_aborts();
+            }
+        }
     }
 
-    /// A prefill leg still running when the stream ends runs on to its own end, recording
-    /// its verdict and freeing its half-open trial then.
-    fn detach_prefill(&mut self) {
-        if let Some(pw) = self.prefill.take() {
+    /// The relay ends: a prefill leg still running runs on to its own end (holding the
+    /// admission slot, recording its verdict and freeing its half-open trial then). Returns
+    /// the scanner's unfinished tail; the rest of the legs is dropped by the caller.
+    fn detach(&mut self, legs: &mut Legs) -> Bytes {
+        if let Some(pw) = legs.prefill.take() {
             let verdict = (
                 self.passive.pool.clone(),
                 self.passive.prefill,
-                self.prefill_trial.take(),
+                legs.prefill_trial.take(),
             );
             pw.detach(self.slot.take(), Some(verdict));
         }
+        legs.sse
+            .as_mut()
+            .map(SseScanner::finish)
+            .unwrap_or_default()
     }
 
     /// Decode's answer is complete: nothing is cancelled, and a prefill answer still on its
     /// way (its KV was sent, or decode could not have answered) is left to finish on its
     /// own. Returns the scanner's unfinished tail, if any.
     fn end_ok(&mut self) -> Bytes {
-        self.done = true;
-        self.decode = None;
-        self.decode_cancel.disarm();
-        self.detach_prefill();
+        let State::Relaying(mut legs) = std::mem::replace(&mut self.state, State::Ended) else {
+            return Bytes::new();
+        };
+        legs.cancel.disarm();
+        let tail = self.detach(&mut legs);
         self.record.finish(Outcome::Ok);
         // A moved stream's largest gap is the pause of its move, not its decode's rhythm:
         // learned from, it would lift the bound that finds the next stall.
@@ -171,69 +299,46 @@ impl PdBody {
         ) {
             p.record(crate::progress::Kind::Gap, *rank, gap, 1);
         }
-        self.sse
-            .as_mut()
-            .map(SseScanner::finish)
-            .unwrap_or_default()
+        tail
     }
 
-    /// Ends the response with `f`: cancels what still runs, then an SSE error event or a
-    /// cut connection.
-    fn fail(&mut self, f: Failure, before: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "request failed after streaming began");
-        record::failed(f.reason, Phase::Streaming);
-        self.record.fail(f.reason);
-        // A failed move reported its own legs' failures; the dead pair was reported when
-        // the move began.
-        let reported = std::mem::take(&mut self.moved_failed);
-        if let Some(role) = f.reason.leg().filter(|_| !reported) {
+    /// Ends the response with `f` (the current pair's failure, reported to its breaker):
+    /// cancels what still runs, then an SSE error event or a cut connection.
+    fn fail(&mut self, f: Failure, before: Bytes) -> Polled {
+        if let Some(role) = f.reason.leg() {
             let (role, id) = match role {
-                crate::types::Role::Prefill => (role, self.passive.prefill),
+                Role::Prefill => (role, self.passive.prefill),
                 // A regular worker's answer fails like a decode's (`Passive::decode_role`).
-                crate::types::Role::Decode | crate::types::Role::Regular => {
-                    (self.passive.decode_role, self.passive.decode)
-                }
+                Role::Decode | Role::Regular => (self.passive.decode_role, self.passive.decode),
             };
             self.passive
                 .pool
                 .report_failure(role, id, f.reason, &self.passive.cfg);
         }
-        self.done = true;
-        self.decode = None;
-        self.prefill = None;
-        if f.reason.coupling().reported_by == Some(crate::types::Role::Decode) {
-            // The decode answered the failure itself: nothing to abort.
-            self.decode_cancel.disarm();
+        self.end_failed(f, before)
+    }
+
+    /// Ends the response with `f`, reported already (a failed move reported its own legs'
+    /// failures; the dead pair was reported when the move began).
+    fn end_failed(&mut self, f: Failure, before: Bytes) -> Polled {
+        tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "request failed after streaming began");
+        record::failed(f.reason, Phase::Streaming);
+        self.record.fail(f.reason);
+        if let State::Relaying(mut legs) = std::mem::replace(&mut self.state, State::Ended) {
+            if f.reason.coupling().reported_by == Some(Role::Decode) {
+                // The decode answered the failure itself: nothing to abort.
+                legs.cancel.disarm();
+            }
+            // Dropped here: both legs (the decode aborted on its engine unless disarmed),
+            // the prefill's trial and the decode's load counter.
         }
-        if self.sse.is_some() {
+        if self.events {
             let mut out = Vec::with_capacity(before.len() + 256);
             out.extend_from_slice(&before);
             out.extend_from_slice(&f.sse_event());
             Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))))
         } else {
             Poll::Ready(Some(Err(Box::new(FailureError(f)))))
-        }
-    }
-}
-
-impl PdBody {
-    /// Forwarded events pass the mover's account (and its rewrite after a move); `Err`:
-    /// an event carried an abort or an error (the tracker checks for them: see
-    /// [`Self::adopt_scanner`]), with what goes to the client before it.
-    fn relay(&mut self, b: Bytes) -> Result<Bytes, super::splice::Aborted> {
-        match self.mover.as_mut() {
-            Some(m) if !b.is_empty() => m.tracker.relay(b),
-            _ => Ok(b),
-        }
-    }
-
-    /// The decode's events are cut by `self.sse`; a stream that can move has its tracker
-    /// check them for aborts as it reads them (most it has read by then), not the scanner.
-    fn adopt_scanner(&mut self) {
-        if let (Some(sse), Some(m)) = (self.sse.as_mut(), self.mover.as_mut()) {
-            if sse.leave_abort_checks() {
-                m.tracker.check_aborts();
-            }
         }
     }
 
@@ -246,8 +351,8 @@ impl PdBody {
         before: Bytes,
         why: &'static str,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.relay(before) {
+    ) -> Polled {
+        match relay(&mut self.mover, before) {
             Ok(before) => self.fail_or_move_relayed(f, before, why, cx),
             // An event ahead of the failure was itself an abort: that is the failure.
             Err(a) => self.aborted(a, cx),
@@ -255,11 +360,7 @@ impl PdBody {
     }
 
     /// An event carried an abort or an error: [`Self::fail_or_move_relayed`] with it.
-    fn aborted(
-        &mut self,
-        a: super::splice::Aborted,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn aborted(&mut self, a: super::splice::Aborted, cx: &mut Context<'_>) -> Polled {
         let f = crate::legs::decode_abort_failure(&a.abort);
         let why = f.reason.as_str();
         self.fail_or_move_relayed(f, a.before, why, cx)
@@ -272,7 +373,7 @@ impl PdBody {
         before: Bytes,
         why: &'static str,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    ) -> Polled {
         if self.answer_complete() {
             return self.close_complete(&f, before);
         }
@@ -297,33 +398,27 @@ impl PdBody {
     /// client still lacks (its usage chunk, `[DONE]`) is written by pdgate, and the request
     /// counts as answered; the decode's failure still counts for its breaker (no stream
     /// gap is learned from it).
-    fn close_complete(
-        &mut self,
-        f: &Failure,
-        before: Bytes,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn close_complete(&mut self, f: &Failure, before: Bytes) -> Polled {
         tracing::info!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, "decode failed after the answer was complete; stream ended by pdgate");
         let (role, decode) = (self.passive.decode_role, self.passive.decode);
         self.passive
             .pool
             .report_failure(role, decode, f.reason, &self.passive.cfg);
-        if f.reason.coupling().reported_by == Some(Role::Decode) {
-            self.decode_cancel.disarm();
-        }
         let closing = self
             .mover
             .as_mut()
             .map(|m| m.tracker.closing())
             .unwrap_or_default();
-        self.done = true;
-        self.decode = None;
-        self.detach_prefill();
+        let carry = match std::mem::replace(&mut self.state, State::Ended) {
+            State::Relaying(mut legs) => {
+                if f.reason.coupling().reported_by == Some(Role::Decode) {
+                    legs.cancel.disarm();
+                }
+                self.detach(&mut legs)
+            }
+            _ => Bytes::new(),
+        };
         self.record.finish(Outcome::Ok);
-        let carry = self
-            .sse
-            .as_mut()
-            .map(SseScanner::finish)
-            .unwrap_or_default();
         let mut out = Vec::with_capacity(before.len() + carry.len() + closing.len());
         out.extend_from_slice(&before);
         out.extend_from_slice(&carry);
@@ -346,61 +441,92 @@ impl PdBody {
         let Some(m) = self.mover.as_mut() else {
             return Err(());
         };
+        if !matches!(self.state, State::Relaying(_)) {
+            return Err(());
+        }
         let route = m.route();
         let (role, dead) = (self.passive.decode_role, self.passive.decode);
-        match m.start(role, dead) {
-            Ok(fut) => {
-                let url = self
-                    .passive
-                    .pool
-                    .load()
-                    .worker(role, dead)
-                    .map(|w| w.url.to_string());
-                tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, role = role.as_str(),
-                    worker_id = %crate::types::WorkerIdent::new(role, dead), worker_url = url.as_deref().unwrap_or("-"),
-                    "decode failed mid-stream; moving the stream to another worker");
-                self.passive
-                    .pool
-                    .report_failure(role, dead, f.reason, &self.passive.cfg);
-                if f.reason.coupling().reported_by == Some(Role::Decode) {
-                    self.decode_cancel.disarm();
-                }
-                // The dead decode's leg and anything left of its prefill end here.
-                self.decode = None;
-                self.prefill = None;
-                self.moving = Some((fut, why));
-                Ok(())
-            }
+        let fut = match m.start(role, dead) {
+            Ok(fut) => fut,
             Err(refused) => {
                 tracing::info!(request_id = %self.record.id(), reason = why, refused = %refused, "stream not moved");
                 mover::count(route, why, MoveOutcome::Refused);
-                Err(())
+                return Err(());
             }
+        };
+        let url = self
+            .passive
+            .pool
+            .load()
+            .worker(role, dead)
+            .map(|w| w.url.to_string());
+        tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, role = role.as_str(),
+            worker_id = %crate::types::WorkerIdent::new(role, dead), worker_url = url.as_deref().unwrap_or("-"),
+            "decode failed mid-stream; moving the stream to another worker");
+        self.passive
+            .pool
+            .report_failure(role, dead, f.reason, &self.passive.cfg);
+        if let State::Relaying(mut legs) = std::mem::replace(&mut self.state, State::Ended) {
+            if f.reason.coupling().reported_by == Some(Role::Decode) {
+                legs.cancel.disarm();
+            }
+            // The dead decode's leg and anything left of its prefill end here.
+            let Legs {
+                cancel,
+                _guard,
+                prefill_trial,
+                ..
+            } = legs;
+            self.state = State::Moving(Moving {
+                fut,
+                why,
+                _dead: (cancel, _guard, prefill_trial),
+            });
         }
+        Ok(())
     }
 
     /// The move's new pair streams now: its parts replace the dead decode's.
     fn install(&mut self, ready: Ready, trace: crate::request::record::LegTrace) {
-        let p = ready.body;
         if let Some(m) = self.mover.as_mut() {
             m.moved_to(ready.decode_incremental);
         }
-        self.decode = Some(p.decode);
-        self.decode_cancel = p.decode_cancel;
-        self._decode_guard = p.decode_guard;
-        self.sse = p.sse;
+        let (legs, passive, merge_rate) = split(ready.body);
+        self.state = State::Relaying(legs);
+        self.passive = passive;
         self.adopt_scanner();
-        self.prefill = p.prefill;
-        self.prefill_trial = p.prefill_trial;
-        self.passive = p.passive;
-        self.out.set_rate(p.merge_rate);
-        self.pending = (!p.first.is_empty()).then_some(p.first);
+        self.out.set_rate(merge_rate);
         self.record.legs = trace;
         self.record.moved();
-        self.last_data = tokio::time::Instant::now();
-        self.idle_for = idle_bound(self.mover.as_deref(), &self.passive, self.stream_idle);
-        let due = self.last_data + self.idle_for;
-        self.idle.as_mut().reset(due);
+        let bound = idle_bound(self.mover.as_deref(), &self.passive, self.idle.stream_idle);
+        self.idle.restart(bound);
+    }
+
+    /// A move under way: `None` while it runs on or once the new pair streams; its
+    /// failure ends the response.
+    fn poll_move(&mut self, cx: &mut Context<'_>) -> Option<Polled> {
+        let State::Moving(mv) = &mut self.state else {
+            return None;
+        };
+        let why = mv.why;
+        let route = match self.record.route() {
+            record::Route::Api(r) => r,
+            record::Route::Other(_) => crate::request::ApiRoute::Generate,
+        };
+        match mv.fut.as_mut().poll(cx) {
+            Poll::Pending => Some(Poll::Pending),
+            Poll::Ready(Ok((ready, trace))) => {
+                self.state = State::Ended;
+                mover::count(route, why, MoveOutcome::Moved);
+                self.install(ready, trace);
+                None
+            }
+            Poll::Ready(Err(f)) => {
+                self.state = State::Ended;
+                mover::count(route, why, MoveOutcome::Failed);
+                Some(self.end_failed(f, Bytes::new()))
+            }
+        }
     }
 }
 
@@ -428,10 +554,7 @@ impl Body for PdBody {
 
     /// [`PdBody::poll_next`], handed to hyper through [`crate::body::Outflow`]: at most
     /// [`crate::body::SLICE_BYTES`] at a time, with a yield to the event loop after each.
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
         let this = &mut *self;
         if let Some(data) = std::task::ready!(this.out.poll_pending(cx)) {
             return Poll::Ready(Some(Ok(Frame::data(data))));
@@ -446,7 +569,7 @@ impl Body for PdBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.pending.is_none() && self.out.is_empty()
+        matches!(self.state, State::Ended) && self.out.is_empty()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -455,73 +578,55 @@ impl Body for PdBody {
 }
 
 impl PdBody {
-    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self;
-        if this.done {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Polled {
+        if let Some(p) = self.poll_move(cx) {
+            return p;
+        }
+        let State::Relaying(legs) = &mut self.state else {
             return Poll::Ready(None);
-        }
-        if let Some((fut, why)) = this.moving.as_mut() {
-            let why = *why;
-            let route = this.record.route();
-            let route = match route {
-                record::Route::Api(r) => r,
-                record::Route::Other(_) => crate::request::ApiRoute::Generate,
-            };
-            match fut.as_mut().poll(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Ok((ready, trace))) => {
-                    this.moving = None;
-                    mover::count(route, why, MoveOutcome::Moved);
-                    this.install(ready, trace);
-                }
-                Poll::Ready(Err(f)) => {
-                    this.moving = None;
-                    mover::count(route, why, MoveOutcome::Failed);
-                    this.moved_failed = true;
-                    return this.fail(f, Bytes::new());
-                }
-            }
-        }
-        if let Some(b) = this.pending.take() {
-            let b = match this.relay(b) {
+        };
+        if let Some(b) = legs.pending.take() {
+            let b = match relay(&mut self.mover, b) {
                 Ok(b) => b,
-                Err(a) => return this.aborted(a, cx),
+                Err(a) => return self.aborted(a, cx),
             };
-            let at_end = this.decode_ended();
+            let at_end = matches!(&self.state, State::Relaying(l) if l.decode_ended());
             // A continued stream's first event may be one the client already had (dropped).
             if !b.is_empty() || at_end {
-                if this.sse.is_some() {
-                    this.record.event_sent(tokio::time::Instant::now());
+                if self.events {
+                    self.record.event_sent(tokio::time::Instant::now());
                 }
                 // The whole answer may have come with the first bytes (a non-streamed
                 // answer with a Content-Length, after which hyper stops polling this body).
-                let b = if at_end { join(b, this.end_ok()) } else { b };
+                let b = if at_end { join(b, self.end_ok()) } else { b };
                 return Poll::Ready(Some(Ok(Frame::data(b))));
             }
         }
-        if let Some(pw) = this.prefill.as_mut() {
-            if let Poll::Ready(r) = Pin::new(pw).poll(cx) {
-                this.prefill = None;
-                match r {
-                    // The prefill's own leg succeeded: its verdict, then its trial.
-                    Ok(_) => {
-                        let p = &this.passive;
-                        p.pool.report_success(Role::Prefill, p.prefill);
-                        this.prefill_trial = None;
+        if let State::Relaying(legs) = &mut self.state {
+            if let Some(pw) = legs.prefill.as_mut() {
+                if let Poll::Ready(r) = Pin::new(pw).poll(cx) {
+                    legs.prefill = None;
+                    match r {
+                        // The prefill's own leg succeeded: its verdict, then its trial.
+                        Ok(_) => {
+                            let p = &self.passive;
+                            p.pool.report_success(Role::Prefill, p.prefill);
+                            legs.prefill_trial = None;
+                        }
+                        Err(f) => return self.fail(f, Bytes::new()),
                     }
-                    Err(f) => return this.fail(f, Bytes::new()),
                 }
             }
         }
         loop {
-            let Some(decode) = this.decode.as_mut() else {
+            let State::Relaying(legs) = &mut self.state else {
                 return Poll::Ready(None);
             };
             // Events the scanner still holds go first (an empty push merges them).
-            let held = this.sse.as_ref().is_some_and(SseScanner::holds);
+            let held = legs.sse.as_ref().is_some_and(SseScanner::holds);
             let polled = match held {
                 true => Poll::Ready(Some(Ok(Frame::data(Bytes::new())))),
-                false => Pin::new(decode).poll_frame(cx),
+                false => Pin::new(&mut legs.decode).poll_frame(cx),
             };
             match polled {
                 Poll::Ready(Some(Ok(frame))) => {
@@ -529,28 +634,28 @@ impl PdBody {
                         continue;
                     };
                     let now = tokio::time::Instant::now();
-                    this.last_data = now;
-                    let out = match this.sse.as_mut() {
+                    self.idle.saw_data(now);
+                    let out = match legs.sse.as_mut() {
                         None => data,
                         Some(sse) => match sse.push(data) {
-                            Scan::Forward(b) => match this.relay(b) {
+                            Scan::Forward(b) => match relay(&mut self.mover, b) {
                                 Ok(b) => b,
-                                Err(a) => return this.aborted(a, cx),
+                                Err(a) => return self.aborted(a, cx),
                             },
                             Scan::Abort { before, abort } => {
                                 let f = crate::legs::decode_abort_failure(&abort);
                                 let why = f.reason.as_str();
-                                return this.fail_or_move(f, before, why, cx);
+                                return self.fail_or_move(f, before, why, cx);
                             }
                             Scan::Broken { message } => {
                                 let f = Failure::new(FailReason::DecodeBroken, message);
-                                return this.fail(f, Bytes::new());
+                                return self.fail(f, Bytes::new());
                             }
                         },
                     };
-                    let at_end = this.decode_ended();
+                    let at_end = legs.decode_ended();
                     let out = if at_end {
-                        join(out, this.end_ok())
+                        join(out, self.end_ok())
                     } else {
                         out
                     };
@@ -560,8 +665,8 @@ impl PdBody {
                         }
                         continue;
                     }
-                    if this.sse.is_some() {
-                        this.record.event_sent(now);
+                    if self.events {
+                        self.record.event_sent(now);
                     }
                     return Poll::Ready(Some(Ok(Frame::data(out))));
                 }
@@ -573,10 +678,10 @@ impl PdBody {
                             crate::upstream::error_chain(&e)
                         ),
                     );
-                    return this.fail_or_move(f, Bytes::new(), "decode_broken", cx);
+                    return self.fail_or_move(f, Bytes::new(), "decode_broken", cx);
                 }
                 Poll::Ready(None) => {
-                    let tail = this.end_ok();
+                    let tail = self.end_ok();
                     if !tail.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(tail))));
                     }
@@ -585,38 +690,31 @@ impl PdBody {
                 Poll::Pending => break,
             }
         }
-        while this.idle.as_mut().poll(cx).is_ready() {
-            let due = this.last_data + this.idle_for;
-            if due > tokio::time::Instant::now() {
-                // Data came since the timer was armed: re-arm from the last data.
-                this.idle.as_mut().reset(due);
-                continue;
-            }
+        while self.idle.poll_silent(cx).is_ready() {
             let f = Failure::new(
                 FailReason::DecodeIdleTimeout,
-                format!("decode sent nothing for {}s", this.idle_for.as_secs_f64()),
+                format!("decode sent nothing for {}s", self.idle.bound.as_secs_f64()),
             );
-            if this.answer_complete() {
-                return this.close_complete(&f, Bytes::new());
+            if self.answer_complete() {
+                return self.close_complete(&f, Bytes::new());
             }
-            if this.idle_for < this.stream_idle {
+            if self.idle.is_gap() {
                 // Silent past the mid-stream gap: a stall, moved if it can be; if not, the
                 // stream waits on for the full idle bound.
-                if this.move_stalled(&f) {
+                if self.move_stalled(&f) {
                     cx.waker().wake_by_ref();
                     return Poll::Pending;
                 }
-                this.idle_for = this.stream_idle;
-                this.idle.as_mut().reset(this.last_data + this.stream_idle);
+                self.idle.widen();
                 continue;
             }
             // Silent for the whole idle bound (the learned gap was at least as long, or
             // the move above could not start then): moved if it can be now.
-            if this.move_stalled(&f) {
+            if self.move_stalled(&f) {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            return this.fail(f, Bytes::new());
+            return self.fail(f, Bytes::new());
         }
         Poll::Pending
     }
