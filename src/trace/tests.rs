@@ -146,7 +146,11 @@ async fn a_span_queued_before_the_exporter_runs_waits_for_its_interval() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         let stats = exporter.stats();
         assert_eq!(stats.exported.load(Ordering::Relaxed), 0);
-        assert_eq!(stats.dropped.load(Ordering::Relaxed), 0, "sent before its interval");
+        assert_eq!(
+            stats.dropped.load(Ordering::Relaxed),
+            0,
+            "sent before its interval"
+        );
         // Shutdown sends it (and the closed port drops it, counted).
         exporter.shutdown().await;
         assert_eq!(exporter.stats().dropped.load(Ordering::Relaxed), 1);
