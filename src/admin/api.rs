@@ -215,8 +215,8 @@ impl Api {
         self.fleet
             .pool()
             .with_worker(role, id, |w| Learnt {
-                info: w.info.clone(),
-                health_checked: w.health_checked,
+                info: w.facts.info.clone(),
+                health_checked: w.facts.health_checked,
             })
             .unwrap_or_default()
     }
@@ -242,7 +242,7 @@ impl Api {
             .iter()
             .chain(snap.decodes.iter())
             .chain(snap.regulars.iter())
-            .map(|w| worker_json(snap, w, &self.learnt(w.role, w.id)))
+            .map(|w| worker_json(snap, w, &self.learnt(w.shared.role, w.shared.id)))
             .collect()
     }
 
@@ -418,7 +418,7 @@ impl Api {
     fn removable(&self, role: Role, id: WorkerId) -> Result<(), Failure> {
         let snap = self.fleet.pool().load();
         if let Some(w) = snap.worker(role, id) {
-            if let WorkerSource::Discovered(p) = &*w.source {
+            if let WorkerSource::Discovered(p) = &w.shared.source {
                 let r = worker_ref(role, id);
                 return Err(fail(
                     FailReason::Conflict,
@@ -581,7 +581,10 @@ impl Api {
     fn sglang_list(&self) -> Response<RespBody> {
         let snap = self.fleet.pool().load();
         let urls = |role: Role| -> Vec<&str> {
-            snap.workers(role).iter().map(|w| w.url.as_str()).collect()
+            snap.workers(role)
+                .iter()
+                .map(|w| w.shared.url.as_str())
+                .collect()
         };
         let (p, d) = (urls(Role::Prefill), urls(Role::Decode));
         let all: Vec<&str> = p.iter().chain(d.iter()).copied().collect();
@@ -626,8 +629,8 @@ pub(crate) async fn wait_routable(
         }
         // A prefill whose bootstrap server is not yet proved its own is refused only for
         // now: the proof is under way (its verdict is final, either way).
-        if let Some(why) = w.refused.as_ref().filter(|r| *r != UNPROVED) {
-            return Admitted::Refused(why.clone());
+        if let Some(why) = w.facts.refusal().filter(|r| *r != UNPROVED) {
+            return Admitted::Refused(why.to_owned());
         }
         if tokio::time::Instant::now() >= deadline {
             return Admitted::NotYet;

@@ -26,10 +26,12 @@ impl Pool {
         let pool = self;
         let mut out = Vec::new();
         for p in &snap.prefills {
-            let Some(layout) = &p.layout else { continue };
+            let Some(layout) = &p.facts.layout else {
+                continue;
+            };
             for d in &snap.decodes {
                 let Some(info) = pool
-                    .with_worker(Role::Decode, d.id, |w| w.info.clone())
+                    .with_worker(Role::Decode, d.shared.id, |w| w.facts.info.clone())
                     .flatten()
                 else {
                     continue;
@@ -38,8 +40,8 @@ impl Pool {
                     if let (Some(a), Some(b)) = (a, b) {
                         if a != b {
                             out.push(LayoutMismatch {
-                                prefill: p.url.to_string(),
-                                decode: d.url.to_string(),
+                                prefill: p.shared.url.to_string(),
+                                decode: d.shared.url.to_string(),
                                 what,
                                 prefill_value: a,
                                 decode_value: b,
