@@ -7,11 +7,12 @@
 //!   stop token). Built once when the worker joins the pool and never changed after: the
 //!   master entry and every snapshot's view hold the same `Arc`.
 //! - [`RankHandles`]: the handles sized to the worker's DP size (in-flight counters,
-//!   engine load, capacity, rank probes, learned progress, rank freshness). Their contents
-//!   are atomics written in place by whoever owns them (see ARCHITECTURE.md, "Who writes
-//!   shared state"); the set itself is replaced whole, by the pool's writer only, when the
-//!   DP size changes ([`super::Pool::update_worker_if`]). A view keeps the set its snapshot
-//!   was built with, so a request in flight keeps counting on the ranks it was planned on.
+//!   engine load, capacity, rank probes, learned progress, rank freshness). What they
+//!   point to (atomics, mostly) is written in place by whoever owns it (see
+//!   ARCHITECTURE.md, "Who writes shared state"); the set itself is replaced whole, by the
+//!   pool's writer only, when the DP size changes ([`super::Pool::update_worker_if`]). A
+//!   view keeps the set its snapshot was built with, so a request in flight keeps
+//!   counting on the ranks it was planned on.
 //! - [`WorkerFacts`]: what the pool's single writer has learned or been told about the
 //!   worker (health, layout, rank readiness, server info, refusals, drain reasons, the
 //!   operator's model name). Written only through the pool's writers
