@@ -25,7 +25,7 @@ use crate::pool::WorkerSource;
 use crate::types::{Role, WorkerId};
 use crate::url::parse_base_url;
 
-use super::view::{parse_worker_ref, redact, worker_json, worker_ref, Learnt};
+use super::view::{parse_worker_ref, redact, worker_json, worker_ref};
 
 /// Largest request body the admin API reads.
 const MAX_BODY: usize = 64 * 1024;
@@ -211,16 +211,6 @@ impl Api {
         }
     }
 
-    fn learnt(&self, role: Role, id: WorkerId) -> Learnt {
-        self.fleet
-            .pool()
-            .with_worker(role, id, |w| Learnt {
-                info: w.facts.info.clone(),
-                health_checked: w.facts.health_checked,
-            })
-            .unwrap_or_default()
-    }
-
     /// The worker an id names, as JSON, or the 404.
     fn view(&self, id: &str) -> Result<(Role, WorkerId, Value), Failure> {
         let not_found = || {
@@ -234,7 +224,7 @@ impl Api {
         let (role, wid) = parse_worker_ref(id).ok_or_else(not_found)?;
         let snap = self.fleet.pool().load_full();
         let w = snap.worker(role, wid).ok_or_else(not_found)?;
-        Ok((role, wid, worker_json(&snap, w, &self.learnt(role, wid))))
+        Ok((role, wid, worker_json(&snap, w)))
     }
 
     fn workers_json(&self, snap: &crate::pool::Snapshot) -> Vec<Value> {
@@ -242,7 +232,7 @@ impl Api {
             .iter()
             .chain(snap.decodes.iter())
             .chain(snap.regulars.iter())
-            .map(|w| worker_json(snap, w, &self.learnt(w.shared.role, w.shared.id)))
+            .map(|w| worker_json(snap, w))
             .collect()
     }
 

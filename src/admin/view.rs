@@ -5,11 +5,8 @@
 //! role (each role counts from 0), so the role is part of the id; `n` is never reused in
 //! its role, so a stale id names no worker rather than another one.
 
-use std::sync::Arc;
-
 use serde_json::{json, Value};
 
-use crate::engine::ServerInfo;
 use crate::pool::{RankReadiness, Snapshot, WorkerSource, WorkerView};
 use crate::types::{Role, WorkerId};
 
@@ -42,15 +39,8 @@ fn source_json(s: &WorkerSource) -> Value {
     }
 }
 
-/// What the background tasks learnt that the snapshot does not carry.
-#[derive(Default)]
-pub struct Learnt {
-    pub info: Option<Arc<ServerInfo>>,
-    pub health_checked: bool,
-}
-
 /// One worker as JSON.
-pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
+pub fn worker_json(snap: &Snapshot, w: &WorkerView) -> Value {
     let routable = snap
         .routable(w.shared.role)
         .iter()
@@ -77,7 +67,7 @@ pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
             r
         })
         .collect();
-    let info = learnt.info.as_ref().map(|i| {
+    let info = w.facts.info.as_ref().map(|i| {
         json!({
             "version": i.version,
             "dp_size": i.dp_size,
@@ -92,7 +82,7 @@ pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
         "url": w.shared.url.as_str(),
         "source": source_json(&w.shared.source),
         "healthy": w.facts.healthy,
-        "health_checked": learnt.health_checked,
+        "health_checked": w.facts.health_checked,
         "draining": w.facts.draining(),
         "leaving": w.facts.leaving(),
         "routable": !routable.is_empty(),
