@@ -160,8 +160,8 @@ fn replica(n: usize, kind: PolicyKind, cfg: &PolicyConfig) -> Replica {
         });
         let id = pool.add_worker(Role::Decode, url, None);
         pool.update_worker(Role::Decode, id, |w| {
-            w.healthy = true;
-            w.dp_size = Some(1);
+            w.facts.healthy = true;
+            w.facts.dp_size = Some(1);
         });
     }
     let snap = pool.load_full();
@@ -234,7 +234,7 @@ fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: b
             // What `health::load` would store: the engine's own count, every replica's.
             for r in &reps {
                 for (w, view) in r.snap.decodes.iter().enumerate() {
-                    if let Some(slot) = view.engine_load.first() {
+                    if let Some(slot) = view.per_rank.engine_load.first() {
                         slot.store(inflight[w], Ordering::Relaxed);
                     }
                 }

@@ -194,7 +194,11 @@ impl Fleet {
         if !self.pool.set_drain(role, id, by, on) {
             return Err(FleetError::NotFound { role, id });
         }
-        let url = self.pool.load().worker(role, id).map(|w| w.url.to_string());
+        let url = self
+            .pool
+            .load()
+            .worker(role, id)
+            .map(|w| w.shared.url.to_string());
         tracing::info!(worker_id = %WorkerIdent::new(role, id), worker_url = url.as_deref().unwrap_or("-"), draining = on, by = by.label(), "worker drain");
         Ok(())
     }
@@ -228,7 +232,10 @@ impl Fleet {
                 }
                 tokio::time::sleep(DRAIN_POLL).await;
             };
-            let url = pool.load().worker(role, id).map(|w| w.url.to_string());
+            let url = pool
+                .load()
+                .worker(role, id)
+                .map(|w| w.shared.url.to_string());
             let how = if pool.remove_worker(role, id) {
                 how
             } else {

@@ -143,8 +143,10 @@ fn apply_inner(router: &Router, mut new: Config) -> Result<Applied, ConfigError>
             .load()
             .workers(role)
             .iter()
-            .find(|w| *w.source == WorkerSource::Static && w.url == url && !w.leaving)
-            .map(|w| w.id);
+            .find(|w| {
+                w.shared.source == WorkerSource::Static && w.shared.url == url && !w.facts.leaving()
+            })
+            .map(|w| w.shared.id);
         if let Some(id) = id {
             if router.fleet.remove(role, id, within).is_ok() {
                 applied.removed += 1;

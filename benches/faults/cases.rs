@@ -151,10 +151,10 @@ pub(crate) async fn ranks_never_registered(setup: Setup, n: usize) -> Row {
     let d = env
         .wait_pool(Duration::from_secs(10), |s| {
             s.prefills.iter().any(|w| {
-                w.url.as_str() == faulty.url()
-                    && w.healthy
-                    && !w.ranks.is_empty()
-                    && w.ranks.iter().all(|r| *r != RankReadiness::Unknown)
+                w.shared.url.as_str() == faulty.url()
+                    && w.facts.healthy
+                    && !w.facts.ranks.is_empty()
+                    && w.facts.ranks.iter().all(|r| *r != RankReadiness::Unknown)
             })
         })
         .await;

@@ -85,7 +85,9 @@ fn worker_id(snap: &Snapshot, url: &str, prefill: bool) -> Option<pdgate::types:
     } else {
         &snap.decodes
     };
-    list.iter().find(|w| w.url.as_str() == url).map(|w| w.id)
+    list.iter()
+        .find(|w| w.shared.url.as_str() == url)
+        .map(|w| w.shared.id)
 }
 
 pub(crate) fn routable(snap: &Snapshot, e: &SimEngine, prefill: bool) -> bool {

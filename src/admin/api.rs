@@ -25,7 +25,7 @@ use crate::pool::WorkerSource;
 use crate::types::{Role, WorkerId};
 use crate::url::parse_base_url;
 
-use super::view::{parse_worker_ref, redact, worker_json, worker_ref, Learnt};
+use super::view::{parse_worker_ref, redact, worker_json, worker_ref};
 
 /// Largest request body the admin API reads.
 const MAX_BODY: usize = 64 * 1024;
@@ -211,16 +211,6 @@ impl Api {
         }
     }
 
-    fn learnt(&self, role: Role, id: WorkerId) -> Learnt {
-        self.fleet
-            .pool()
-            .with_worker(role, id, |w| Learnt {
-                info: w.info.clone(),
-                health_checked: w.health_checked,
-            })
-            .unwrap_or_default()
-    }
-
     /// The worker an id names, as JSON, or the 404.
     fn view(&self, id: &str) -> Result<(Role, WorkerId, Value), Failure> {
         let not_found = || {
@@ -234,7 +224,7 @@ impl Api {
         let (role, wid) = parse_worker_ref(id).ok_or_else(not_found)?;
         let snap = self.fleet.pool().load_full();
         let w = snap.worker(role, wid).ok_or_else(not_found)?;
-        Ok((role, wid, worker_json(&snap, w, &self.learnt(role, wid))))
+        Ok((role, wid, worker_json(&snap, w)))
     }
 
     fn workers_json(&self, snap: &crate::pool::Snapshot) -> Vec<Value> {
@@ -242,7 +232,7 @@ impl Api {
             .iter()
             .chain(snap.decodes.iter())
             .chain(snap.regulars.iter())
-            .map(|w| worker_json(snap, w, &self.learnt(w.role, w.id)))
+            .map(|w| worker_json(snap, w))
             .collect()
     }
 
@@ -418,7 +408,7 @@ impl Api {
     fn removable(&self, role: Role, id: WorkerId) -> Result<(), Failure> {
         let snap = self.fleet.pool().load();
         if let Some(w) = snap.worker(role, id) {
-            if let WorkerSource::Discovered(p) = &*w.source {
+            if let WorkerSource::Discovered(p) = &w.shared.source {
                 let r = worker_ref(role, id);
                 return Err(fail(
                     FailReason::Conflict,
@@ -581,7 +571,10 @@ impl Api {
     fn sglang_list(&self) -> Response<RespBody> {
         let snap = self.fleet.pool().load();
         let urls = |role: Role| -> Vec<&str> {
-            snap.workers(role).iter().map(|w| w.url.as_str()).collect()
+            snap.workers(role)
+                .iter()
+                .map(|w| w.shared.url.as_str())
+                .collect()
         };
         let (p, d) = (urls(Role::Prefill), urls(Role::Decode));
         let all: Vec<&str> = p.iter().chain(d.iter()).copied().collect();
@@ -626,8 +619,8 @@ pub(crate) async fn wait_routable(
         }
         // A prefill whose bootstrap server is not yet proved its own is refused only for
         // now: the proof is under way (its verdict is final, either way).
-        if let Some(why) = w.refused.as_ref().filter(|r| *r != UNPROVED) {
-            return Admitted::Refused(why.clone());
+        if let Some(why) = w.facts.refusal().filter(|r| *r != UNPROVED) {
+            return Admitted::Refused(why.to_owned());
         }
         if tokio::time::Instant::now() >= deadline {
             return Admitted::NotYet;

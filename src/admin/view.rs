@@ -7,7 +7,6 @@
 
 use serde_json::{json, Value};
 
-use crate::engine::ServerInfo;
 use crate::pool::{RankReadiness, Snapshot, WorkerSource, WorkerView};
 use crate::types::{Role, WorkerId};
 
@@ -40,19 +39,12 @@ fn source_json(s: &WorkerSource) -> Value {
     }
 }
 
-/// What the background tasks learnt that the snapshot does not carry.
-#[derive(Default)]
-pub struct Learnt {
-    pub info: Option<ServerInfo>,
-    pub health_checked: bool,
-}
-
 /// One worker as JSON.
-pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
+pub fn worker_json(snap: &Snapshot, w: &WorkerView) -> Value {
     let routable = snap
-        .routable(w.role)
+        .routable(w.shared.role)
         .iter()
-        .find(|r| r.worker == w.id)
+        .find(|r| r.worker == w.shared.id)
         .map(|r| r.ranks.as_slice())
         .unwrap_or(&[]);
     let dp = w.effective_dp();
@@ -64,8 +56,8 @@ pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
                 "in_flight": w.in_flight(k),
                 "engine_load": w.engine_load(k),
             });
-            if w.role == Role::Prefill {
-                let st = w.ranks.get(k as usize);
+            if w.shared.role == Role::Prefill {
+                let st = w.facts.ranks.get(k as usize);
                 r["bootstrap"] = json!(st.map_or("unknown", RankReadiness::label));
                 if let Some(RankReadiness::Failed { reason, since }) = st {
                     r["bootstrap_failure"] = json!(reason.label());
@@ -75,7 +67,7 @@ pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
             r
         })
         .collect();
-    let info = learnt.info.as_ref().map(|i| {
+    let info = w.facts.info.as_ref().map(|i| {
         json!({
             "version": i.version,
             "dp_size": i.dp_size,
@@ -85,20 +77,20 @@ pub fn worker_json(snap: &Snapshot, w: &WorkerView, learnt: &Learnt) -> Value {
         })
     });
     json!({
-        "id": worker_ref(w.role, w.id),
-        "role": w.role.as_str(),
-        "url": w.url.as_str(),
-        "source": source_json(&w.source),
-        "healthy": w.healthy,
-        "health_checked": learnt.health_checked,
-        "draining": w.draining,
-        "leaving": w.leaving,
+        "id": worker_ref(w.shared.role, w.shared.id),
+        "role": w.shared.role.as_str(),
+        "url": w.shared.url.as_str(),
+        "source": source_json(&w.shared.source),
+        "healthy": w.facts.healthy,
+        "health_checked": w.facts.health_checked,
+        "draining": w.facts.draining(),
+        "leaving": w.facts.leaving(),
         "routable": !routable.is_empty(),
-        "breaker": w.breaker.state().label(),
-        "refused": w.refused,
+        "breaker": w.shared.breaker.state().label(),
+        "refused": w.facts.refusal(),
         "dp_size": dp,
         "in_flight": w.in_flight_total(),
-        "bootstrap": w.bootstrap.as_ref().map(|b| json!({
+        "bootstrap": w.facts.bootstrap.as_ref().map(|b| json!({
             "url": b.url.as_str(),
             "port": b.port,
         })),

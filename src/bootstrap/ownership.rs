@@ -21,7 +21,7 @@
 //! does not report (an older SGLang) is not compared.
 //!
 //! Invariant: a prefill is not routable until the proof is done ([`UNPROVED`]); a refused
-//! prefill is never routable (`WorkerState::bootstrap_refused`), its
+//! prefill is never routable (`WorkerFacts::bootstrap_refused`), its
 //! refusal is logged at ERROR with what to fix, and counted in
 //! `pdgate_bootstrap_refused_total{reason}`.
 

@@ -86,11 +86,11 @@ fn apply(
     let ok = matches!(res, Ok(RankRoute::Ready { .. }));
     if let Some(w) = pool.load().worker(Role::Prefill, id) {
         if res.is_ok() {
-            w.fresh.checked(rank as usize, now);
+            w.per_rank.fresh.checked(rank as usize, now);
         }
         if !ok {
             // A failed check is a signal: the tracker re-reads every route now.
-            w.refresh.notify_one();
+            w.shared.refresh.notify_one();
         }
     }
     metrics::counter!(crate::telemetry::PREFLIGHT_CHECKS, "ok" => if ok { "true" } else { "false" })

@@ -38,7 +38,7 @@ use tokio::sync::Notify;
 
 use super::client::{self, BootstrapError, Generation, RankRoute, Sentinel};
 use crate::config::{BootstrapConfig, LiveConfig};
-use crate::pool::{BootstrapInfo, Pool, RankFailure, RankReadiness, WorkerState};
+use crate::pool::{BootstrapInfo, Pool, RankFailure, RankReadiness, Worker};
 use crate::types::{Role, WorkerId, WorkerIdent};
 use crate::upstream::{BaseUrl, CallError, Upstream};
 
@@ -49,11 +49,11 @@ const RANK_POLLS: usize = 16;
 pub use sglang_pd::DEFAULT_BOOTSTRAP_PORT;
 
 /// Moves one rank to `new`, logging and counting a real transition; true when it was one.
-pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, _now: Instant) -> bool {
-    if w.ranks.len() <= rank {
-        w.ranks.resize(rank + 1, RankReadiness::Unknown);
+pub fn set_rank(w: &mut Worker, rank: usize, new: RankReadiness, _now: Instant) -> bool {
+    if w.facts.ranks.len() <= rank {
+        w.facts.ranks.resize(rank + 1, RankReadiness::Unknown);
     }
-    let old = &w.ranks[rank];
+    let old = &w.facts.ranks[rank];
     let changed = match (old, &new) {
         (RankReadiness::Failed { reason: a, .. }, RankReadiness::Failed { reason: b, .. }) => {
             a != b
@@ -68,12 +68,12 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, _now: Inst
         // Start-up (from unknown) at INFO; every later transition at WARN.
         if *old == RankReadiness::Unknown {
             tracing::info!(
-                worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, rank, from = old.label(), to = new.label(), reason,
+                worker_id = %WorkerIdent::new(Role::Prefill, w.shared().id), worker_url = %w.shared().url, rank, from = old.label(), to = new.label(), reason,
                 "bootstrap rank state"
             );
         } else {
             tracing::warn!(
-                worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, rank, from = old.label(), to = new.label(), reason,
+                worker_id = %WorkerIdent::new(Role::Prefill, w.shared().id), worker_url = %w.shared().url, rank, from = old.label(), to = new.label(), reason,
                 "bootstrap rank state"
             );
         }
@@ -82,20 +82,20 @@ pub fn set_rank(w: &mut WorkerState, rank: usize, new: RankReadiness, _now: Inst
         if *old == RankReadiness::Ready {
             // Requests in flight on this rank whose prefill has not answered would have
             // their decode fail (or, on engines without SGLang PR #24772, hang): end them.
-            w.lost_tx.send_modify(|e| {
+            w.shared().lost_tx.send_modify(|e| {
                 if e.ranks.len() <= rank {
                     e.ranks.resize(rank + 1, 0);
                 }
                 e.ranks[rank] += 1;
             });
         }
-        w.ranks[rank] = new;
+        w.facts.ranks[rank] = new;
     }
     changed
 }
 
-fn fail_all(w: &mut WorkerState, reason: RankFailure, now: Instant) -> bool {
-    let n = w.ranks.len().max(1);
+fn fail_all(w: &mut Worker, reason: RankFailure, now: Instant) -> bool {
+    let n = w.facts.ranks.len().max(1);
     let mut changed = false;
     for r in 0..n {
         changed |= set_rank(w, r, RankReadiness::Failed { reason, since: now }, now);
@@ -104,11 +104,12 @@ fn fail_all(w: &mut WorkerState, reason: RankFailure, now: Instant) -> bool {
 }
 
 /// Every rank `Bootstrapping` (the sentinel answered 503).
-fn all_bootstrapping(w: &mut WorkerState, now: Instant) -> bool {
+fn all_bootstrapping(w: &mut Worker, now: Instant) -> bool {
     let n = w
+        .facts
         .layout
         .as_ref()
-        .map_or(w.ranks.len().max(1), |l| l.dp_size as usize);
+        .map_or(w.facts.ranks.len().max(1), |l| l.dp_size as usize);
     let mut changed = false;
     for r in 0..n {
         changed |= set_rank(w, r, RankReadiness::Bootstrapping, now);
@@ -119,7 +120,7 @@ fn all_bootstrapping(w: &mut WorkerState, now: Instant) -> bool {
 /// Applies a rank lookup's outcome (used by the refresher and by request-path preflight);
 /// true when the rank's readiness changed.
 pub fn apply_rank(
-    w: &mut WorkerState,
+    w: &mut Worker,
     rank: usize,
     res: &Result<RankRoute, BootstrapError>,
     now: Instant,
@@ -184,13 +185,13 @@ pub fn spawn(
         let url = info.url.clone();
         let mut wake = Arc::new(Notify::new());
         pool.update_worker(Role::Prefill, id, |w| {
-            w.bootstrap = Some(info);
-            wake = w.refresh.clone();
+            w.facts.bootstrap = Some(info);
+            wake = w.shared().refresh.clone();
         });
         // Not routable (no request is sent to it) before its bootstrap server is proved to
         // be its own; the proof runs beside the tracker, which follows the ranks meanwhile.
         pool.update_worker(Role::Prefill, id, |w| {
-            w.bootstrap_refused = Some(super::ownership::UNPROVED.to_string());
+            w.facts.bootstrap_refused = Some(super::ownership::UNPROVED.to_string());
         });
         {
             let (pool2, up2, live2) = (pool.clone(), up.clone(), live.clone());
@@ -218,7 +219,7 @@ pub fn spawn(
                         .increment(1);
                 }
                 pool2.update_worker(Role::Prefill, id, |w| {
-                    w.bootstrap_refused = verdict.map(|m| m.message());
+                    w.facts.bootstrap_refused = verdict.map(|m| m.message());
                 });
             });
         }
@@ -300,15 +301,18 @@ async fn prove(
         }
         let snap = pool.load();
         let first = snap.prefills.iter().find(|w| {
-            w.id < p.id
-                && w.refused
-                    .as_deref()
+            w.shared.id < p.id
+                && w.facts
+                    .refusal()
                     .is_none_or(|r| r == super::ownership::UNPROVED)
-                && w.bootstrap.as_ref().is_some_and(|b| b.url == *p.bootstrap)
+                && w.facts
+                    .bootstrap
+                    .as_ref()
+                    .is_some_and(|b| b.url == *p.bootstrap)
         });
         return first.map(|w| Mismatch::Shared {
             bootstrap: p.bootstrap.to_string(),
-            other: format!("prefill {}", w.url),
+            other: format!("prefill {}", w.shared.url),
         });
     }
 }
@@ -325,7 +329,7 @@ async fn discover_port(
     id: WorkerId,
     engine: &BaseUrl,
 ) -> u16 {
-    let Some(wake) = pool.with_worker(Role::Prefill, id, |w| w.refresh.clone()) else {
+    let Some(wake) = pool.with_worker(Role::Prefill, id, |w| w.shared().refresh.clone()) else {
         return DEFAULT_BOOTSTRAP_PORT; // the worker already left the pool
     };
     let mut attempts = 0u32;
@@ -409,7 +413,7 @@ pub async fn refresh_once(
 ) -> u32 {
     let gen = pool
         .with_worker(Role::Prefill, id, |w| {
-            w.layout.as_ref().map(|l| l.generation)
+            w.facts.layout.as_ref().map(|l| l.generation)
         })
         .flatten();
     let sentinel = client::sentinel(up, url, gen, cfg.http_timeout()).await;
@@ -426,18 +430,18 @@ pub async fn refresh_once(
             let now = Instant::now();
             let mut first = false;
             pool.update_worker_if(Role::Prefill, id, |w| {
-                first = w.layout.is_none();
-                let mut changed = w.layout.as_ref() != Some(&layout);
+                first = w.facts.layout.is_none();
+                let mut changed = w.facts.layout.as_ref() != Some(&layout);
                 if changed {
-                    tracing::info!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, dp = layout.dp_size, follow_bootstrap_room = layout.follow_bootstrap_room,
+                    tracing::info!(worker_id = %WorkerIdent::new(Role::Prefill, w.shared().id), worker_url = %w.shared().url, dp = layout.dp_size, follow_bootstrap_room = layout.follow_bootstrap_room,
                         page_size = ?layout.page_size, kv_cache_dtype = ?layout.kv_cache_dtype, "prefill layout");
                     if !layout.follow_bootstrap_room {
-                        tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank");
+                        tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, w.shared().id), worker_url = %w.shared().url, "prefill does not follow bootstrap_room; the contract then holds only through /register_dp_rank");
                     }
                 }
-                changed |= w.ranks.len() > layout.dp_size as usize;
-                w.ranks.truncate(layout.dp_size as usize);
-                w.layout = Some(layout.clone());
+                changed |= w.facts.ranks.len() > layout.dp_size as usize;
+                w.facts.ranks.truncate(layout.dp_size as usize);
+                w.facts.layout = Some(layout.clone());
                 for (r, res) in results.iter().enumerate() {
                     changed |= apply_rank(w, r, res, now);
                 }
@@ -447,7 +451,7 @@ pub async fn refresh_once(
             if let Some(w) = pool.load().worker(Role::Prefill, id) {
                 for (r, res) in results.iter().enumerate() {
                     if res.is_ok() {
-                        w.fresh.checked(r, now);
+                        w.per_rank.fresh.checked(r, now);
                     }
                 }
             }
@@ -458,7 +462,7 @@ pub async fn refresh_once(
         }
         Ok(Sentinel::NotReady(text)) => {
             pool.update_worker_if(Role::Prefill, id, |w| {
-                tracing::debug!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, text, "bootstrap server not ready");
+                tracing::debug!(worker_id = %WorkerIdent::new(Role::Prefill, w.shared().id), worker_url = %w.shared().url, text, "bootstrap server not ready");
                 all_bootstrapping(w, now)
             });
             1
@@ -466,11 +470,11 @@ pub async fn refresh_once(
         Err(e) => {
             pool.update_worker_if(Role::Prefill, id, |w| {
                 if matches!(e, BootstrapError::DpSizeTooLarge { .. }) {
-                    if w.ranks.iter().all(|r| r.label() != "failed") {
-                        tracing::error!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, error = %e, "prefill refused");
+                    if w.facts.ranks.iter().all(|r| r.label() != "failed") {
+                        tracing::error!(worker_id = %WorkerIdent::new(Role::Prefill, w.shared().id), worker_url = %w.shared().url, error = %e, "prefill refused");
                     }
                 } else {
-                    tracing::debug!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, error = %e, "sentinel failed");
+                    tracing::debug!(worker_id = %WorkerIdent::new(Role::Prefill, w.shared().id), worker_url = %w.shared().url, error = %e, "sentinel failed");
                 }
                 fail_all(w, failure_of(&e), now)
             });
@@ -525,7 +529,7 @@ async fn heartbeat(
             gen = pool
                 .load()
                 .worker(Role::Prefill, id)
-                .and_then(|w| w.layout.as_ref().map(|l| l.generation));
+                .and_then(|w| w.facts.layout.as_ref().map(|l| l.generation));
         }
         let res = client::sentinel(&up, &url, gen, timeout).await;
         let now = Instant::now();
@@ -540,15 +544,19 @@ async fn heartbeat(
             Ok(Sentinel::Ready(layout)) => {
                 gen = Some(layout.generation);
                 let stored = pool.load().worker(Role::Prefill, id).map(|w| {
-                    let same = w.layout.as_ref() == Some(&layout);
+                    let same = w.facts.layout.as_ref() == Some(&layout);
                     if same && matches!(last, None | Some(Beat::Ready)) {
                         // The routes read before still hold: no request, no rebuild.
-                        w.fresh.confirm_all(now);
+                        w.per_rank.fresh.confirm_all(now);
                     }
                     // Ranks that another path failed (a preflight or a leg that could not
                     // reach the server, whose signalled re-read came while it was still
                     // down) are re-read now that the server answers ready.
-                    let behind = w.ranks.iter().any(|r| !matches!(r, RankReadiness::Ready));
+                    let behind = w
+                        .facts
+                        .ranks
+                        .iter()
+                        .any(|r| !matches!(r, RankReadiness::Ready));
                     (same, behind)
                 });
                 let (same, behind) = stored.unwrap_or((false, false));
@@ -573,17 +581,17 @@ async fn heartbeat(
                 if lose || definite_miss(&e) {
                     pool.update_worker_if(Role::Prefill, id, |w| {
                         if matches!(e, BootstrapError::DpSizeTooLarge { .. })
-                            && w.ranks.iter().all(|r| r.label() != "failed")
+                            && w.facts.ranks.iter().all(|r| r.label() != "failed")
                         {
-                            tracing::error!(worker_id = %WorkerIdent::new(Role::Prefill, w.id), worker_url = %w.url, error = %e, "prefill refused");
+                            tracing::error!(worker_id = %WorkerIdent::new(Role::Prefill, w.shared().id), worker_url = %w.shared().url, error = %e, "prefill refused");
                         }
                         let mut changed = fail_all(w, reason, now);
                         if lose {
                             tracing::warn!(worker_id = %WorkerIdent::new(Role::Prefill, id), bootstrap = %url, misses, error = %e, "bootstrap heartbeat lost; failing in-flight requests");
                             metrics::counter!(crate::telemetry::BOOTSTRAP_HEARTBEAT_LOST)
                                 .increment(1);
-                            w.layout = None;
-                            w.lost_tx.send_modify(|e| e.heartbeat += 1);
+                            w.facts.layout = None;
+                            w.shared().lost_tx.send_modify(|e| e.heartbeat += 1);
                             changed = true;
                         }
                         changed

@@ -195,7 +195,7 @@ impl Reconciler {
                 return Added::Waiting;
             }
             let snap = self.fleet.pool().load();
-            let owner = match snap.worker(ep.role, id).map(|w| (*w.source).clone()) {
+            let owner = match snap.worker(ep.role, id).map(|w| w.shared.source.clone()) {
                 Some(WorkerSource::Discovered(other)) => format!("pod {}", other.name),
                 Some(WorkerSource::Static) => "a static worker".to_string(),
                 Some(WorkerSource::Admin) => "a worker added by the admin API".to_string(),

@@ -169,13 +169,13 @@ impl Dispatcher {
             }
             let full = match self.choose_pair(&snap, req, model, ex, Some(need)) {
                 Ok(c) => match Reservation::try_take(
-                    &c.decode.capacity,
+                    &c.decode.per_rank.capacity,
                     c.pair.decode.rank,
                     &need,
                     self.pool.capacity_signal(),
                 ) {
                     Some(r) => break (c, Some(r)),
-                    None if c.pair.decode.rank as usize >= c.decode.capacity.len() => {
+                    None if c.pair.decode.rank as usize >= c.decode.per_rank.capacity.len() => {
                         break (c, None)
                     }
                     None => capacity::full_failure(),
@@ -210,12 +210,12 @@ impl Dispatcher {
         *trace = LegTrace {
             prefill: Some(LegAt {
                 worker: WorkerIdent::new(Role::Prefill, chosen.pair.prefill.worker),
-                url: chosen.prefill.url.clone(),
+                url: chosen.prefill.shared.url.clone(),
                 rank: chosen.pair.prefill.rank,
             }),
             decode: Some(LegAt {
                 worker: WorkerIdent::new(Role::Decode, chosen.pair.decode.worker),
-                url: chosen.decode.url.clone(),
+                url: chosen.decode.shared.url.clone(),
                 rank: chosen.pair.decode.rank,
             }),
             room: None,
@@ -231,7 +231,7 @@ impl Dispatcher {
         let mut legs = self.send_legs(req, ctx, attempt_no, &chosen, slot);
         trace.room = legs.room;
         let first_byte = legs.span.take();
-        let incremental = chosen.decode.incremental_stream;
+        let incremental = chosen.decode.facts.incremental_stream();
         match first_byte::wait_first_bytes(self, req, model, legs).await {
             Ok(mut ready) => {
                 ready.decode_incremental = incremental;
@@ -334,8 +334,10 @@ impl Dispatcher {
             let f = Failure::new(FailReason::Internal, "picked worker missing from snapshot");
             return Err(AttemptFailure::unblamed(f));
         };
-        let (Some(bootstrap), Some(layout)) = (prefill.bootstrap.as_ref(), prefill.layout.as_ref())
-        else {
+        let (Some(bootstrap), Some(layout)) = (
+            prefill.facts.bootstrap.as_ref(),
+            prefill.facts.layout.as_ref(),
+        ) else {
             let f = Failure::new(FailReason::BootstrapNotReady, "prefill layout unknown");
             return Err(AttemptFailure::on(&pair, f));
         };
@@ -356,6 +358,7 @@ impl Dispatcher {
         let bcfg = &self.cfg.bootstrap;
         let rank = c.pair.prefill.rank;
         if c.prefill
+            .per_rank
             .fresh
             .fresh_within(rank as usize, bcfg.freshness())
         {
@@ -366,11 +369,11 @@ impl Dispatcher {
             rank,
             bootstrap: c.bootstrap,
             generation: c.layout.generation,
-            probes: &c.prefill.probes,
+            probes: &c.prefill.per_rank.probes,
         };
         let outcome =
             preflight::check(&self.pool, &self.up, target, bcfg.preflight_timeout()).await;
-        let url = &c.prefill.url;
+        let url = &c.prefill.shared.url;
         let failure = match outcome {
             PreflightOutcome::Ready => return Ok(()),
             PreflightOutcome::NotReady => Failure::new(
@@ -432,19 +435,19 @@ impl Dispatcher {
         );
         let path = req.route.path();
         let mut prefill_req =
-            LegRequest::post_json(&c.prefill.conns, path, prefill_body, &ctx.forward);
+            LegRequest::post_json(&c.prefill.shared.conns, path, prefill_body, &ctx.forward);
         // The prefill's answer headers are never read (decode's go to the client).
         prefill_req.keep_headers = false;
         prefill_req.rate = self.bulk_rate.clone();
         let mut decode_req =
-            LegRequest::post_json(&c.decode.conns, path, decode_body, &ctx.forward);
+            LegRequest::post_json(&c.decode.shared.conns, path, decode_body, &ctx.forward);
         decode_req.rate = self.bulk_rate.clone();
         // Traced: each leg names its own span as the engine's parent.
         let prefill_span = leg_span(ctx, "prefill", c.prefill, pt.rank, &mut prefill_req);
         let decode_span = leg_span(ctx, "decode_first_byte", c.decode, dt.rank, &mut decode_req);
         tracing::debug!(request_id = %ctx.id,
-            prefill_id = %WorkerIdent::new(Role::Prefill, pt.worker), prefill_url = %c.prefill.url, prefill_rank = pt.rank,
-            decode_id = %WorkerIdent::new(Role::Decode, dt.worker), decode_url = %c.decode.url, decode_rank = dt.rank,
+            prefill_id = %WorkerIdent::new(Role::Prefill, pt.worker), prefill_url = %c.prefill.shared.url, prefill_rank = pt.rank,
+            decode_id = %WorkerIdent::new(Role::Decode, dt.worker), decode_url = %c.decode.shared.url, decode_rank = dt.rank,
             rooms = ?rooms, "dispatch");
 
         let timeouts = &self.cfg.timeouts;
@@ -452,14 +455,14 @@ impl Dispatcher {
         let prefill_leg: PrefillFuture = Box::pin(super::stall::timed_prefill(
             legs::run_prefill(
                 self.up.clone(),
-                c.prefill.conns.clone(),
+                c.prefill.shared.conns.clone(),
                 prefill_req,
                 timeouts.prefill(),
                 self.cfg.upstream.max_answer_bytes,
                 ctx.queue.as_ref().map(|a| a.bytes().clone()),
             ),
-            c.prefill.progress.clone(),
-            c.prefill.stats.clone(),
+            c.prefill.per_rank.progress.clone(),
+            c.prefill.shared.stats.clone(),
             pt.rank,
             size,
         ));
@@ -478,16 +481,16 @@ impl Dispatcher {
             c.prefill.lost.clone(),
             pt.rank,
             c.lost_seen,
-            LegCancel::new(&self.up, &c.prefill.url, rid_p),
+            LegCancel::new(&self.up, &c.prefill.shared.url, rid_p),
             LoadGuard::new(c.prefill, pt.rank),
         );
-        let (up, conns) = (self.up.clone(), c.decode.conns.clone());
+        let (up, conns) = (self.up.clone(), c.decode.shared.conns.clone());
         LegsInFlight {
             pair: c.pair,
             room: rooms.first().copied(),
             prefill,
             decode: async move { up.send_leg(&conns, &decode_req).await },
-            decode_cancel: LegCancel::new(&self.up, &c.decode.url, rid_d),
+            decode_cancel: LegCancel::new(&self.up, &c.decode.shared.url, rid_d),
             decode_load: LoadGuard::new(c.decode, dt.rank).with_reservation(slot),
             stall: super::stall::StallWatch::new(
                 &self.cfg.progress,
@@ -526,10 +529,10 @@ pub(super) fn leg_span(
     let mut sp = span(ctx, name, SpanKind::Client)?;
     sp.set(
         "pdgate.worker_id",
-        WorkerIdent::new(w.role, w.id).to_string(),
+        WorkerIdent::new(w.shared.role, w.shared.id).to_string(),
     );
     sp.set("pdgate.dp_rank", rank);
-    sp.set("server.address", w.url.to_string());
+    sp.set("server.address", w.shared.url.to_string());
     if let Some(tp) = sp.traceparent() {
         leg.push_header(crate::trace::TRACEPARENT, &tp);
     }
@@ -565,7 +568,7 @@ fn no_prefill_detail(snap: &Snapshot, model: Option<&str>) -> (FailReason, Strin
     for w in snap.prefills.iter().filter(of_model) {
         let mut why = FailReason::BootstrapNotReady;
         let mut labels = Vec::new();
-        for (r, st) in w.ranks.iter().enumerate() {
+        for (r, st) in w.facts.ranks.iter().enumerate() {
             match st {
                 RankReadiness::Failed { reason: f, .. } => {
                     let this = match f {
@@ -582,7 +585,7 @@ fn no_prefill_detail(snap: &Snapshot, model: Option<&str>) -> (FailReason, Strin
                 other => labels.push(format!("rank {r} {}", other.label())),
             }
         }
-        let state = if !w.healthy {
+        let state = if !w.facts.healthy {
             "unhealthy".to_string()
         } else {
             if rank_of(why) > rank_of(reason) {
@@ -594,7 +597,7 @@ fn no_prefill_detail(snap: &Snapshot, model: Option<&str>) -> (FailReason, Strin
                 labels.join(", ")
             }
         };
-        parts.push(format!("{}: {state}", w.url));
+        parts.push(format!("{}: {state}", w.shared.url));
     }
     (
         reason,

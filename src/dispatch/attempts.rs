@@ -259,7 +259,11 @@ impl Dispatcher {
         }
         // The line names the worker blamed (its one name and URL), when one is.
         let blamed = af.blame.map(|(role, w)| {
-            let url = self.pool.load().worker(role, w).map(|v| v.url.to_string());
+            let url = self
+                .pool
+                .load()
+                .worker(role, w)
+                .map(|v| v.shared.url.to_string());
             (role, WorkerIdent::new(role, w), url.unwrap_or_default())
         });
         let message = match run.purpose {
@@ -358,7 +362,7 @@ impl Dispatcher {
         let exists = |role: Role| {
             snap.workers(role)
                 .iter()
-                .any(|w| !ex.of(role).contains(&w.id))
+                .any(|w| !ex.of(role).contains(&w.shared.id))
         };
         if wait.is_zero() || !exists(Role::Prefill) || !exists(Role::Decode) {
             return false;

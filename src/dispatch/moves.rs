@@ -189,7 +189,7 @@ impl Moves for Follow {
             let scope = model.name();
             let other = |r: Role| {
                 snap.workers(r).iter().any(|w| {
-                    !excluded.of(r).contains(&w.id)
+                    !excluded.of(r).contains(&w.shared.id)
                         && scope.is_none_or(|m| w.model.as_deref() == Some(m))
                 })
             };

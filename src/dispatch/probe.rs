@@ -84,11 +84,13 @@ impl Dispatcher {
         loop {
             self.wait_for_probe(role, worker, wait.wait, p.probe_interval())
                 .await;
-            let state = self
-                .pool
-                .load()
-                .worker(role, worker)
-                .map(|w| (w.breaker.state(), w.healthy, w.url.clone()));
+            let state = self.pool.load().worker(role, worker).map(|w| {
+                (
+                    w.shared.breaker.state(),
+                    w.facts.healthy,
+                    w.shared.url.clone(),
+                )
+            });
             let Some((state, healthy, url)) = state else {
                 return;
             };
@@ -109,7 +111,7 @@ impl Dispatcher {
             match outcome {
                 Ok(()) => {
                     if let Some(w) = self.pool.load().worker(role, worker) {
-                        w.progress.clear_stalls();
+                        w.per_rank.progress.clear_stalls();
                     }
                     self.pool.report_success(role, worker);
                     tracing::info!(role = %role, worker_id = %WorkerIdent::new(role, worker), worker_url = %url, "stalled worker re-admitted: a probe through a real pair succeeded");
@@ -136,12 +138,9 @@ impl Dispatcher {
                 return;
             }
             tokio::time::sleep_until(until.min(now + step)).await;
-            let Some(up) = self
-                .pool
-                .load()
-                .worker(role, worker)
-                .map(|w| w.healthy && w.ranks.iter().all(|r| *r == RankReadiness::Ready))
-            else {
+            let Some(up) = self.pool.load().worker(role, worker).map(|w| {
+                w.facts.healthy && w.facts.ranks.iter().all(|r| *r == RankReadiness::Ready)
+            }) else {
                 return;
             };
             if !up {
@@ -219,6 +218,7 @@ impl Dispatcher {
         let me = snap.worker(role, worker).ok_or_else(gone)?;
         let rank = match role {
             Role::Prefill => me
+                .facts
                 .ranks
                 .iter()
                 .position(|r| *r == RankReadiness::Ready)
@@ -273,8 +273,10 @@ impl Dispatcher {
         ) else {
             return Err(gone());
         };
-        let (Some(bootstrap), Some(layout)) = (prefill.bootstrap.as_ref(), prefill.layout.as_ref())
-        else {
+        let (Some(bootstrap), Some(layout)) = (
+            prefill.facts.bootstrap.as_ref(),
+            prefill.facts.layout.as_ref(),
+        ) else {
             return Err(Failure::new(
                 FailReason::BootstrapNotReady,
                 "prefill layout unknown",

@@ -151,21 +151,21 @@ impl Dispatcher {
             prefill: None,
             decode: Some(LegAt {
                 worker: WorkerIdent::new(Role::Regular, t.worker),
-                url: w.url.clone(),
+                url: w.shared.url.clone(),
                 rank: t.rank,
             }),
             room: None,
         };
         let rid = ctx.id.leg_rid(attempt_no, 'r');
         let body = req.write_plain(&rid, (w.effective_dp() > 1).then_some(t.rank));
-        let mut leg = LegRequest::post_json(&w.conns, req.route.path(), body, &ctx.forward);
+        let mut leg = LegRequest::post_json(&w.shared.conns, req.route.path(), body, &ctx.forward);
         leg.rate = self.bulk_rate.clone();
         let mut span = super::attempt::leg_span(ctx, "regular_first_byte", w, t.rank, &mut leg);
         if let Some(sp) = span.as_mut() {
             sp.set("pdgate.role", "regular");
         }
-        tracing::debug!(request_id = %ctx.id, worker_id = %WorkerIdent::new(Role::Regular, t.worker), worker_url = %w.url, rank = t.rank, "dispatch to a regular worker");
-        let mut cancel = LegCancel::new(&self.up, &w.url, rid);
+        tracing::debug!(request_id = %ctx.id, worker_id = %WorkerIdent::new(Role::Regular, t.worker), worker_url = %w.shared.url, rank = t.rank, "dispatch to a regular worker");
+        let mut cancel = LegCancel::new(&self.up, &w.shared.url, rid);
         let guard = LoadGuard::new(w, t.rank);
         let timeouts = &self.cfg.timeouts;
         let within = timeouts.prefill() + timeouts.decode_first_byte();
@@ -203,7 +203,7 @@ impl Dispatcher {
                 prefill: t,
                 decode: t,
             },
-            decode_incremental: w.incremental_stream,
+            decode_incremental: w.facts.incremental_stream(),
             head,
             body: PdBodyParts {
                 first: Bytes::from(first),
@@ -287,7 +287,7 @@ impl Dispatcher {
     ) -> Result<FirstBytes, Failure> {
         let resp = self
             .up
-            .send_leg(&w.conns, leg)
+            .send_leg(&w.shared.conns, leg)
             .await
             .map_err(|e| legs::send_failure(FailReason::DecodeConnect, "regular worker", &e))?;
         let status = resp.status();

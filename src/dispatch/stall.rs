@@ -135,9 +135,9 @@ impl StallWatch {
             streamed,
             pair,
             size,
-            prefill: prefill.progress.clone(),
-            decode: decode.progress.clone(),
-            decode_stats: decode.stats.clone(),
+            prefill: prefill.per_rank.progress.clone(),
+            decode: decode.per_rank.progress.clone(),
+            decode_stats: decode.shared.stats.clone(),
             sent: now,
             prefill_limits: limits(cfg, Kind::Prefill),
             first_token_limits: limits(cfg, Kind::FirstToken),
@@ -167,7 +167,7 @@ impl StallWatch {
             prefill: t,
             decode: t,
         };
-        let awaiting = w.progress.await_first(size);
+        let awaiting = w.per_rank.progress.await_first(size);
         let sized = u64::from(size).saturating_add(awaiting.ahead);
         let sized = u32::try_from(sized).unwrap_or(u32::MAX);
         let mut watch = StallWatch::new(cfg, pair, w, w, sized, streamed);
@@ -248,8 +248,8 @@ impl StallWatch {
         let peers = snap
             .workers(role)
             .iter()
-            .filter(|w| w.id != me)
-            .map(|w| (&*w.progress, w.in_flight_total() > 0));
+            .filter(|w| w.shared.id != me)
+            .map(|w| (&*w.per_rank.progress, w.in_flight_total() > 0));
         let peers = Peers::gather(peers, kind, size, self.started_stamp, lim.window);
         let (own, lim) = self.own();
         match progress::judge(elapsed, own, &peers, &lim) {
@@ -309,13 +309,13 @@ impl Dispatcher {
         let Some(w) = snap.worker(role, worker) else {
             return;
         };
-        let n = w.progress.stalled();
+        let n = w.per_rank.progress.stalled();
         let p = &self.cfg.progress;
-        tracing::warn!(role = %role, worker_id = %WorkerIdent::new(role, worker), worker_url = %w.url, stalls = n, "leg stalled");
+        tracing::warn!(role = %role, worker_id = %WorkerIdent::new(role, worker), worker_url = %w.shared.url, stalls = n, "leg stalled");
         // The worker's own model's thresholds (a stall concerns the worker).
         let settings = self.settings_of(w.model.as_deref());
         if n >= p.eject_after_stalls && self.pool.eject_stalled(role, worker, &settings.breaker) {
-            if let Some(claim) = w.progress.claim_probe() {
+            if let Some(claim) = w.per_rank.progress.claim_probe() {
                 self.spawn_probe(role, worker, claim);
             }
         }
@@ -332,21 +332,21 @@ impl Dispatcher {
         let snap = self.pool.load();
         let me = snap.worker(role, worker);
         let now = stamp(Instant::now());
-        if let Some(b) = me.and_then(|w| w.progress.cached_gap_bound(rank, now)) {
+        if let Some(b) = me.and_then(|w| w.per_rank.progress.cached_gap_bound(rank, now)) {
             return b;
         }
         let own = me
-            .map(|w| w.progress.estimate(Kind::Gap, rank, 1, lim.window))
+            .map(|w| w.per_rank.progress.estimate(Kind::Gap, rank, 1, lim.window))
             .unwrap_or_default();
         let peers = snap
             .workers(role)
             .iter()
-            .filter(|w| w.id != worker)
-            .map(|w| (&*w.progress, true));
+            .filter(|w| w.shared.id != worker)
+            .map(|w| (&*w.per_rank.progress, true));
         let peers = Peers::gather(peers, Kind::Gap, 1, u64::MAX, lim.window);
         let bound = progress::deadline(own, peers.estimate, &lim);
         if let Some(w) = me {
-            w.progress.cache_gap_bound(rank, bound, now);
+            w.per_rank.progress.cache_gap_bound(rank, bound, now);
         }
         bound
     }
@@ -368,8 +368,8 @@ mod tests {
                 let url = parse_base_url(&format!("http://127.0.0.1:{}", 3000 + i)).unwrap();
                 let id = pool.add_worker(Role::Decode, url, None);
                 pool.update_worker(Role::Decode, id, |w| {
-                    w.healthy = true;
-                    w.dp_size = Some(2);
+                    w.facts.healthy = true;
+                    w.facts.dp_size = Some(2);
                 });
                 id
             })
@@ -388,7 +388,8 @@ mod tests {
         let snap = pool.load();
         let w0 = snap.worker(Role::Decode, ids[0]).unwrap();
         for _ in 0..p.min_samples {
-            w0.progress
+            w0.per_rank
+                .progress
                 .record(Kind::Gap, 1, Duration::from_millis(800), 1);
         }
         // Rank 1 of worker 0 learned 800 ms gaps: 3 x 800 ms.
@@ -406,9 +407,11 @@ mod tests {
         // Fast gaps are held up by the floor.
         let w1 = snap.worker(Role::Decode, ids[1]).unwrap();
         for _ in 0..64 {
-            w0.progress
+            w0.per_rank
+                .progress
                 .record(Kind::Gap, 1, Duration::from_millis(5), 1);
-            w1.progress
+            w1.per_rank
+                .progress
                 .record(Kind::Gap, 0, Duration::from_millis(5), 1);
         }
         // The bound computed above is reused until it is a second old...

@@ -85,7 +85,7 @@ pub fn store(pool: &Pool, role: Role, id: WorkerId, figures: Option<&[(usize, Re
     let Some(view) = snap.worker(role, id) else {
         return;
     };
-    for (r, cap) in view.capacity.iter().enumerate() {
+    for (r, cap) in view.per_rank.capacity.iter().enumerate() {
         let rep = figures
             .and_then(|f| f.iter().find(|(k, _)| *k == r))
             .map(|(_, rep)| *rep)
@@ -101,7 +101,7 @@ pub fn seed(pool: &Pool, role: Role, id: WorkerId, per_dp: &[Option<u64>]) {
     let Some(view) = snap.worker(role, id) else {
         return;
     };
-    for (cap, c) in view.capacity.iter().zip(per_dp) {
+    for (cap, c) in view.per_rank.capacity.iter().zip(per_dp) {
         if let Some(c) = c {
             cap.set_engine_cap(*c);
         }

@@ -215,7 +215,7 @@ pub fn store(pool: &Pool, role: Role, id: WorkerId, report: Option<&Report>) {
     let Some(view) = snap.worker(role, id) else {
         return;
     };
-    let slots = &view.engine_load;
+    let slots = &view.per_rank.engine_load;
     let values = report.map(|r| per_rank(r, slots.len()));
     for (r, slot) in slots.iter().enumerate() {
         let v = values.as_ref().and_then(|v| v.get(r)).copied().unwrap_or(0);
@@ -264,7 +264,10 @@ pub fn spawn(
                 tokio::time::sleep(OFF_RECHECK).await;
                 continue;
             };
-            let healthy = pool.load().worker(role, id).is_some_and(|w| w.healthy);
+            let healthy = pool
+                .load()
+                .worker(role, id)
+                .is_some_and(|w| w.facts.healthy);
             let answer = if healthy {
                 poll_once_body(&up, &url, &mut gen, timeout).await
             } else {
@@ -389,8 +392,8 @@ mod tests {
         let pool = Pool::new();
         let id = pool.add_worker(Role::Decode, url.clone(), None);
         pool.update_worker(Role::Decode, id, |w| {
-            w.healthy = true;
-            w.dp_size = Some(2);
+            w.facts.healthy = true;
+            w.facts.dp_size = Some(2);
         });
         let t = Duration::from_secs(2);
 

@@ -133,7 +133,7 @@ pub fn spawn(
         // anyway), so that a restart as another engine no check saw down is caught too.
         let mut refused = false;
         let mut ever_up = false;
-        let conns = pool.with_worker(role, id, |w| w.conns.clone());
+        let conns = pool.with_worker(role, id, |w| w.shared().conns.clone());
         loop {
             let (cfg, bcfg) = {
                 let c = live.load();
@@ -154,21 +154,21 @@ pub fn spawn(
                     pool.update_worker(role, id, |w| {
                         match &verdict {
                             Err(why) => {
-                                if w.refused.as_deref() != Some(why.as_str()) {
-                                    tracing::error!(worker_id = %WorkerIdent::new(role, id), worker_url = %w.url, reason = %why, "worker refused");
+                                if w.facts.refused.as_deref() != Some(why.as_str()) {
+                                    tracing::error!(worker_id = %WorkerIdent::new(role, id), worker_url = %w.shared().url, reason = %why, "worker refused");
                                 }
-                                w.refused = Some(why.clone());
+                                w.facts.refused = Some(why.clone());
                             }
                             Ok(dp) => {
-                                if w.refused.take().is_some() {
-                                    tracing::info!(worker_id = %WorkerIdent::new(role, id), worker_url = %w.url, "worker no longer refused");
+                                if w.facts.refused.take().is_some() {
+                                    tracing::info!(worker_id = %WorkerIdent::new(role, id), worker_url = %w.shared().url, "worker no longer refused");
                                 }
                                 if let (Some(dp), Role::Decode | Role::Regular) = (dp, role) {
-                                    w.dp_size = Some(*dp);
+                                    w.facts.dp_size = Some(*dp);
                                 }
                             }
                         }
-                        w.info = Some(info);
+                        w.facts.info = Some(Arc::new(info));
                     });
                     if role == Role::Decode {
                         capacity::seed(&pool, role, id, &caps);
@@ -180,7 +180,7 @@ pub fn spawn(
             if let Some(conns) = &conns {
                 conns.sweep(up.legs.idle_timeout);
             }
-            let Some(healthy) = pool.with_worker(role, id, |w| w.healthy) else {
+            let Some(healthy) = pool.with_worker(role, id, |w| w.facts.healthy) else {
                 return; // the worker left the pool
             };
             // Without its server info yet, a worker that must have it counts as down.
@@ -193,24 +193,24 @@ pub fn spawn(
                 let good = verdict == Verdict::Up;
                 let reason = why.as_deref().unwrap_or("-");
                 pool.update_worker(role, id, |w| {
-                    let first = !w.health_checked;
-                    w.healthy = good;
-                    w.health_checked = true;
+                    let first = !w.facts.health_checked;
+                    w.facts.healthy = good;
+                    w.facts.health_checked = true;
                     // `pdgate_worker_healthy` is read from the pool at scrape time.
                     // A worker up at its first check at INFO; one down at its first check
                     // (an engine down when pdgate starts, or added before it runs) and
                     // every later change at WARN, a worker down with the reason.
                     let ident = WorkerIdent::new(role, id);
                     match (first, good) {
-                        (true, true) => tracing::info!(worker_id = %ident, worker_url = %w.url, "worker is up"),
-                        (_, false) => tracing::warn!(worker_id = %ident, worker_url = %w.url, reason, "worker is down"),
-                        (false, true) => tracing::warn!(worker_id = %ident, worker_url = %w.url, "worker is up again"),
+                        (true, true) => tracing::info!(worker_id = %ident, worker_url = %w.shared().url, "worker is up"),
+                        (_, false) => tracing::warn!(worker_id = %ident, worker_url = %w.shared().url, reason, "worker is down"),
+                        (false, true) => tracing::warn!(worker_id = %ident, worker_url = %w.shared().url, "worker is up again"),
                     }
                     // Up after being down (a restart), or up for the first time while its
                     // bootstrap port is still unknown (down at start): its bootstrap
                     // tracker reads the port and the rank routes now.
-                    if good && role == Role::Prefill && (ever_up || w.bootstrap.is_none()) {
-                        w.refresh.notify_one();
+                    if good && role == Role::Prefill && (ever_up || w.facts.bootstrap.is_none()) {
+                        w.shared().refresh.notify_one();
                     }
                 });
                 ever_up |= good;

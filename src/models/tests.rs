@@ -20,7 +20,7 @@ fn pool(models: &[(&str, u64)]) -> Pool {
                 page_size: Some(*page),
                 ..ServerInfo::default()
             };
-            pool.update_worker(role, id, |w| w.info = Some(info));
+            pool.update_worker(role, id, |w| w.facts.info = Some(info.into()));
         }
     }
     pool
@@ -174,18 +174,24 @@ fn unreported_facts_are_not_compared() {
         None,
     );
     p.update_worker(Role::Prefill, pid, |w| {
-        w.info = Some(ServerInfo {
-            served_model_name: Some("m-a".into()),
-            page_size: Some(1),
-            ..ServerInfo::default()
-        })
+        w.facts.info = Some(
+            ServerInfo {
+                served_model_name: Some("m-a".into()),
+                page_size: Some(1),
+                ..ServerInfo::default()
+            }
+            .into(),
+        )
     });
     p.update_worker(Role::Decode, did, |w| {
-        w.healthy = true;
-        w.info = Some(ServerInfo {
-            page_size: Some(1),
-            ..ServerInfo::default()
-        })
+        w.facts.healthy = true;
+        w.facts.info = Some(
+            ServerInfo {
+                page_size: Some(1),
+                ..ServerInfo::default()
+            }
+            .into(),
+        )
     });
     let snap = p.load();
     assert_eq!(snap.groups.len(), 2);

@@ -183,14 +183,16 @@ impl CacheAware {
         // (within bound?, load if not, distance, url hash, url) – smallest wins.
         let mut best: Option<(usize, (bool, u64, u64, u64))> = None;
         for (i, c) in cands.iter().enumerate() {
-            let url = c.worker.url.as_str();
+            let url = c.worker.shared.url.as_str();
             let (h, d) = self.distance(&cache, url, key);
             let l = load(c);
             let over = l > bound;
             let rank = (over, if over { l } else { 0 }, d, h);
             let better = match &best {
                 None => true,
-                Some((j, r)) => rank < *r || (rank == *r && url < cands[*j].worker.url.as_str()),
+                Some((j, r)) => {
+                    rank < *r || (rank == *r && url < cands[*j].worker.shared.url.as_str())
+                }
             };
             if better {
                 best = Some((i, rank));
@@ -294,8 +296,8 @@ mod tests {
         let mut used = std::collections::HashSet::new();
         for k in 0..2000u64 {
             let key = fnv1a(format!("conversation {k}").as_bytes());
-            let x = ca[pick(&pa, &ca, key)].worker.url.as_str();
-            let y = cb[pick(&pb, &cb, key)].worker.url.as_str();
+            let x = ca[pick(&pa, &ca, key)].worker.shared.url.as_str();
+            let y = cb[pick(&pb, &cb, key)].worker.shared.url.as_str();
             assert_eq!(x, y, "key {k}");
             used.insert(x.to_string());
         }
@@ -371,7 +373,7 @@ mod tests {
                     .map(|c| Candidate { worker: c.worker, ranks: c.ranks, in_flight: 0, engine_load: 0 })
                     .collect();
                 let j = pick(&p, &zero, key);
-                prop_assert_eq!(zero[j].worker.url.as_str(), cs[i].worker.url.as_str());
+                prop_assert_eq!(zero[j].worker.shared.url.as_str(), cs[i].worker.shared.url.as_str());
             }
         }
 
@@ -389,8 +391,8 @@ mod tests {
             let mut moved = 0u64;
             for k in 0..keys {
                 let key = mix64(seed ^ k);
-                let before = ca[pick(&p, &ca, key)].worker.url.as_str();
-                let after = cb[pick(&p, &cb, key)].worker.url.as_str();
+                let before = ca[pick(&p, &ca, key)].worker.shared.url.as_str();
+                let after = cb[pick(&p, &cb, key)].worker.shared.url.as_str();
                 if before != after {
                     moved += 1;
                     // Only keys of the removed worker move.

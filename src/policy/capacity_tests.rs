@@ -16,8 +16,8 @@ fn decodes(n: usize, dp: u32) -> Pool {
             None,
         );
         pool.update_worker(Role::Decode, id, |w| {
-            w.healthy = true;
-            w.dp_size = Some(dp);
+            w.facts.healthy = true;
+            w.facts.dp_size = Some(dp);
         });
     }
     pool
@@ -61,8 +61,8 @@ fn the_decode_rank_follows_tokens_in_flight_where_reported() {
         let pool = decodes(1, 2);
         let snap = pool.load_full();
         let w = &snap.decodes[0];
-        w.capacity[0].observe(&report(r0.0, r0.1));
-        w.capacity[1].observe(&report(r1.0, r1.1));
+        w.per_rank.capacity[0].observe(&report(r0.0, r0.1));
+        w.per_rank.capacity[1].observe(&report(r1.0, r1.1));
         let _g: Vec<LoadGuard> = (0..*own0).map(|_| LoadGuard::new(w, 0)).collect();
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let ctx = PickCtx {
@@ -84,10 +84,10 @@ fn full_ranks_and_workers_are_skipped() {
     let snap = pool.load_full();
     // Worker 0 is full on both ranks (engine says 8 of 8), worker 1 on rank 0 only.
     for r in 0..2 {
-        snap.decodes[0].capacity[r].observe(&report(8, None));
+        snap.decodes[0].per_rank.capacity[r].observe(&report(8, None));
     }
-    snap.decodes[1].capacity[0].observe(&report(8, None));
-    snap.decodes[1].capacity[1].observe(&report(7, None));
+    snap.decodes[1].per_rank.capacity[0].observe(&report(8, None));
+    snap.decodes[1].per_rank.capacity[1].observe(&report(7, None));
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let ctx = PickCtx {
         need: Some(need(0)),
@@ -103,7 +103,7 @@ fn full_ranks_and_workers_are_skipped() {
         }
     }
     // Everything full: no pick. Without a need (capacity not checked): a pick.
-    snap.decodes[1].capacity[1].observe(&report(8, None));
+    snap.decodes[1].per_rank.capacity[1].observe(&report(8, None));
     let p = build(PolicyKind::RoundRobin);
     assert!(select(p.as_ref(), &snap, Role::Decode, &ctx, &mut rng).is_none());
     assert!(select(

@@ -133,7 +133,8 @@ pub fn select(
         .filter(|r| !ctx.exclude.contains(&r.worker))
         .filter_map(|r| candidate(snap, role, r))
         .filter(|c| {
-            !(c.worker.breaker.state() == BreakerState::HalfOpen && c.worker.breaker.trial_taken())
+            !(c.worker.shared.breaker.state() == BreakerState::HalfOpen
+                && c.worker.shared.breaker.trial_taken())
         })
         .filter(|c| {
             c.ranks
@@ -145,17 +146,17 @@ pub fn select(
         let i = policy.pick(&cands, ctx, rng).min(cands.len() - 1);
         let c = &cands[i];
         let mut trial = None;
-        if c.worker.breaker.state() == BreakerState::HalfOpen {
+        if c.worker.shared.breaker.state() == BreakerState::HalfOpen {
             // This request is the half-open worker's one trial, unless another request
             // took it since the candidates were listed: then pick among the others.
-            trial = c.worker.breaker.take_trial();
+            trial = c.worker.shared.breaker.take_trial();
             if trial.is_none() {
                 cands.remove(i);
                 continue;
             }
         }
         let target = Target {
-            worker: c.worker.id,
+            worker: c.worker.shared.id,
             rank: rank_for(c, ctx.need.as_ref(), rng),
         };
         return Some(Pick { target, trial });
@@ -225,8 +226,8 @@ mod tests {
                 None,
             );
             pool.update_worker(Role::Decode, id, |w| {
-                w.healthy = *h;
-                w.dp_size = Some(2);
+                w.facts.healthy = *h;
+                w.facts.dp_size = Some(2);
             });
         }
         pool
@@ -270,7 +271,7 @@ mod tests {
         let pool = pool(&[true, true]);
         let snap = pool.load_full();
         for w in &snap.decodes {
-            for c in w.engine_load.iter() {
+            for c in w.per_rank.engine_load.iter() {
                 c.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
             }
         }

@@ -222,7 +222,7 @@ impl Pool {
             // The prefill's rank routes may have changed: its tracker re-reads them now
             // (coalesced, within its read budget).
             if let Some(w) = self.load().worker(role, id) {
-                w.refresh.notify_one();
+                w.shared.refresh.notify_one();
             }
         }
         let counted = self.breaker_counting(role, id, Some(reason));
@@ -271,12 +271,14 @@ impl Pool {
     ) -> Option<Arc<Breaker>> {
         let snap = self.load();
         let w = snap.worker(role, id)?;
-        w.stats.outcome(failed);
-        Some(w.breaker.clone())
+        w.shared.stats.outcome(failed);
+        Some(w.shared.breaker.clone())
     }
 
     fn breaker(&self, role: Role, id: WorkerId) -> Option<Arc<Breaker>> {
-        self.load().worker(role, id).map(|w| w.breaker.clone())
+        self.load()
+            .worker(role, id)
+            .map(|w| w.shared.breaker.clone())
     }
 
     /// Whether opening one more breaker in `id`'s pool (its role's workers of its model)
@@ -289,7 +291,7 @@ impl Pool {
         let (mut size, mut open) = (0usize, 0usize);
         for w in snap.workers(role).iter().filter(|w| w.model == me.model) {
             size += 1;
-            open += usize::from(w.breaker.state() != BreakerState::Closed);
+            open += usize::from(w.shared.breaker.state() != BreakerState::Closed);
         }
         let cap = (cfg.max_ejection_ratio * size as f64).floor() as usize;
         open < cap
@@ -361,7 +363,7 @@ impl Pool {
 fn url_of(pool: &Pool, role: Role, id: WorkerId) -> String {
     pool.load()
         .worker(role, id)
-        .map_or_else(|| "-".to_string(), |w| w.url.to_string())
+        .map_or_else(|| "-".to_string(), |w| w.shared.url.to_string())
 }
 
 #[cfg(test)]
@@ -392,7 +394,7 @@ mod tests {
                 parse_base_url(&format!("http://127.0.0.1:{}", 2000 + i)).unwrap(),
                 None,
             );
-            pool.update_worker(Role::Decode, id, |w| w.healthy = true);
+            pool.update_worker(Role::Decode, id, |w| w.facts.healthy = true);
         }
         pool
     }
@@ -540,7 +542,7 @@ mod tests {
             let out = snap
                 .decodes
                 .iter()
-                .filter(|w| w.breaker.state() != BreakerState::Closed)
+                .filter(|w| w.shared.breaker.state() != BreakerState::Closed)
                 .count();
             assert!(out <= 4, "{out} of 8 ejected, cap 4");
             assert_eq!(out, 4, "the cap is reached, not undershot");
@@ -569,7 +571,7 @@ mod tests {
             snap.decodes
                 .iter()
                 .filter(|w| w.model.as_deref() == Some(model))
-                .filter(|w| w.breaker.state() != BreakerState::Closed)
+                .filter(|w| w.shared.breaker.state() != BreakerState::Closed)
                 .count()
         };
         assert_eq!((open("a"), open("b")), (1, 2));

@@ -4,7 +4,6 @@
 //! whoever just learned one of them.
 
 use super::Pool;
-use crate::types::Role;
 
 /// A prefill and a decode that disagree on a KV layout fact (page size or KV dtype): a
 /// decode would crash its scheduler on such a pair (spec §7.1).
@@ -23,23 +22,21 @@ impl Pool {
     /// reported yet is not compared.
     pub fn layout_mismatches(&self) -> Vec<LayoutMismatch> {
         let snap = self.load_full();
-        let pool = self;
         let mut out = Vec::new();
         for p in &snap.prefills {
-            let Some(layout) = &p.layout else { continue };
+            let Some(layout) = &p.facts.layout else {
+                continue;
+            };
             for d in &snap.decodes {
-                let Some(info) = pool
-                    .with_worker(Role::Decode, d.id, |w| w.info.clone())
-                    .flatten()
-                else {
+                let Some(info) = &d.facts.info else {
                     continue;
                 };
                 let mut differ = |what, a: Option<String>, b: Option<String>| {
                     if let (Some(a), Some(b)) = (a, b) {
                         if a != b {
                             out.push(LayoutMismatch {
-                                prefill: p.url.to_string(),
-                                decode: d.url.to_string(),
+                                prefill: p.shared.url.to_string(),
+                                decode: d.shared.url.to_string(),
                                 what,
                                 prefill_value: a,
                                 decode_value: b,

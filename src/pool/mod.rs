@@ -9,6 +9,11 @@
 //! - A (worker, rank) is *routable* only when the worker is healthy and, for a prefill,
 //!   its bootstrap rank is `Ready`. The routable target lists are computed at rebuild time
 //!   so that a policy picks from them without allocating.
+//! - A worker is one [`Worker`] in the master list: its identity and life-long handles
+//!   ([`WorkerShared`], never changed), its per-rank handles ([`RankHandles`], replaced
+//!   whole only when its DP size changes) and its [`WorkerFacts`] (the only part a
+//!   writer's closure changes). A snapshot's [`WorkerView`] holds the same two `Arc`s and
+//!   a copy of the facts (the `worker` module says who writes what).
 //! - In-flight counters live in `Arc<[AtomicU64]>` carried across rebuilds; a
 //!   [`LoadGuard`] holds its counter until dropped (when the response body ends).
 //! - Workers come and go (static config, hot reload, the admin API, Kubernetes discovery).
@@ -21,7 +26,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
-use tokio_util::sync::CancellationToken;
 
 pub mod breaker;
 mod build;
@@ -33,6 +37,7 @@ mod origin;
 mod ranks;
 mod series;
 pub mod stats;
+mod worker;
 
 pub use breaker::{Breaker, BreakerState, TrialGuard};
 pub use capacity::{CapacitySignal, RankCapacity, Reservation};
@@ -41,169 +46,13 @@ pub use groups::{Group, ModelView};
 pub use origin::{Drain, DrainBy, PodRef, WorkerSource};
 pub use ranks::{PreflightOutcome, Probe, RankFailure, RankProbes, RankReadiness};
 pub use stats::WorkerStats;
-use tokio::sync::watch;
+pub use worker::{
+    BootstrapInfo, LostEpochs, RankHandles, Worker, WorkerFacts, WorkerShared, WorkerView,
+};
 
-use crate::engine::{HandoffKey, Layout, ServerInfo};
-use crate::progress::WorkerProgress;
+use crate::engine::HandoffKey;
 use crate::types::{role_index, DpRank, Role, WorkerId};
-use crate::upstream::{BaseUrl, HostConns};
-
-/// A prefill's bootstrap server as decode engines reach it.
-#[derive(Clone, Debug)]
-pub struct BootstrapInfo {
-    /// Where pdgate polls it.
-    pub url: BaseUrl,
-    /// `bootstrap_host` as a JSON string literal, ready to write on legs.
-    pub host_json: String,
-    pub port: u16,
-}
-
-/// Mutable state of one worker, owned by the writer.
-#[derive(Debug)]
-pub struct WorkerState {
-    pub id: WorkerId,
-    pub role: Role,
-    pub url: BaseUrl,
-    pub source: Arc<WorkerSource>,
-    /// Takes no new request while any reason holds; requests in flight finish.
-    pub drain: Drain,
-    /// Cancelled when the worker leaves the pool: ends its background tasks.
-    pub stop: CancellationToken,
-    pub healthy: bool,
-    pub health_checked: bool,
-    pub dp_size: Option<u32>,
-    pub loads: Arc<[AtomicU64]>,
-    /// Engine-reported load per DP rank (requests running + waiting, from `/v1/loads`
-    /// or `/get_load`); all 0 while not polled. Written by the load poller in place.
-    pub engine_load: Arc<[AtomicU64]>,
-    /// Capacity per DP rank (decode): the engine's figures, written in place by the load
-    /// poller and the health checker, and this replica's reservations (`capacity`).
-    pub capacity: Arc<[RankCapacity]>,
-    /// Prefill only.
-    pub bootstrap: Option<BootstrapInfo>,
-    pub layout: Option<Layout>,
-    pub ranks: Vec<RankReadiness>,
-    /// When each rank was last confirmed (atomics: no rebuild per confirmation).
-    pub fresh: Arc<RankFreshness>,
-    /// Wakes the prefill's bootstrap tracker for a re-read of its rank routes (a signal:
-    /// a failed leg or preflight, a restart, a layout change). Coalesced.
-    pub refresh: Arc<tokio::sync::Notify>,
-    /// Bumped when the prefill (or one of its ranks) is lost; in-flight requests on it
-    /// whose prefill has not answered yet watch this.
-    pub lost_tx: watch::Sender<LostEpochs>,
-    /// The engine's `/server_info` facts, once read.
-    pub info: Option<ServerInfo>,
-    /// The model clients name for this worker, set by the operator (config, admin API):
-    /// wins over what the engine reports.
-    pub model: Option<Arc<str>>,
-    /// Passive health of this worker's leg.
-    pub breaker: Arc<Breaker>,
-    /// Kept-alive connections for this worker's legs.
-    pub conns: Arc<HostConns>,
-    /// Why the worker can never take a leg (e.g. a DP size above the limit); never
-    /// routable while set.
-    pub refused: Option<String>,
-    /// Why the prefill's bootstrap server is not its own (`crate::bootstrap::ownership`);
-    /// kept apart from `refused`, which the health checker sets and clears from
-    /// `/server_info` alone. Never routable while set.
-    pub bootstrap_refused: Option<String>,
-    /// Request-path rank checks in flight (prefill only).
-    pub probes: Arc<RankProbes>,
-    /// Learned leg times and progress (stall detection), per DP rank.
-    pub progress: Arc<WorkerProgress>,
-    /// Leg outcomes and times, for `/metrics` ([`stats`]).
-    pub stats: Arc<WorkerStats>,
-}
-
-/// Loss counters of one prefill, in one channel so that a request in flight waits on a
-/// single signal: `heartbeat` is bumped when the prefill's bootstrap server is lost,
-/// `ranks[k]` when DP rank `k` stops being ready.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct LostEpochs {
-    pub heartbeat: u64,
-    pub ranks: Vec<u64>,
-}
-
-impl LostEpochs {
-    pub fn rank(&self, k: usize) -> u64 {
-        self.ranks.get(k).copied().unwrap_or(0)
-    }
-}
-
-/// An immutable view of one worker inside a snapshot.
-#[derive(Debug)]
-pub struct WorkerView {
-    pub id: WorkerId,
-    pub role: Role,
-    pub url: BaseUrl,
-    pub source: Arc<WorkerSource>,
-    /// Out of rotation for one of [`Drain`]'s reasons.
-    pub draining: bool,
-    /// Being removed (drains, then leaves the pool).
-    pub leaving: bool,
-    pub healthy: bool,
-    pub dp_size: Option<u32>,
-    pub loads: Arc<[AtomicU64]>,
-    pub engine_load: Arc<[AtomicU64]>,
-    pub capacity: Arc<[RankCapacity]>,
-    pub bootstrap: Option<BootstrapInfo>,
-    pub layout: Option<Layout>,
-    pub ranks: Vec<RankReadiness>,
-    pub fresh: Arc<RankFreshness>,
-    pub refresh: Arc<tokio::sync::Notify>,
-    pub lost: watch::Receiver<LostEpochs>,
-    pub breaker: Arc<Breaker>,
-    pub conns: Arc<HostConns>,
-    pub refused: Option<String>,
-    pub probes: Arc<RankProbes>,
-    pub progress: Arc<WorkerProgress>,
-    pub stats: Arc<WorkerStats>,
-    /// The engine streams `/generate` incrementally (`/server_info`
-    /// `incremental_streaming_output`), not SGLang's default cumulative text.
-    pub incremental_stream: bool,
-    /// Its handoff group (index into `Snapshot::groups`): it pairs only within it.
-    pub group: usize,
-    /// The model it serves, when known (override, else what the engine reports).
-    pub model: Option<Arc<str>>,
-}
-
-impl WorkerView {
-    /// The DP size legs are planned with: the prefill's bootstrap layout, the decode's
-    /// server info, else 1.
-    pub fn effective_dp(&self) -> u32 {
-        match (&self.layout, self.dp_size) {
-            (Some(l), _) => l.dp_size.max(1),
-            (None, Some(d)) => d.max(1),
-            (None, None) => 1,
-        }
-    }
-
-    /// Requests pdgate has in flight on the worker, all ranks together.
-    pub fn in_flight_total(&self) -> u64 {
-        self.loads
-            .iter()
-            .fold(0u64, |a, c| a.saturating_add(c.load(Ordering::Relaxed)))
-    }
-
-    /// Requests pdgate has in flight on `rank`.
-    pub fn in_flight(&self, rank: DpRank) -> u64 {
-        self.loads
-            .get(rank as usize)
-            .map_or(0, |c| c.load(Ordering::Relaxed))
-    }
-
-    /// The engine's own last reported load on `rank` (0 when not polled).
-    pub fn engine_load(&self, rank: DpRank) -> u64 {
-        self.engine_load
-            .get(rank as usize)
-            .map_or(0, |c| c.load(Ordering::Relaxed))
-    }
-
-    /// The capacity state of `rank`.
-    pub fn capacity(&self, rank: DpRank) -> Option<&RankCapacity> {
-        self.capacity.get(rank as usize)
-    }
-}
+use crate::upstream::BaseUrl;
 
 /// Everything the request path needs, published whole.
 #[derive(Debug, Default)]
@@ -240,9 +89,9 @@ impl Snapshot {
         let list = self.workers(role);
         // Sorted by id (ids only grow); without removals the id is the index.
         match list.get(id.0 as usize) {
-            Some(w) if w.id == id => Some(w),
+            Some(w) if w.shared.id == id => Some(w),
             _ => list
-                .binary_search_by_key(&id, |w| w.id)
+                .binary_search_by_key(&id, |w| w.shared.id)
                 .ok()
                 .and_then(|i| list.get(i)),
         }
@@ -329,11 +178,12 @@ pub struct LoadGuard {
 impl LoadGuard {
     pub fn new(view: &WorkerView, rank: DpRank) -> LoadGuard {
         let rank = rank as usize;
-        if let Some(c) = view.loads.get(rank) {
+        let loads = &view.per_rank.loads;
+        if let Some(c) = loads.get(rank) {
             c.fetch_add(1, Ordering::Relaxed);
         }
         LoadGuard {
-            loads: view.loads.clone(),
+            loads: loads.clone(),
             rank,
             reservation: None,
         }
@@ -369,13 +219,9 @@ pub struct Pool {
 
 #[derive(Default)]
 struct Master {
-    workers: Vec<WorkerState>,
+    workers: Vec<Worker>,
     /// The next id of each role (prefill, decode, regular): ids are never reused.
     next: [u32; 3],
-}
-
-fn new_loads(dp: u32) -> Arc<[AtomicU64]> {
-    (0..dp.max(1)).map(|_| AtomicU64::new(0)).collect()
 }
 
 impl Pool {
@@ -438,8 +284,8 @@ impl Pool {
     ) -> Result<WorkerId, WorkerId> {
         let mut res = Err(WorkerId(0));
         self.update_master(|m| {
-            res = match m.workers.iter().find(|w| w.role == role && w.url == url) {
-                Some(w) => Err(w.id),
+            res = match m.find(role, |w| w.shared.url == url) {
+                Some(w) => Err(w.shared.id),
                 None => Ok(m.insert(role, url, None, source)),
             };
         });
@@ -451,9 +297,9 @@ impl Pool {
     pub fn remove_worker(&self, role: Role, id: WorkerId) -> bool {
         let mut found = false;
         self.update_master(|m| {
-            if let Some(i) = m.workers.iter().position(|w| w.role == role && w.id == id) {
+            if let Some(i) = m.workers.iter().position(|w| w.is(role, id)) {
                 let w = m.workers.remove(i);
-                w.stop.cancel();
+                w.shared.stop.cancel();
                 found = true;
             }
         });
@@ -466,10 +312,11 @@ impl Pool {
         let mut found = false;
         self.update_worker(role, id, |w| {
             found = true;
+            let drain = &mut w.facts.drain;
             match by {
-                DrainBy::Operator => w.drain.operator = on,
-                DrainBy::Unready => w.drain.unready = on,
-                DrainBy::Leaving => w.drain.leaving = on,
+                DrainBy::Operator => drain.operator = on,
+                DrainBy::Unready => drain.unready = on,
+                DrainBy::Leaving => drain.leaving = on,
             }
         });
         found
@@ -480,7 +327,7 @@ impl Pool {
         let mut found = false;
         self.update_worker(role, id, |w| {
             found = true;
-            w.model = model;
+            w.facts.model_override = model;
         });
         found
     }
@@ -488,10 +335,7 @@ impl Pool {
     /// The worker of `role` at `url`, if any.
     pub fn find(&self, role: Role, url: &BaseUrl) -> Option<WorkerId> {
         let m = self.master.lock().unwrap_or_else(|e| e.into_inner());
-        m.workers
-            .iter()
-            .find(|w| w.role == role && w.url == *url)
-            .map(|w| w.id)
+        m.find(role, |w| w.shared.url == *url).map(|w| w.shared.id)
     }
 
     /// Runs `task` until it ends or the worker leaves the pool. Nothing runs when the
@@ -500,7 +344,7 @@ impl Pool {
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
-        let Some(stop) = self.with_worker(role, id, |w| w.stop.clone()) else {
+        let Some(stop) = self.with_worker(role, id, |w| w.shared.stop.clone()) else {
             return;
         };
         tokio::spawn(async move {
@@ -512,7 +356,7 @@ impl Pool {
     }
 
     /// Mutates one worker under the writer lock and publishes a new snapshot.
-    pub fn update_worker(&self, role: Role, id: WorkerId, f: impl FnOnce(&mut WorkerState)) {
+    pub fn update_worker(&self, role: Role, id: WorkerId, f: impl FnOnce(&mut Worker)) {
         self.update_worker_if(role, id, |w| {
             f(w);
             true
@@ -520,33 +364,23 @@ impl Pool {
     }
 
     /// Mutates one worker under the writer lock; publishes a new snapshot only when `f`
-    /// says something the snapshot shows changed (or the DP size did). Returns whether
-    /// it published.
+    /// says one of its facts changed (a snapshot shows them all) or the DP size did (new
+    /// per-rank handles). Returns whether it published.
     pub fn update_worker_if(
         &self,
         role: Role,
         id: WorkerId,
-        f: impl FnOnce(&mut WorkerState) -> bool,
+        f: impl FnOnce(&mut Worker) -> bool,
     ) -> bool {
         let mut m = self.master.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(w) = m.workers.iter_mut().find(|w| w.role == role && w.id == id) else {
+        let Some(w) = m.workers.iter_mut().find(|w| w.is(role, id)) else {
             return false;
         };
         let mut changed = f(w);
-        let dp = w
-            .layout
-            .as_ref()
-            .map(|l| l.dp_size)
-            .or(w.dp_size)
-            .unwrap_or(1)
-            .max(1);
-        if w.loads.len() != dp as usize {
-            w.loads = new_loads(dp);
-            w.engine_load = new_loads(dp);
-            w.capacity = capacity::new_ranks(dp);
-            w.probes = Arc::new(RankProbes::new(dp));
-            w.progress = Arc::new(WorkerProgress::new(dp));
-            w.fresh = Arc::new(RankFreshness::new(dp));
+        let dp = w.facts.effective_dp();
+        if w.per_rank.loads.len() != dp as usize {
+            // The only writer of `per_rank`: new handles for the new DP size.
+            w.per_rank = Arc::new(RankHandles::new(dp));
             changed = true;
         }
         if changed {
@@ -560,13 +394,10 @@ impl Pool {
         &self,
         role: Role,
         id: WorkerId,
-        f: impl FnOnce(&WorkerState) -> T,
+        f: impl FnOnce(&Worker) -> T,
     ) -> Option<T> {
         let m = self.master.lock().unwrap_or_else(|e| e.into_inner());
-        m.workers
-            .iter()
-            .find(|w| w.role == role && w.id == id)
-            .map(f)
+        m.find(role, |w| w.shared.id == id).map(f)
     }
 
     fn update_master(&self, f: impl FnOnce(&mut Master)) {
@@ -586,6 +417,13 @@ impl Pool {
 }
 
 impl Master {
+    /// The first worker of `role` that `pred` accepts.
+    fn find(&self, role: Role, pred: impl Fn(&Worker) -> bool) -> Option<&Worker> {
+        self.workers
+            .iter()
+            .find(|w| w.shared.role == role && pred(w))
+    }
+
     /// Appends a new worker with the next id of its role.
     fn insert(
         &mut self,
@@ -597,36 +435,8 @@ impl Master {
         let next = &mut self.next[role_index(role)];
         let id = WorkerId(*next);
         *next = next.saturating_add(1);
-        let (lost_tx, _) = watch::channel(LostEpochs::default());
-        self.workers.push(WorkerState {
-            id,
-            role,
-            source: Arc::new(source),
-            drain: Drain::default(),
-            stop: CancellationToken::new(),
-            conns: Arc::new(HostConns::new(&url)),
-            url,
-            healthy: false,
-            health_checked: false,
-            dp_size: None,
-            loads: new_loads(1),
-            engine_load: new_loads(1),
-            capacity: capacity::new_ranks(1),
-            bootstrap,
-            layout: None,
-            ranks: Vec::new(),
-            fresh: Arc::new(RankFreshness::new(1)),
-            refresh: Arc::new(tokio::sync::Notify::new()),
-            lost_tx,
-            info: None,
-            model: None,
-            breaker: Arc::new(Breaker::default()),
-            refused: None,
-            bootstrap_refused: None,
-            probes: Arc::new(RankProbes::new(1)),
-            progress: Arc::new(WorkerProgress::new(1)),
-            stats: Arc::default(),
-        });
+        self.workers
+            .push(Worker::new(id, role, url, bootstrap, source));
         id
     }
 }

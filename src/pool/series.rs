@@ -30,9 +30,9 @@ fn labels<'a>(
     extra: Option<(&'static str, &'a str)>,
 ) -> Vec<(&'static str, &'a str)> {
     let mut l = vec![
-        ("role", w.role.as_str()),
+        ("role", w.shared.role.as_str()),
         ("worker_id", id),
-        ("worker_url", w.url.as_str()),
+        ("worker_url", w.shared.url.as_str()),
     ];
     l.extend(extra);
     l
@@ -58,17 +58,19 @@ impl Source for Snapshot {
                 .chain(self.decodes.iter())
                 .chain(self.regulars.iter())
         };
-        let ids: Vec<String> = all().map(|w| w.id.reference(w.role)).collect();
+        let ids: Vec<String> = all()
+            .map(|w| w.shared.id.reference(w.shared.role))
+            .collect();
         let workers = || all().zip(ids.iter().map(String::as_str));
 
         out.family(telemetry::WORKER_HEALTHY);
         for (w, id) in workers() {
-            out.sample(&labels(w, id, None), flag(w.healthy));
+            out.sample(&labels(w, id, None), flag(w.facts.healthy));
         }
 
         out.family(telemetry::WORKER_IN_FLIGHT);
         for (w, id) in workers() {
-            for (rank, n) in w.loads.iter().enumerate() {
+            for (rank, n) in w.per_rank.loads.iter().enumerate() {
                 let rank = rank.to_string();
                 let l = labels(w, id, Some(("rank", &rank)));
                 out.sample(&l, n.load(Ordering::Relaxed));
@@ -77,7 +79,7 @@ impl Source for Snapshot {
 
         out.family(telemetry::WORKER_BREAKER_STATE);
         for (w, id) in workers() {
-            let now = w.breaker.state();
+            let now = w.shared.breaker.state();
             for st in BREAKER_STATES {
                 out.sample(&labels(w, id, Some(("state", st.label()))), flag(st == now));
             }
@@ -85,7 +87,7 @@ impl Source for Snapshot {
 
         out.family(telemetry::WORKER_REQUESTS);
         for (w, id) in workers() {
-            for (outcome, n) in w.stats.outcomes() {
+            for (outcome, n) in w.shared.stats.outcomes() {
                 out.sample(&labels(w, id, Some(("outcome", outcome))), n);
             }
         }
@@ -95,23 +97,23 @@ impl Source for Snapshot {
             (telemetry::WORKER_FIRST_BYTE, Role::Decode),
         ] {
             out.family(family);
-            for (w, id) in workers().filter(|(w, _)| w.role == role) {
+            for (w, id) in workers().filter(|(w, _)| w.shared.role == role) {
                 let h = match role {
-                    Role::Prefill => &w.stats.prefill,
-                    Role::Decode | Role::Regular => &w.stats.first_byte,
+                    Role::Prefill => &w.shared.stats.prefill,
+                    Role::Decode | Role::Regular => &w.shared.stats.first_byte,
                 };
                 out.histogram(&labels(w, id, None), h);
             }
         }
 
         out.family(telemetry::BOOTSTRAP_RANK_STATE);
-        for (w, id) in workers().filter(|(w, _)| w.role == Role::Prefill) {
-            for (rank, now) in w.ranks.iter().enumerate() {
+        for (w, id) in workers().filter(|(w, _)| w.shared.role == Role::Prefill) {
+            for (rank, now) in w.facts.ranks.iter().enumerate() {
                 let rank = rank.to_string();
                 for st in RANK_STATES {
                     let labels = [
                         ("worker_id", id),
-                        ("worker_url", w.url.as_str()),
+                        ("worker_url", w.shared.url.as_str()),
                         ("rank", rank.as_str()),
                         ("state", st),
                     ];
@@ -169,8 +171,8 @@ mod tests {
         let url = parse_base_url("http://127.0.0.1:9").unwrap();
         let id = pool.add_worker(Role::Decode, url, None);
         pool.update_worker(Role::Decode, id, |w| {
-            w.healthy = true;
-            w.dp_size = Some(2);
+            w.facts.healthy = true;
+            w.facts.dp_size = Some(2);
         });
         let snap = pool.load_full();
         let guard = LoadGuard::new(&snap.decodes[0], 1);

@@ -459,7 +459,7 @@ impl PdBody {
             .pool
             .load()
             .worker(role, dead)
-            .map(|w| w.url.to_string());
+            .map(|w| w.shared.url.to_string());
         tracing::warn!(request_id = %self.record.id(), reason = f.reason.as_str(), error = %f.message, role = role.as_str(),
             worker_id = %crate::types::WorkerIdent::new(role, dead), worker_url = url.as_deref().unwrap_or("-"),
             "decode failed mid-stream; moving the stream to another worker");

@@ -382,10 +382,10 @@ impl App {
         let count = |ws: &[crate::pool::WorkerView]| {
             serde_json::json!({
                 "workers": ws.len(),
-                "healthy": ws.iter().filter(|w| w.healthy).count(),
-                "draining": ws.iter().filter(|w| w.draining).count(),
-                "refused": ws.iter().filter(|w| w.refused.is_some()).count(),
-                "ejected": ws.iter().filter(|w| w.breaker.state().is_out()).count(),
+                "healthy": ws.iter().filter(|w| w.facts.healthy).count(),
+                "draining": ws.iter().filter(|w| w.facts.draining()).count(),
+                "refused": ws.iter().filter(|w| w.facts.refusal().is_some()).count(),
+                "ejected": ws.iter().filter(|w| w.shared.breaker.state().is_out()).count(),
             })
         };
         let body = serde_json::json!({
@@ -426,24 +426,24 @@ impl App {
             .iter()
             .chain(snap.prefills.iter())
             .chain(snap.regulars.iter())
-            .filter(|w| w.healthy);
+            .filter(|w| w.facts.healthy);
         for w in candidates {
-            match d.up.get(&w.url, "/v1/models", timeout).await {
+            match d.up.get(&w.shared.url, "/v1/models", timeout).await {
                 Ok((s, body)) if s.is_success() => {
                     return Ok(json_response(StatusCode::OK, body, rid))
                 }
                 Ok((s, _)) => {
-                    tracing::debug!(worker_id = %WorkerIdent::new(w.role, w.id), worker_url = %w.url, status = s.as_u16(), "/v1/models failed")
+                    tracing::debug!(worker_id = %WorkerIdent::new(w.shared.role, w.shared.id), worker_url = %w.shared.url, status = s.as_u16(), "/v1/models failed")
                 }
                 Err(e) => {
-                    tracing::debug!(worker_id = %WorkerIdent::new(w.role, w.id), worker_url = %w.url, error = %e, "/v1/models failed")
+                    tracing::debug!(worker_id = %WorkerIdent::new(w.shared.role, w.shared.id), worker_url = %w.shared.url, error = %e, "/v1/models failed")
                 }
             }
         }
         let reason = if snap
             .decodes
             .iter()
-            .any(|w| w.role == Role::Decode && w.healthy)
+            .any(|w| w.shared.role == Role::Decode && w.facts.healthy)
         {
             FailReason::DecodeStatus
         } else {

@@ -256,9 +256,9 @@ impl App {
             .iter()
             .chain(snap.prefills.iter())
             .chain(snap.regulars.iter())
-            .filter(|w| w.healthy && w.refused.is_none())
+            .filter(|w| w.facts.healthy && w.facts.refusal().is_none())
             .filter(|w| model.is_none() || w.model.as_deref() == model)
-            .map(|w| w.url.clone())
+            .map(|w| w.shared.url.clone())
             .collect();
         for url in &healthy {
             for &p in paths {
@@ -283,7 +283,7 @@ impl App {
             .decodes
             .iter()
             .chain(snap.regulars.iter())
-            .any(|w| w.healthy && (model.is_none() || w.model.as_deref() == model))
+            .any(|w| w.facts.healthy && (model.is_none() || w.model.as_deref() == model))
         {
             FailReason::DecodeStatus
         } else {
@@ -355,8 +355,8 @@ impl App {
             .iter()
             .chain(snap.decodes.iter())
             .chain(snap.regulars.iter())
-            .filter(|w| !w.leaving)
-            .map(|w| (worker_ref(w.role, w.id), w.url.clone()))
+            .filter(|w| !w.facts.leaving())
+            .map(|w| (worker_ref(w.shared.role, w.shared.id), w.shared.url.clone()))
             .collect();
         let calls: Vec<_> = targets
             .into_iter()
@@ -527,9 +527,9 @@ fn get_loads(d: &Dispatcher, rid: &HeaderValue) -> Response<RespBody> {
             .map(|r| json!({"dp_rank": r, "load": w.engine_load(r), "in_flight": w.in_flight(r)}))
             .collect();
         json!({
-            "worker_id": worker_ref(w.role, w.id),
-            "worker_type": w.role.to_string(),
-            "healthy": w.healthy,
+            "worker_id": worker_ref(w.shared.role, w.shared.id),
+            "worker_type": w.shared.role.to_string(),
+            "healthy": w.facts.healthy,
             "load": (0..dp).map(|r| w.engine_load(r)).sum::<u64>(),
             "in_flight": w.in_flight_total(),
             "dp_ranks": ranks,

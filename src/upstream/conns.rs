@@ -1,5 +1,5 @@
 //! One engine's kept-alive connections for legs (`HostConns`, owned by the worker: see
-//! `pool::WorkerView::conns`), and reading from a leg's socket.
+//! `pool::WorkerShared::conns`), and reading from a leg's socket.
 //!
 //! Invariants:
 //! - The idle list is a `Mutex<Vec<_>>` held for one push or pop, never across an await:

@@ -84,5 +84,5 @@ async fn an_idle_router_keeps_to_the_bootstrap_budget_and_rebuilds_nothing() {
     let snap = env.router.pool.load();
     let w = &snap.workers(Role::Prefill)[0];
     let fresh = BootstrapConfig::default().freshness();
-    assert!((0..8).all(|r| w.fresh.fresh_within(r, fresh)));
+    assert!((0..8).all(|r| w.per_rank.fresh.fresh_within(r, fresh)));
 }

@@ -15,7 +15,11 @@ async fn refusal(env: &crate::support::common::Env, i: usize) -> String {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let snap = env.router.pool.load();
-        if let Some(r) = snap.prefills.get(i).and_then(|w| w.refused.clone()) {
+        if let Some(r) = snap
+            .prefills
+            .get(i)
+            .and_then(|w| w.facts.refusal().map(str::to_owned))
+        {
             if !r.contains("not yet proved") {
                 return r;
             }

@@ -67,7 +67,7 @@ async fn stale_views_are_checked_on_the_request_path() {
     }
     env.wait_pool("prefill 0's view older than the freshness bound", |s| {
         let w = s.worker(Role::Prefill, WorkerId(0)).unwrap();
-        (0..2).all(|r| !w.fresh.fresh_within(r, Duration::from_millis(1)))
+        (0..2).all(|r| !w.per_rank.fresh.fresh_within(r, Duration::from_millis(1)))
     })
     .await;
     for _ in 0..8 {
@@ -82,9 +82,9 @@ async fn stale_views_are_checked_on_the_request_path() {
     let snap = env.router.pool.load();
     let p0 = snap.worker(Role::Prefill, WorkerId(0)).unwrap();
     assert!(
-        p0.ranks.iter().all(|r| r.label() == "bootstrapping"),
+        p0.facts.ranks.iter().all(|r| r.label() == "bootstrapping"),
         "{:?}",
-        p0.ranks
+        p0.facts.ranks
     );
 }
 
@@ -101,7 +101,7 @@ async fn bootstrap_port_is_learned_from_server_info() {
     .await;
     env.wait_routable(2, 1).await;
     let snap = env.router.pool.load();
-    let b = snap.prefills[0].bootstrap.as_ref().unwrap();
+    let b = snap.prefills[0].facts.bootstrap.as_ref().unwrap();
     assert_eq!(Some(b.port), env.cluster.prefills[0].bootstrap_port());
     let (st, _, _) = env.post("/generate", r#"{"text":"a"}"#).await;
     assert_eq!(st, 200);
@@ -238,11 +238,11 @@ async fn layout_mismatches_between_prefill_and_decode_are_found() {
     // Both sides have reported once the prefill's layout and every decode's server info are
     // known; only then are the mismatches final.
     env.wait_pool("the prefill's layout and both decodes' server info", |s| {
-        s.prefills[0].layout.is_some()
+        s.prefills[0].facts.layout.is_some()
             && s.decodes.iter().all(|d| {
                 env.router
                     .pool
-                    .with_worker(Role::Decode, d.id, |w| w.info.is_some())
+                    .with_worker(Role::Decode, d.shared.id, |w| w.facts.info.is_some())
                     .unwrap_or(false)
             })
     })

@@ -23,6 +23,7 @@ fn breaker(env: &Env, role: Role) -> std::sync::Arc<Breaker> {
         .load()
         .worker(role, WorkerId(0))
         .expect("worker 0")
+        .shared
         .breaker
         .clone()
 }
@@ -85,7 +86,12 @@ async fn half_open(env: &Env, role: Role) {
     }
     assert_eq!(breaker(env, role).state(), BreakerState::Open);
     env.wait_pool("half-open", |s| {
-        s.worker(role, WorkerId(0)).expect("worker").breaker.state() == BreakerState::HalfOpen
+        s.worker(role, WorkerId(0))
+            .expect("worker")
+            .shared
+            .breaker
+            .state()
+            == BreakerState::HalfOpen
     })
     .await;
     assert!(!breaker(env, role).trial_taken());
@@ -218,7 +224,7 @@ async fn every_trial_ends_in_a_verdict_or_is_released() {
         // The trial ended without a verdict on this worker: it must be free again (the
         // client's disconnect reaches the router asynchronously, hence the bounded wait).
         env.wait_pool("trial released", |s| {
-            let b = &s.worker(trial, WorkerId(0)).expect("worker").breaker;
+            let b = &s.worker(trial, WorkerId(0)).expect("worker").shared.breaker;
             b.state() == BreakerState::HalfOpen && !b.trial_taken()
         })
         .await;
@@ -270,6 +276,7 @@ async fn a_half_open_prefill_is_closed_by_its_own_leg() {
     env.wait_pool("closed by the prefill's own success", |s| {
         s.worker(Role::Prefill, WorkerId(0))
             .expect("worker")
+            .shared
             .breaker
             .state()
             == BreakerState::Closed

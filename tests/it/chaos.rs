@@ -144,13 +144,17 @@ impl Fleet for InProcess {
             list.iter()
                 .enumerate()
                 .map(|(i, w)| {
-                    let st = w.breaker.state();
-                    let trial = if st == BreakerState::HalfOpen && w.breaker.trial_taken() {
+                    let st = w.shared.breaker.state();
+                    let trial = if st == BreakerState::HalfOpen && w.shared.breaker.trial_taken() {
                         " (its one trial taken, never reported)"
                     } else {
                         ""
                     };
-                    format!("{tag}{i} {}{trial}, healthy {}", st.label(), w.healthy)
+                    format!(
+                        "{tag}{i} {}{trial}, healthy {}",
+                        st.label(),
+                        w.facts.healthy
+                    )
                 })
                 .collect::<Vec<_>>()
         };

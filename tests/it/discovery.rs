@@ -72,10 +72,13 @@ pub fn by_pod(s: &Snapshot, name: &str) -> Option<(Role, String, bool, bool)> {
     s.prefills
         .iter()
         .chain(s.decodes.iter())
-        .find_map(|w| match &*w.source {
-            WorkerSource::Discovered(p) if p.name == name => {
-                Some((w.role, w.url.to_string(), w.draining, w.healthy))
-            }
+        .find_map(|w| match &w.shared.source {
+            WorkerSource::Discovered(p) if p.name == name => Some((
+                w.shared.role,
+                w.shared.url.to_string(),
+                w.facts.draining(),
+                w.facts.healthy,
+            )),
             _ => None,
         })
 }
@@ -84,7 +87,7 @@ fn discovered(s: &Snapshot) -> usize {
     s.prefills
         .iter()
         .chain(s.decodes.iter())
-        .filter(|w| matches!(&*w.source, WorkerSource::Discovered(_)))
+        .filter(|w| matches!(&w.shared.source, WorkerSource::Discovered(_)))
         .count()
 }
 
@@ -143,7 +146,7 @@ async fn pods_become_workers_and_follow_their_pods() {
     // The pool (what the admin listener's /readiness shows) names each discovered pod.
     let snap = s.env.router.pool.load();
     let pf = &snap.workers(Role::Prefill)[0];
-    let WorkerSource::Discovered(pod) = &*pf.source else {
+    let WorkerSource::Discovered(pod) = &pf.shared.source else {
         panic!("the prefill is discovered");
     };
     assert_eq!(
@@ -152,7 +155,7 @@ async fn pods_become_workers_and_follow_their_pods() {
     );
     assert_eq!(pod.uid, p_uid);
     assert_eq!(
-        pf.bootstrap.as_ref().map(|b| b.url.to_string()),
+        pf.facts.bootstrap.as_ref().map(|b| b.url.to_string()),
         p.bootstrap_url()
     );
     drop(snap);
@@ -293,7 +296,7 @@ async fn an_endpoint_or_uid_change_replaces_the_worker() {
         })
         .await;
     s.env.wait_routable(1, 1).await;
-    let id_b = s.env.router.pool.load().decodes[0].id;
+    let id_b = s.env.router.pool.load().decodes[0].shared.id;
     // Same name, new UID, same endpoint (a StatefulSet pod recreated): the old worker
     // goes, a new one comes at the same URL once the old one is gone.
     s.kube.delete(NS, "decode-0");
@@ -301,7 +304,7 @@ async fn an_endpoint_or_uid_change_replaces_the_worker() {
         .create(NS, fake_kube::pod("decode-0", DECODE, b.addr().port()));
     s.env
         .wait_pool("a new worker for the new pod", |sn| {
-            sn.decodes.len() == 1 && sn.decodes[0].id != id_b && sn.decodes[0].healthy
+            sn.decodes.len() == 1 && sn.decodes[0].shared.id != id_b && sn.decodes[0].facts.healthy
         })
         .await;
     s.env.wait_routable(1, 1).await;
@@ -340,8 +343,8 @@ async fn pods_that_cannot_be_used_are_skipped_and_static_workers_untouched() {
         snap.decodes
     );
     assert_eq!(snap.decodes.len(), 1);
-    assert_eq!(*snap.decodes[0].source, WorkerSource::Static);
-    assert!(!snap.decodes[0].draining);
+    assert_eq!(snap.decodes[0].shared.source, WorkerSource::Static);
+    assert!(!snap.decodes[0].facts.draining());
     drop(snap);
     // A pod matching both selectors: refused.
     let s2 = setup(vec![], |d| {
@@ -626,8 +629,9 @@ async fn a_readiness_flap_does_not_undo_an_operators_drain() {
         .load()
         .workers(Role::Decode)
         .iter()
-        .find(|w| matches!(&*w.source, WorkerSource::Discovered(p) if p.name == "decode-0"))
+        .find(|w| matches!(&w.shared.source, WorkerSource::Discovered(p) if p.name == "decode-0"))
         .expect("decode-0")
+        .shared
         .id;
     // The operator drains it; then its pod goes unready and ready again.
     s.env.router.fleet.drain(Role::Decode, id).expect("drain");
@@ -642,7 +646,10 @@ async fn a_readiness_flap_does_not_undo_an_operators_drain() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let snap = s.env.router.pool.load();
     let w = snap.worker(Role::Decode, id).expect("still there");
-    assert!(w.draining, "the operator's drain holds through the flap");
+    assert!(
+        w.facts.draining(),
+        "the operator's drain holds through the flap"
+    );
     assert_eq!(snap.routable_ranks(Role::Decode), 0);
     drop(snap);
     // The operator's undrain brings it back (the pod is ready).

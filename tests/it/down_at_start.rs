@@ -40,7 +40,7 @@ async fn a_prefill_without_bootstrap_port_serves_once_its_engine_is_up() {
             .load()
             .prefills
             .iter()
-            .all(|w| !w.healthy && w.bootstrap.is_none()),
+            .all(|w| !w.facts.healthy && w.facts.bootstrap.is_none()),
         "the prefill was down"
     );
     let mut e = fast_engine(EngineConfig::prefill(1));

@@ -78,18 +78,18 @@ async fn engines_reporting_a_huge_dp_size_are_refused() {
         let s = router.pool.load();
         let d = &s.decodes[0];
         let p = &s.prefills[0];
-        if d.refused.is_some()
-            && p.refused.is_some()
-            && p.ranks.iter().any(|r| r.label() == "failed")
+        if d.facts.refusal().is_some()
+            && p.facts.refusal().is_some()
+            && p.facts.ranks.iter().any(|r| r.label() == "failed")
         {
-            let why = d.refused.clone().unwrap_or_default();
+            let why = d.facts.refusal().unwrap_or_default();
             assert!(
                 why.contains("dp_size 100000") && why.contains("1024"),
                 "{why}"
             );
             // Nothing sized by the engine's claim.
-            assert!(d.loads.len() <= 1 && p.loads.len() <= 1);
-            assert!(p.ranks.len() <= 1 && p.layout.is_none());
+            assert!(d.per_rank.loads.len() <= 1 && p.per_rank.loads.len() <= 1);
+            assert!(p.facts.ranks.len() <= 1 && p.facts.layout.is_none());
             assert_eq!(s.routable_ranks(Role::Prefill), 0);
             assert_eq!(s.routable_ranks(Role::Decode), 0);
             break;
@@ -97,9 +97,9 @@ async fn engines_reporting_a_huge_dp_size_are_refused() {
         assert!(
             tokio::time::Instant::now() < deadline,
             "not refused in time: decode {:?}, prefill {:?} {:?}",
-            d.refused,
-            p.refused,
-            p.ranks
+            d.facts.refusal(),
+            p.facts.refusal(),
+            p.facts.ranks
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

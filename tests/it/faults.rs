@@ -188,7 +188,7 @@ async fn ranks_never_registered() {
                 |c| c.retry.move_wait_ms = LONG_MOVE_WAIT_MS,
             )
             .await;
-            env.wait_pool("prefill healthy", |s| s.prefills[0].healthy)
+            env.wait_pool("prefill healthy", |s| s.prefills[0].facts.healthy)
                 .await;
             expect_error_at_once(&env, stream, 503, &["bootstrap_not_ready"]).await;
             assert_eq!(env.stats().requests_total, 0, "no leg may be sent");

@@ -51,7 +51,7 @@ async fn a_worker_added_at_run_time_takes_traffic_once_checked() {
     env.wait_routable(1, 3).await;
     let snap = env.router.pool.load();
     let view = snap.worker(Role::Decode, id).expect("listed");
-    assert_eq!(*view.source, pod);
+    assert_eq!(view.shared.source, pod);
     assert_eq!(view.effective_dp(), 2);
     drop(snap);
     for _ in 0..12 {
@@ -129,7 +129,7 @@ async fn a_run_time_worker_without_server_info_is_never_routable() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let snap = env.router.pool.load();
-    assert!(!snap.worker(Role::Decode, id).expect("listed").healthy);
+    assert!(!snap.worker(Role::Decode, id).expect("listed").facts.healthy);
     assert_eq!(snap.routable_ranks(Role::Decode), 1);
 }
 
@@ -153,8 +153,8 @@ async fn drain_then_remove_lets_a_stream_finish_and_ids_are_not_reused() {
     // The decode that holds the stream.
     let busy = env.busy_decode();
     let snap = env.router.pool.load();
-    let busy_id = snap.workers(Role::Decode)[busy].id;
-    let other_id = snap.workers(Role::Decode)[1 - busy].id;
+    let busy_id = snap.workers(Role::Decode)[busy].shared.id;
+    let other_id = snap.workers(Role::Decode)[1 - busy].shared.id;
     drop(snap);
 
     let removal = env
@@ -221,7 +221,7 @@ async fn drain_and_undrain() {
     )
     .await;
     env.wait_routable(1, 2).await;
-    let id = env.router.pool.load().workers(Role::Decode)[0].id;
+    let id = env.router.pool.load().workers(Role::Decode)[0].shared.id;
     env.router.fleet.drain(Role::Decode, id).expect("drain");
     assert_eq!(env.router.pool.load().routable_ranks(Role::Decode), 1);
     let before = env.cluster.decodes[0].stats().requests_total;
@@ -281,8 +281,8 @@ async fn one_url_added_at_once_from_many_threads_is_one_worker() {
     let same: Vec<_> = snap
         .workers(Role::Decode)
         .iter()
-        .filter(|w| w.url.port() == port)
-        .map(|w| w.url.to_string())
+        .filter(|w| w.shared.url.port() == port)
+        .map(|w| w.shared.url.to_string())
         .collect();
     assert_eq!(same, vec![format!("http://localhost:{port}")]);
 }
@@ -298,7 +298,7 @@ async fn a_removal_with_an_endless_deadline_still_removes() {
     )
     .await;
     env.wait_routable(1, 2).await;
-    let id = env.router.pool.load().workers(Role::Decode)[0].id;
+    let id = env.router.pool.load().workers(Role::Decode)[0].shared.id;
     let done = env
         .router
         .fleet
@@ -351,9 +351,9 @@ async fn an_engine_that_comes_back_as_another_engine_is_read_again() {
     let third = spawn_on(EngineConfig::prefill(1), port).await;
     env.wait_pool("the engine refused for its role", |s| {
         s.workers(Role::Decode).iter().any(|w| {
-            w.url.port() == port
-                && w.refused
-                    .as_deref()
+            w.shared.url.port() == port
+                && w.facts
+                    .refusal()
                     .is_some_and(|r| r.contains("disaggregation_mode prefill"))
         })
     })

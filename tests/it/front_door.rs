@@ -385,10 +385,12 @@ async fn success_cancels_nothing() {
     // The router has let go of every leg (its in-flight counts are back to 0; a leg's abort
     // handle goes before its count): an abort, had one been due, is on its way.
     env.wait_pool("the router let go of every leg", |s| {
-        s.prefills
-            .iter()
-            .chain(&s.decodes)
-            .all(|w| w.loads.iter().all(|c| c.load(Ordering::Relaxed) == 0))
+        s.prefills.iter().chain(&s.decodes).all(|w| {
+            w.per_rank
+                .loads
+                .iter()
+                .all(|c| c.load(Ordering::Relaxed) == 0)
+        })
     })
     .await;
     // A marker sent after them that must be aborted on both engines: a request held by the

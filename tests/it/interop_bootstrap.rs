@@ -482,8 +482,8 @@ async fn wait_for(
             if tokio::time::Instant::now() >= deadline {
                 panic!(
                     "{what}: not reached within {POLL_WAIT:?}; ranks {:?}, layout {:?}\nserver log:\n{}",
-                    w.ranks,
-                    w.layout,
+                    w.facts.ranks,
+                    w.facts.layout,
                     srv.log()
                 );
             }
@@ -497,7 +497,7 @@ fn all_ranks(
     n: usize,
     want: impl Fn(&RankReadiness) -> bool,
 ) -> bool {
-    w.ranks.len() == n && w.ranks.iter().all(want)
+    w.facts.ranks.len() == n && w.facts.ranks.iter().all(want)
 }
 
 fn failed(reason: RankFailure) -> impl Fn(&RankReadiness) -> bool {
@@ -514,10 +514,13 @@ async fn tracker_follows_registration_and_loss() {
     let pool = track(&srv);
 
     // The tracker points at the bootstrap server on the engine's host.
-    wait_for(&pool, &srv, "bootstrap info", |w| w.bootstrap.is_some()).await;
+    wait_for(&pool, &srv, "bootstrap info", |w| {
+        w.facts.bootstrap.is_some()
+    })
+    .await;
     {
         let snap = pool.load();
-        let b = snap.prefills[0].bootstrap.clone().unwrap();
+        let b = snap.prefills[0].facts.bootstrap.clone().unwrap();
         assert_eq!(b.url, srv.base);
         assert_eq!(b.port, srv.port);
         assert_eq!(b.host_json, "\"127.0.0.1\"");
@@ -525,13 +528,20 @@ async fn tracker_follows_registration_and_loss() {
 
     // Nothing registered: 503 -> Bootstrapping, no layout yet.
     wait_for(&pool, &srv, "bootstrapping before PUT", |w| {
-        !w.ranks.is_empty() && w.ranks.iter().all(|r| *r == RankReadiness::Bootstrapping)
+        !w.facts.ranks.is_empty()
+            && w.facts
+                .ranks
+                .iter()
+                .all(|r| *r == RankReadiness::Bootstrapping)
     })
     .await;
     {
         let snap = pool.load();
-        assert_eq!(snap.prefills[0].layout, None);
-        assert!(!snap.prefills[0].healthy, "no health checker runs here");
+        assert_eq!(snap.prefills[0].facts.layout, None);
+        assert!(
+            !snap.prefills[0].facts.healthy,
+            "no health checker runs here"
+        );
     }
 
     let ports = srv.put(&["--dp-size", "2", "--base-port", "17700"]).await;
@@ -544,7 +554,7 @@ async fn tracker_follows_registration_and_loss() {
     let mut lost = {
         let snap = pool.load();
         let w = &snap.prefills[0];
-        assert_eq!(w.layout, Some(layout(2, 1, "auto")));
+        assert_eq!(w.facts.layout, Some(layout(2, 1, "auto")));
         assert_eq!(w.effective_dp(), 2);
         w.lost.clone()
     };
@@ -565,7 +575,7 @@ async fn tracker_follows_registration_and_loss() {
         &pool,
         &srv,
         "every rank unreachable, layout dropped after kill",
-        |w| all_ranks(w, 2, failed(RankFailure::Unreachable)) && w.layout.is_none(),
+        |w| all_ranks(w, 2, failed(RankFailure::Unreachable)) && w.facts.layout.is_none(),
     )
     .await;
 }
@@ -579,20 +589,24 @@ async fn tracker_marks_duplicate_registration_rank_missing() {
     let srv = BootstrapServer::start(&py).await;
     let pool = track(&srv);
     wait_for(&pool, &srv, "bootstrapping before PUT", |w| {
-        !w.ranks.is_empty() && w.ranks.iter().all(|r| *r == RankReadiness::Bootstrapping)
+        !w.facts.ranks.is_empty()
+            && w.facts
+                .ranks
+                .iter()
+                .all(|r| *r == RankReadiness::Bootstrapping)
     })
     .await;
 
     srv.put(&["--dp-size", "2", "--only-dp", "0,0"]).await;
 
     wait_for(&pool, &srv, "rank 0 ready, rank 1 missing", |w| {
-        w.ranks.len() == 2
-            && w.ranks[0] == RankReadiness::Ready
-            && failed(RankFailure::RankMissing)(&w.ranks[1])
+        w.facts.ranks.len() == 2
+            && w.facts.ranks[0] == RankReadiness::Ready
+            && failed(RankFailure::RankMissing)(&w.facts.ranks[1])
     })
     .await;
     let snap = pool.load();
-    assert_eq!(snap.prefills[0].layout, Some(layout(2, 1, "auto")));
+    assert_eq!(snap.prefills[0].facts.layout, Some(layout(2, 1, "auto")));
     // Not routable: no health checker marked it healthy, and rank 1 is not Ready anyway.
     assert!(snap.prefill_routable.is_empty());
 }

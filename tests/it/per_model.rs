@@ -270,9 +270,9 @@ async fn a_models_breaker_thresholds_are_its_own() {
         let w = snap
             .workers(Role::Prefill)
             .iter()
-            .find(|w| w.url.to_string().trim_end_matches('/') == url.trim_end_matches('/'))
+            .find(|w| w.shared.url.to_string().trim_end_matches('/') == url.trim_end_matches('/'))
             .expect("worker");
-        w.breaker.state()
+        w.shared.breaker.state()
     };
     assert!(env.cluster.prefills[0].stats().requests_total >= 1);
     assert_eq!(state(0), BreakerState::Open, "model-a's failing prefill");

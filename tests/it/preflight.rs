@@ -65,8 +65,8 @@ fn pool_with_prefill(url: &str) -> Arc<Pool> {
     };
     let id = pool.add_worker(Role::Prefill, base, Some(boot));
     pool.update_worker(Role::Prefill, id, |w| {
-        w.healthy = true;
-        w.layout = Some(Layout {
+        w.facts.healthy = true;
+        w.facts.layout = Some(Layout {
             generation: Generation::V3,
             dp_size: 2,
             attn_tp_size: 1,
@@ -83,12 +83,12 @@ fn pool_with_prefill(url: &str) -> Arc<Pool> {
 async fn checks(pool: &Arc<Pool>, up: &Upstream, rank: u32, n: usize) -> Vec<PreflightOutcome> {
     let snap = pool.load_full();
     let w = &snap.prefills[0];
-    let boot = w.bootstrap.clone().expect("bootstrap");
-    let probes = w.probes.clone();
+    let boot = w.facts.bootstrap.clone().expect("bootstrap");
+    let probes = w.per_rank.probes.clone();
     let mut tasks = Vec::new();
     for _ in 0..n {
         let (pool, up, boot, probes) = (pool.clone(), up.clone(), boot.clone(), probes.clone());
-        let id = w.id;
+        let id = w.shared.id;
         tasks.push(tokio::spawn(async move {
             let t = preflight::Target {
                 worker: id,
@@ -123,7 +123,10 @@ async fn concurrent_stale_requests_share_one_check() {
     );
     // The check's task wrote the outcome to the pool.
     let snap = pool.load_full();
-    assert_eq!(snap.prefills[0].ranks.get(1), Some(&RankReadiness::Ready));
+    assert_eq!(
+        snap.prefills[0].facts.ranks.get(1),
+        Some(&RankReadiness::Ready)
+    );
     // Another rank is another flight; and once a check ended, the next one goes out.
     let got = checks(&pool, &up, 0, 5).await;
     assert!(got.iter().all(|o| *o == PreflightOutcome::Ready));
@@ -147,7 +150,7 @@ async fn a_failed_check_is_shared_too() {
     );
     assert_eq!(count.load(Ordering::SeqCst), 1);
     let snap = pool.load_full();
-    assert_eq!(snap.prefills[0].ranks[0].label(), "failed");
+    assert_eq!(snap.prefills[0].facts.ranks[0].label(), "failed");
 }
 
 /// A bootstrap server with `dp` ranks, all registered, whose rank routes each take
@@ -205,11 +208,11 @@ async fn the_refresher_asks_for_rank_routes_concurrently() {
     pdgate::bootstrap::tracker::refresh_once(&pool, &up, &cfg.bootstrap, id, &base).await;
     let snap = pool.load_full();
     let w = &snap.prefills[0];
-    assert_eq!(w.ranks.len(), 8);
+    assert_eq!(w.facts.ranks.len(), 8);
     assert!(
-        w.ranks.iter().all(|r| *r == RankReadiness::Ready),
+        w.facts.ranks.iter().all(|r| *r == RankReadiness::Ready),
         "{:?}",
-        w.ranks
+        w.facts.ranks
     );
     // One after another, a slow server would cost 8 × its delay (and 8 × the timeout when
     // it is dead); asked together, every rank's route is in flight at once.
@@ -265,7 +268,7 @@ async fn a_heartbeat_loss_during_the_preflight_reaches_the_request() {
         env.router
             .pool
             .update_worker(Role::Prefill, pdgate::types::WorkerId(0), |w| {
-                w.lost_tx.send_modify(|e| e.heartbeat += 1)
+                w.shared().lost_tx.send_modify(|e| e.heartbeat += 1)
             });
     };
     let ((st, _, body), ()) = tokio::join!(req, lose);

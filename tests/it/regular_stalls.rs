@@ -49,15 +49,16 @@ fn id_of(env: &Env, url: &str) -> WorkerId {
         .load()
         .workers(Role::Regular)
         .iter()
-        .find(|w| w.url.as_str() == url)
+        .find(|w| w.shared.url.as_str() == url)
         .expect("regular worker")
+        .shared
         .id
 }
 
 async fn wait_state(env: &Env, id: WorkerId, state: BreakerState, what: &str) {
     env.wait_pool(what, |s| {
         s.worker(Role::Regular, id)
-            .is_some_and(|w| w.breaker.state() == state)
+            .is_some_and(|w| w.shared.breaker.state() == state)
     })
     .await;
 }
@@ -183,7 +184,7 @@ async fn queued_long_prompts(n_long: usize) {
             .pool
             .load()
             .worker(Role::Regular, id)
-            .map(|w| w.breaker.state());
+            .map(|w| w.shared.breaker.state());
         assert_eq!(
             state,
             Some(BreakerState::Closed),

@@ -517,7 +517,7 @@ async fn regular_workers_join_by_admin_reload_and_discovery() {
     assert_eq!(Fleet::count(&engines[3]), 1);
     let snap = env.router.pool.load();
     assert!(snap.regulars.iter().any(|w| matches!(
-        &*w.source,
+        &w.shared.source,
         pdgate::pool::WorkerSource::Discovered(p) if p.name == "worker-0"
     )));
 }
@@ -630,7 +630,12 @@ async fn a_regular_stream_that_breaks_ends_with_an_error_event() {
         .chain(&snap.prefills)
         .chain(&snap.decodes)
     {
-        assert_eq!(w.in_flight_total(), 0, "{} still holds a counter", w.url);
+        assert_eq!(
+            w.in_flight_total(),
+            0,
+            "{} still holds a counter",
+            w.shared.url
+        );
     }
 }
 

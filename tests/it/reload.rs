@@ -164,7 +164,7 @@ async fn a_removed_static_worker_drains_its_stream_then_goes() {
     }
     let url = pdgate::url::parse_base_url(&gone.url).expect("url");
     env.wait_pool("the removed decode is gone", |s| {
-        s.workers(Role::Decode).iter().all(|w| w.url != url)
+        s.workers(Role::Decode).iter().all(|w| w.shared.url != url)
     })
     .await;
 }
@@ -347,14 +347,15 @@ async fn a_static_worker_drained_by_an_operator_is_still_removed_by_a_reload() {
         .load()
         .workers(Role::Decode)
         .iter()
-        .find(|w| w.url == url)
+        .find(|w| w.shared.url == url)
         .expect("listed")
+        .shared
         .id;
     env.router.fleet.drain(Role::Decode, id).expect("drain");
     let applied = pdgate::reload::apply(&env.router, next).expect("valid");
     assert_eq!((applied.added, applied.removed), (0, 1));
     env.wait_pool("the drained, removed decode is gone", |s| {
-        s.workers(Role::Decode).iter().all(|w| w.url != url)
+        s.workers(Role::Decode).iter().all(|w| w.shared.url != url)
     })
     .await;
 }

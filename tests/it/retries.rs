@@ -197,6 +197,7 @@ async fn legacy_bootstrap_bug_with_a_stale_view_is_cut_short() {
     let checked = |s: &pdgate::pool::Snapshot| {
         s.worker(Role::Prefill, WorkerId(0))
             .unwrap()
+            .per_rank
             .fresh
             .last_confirmed(0)
     };
@@ -313,6 +314,6 @@ async fn a_too_long_prompt_is_a_4xx_and_never_retried() {
     }
     let snap = env.router.pool.load();
     for w in snap.prefills.iter().chain(snap.decodes.iter()) {
-        assert_eq!(w.breaker.state(), pdgate::pool::BreakerState::Closed);
+        assert_eq!(w.shared.breaker.state(), pdgate::pool::BreakerState::Closed);
     }
 }

@@ -232,6 +232,7 @@ fn breaker(env: &Env, role: Role, i: u32) -> BreakerState {
         .load()
         .worker(role, WorkerId(i))
         .unwrap()
+        .shared
         .breaker
         .state()
 }
@@ -311,7 +312,12 @@ async fn breaker_half_open_trial_readmits_a_recovered_worker() {
     );
     env.cluster.decodes[0].set_faults(Faults::default());
     env.wait_pool("half-open", |s| {
-        s.worker(Role::Decode, WorkerId(0)).unwrap().breaker.state() == BreakerState::HalfOpen
+        s.worker(Role::Decode, WorkerId(0))
+            .unwrap()
+            .shared
+            .breaker
+            .state()
+            == BreakerState::HalfOpen
     })
     .await;
     let before = env.cluster.decodes[0].stats().requests_total;

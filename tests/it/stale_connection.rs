@@ -172,5 +172,5 @@ async fn keep_alive_race(max_retries: u32) {
     // Not the engine's fault: its breaker saw no failure.
     let snap = env.router.pool.load();
     let d = snap.worker(Role::Decode, WorkerId(0)).expect("decode");
-    assert_eq!(d.breaker.state(), BreakerState::Closed);
+    assert_eq!(d.shared.breaker.state(), BreakerState::Closed);
 }

@@ -53,6 +53,7 @@ fn breaker(env: &Env, role: Role, id: u32) -> BreakerState {
         .load()
         .worker(role, WorkerId(id))
         .expect("worker")
+        .shared
         .breaker
         .state()
 }
@@ -65,7 +66,7 @@ fn requests(e: &SimEngine) -> u64 {
 async fn wait_breaker(env: &Env, id: u32, state: BreakerState, what: &str) {
     env.wait_pool(what, |s| {
         s.worker(Role::Prefill, WorkerId(id))
-            .is_some_and(|w| w.breaker.state() == state)
+            .is_some_and(|w| w.shared.breaker.state() == state)
     })
     .await;
 }
@@ -159,7 +160,7 @@ async fn learned_fast_fleet_finds_a_hung_prefill_within_a_second() {
     );
     env.wait_pool("the hung prefill out of rotation", |s| {
         s.worker(Role::Prefill, WorkerId(0))
-            .is_some_and(|w| w.breaker.state() == BreakerState::Stalled)
+            .is_some_and(|w| w.shared.breaker.state() == BreakerState::Stalled)
     })
     .await;
     assert!(t.elapsed() < Duration::from_secs(5));
@@ -342,8 +343,8 @@ async fn readmitted_only_after_a_one_token_request_through_a_real_pair() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let snap = env.router.pool.load();
     let w = snap.worker(Role::Prefill, WorkerId(0)).expect("worker");
-    assert!(w.healthy, "health passes all along");
-    assert_eq!(w.breaker.state(), BreakerState::Stalled);
+    assert!(w.facts.healthy, "health passes all along");
+    assert_eq!(w.shared.breaker.state(), BreakerState::Stalled);
     assert!(requests(p0) > probes_before, "it was probed");
     // The engine recovers: the next probe goes through a real pair and re-admits it.
     let ok_before = p0.stats().ok;

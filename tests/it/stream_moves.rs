@@ -154,8 +154,9 @@ fn decode_id(env: &Env, i: usize) -> pdgate::types::WorkerId {
         .load()
         .workers(pdgate::types::Role::Decode)
         .iter()
-        .find(|w| w.url.as_str() == url)
+        .find(|w| w.shared.url.as_str() == url)
         .expect("decode")
+        .shared
         .id
 }
 
@@ -734,7 +735,7 @@ async fn a_retry_waits_for_a_recovering_decode() {
     });
     env.wait_pool("decode 1 unhealthy", |s| {
         s.worker(pdgate::types::Role::Decode, pdgate::types::WorkerId(1))
-            .is_some_and(|w| !w.healthy)
+            .is_some_and(|w| !w.facts.healthy)
     })
     .await;
     let body = json!({"text": "x", "sampling_params": {"max_new_tokens": 4}}).to_string();

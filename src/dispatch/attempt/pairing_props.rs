@@ -26,19 +26,22 @@ fn fleet(prefills: &[(usize, bool)], decodes: &[(usize, bool)]) -> Arc<Pool> {
             let id = pool.add_worker(role, url.clone(), None);
             let (name, page) = KEYS[*key % KEYS.len()];
             pool.update_worker(role, id, |w| {
-                w.healthy = *healthy;
-                w.info = Some(ServerInfo {
-                    served_model_name: Some(name.into()),
-                    page_size: Some(page),
-                    ..ServerInfo::default()
-                });
+                w.facts.healthy = *healthy;
+                w.facts.info = Some(
+                    ServerInfo {
+                        served_model_name: Some(name.into()),
+                        page_size: Some(page),
+                        ..ServerInfo::default()
+                    }
+                    .into(),
+                );
                 if role == Role::Prefill {
-                    w.bootstrap = Some(BootstrapInfo {
+                    w.facts.bootstrap = Some(BootstrapInfo {
                         url,
                         host_json: "\"127.0.0.1\"".into(),
                         port: 8998,
                     });
-                    w.layout = Some(Layout {
+                    w.facts.layout = Some(Layout {
                         generation: Generation::V3,
                         dp_size: 1,
                         attn_tp_size: 1,
@@ -48,7 +51,7 @@ fn fleet(prefills: &[(usize, bool)], decodes: &[(usize, bool)]) -> Arc<Pool> {
                         page_size: Some(page),
                         kv_cache_dtype: None,
                     });
-                    w.ranks = vec![RankReadiness::Ready];
+                    w.facts.ranks = vec![RankReadiness::Ready];
                 }
             });
         }

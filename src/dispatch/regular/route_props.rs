@@ -28,18 +28,21 @@ fn fleet(workers: &[(Role, usize, bool)]) -> Arc<Pool> {
         let url = parse_base_url(&format!("http://127.0.0.1:{}", 30000 + i)).expect("url");
         let id = pool.add_worker(*role, url.clone(), None);
         pool.update_worker(*role, id, |w| {
-            w.healthy = *healthy;
-            w.info = Some(ServerInfo {
-                served_model_name: Some(MODELS[*m].into()),
-                ..ServerInfo::default()
-            });
+            w.facts.healthy = *healthy;
+            w.facts.info = Some(
+                ServerInfo {
+                    served_model_name: Some(MODELS[*m].into()),
+                    ..ServerInfo::default()
+                }
+                .into(),
+            );
             if *role == Role::Prefill {
-                w.bootstrap = Some(BootstrapInfo {
+                w.facts.bootstrap = Some(BootstrapInfo {
                     url,
                     host_json: "\"127.0.0.1\"".into(),
                     port: 8998,
                 });
-                w.layout = Some(Layout {
+                w.facts.layout = Some(Layout {
                     generation: Generation::V3,
                     dp_size: 1,
                     attn_tp_size: 1,
@@ -49,7 +52,7 @@ fn fleet(workers: &[(Role, usize, bool)]) -> Arc<Pool> {
                     page_size: None,
                     kv_cache_dtype: None,
                 });
-                w.ranks = vec![RankReadiness::Ready];
+                w.facts.ranks = vec![RankReadiness::Ready];
             }
         });
     }

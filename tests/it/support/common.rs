@@ -172,7 +172,11 @@ impl Env {
                     s.routable_ranks(pdgate::types::Role::Decode),
                     s.prefills
                         .iter()
-                        .map(|w| (w.url.to_string(), w.healthy, w.ranks.clone()))
+                        .map(|w| (
+                            w.shared.url.to_string(),
+                            w.facts.healthy,
+                            w.facts.ranks.clone()
+                        ))
                         .collect::<Vec<_>>()
                 );
             }
