@@ -15,7 +15,9 @@
 //! `decode_hold` fault parks a request before the first step until cleared.
 //! With `max_running_requests`, a request waits for a running slot on its DP
 //! rank before its KV pull starts (SGLang's decode queue), so a prefill's
-//! `bootstrap_timeout` can expire meanwhile.
+//! `bootstrap_timeout` can expire meanwhile. Once the KV arrived, the request waits
+//! `decode_per_missing_token` for each prompt token its rank's prefix cache lacks (all of
+//! them without a cache), then the rank's cache takes the prompt.
 //!
 //! Invariants: failure texts are SGLang's; nothing here retries what SGLang
 //! does not retry, except reconnecting a cut rank connection while the
@@ -129,6 +131,7 @@ pub(crate) async fn prepare(
         r = pipeline => r?,
         lost = heartbeat(engine, &addr) => return Err(handshake_failure(inst, room, &lost)),
     }
+    receive_missing_kv(engine, inst, my_rank).await;
     let faults = engine.faults();
     if faults.decode_hang {
         tracing::info!(addr = %engine.addr, room, "sim: decode hangs before its first token");
@@ -141,6 +144,28 @@ pub(crate) async fn prepare(
         itl: faults.slowed(engine.cfg.itl),
         die_after: faults.decode_die_mid_stream_after,
     })
+}
+
+/// Waits for the prompt's KV that `rank` does not hold (`decode_per_missing_token` per
+/// token its prefix cache lacks), then stores the prompt in the rank's cache.
+async fn receive_missing_kv(engine: &Engine, inst: &Instance, rank: u32) {
+    let cache = engine.prefix_caches.get(rank as usize);
+    let held = match cache {
+        Some(c) => c.lock().await.match_prefix(&inst.prefix_ids),
+        None => 0,
+    }
+    .min(inst.prompt_tokens);
+    engine.stats.prefix_lookup(rank, inst.prompt_tokens, held);
+    let wait = engine
+        .cfg
+        .decode_per_missing_token
+        .saturating_mul(inst.prompt_tokens - held);
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
+    }
+    if let Some(c) = cache {
+        c.lock().await.insert(&inst.prefix_ids);
+    }
 }
 
 /// Waits for a running slot on `rank` (SGLang's decode keeps a request in its queue, KV

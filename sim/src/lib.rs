@@ -47,6 +47,7 @@ mod info;
 mod plain;
 mod plan;
 mod prefill;
+mod prefix_cache;
 mod pyjson;
 mod rendezvous;
 mod request;
