@@ -139,6 +139,9 @@ pub struct EngineConfig {
     /// Decode: time to receive one prompt token of KV the rank's prefix cache lacks (all
     /// of them without a cache), before the first token.
     pub decode_per_missing_token: Duration,
+    /// SGLang's `--enable-cache-report`: OpenAI answers report the prompt's cached tokens
+    /// (`usage.prompt_tokens_details.cached_tokens`, when there are any).
+    pub enable_cache_report: bool,
     /// Decode: time to first token after the KV arrived.
     pub ttft: Duration,
     /// Decode: inter-token latency.
@@ -207,6 +210,7 @@ impl Default for EngineConfig {
             decode_prefix_cache_tokens: 0,
             prefix_cache_page_size: 16,
             decode_per_missing_token: Duration::ZERO,
+            enable_cache_report: false,
             ttft: Duration::from_millis(5),
             itl: Duration::from_millis(2),
             default_output_tokens: 16,

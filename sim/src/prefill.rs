@@ -18,9 +18,9 @@
 //!   rank (or `bootstrap_timeout` passed).
 //! - With a prefix cache (`prefill_prefix_cache_tokens`), a rank computes one prompt at a
 //!   time (its cache's lock is held for the whole compute), looks the prompt up when its
-//!   compute starts, and spends `prefill_per_token` only on the tokens its cache lacks.
-//!   Without one, every prompt token is computed and computes overlap (unless
-//!   `serial_prefill`).
+//!   compute starts, and spends `prefill_per_token` only on the tokens its cache lacks;
+//!   the cached tokens go to the answer and, with the KV, to the decode. Without one,
+//!   every prompt token is computed and computes overlap (unless `serial_prefill`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -156,13 +156,13 @@ pub(crate) async fn prepare(
     let mut leg = side
         .rendezvous
         .prefill_arrive(room, rank, inst.host.clone(), inst.port);
-    compute_prompt(engine, inst, rank, &faults, tracker).await;
+    let cached_tokens = compute_prompt(engine, inst, rank, &faults, tracker).await;
     tracker.waiting();
     let left = engine
         .cfg
         .bootstrap_timeout
         .saturating_sub(started.elapsed());
-    leg.transfer(left)
+    leg.transfer(left, cached_tokens)
         .await
         .map_err(|reason| bootstrap_failure(inst, room, &reason))?;
     if faults.prefill_answer_delay_ms > 0 {
@@ -173,6 +173,7 @@ pub(crate) async fn prepare(
         ttft: Duration::ZERO,
         itl: Duration::ZERO,
         die_after: None,
+        cached_tokens,
     })
 }
 
