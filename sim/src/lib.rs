@@ -34,6 +34,8 @@
 #![forbid(unsafe_code)]
 
 mod bootstrap;
+#[cfg(test)]
+mod cache_tests;
 pub mod cli;
 mod cluster;
 mod config;
