@@ -49,6 +49,27 @@ pub struct SimArgs {
     /// Prefill compute time per request (ms).
     #[arg(long)]
     pub prefill_ms: Option<u64>,
+    /// Prefill compute time per prompt token its DP rank's prefix cache lacks (all of them
+    /// without a cache), on top of --prefill-ms (ms, fractions allowed).
+    #[arg(long)]
+    pub prefill_per_token_ms: Option<f64>,
+    /// Prefill: prefix cache per DP rank, in tokens (0: none). With one, each rank computes
+    /// one prompt at a time.
+    #[arg(long)]
+    pub prefill_prefix_cache_tokens: Option<u64>,
+    /// Decode: prefix cache per DP rank, in tokens (0: none).
+    #[arg(long)]
+    pub decode_prefix_cache_tokens: Option<u64>,
+    /// Tokens per page of the prefix caches (only whole pages are cached).
+    #[arg(long)]
+    pub prefix_cache_page_size: Option<u32>,
+    /// Decode: wait per prompt token of KV its DP rank's prefix cache lacks, before the
+    /// first token (ms, fractions allowed).
+    #[arg(long)]
+    pub decode_per_missing_token_ms: Option<f64>,
+    /// OpenAI usage reports the prompt's cached tokens (SGLang's `--enable-cache-report`).
+    #[arg(long)]
+    pub enable_cache_report: bool,
     /// Decode time to first token after the KV arrived (ms).
     #[arg(long)]
     pub ttft_ms: Option<u64>,
@@ -161,6 +182,10 @@ fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)
 }
 
+fn millis(ms: f64) -> Duration {
+    secs(ms / 1000.0)
+}
+
 impl SimArgs {
     /// The faults selected by the flags.
     pub fn faults(&self) -> Faults {
@@ -194,11 +219,27 @@ impl SimArgs {
             max_running_requests: self.max_running_requests,
             incremental_streaming_output: self.incremental_streaming_output,
             ignore_continuous_usage: self.ignore_continuous_usage,
+            enable_cache_report: self.enable_cache_report,
             faults: self.faults(),
             ..Default::default()
         };
         if let Some(v) = self.prefill_ms {
             c.prefill_delay = Duration::from_millis(v);
+        }
+        if let Some(v) = self.prefill_per_token_ms {
+            c.prefill_per_token = millis(v);
+        }
+        if let Some(v) = self.prefill_prefix_cache_tokens {
+            c.prefill_prefix_cache_tokens = v;
+        }
+        if let Some(v) = self.decode_prefix_cache_tokens {
+            c.decode_prefix_cache_tokens = v;
+        }
+        if let Some(v) = self.prefix_cache_page_size {
+            c.prefix_cache_page_size = v;
+        }
+        if let Some(v) = self.decode_per_missing_token_ms {
+            c.decode_per_missing_token = millis(v);
         }
         if let Some(v) = self.ttft_ms {
             c.ttft = Duration::from_millis(v);

@@ -116,13 +116,32 @@ pub struct EngineConfig {
     pub max_total_num_tokens: u64,
     /// Prefill compute time per request.
     pub prefill_delay: Duration,
-    /// Prefill compute time per prompt token, on top of `prefill_delay` (long prompts
-    /// take longer).
+    /// Prefill compute time per prompt token the rank's prefix cache does not hold (all of
+    /// them without a cache), on top of `prefill_delay`: long prompts take longer, cached
+    /// prefixes are free.
     pub prefill_per_token: Duration,
     /// Prefill: prompt computes run one at a time on the engine (a long prompt delays the
     /// ones behind it, as one batch after another on a GPU); off (default), they overlap.
     /// A plain engine (`Role::Regular`) always runs them one at a time.
     pub serial_prefill: bool,
+    /// Prefill: tokens of prefix cache per DP rank (SGLang's radix cache, see
+    /// `crate::prefix_cache`); 0 (default): no cache. With a cache, each rank computes one
+    /// prompt at a time (a long prompt delays the ones behind it on its rank) and answers
+    /// report the tokens it held as `cached_tokens`.
+    pub prefill_prefix_cache_tokens: u64,
+    /// Decode: tokens of prefix cache per DP rank (0, default: no cache); what the rank
+    /// holds of a prompt it need not wait for (`decode_per_missing_token`).
+    pub decode_prefix_cache_tokens: u64,
+    /// Tokens per page of the prefix caches (only whole pages are cached). SGLang's radix
+    /// cache pages by the KV `page_size`; this one is apart so that the reported
+    /// `page_size` keeps its default.
+    pub prefix_cache_page_size: u32,
+    /// Decode: time to receive one prompt token of KV the rank's prefix cache lacks (all
+    /// of them without a cache), before the first token.
+    pub decode_per_missing_token: Duration,
+    /// SGLang's `--enable-cache-report`: OpenAI answers report the prompt's cached tokens
+    /// (`usage.prompt_tokens_details.cached_tokens`, when there are any).
+    pub enable_cache_report: bool,
     /// Decode: time to first token after the KV arrived.
     pub ttft: Duration,
     /// Decode: inter-token latency.
@@ -187,6 +206,11 @@ impl Default for EngineConfig {
             prefill_delay: Duration::from_millis(5),
             prefill_per_token: Duration::ZERO,
             serial_prefill: false,
+            prefill_prefix_cache_tokens: 0,
+            decode_prefix_cache_tokens: 0,
+            prefix_cache_page_size: 16,
+            decode_per_missing_token: Duration::ZERO,
+            enable_cache_report: false,
             ttft: Duration::from_millis(5),
             itl: Duration::from_millis(2),
             default_output_tokens: 16,
@@ -259,10 +283,20 @@ impl EngineConfig {
         self.dp_size.max(1)
     }
 
-    /// The prefill's compute time for a prompt of `tokens`, under `faults`.
+    /// The prefill's compute time for a prompt of `tokens` uncached tokens, under `faults`.
     pub fn prefill_time(&self, tokens: u32, faults: &Faults) -> Duration {
         let per_token = self.prefill_per_token.saturating_mul(tokens);
         faults.slowed(self.prefill_delay.saturating_add(per_token))
+    }
+
+    /// The prefix cache capacity per DP rank of this engine's role, in tokens (0: none; a
+    /// plain engine has none).
+    pub fn prefix_cache_tokens(&self) -> u64 {
+        match self.role {
+            Role::Prefill => self.prefill_prefix_cache_tokens,
+            Role::Decode => self.decode_prefix_cache_tokens,
+            Role::Regular => 0,
+        }
     }
 
     /// Whether the prefill places rooms by `room % dp`.

@@ -15,7 +15,10 @@
 //! `decode_hold` fault parks a request before the first step until cleared.
 //! With `max_running_requests`, a request waits for a running slot on its DP
 //! rank before its KV pull starts (SGLang's decode queue), so a prefill's
-//! `bootstrap_timeout` can expire meanwhile.
+//! `bootstrap_timeout` can expire meanwhile. Once the KV arrived, the request waits
+//! `decode_per_missing_token` for each prompt token its rank's prefix cache lacks (all of
+//! them without a cache), then the rank's cache takes the prompt; the answer reports the
+//! prefill's cached tokens, which came with the KV, as SGLang's decode does.
 //!
 //! Invariants: failure texts are SGLang's; nothing here retries what SGLang
 //! does not retry, except reconnecting a cut rank connection while the
@@ -125,10 +128,11 @@ pub(crate) async fn prepare(
         running_slot(engine, my_rank, tracker).await;
         pull_kv(engine, inst, &rank_addr, room).await
     };
-    tokio::select! {
+    let cached_tokens = tokio::select! {
         r = pipeline => r?,
         lost = heartbeat(engine, &addr) => return Err(handshake_failure(inst, room, &lost)),
-    }
+    };
+    receive_missing_kv(engine, inst, my_rank).await;
     let faults = engine.faults();
     if faults.decode_hang {
         tracing::info!(addr = %engine.addr, room, "sim: decode hangs before its first token");
@@ -140,7 +144,30 @@ pub(crate) async fn prepare(
         ttft: faults.slowed(engine.cfg.ttft.saturating_add(Duration::from_millis(extra))),
         itl: faults.slowed(engine.cfg.itl),
         die_after: faults.decode_die_mid_stream_after,
+        cached_tokens: cached_tokens.min(inst.prompt_tokens),
     })
+}
+
+/// Waits for the prompt's KV that `rank` does not hold (`decode_per_missing_token` per
+/// token its prefix cache lacks), then stores the prompt in the rank's cache.
+async fn receive_missing_kv(engine: &Engine, inst: &Instance, rank: u32) {
+    let cache = engine.prefix_caches.get(rank as usize);
+    let held = match cache {
+        Some(c) => c.lock().await.match_prefix(&inst.prefix_ids),
+        None => 0,
+    }
+    .min(inst.prompt_tokens);
+    engine.stats.prefix_lookup(rank, inst.prompt_tokens, held);
+    let wait = engine
+        .cfg
+        .decode_per_missing_token
+        .saturating_mul(inst.prompt_tokens - held);
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
+    }
+    if let Some(c) = cache {
+        c.lock().await.insert(&inst.prefix_ids);
+    }
 }
 
 /// Waits for a running slot on `rank` (SGLang's decode keeps a request in its queue, KV
@@ -314,13 +341,14 @@ async fn rank_endpoint(
     }
 }
 
-/// Long-polls the rank endpoint until the KV arrived, failed, or timed out.
+/// Long-polls the rank endpoint until the KV arrived (`Ok`: the prompt tokens the
+/// prefill's prefix cache held), failed, or timed out.
 async fn pull_kv(
     engine: &Arc<Engine>,
     inst: &Instance,
     rank_addr: &str,
     room: u64,
-) -> Result<(), Failure> {
+) -> Result<u32, Failure> {
     let started = tokio::time::Instant::now();
     let deadline = http::deadline(started, engine.cfg.waiting_timeout);
     let body = json!({
@@ -350,7 +378,11 @@ async fn pull_kv(
             Ok(r) if r.status == 200 => {
                 let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
                 if v.get("status").and_then(Value::as_str) == Some("success") {
-                    return Ok(());
+                    let cached = v
+                        .get("cached_tokens")
+                        .and_then(Value::as_u64)
+                        .map_or(0, |c| u32::try_from(c).unwrap_or(u32::MAX));
+                    return Ok(cached);
                 }
                 let reason = v
                     .get("reason")

@@ -33,6 +33,7 @@ use crate::decode_cache::DecodeState;
 use crate::hits::{Hits, HitsSnapshot, Server};
 use crate::http::{self, Cut, Gate, Resp};
 use crate::info;
+use crate::prefix_cache::PrefixCache;
 use crate::rendezvous::{self, Rendezvous};
 use crate::request::Api;
 use crate::state::{Engine, Inflight, PrefillSide, RidLog};
@@ -181,7 +182,7 @@ pub(crate) async fn spawn_in(
     let dp = cfg.dp();
     let (faults_tx, _) = watch::channel(cfg.faults.clone());
     let (shutdown_tx, _) = watch::channel(false);
-    let stats = Stats::new(dp);
+    let stats = Stats::new(dp, cfg.role);
     stats.engine_down.store(cfg.faults.down, Ordering::Relaxed);
     let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
     let addr = listener.local_addr()?;
@@ -218,8 +219,19 @@ pub(crate) async fn spawn_in(
             .collect(),
         _ => Vec::new(),
     };
+    let cache_tokens = cfg.prefix_cache_tokens();
+    let prefix_caches = if cache_tokens > 0 {
+        (0..dp)
+            .map(|_| {
+                tokio::sync::Mutex::new(PrefixCache::new(cache_tokens, cfg.prefix_cache_page_size))
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let engine = Arc::new(Engine {
         running_slots,
+        prefix_caches,
         cfg,
         faults_tx,
         shutdown_tx,

@@ -34,6 +34,8 @@
 #![forbid(unsafe_code)]
 
 mod bootstrap;
+#[cfg(test)]
+mod cache_tests;
 pub mod cli;
 mod cluster;
 mod config;
@@ -47,6 +49,7 @@ mod info;
 mod plain;
 mod plan;
 mod prefill;
+mod prefix_cache;
 mod pyjson;
 mod rendezvous;
 mod request;

@@ -55,6 +55,7 @@ pub(crate) async fn prepare(
         ttft: faults.slowed(engine.cfg.ttft.saturating_add(Duration::from_millis(extra))),
         itl: faults.slowed(engine.cfg.itl),
         die_after: faults.decode_die_mid_stream_after,
+        cached_tokens: 0,
     })
 }
 

@@ -15,4 +15,7 @@ pub(crate) struct Plan {
     pub itl: Duration,
     /// Cut the connection after this many chunks (decode fault).
     pub die_after: Option<u32>,
+    /// What the answer reports as `cached_tokens`: the prompt tokens the prefill's prefix
+    /// cache held (on a decode, those of the prefill that sent the KV, as SGLang does).
+    pub cached_tokens: u32,
 }

@@ -16,12 +16,18 @@
 //!   bootstrap port are counted as violations, without changing behaviour.
 //! - The answer comes only after the decode of the same room reached the same
 //!   rank (or `bootstrap_timeout` passed).
+//! - With a prefix cache (`prefill_prefix_cache_tokens`), a rank computes one prompt at a
+//!   time (its cache's lock is held for the whole compute), looks the prompt up when its
+//!   compute starts, and spends `prefill_per_token` only on the tokens its cache lacks;
+//!   the cached tokens go to the answer and, with the KV, to the decode. Without one,
+//!   every prompt token is computed and computes overlap (unless `serial_prefill`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use crate::config::Faults;
 use crate::http;
 use crate::plan::Plan;
 use crate::request::{Instance, ParsedRequest};
@@ -150,20 +156,13 @@ pub(crate) async fn prepare(
     let mut leg = side
         .rendezvous
         .prefill_arrive(room, rank, inst.host.clone(), inst.port);
-    tracker.running();
-    tracker.add_tokens(u64::from(inst.prompt_tokens));
-    let compute = engine.cfg.prefill_time(inst.prompt_tokens, &faults);
-    if engine.cfg.serial_prefill {
-        tokio::time::sleep_until(engine.queue_compute(compute)).await;
-    } else if !compute.is_zero() {
-        tokio::time::sleep(compute).await;
-    }
+    let cached_tokens = compute_prompt(engine, inst, rank, &faults, tracker).await;
     tracker.waiting();
     let left = engine
         .cfg
         .bootstrap_timeout
         .saturating_sub(started.elapsed());
-    leg.transfer(left)
+    leg.transfer(left, cached_tokens)
         .await
         .map_err(|reason| bootstrap_failure(inst, room, &reason))?;
     if faults.prefill_answer_delay_ms > 0 {
@@ -174,7 +173,39 @@ pub(crate) async fn prepare(
         ttft: Duration::ZERO,
         itl: Duration::ZERO,
         die_after: None,
+        cached_tokens,
     })
+}
+
+/// Computes the prompt of `inst` on `rank`: with a prefix cache, under the rank's lock (one
+/// prompt at a time per rank) and only for the tokens the cache lacks. Returns the cached
+/// tokens.
+async fn compute_prompt(
+    engine: &Engine,
+    inst: &Instance,
+    rank: u32,
+    faults: &Faults,
+    tracker: &Tracker,
+) -> u32 {
+    let mut cache = match engine.prefix_caches.get(rank as usize) {
+        Some(c) => Some(c.lock().await),
+        None => None,
+    };
+    let cached = cache
+        .as_mut()
+        .map_or(0, |c| c.match_and_insert(&inst.prefix_ids))
+        .min(inst.prompt_tokens);
+    engine.stats.prefix_lookup(rank, inst.prompt_tokens, cached);
+    tracker.running();
+    tracker.add_tokens(u64::from(inst.prompt_tokens));
+    let compute = engine.cfg.prefill_time(inst.prompt_tokens - cached, faults);
+    if engine.cfg.serial_prefill {
+        tokio::time::sleep_until(engine.queue_compute(compute)).await;
+    } else if !compute.is_zero() {
+        tokio::time::sleep(compute).await;
+    }
+    drop(cache);
+    cached
 }
 
 /// `POST /register_dp_rank` to `bootstrap_host:<own bootstrap port>`; failures

@@ -5,8 +5,9 @@
 //! Protocol (rank endpoint): `POST /kv/{room}` with JSON
 //! `{bootstrap_host, bootstrap_port, bootstrap_room, decode_rid}`; the answer
 //! comes when the room's prefill on *this* rank finished its transfer
-//! (`{"status":"success"}`) or failed / was aborted
-//! (`{"status":"failed","reason":…}`). `GET /health` answers `OK`.
+//! (`{"status":"success","cached_tokens":N}`, N the prompt tokens the prefill's prefix
+//! cache held, which SGLang's decode reports as its own `cached_tokens`) or failed / was
+//! aborted (`{"status":"failed","reason":…}`). `GET /health` answers `OK`.
 //!
 //! Invariants:
 //! - A decode whose `kv_identity` (weights, version, KV layout) differs from the
@@ -41,7 +42,10 @@ use crate::stats::{Stats, Violation};
 /// How a decode's wait ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum KvOutcome {
-    Success,
+    /// The KV arrived; the prefill's cached tokens of the prompt.
+    Success {
+        cached_tokens: u32,
+    },
     Failed(String),
 }
 
@@ -211,8 +215,13 @@ pub(crate) struct PrefillHandle {
 
 impl PrefillHandle {
     /// Waits (up to `timeout`) for the decode on the same rank, then completes
-    /// the transfer. `Err` carries SGLang's failure reason.
-    pub(crate) async fn transfer(&mut self, timeout: Duration) -> Result<(), String> {
+    /// the transfer, telling it the prompt's `cached_tokens` on this prefill. `Err`
+    /// carries SGLang's failure reason.
+    pub(crate) async fn transfer(
+        &mut self,
+        timeout: Duration,
+        cached_tokens: u32,
+    ) -> Result<(), String> {
         let deadline = http::deadline(tokio::time::Instant::now(), timeout);
         loop {
             let notify = {
@@ -229,7 +238,10 @@ impl PrefillHandle {
                 let rank = p.rank;
                 let notify = Arc::clone(&p.notify);
                 if let Some(d) = slot.decode.as_mut().filter(|d| d.rank == rank) {
-                    let sent = d.done.take().map(|tx| tx.send(KvOutcome::Success).is_ok());
+                    let sent = d
+                        .done
+                        .take()
+                        .map(|tx| tx.send(KvOutcome::Success { cached_tokens }).is_ok());
                     slot.decode = None;
                     if sent == Some(true) {
                         slot.prefill = None;
@@ -371,7 +383,9 @@ pub(crate) async fn handle_rank(
         return Err(Cut);
     }
     let out = match outcome {
-        KvOutcome::Success => json!({"status": "success"}),
+        KvOutcome::Success { cached_tokens } => {
+            json!({"status": "success", "cached_tokens": cached_tokens})
+        }
         KvOutcome::Failed(reason) => json!({"status": "failed", "reason": reason}),
     };
     Ok(http::json(200, &out))

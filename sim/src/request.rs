@@ -82,6 +82,10 @@ pub(crate) struct Instance {
     pub port: Option<u16>,
     pub prompt_tokens: u32,
     pub prompt_ids: Vec<i64>,
+    /// The prompt's token ids as the prefix caches key them (`crate::tokens`: a text or
+    /// chat prompt's words; a token-id prompt's ids), as many as `prompt_tokens`; empty
+    /// when the engine has no prefix cache (not worth computing then).
+    pub prefix_ids: Vec<i64>,
     pub max_tokens: u32,
     /// The answer this instance gives, token by token (text, id), drawn from its context
     /// as received ([`crate::tokens`]).
@@ -131,6 +135,8 @@ pub(crate) struct ParsedRequest {
 struct Prompt {
     tokens: u32,
     ids: Vec<i64>,
+    /// See [`Instance::prefix_ids`].
+    prefix_ids: Vec<i64>,
     ctx: Context,
 }
 
@@ -142,21 +148,27 @@ fn synthetic(tokens: u32) -> Vec<i64> {
     (0..i64::from(tokens)).map(|k| 1000 + (k % 30000)).collect()
 }
 
-fn ids_prompt(list: &[Value]) -> Option<Prompt> {
+fn ids_prompt(list: &[Value], cached: bool) -> Option<Prompt> {
     let ids: Option<Vec<i64>> = list.iter().map(Value::as_i64).collect();
     let ids = ids?;
     Some(Prompt {
         tokens: ids.len() as u32,
         ctx: Context::ids(&ids),
+        prefix_ids: if cached { ids.clone() } else { Vec::new() },
         ids,
     })
 }
 
-fn text_prompt(s: &str) -> Prompt {
+fn text_prompt(s: &str, cached: bool) -> Prompt {
     let tokens = words(s);
     Prompt {
         tokens,
         ids: synthetic(tokens),
+        prefix_ids: if cached {
+            crate::tokens::text_ids(s)
+        } else {
+            Vec::new()
+        },
         ctx: Context::text(s),
     }
 }
@@ -209,9 +221,10 @@ pub(crate) fn parse(
     let Value::Object(m) = value else {
         return Err(ReqError::schema("Input should be a valid dictionary"));
     };
+    let cached = cfg.prefix_cache_tokens() > 0;
     let (prompts, is_list_input, n, per_prompt_max): (Vec<Prompt>, bool, usize, Vec<u32>) =
         match api {
-            Api::Generate => parse_generate_prompts(&m, cfg)?,
+            Api::Generate => parse_generate_prompts(&m, cfg, cached)?,
             Api::Chat => {
                 let Some(Value::Array(msgs)) = m.get("messages") else {
                     return Err(ReqError::schema("messages: Field required"));
@@ -232,6 +245,11 @@ pub(crate) fn parse(
                 let p = Prompt {
                     tokens: tokens.max(1),
                     ids: synthetic(tokens.max(1)),
+                    prefix_ids: if cached {
+                        crate::tokens::chat_ids(msgs)
+                    } else {
+                        Vec::new()
+                    },
                     ctx: Context::text(&crate::tokens::render_chat(msgs, cont)),
                 };
                 (
@@ -243,18 +261,18 @@ pub(crate) fn parse(
             }
             Api::Completions => {
                 let prompts = match m.get("prompt") {
-                    Some(Value::String(s)) => vec![text_prompt(s)],
+                    Some(Value::String(s)) => vec![text_prompt(s, cached)],
                     Some(Value::Array(a)) if a.iter().all(Value::is_string) && !a.is_empty() => a
                         .iter()
-                        .map(|s| text_prompt(s.as_str().unwrap_or("")))
+                        .map(|s| text_prompt(s.as_str().unwrap_or(""), cached))
                         .collect(),
                     Some(Value::Array(a)) if a.iter().all(Value::is_array) && !a.is_empty() => a
                         .iter()
-                        .map(|x| x.as_array().and_then(|l| ids_prompt(l)))
+                        .map(|x| x.as_array().and_then(|l| ids_prompt(l, cached)))
                         .collect::<Option<Vec<_>>>()
                         .ok_or_else(|| ReqError::schema("prompt: invalid token ids"))?,
                     Some(Value::Array(a)) => {
-                        vec![ids_prompt(a)
+                        vec![ids_prompt(a, cached)
                             .ok_or_else(|| ReqError::schema("prompt: invalid prompt"))?]
                     }
                     _ => return Err(ReqError::schema("prompt: Field required")),
@@ -333,6 +351,7 @@ pub(crate) fn parse(
                 port: ports[k],
                 prompt_tokens: p.tokens,
                 prompt_ids: p.ids.clone(),
+                prefix_ids: p.prefix_ids.clone(),
                 max_tokens,
                 answer: p.ctx.generate(max_tokens),
             }
@@ -356,12 +375,16 @@ pub(crate) fn parse(
 
 type Prompts = (Vec<Prompt>, bool, usize, Vec<u32>);
 
-fn parse_generate_prompts(m: &Map<String, Value>, cfg: &EngineConfig) -> Result<Prompts, ReqError> {
+fn parse_generate_prompts(
+    m: &Map<String, Value>,
+    cfg: &EngineConfig,
+    cached: bool,
+) -> Result<Prompts, ReqError> {
     let (prompts, is_list) = match (m.get("text"), m.get("input_ids")) {
-        (Some(Value::String(s)), _) => (vec![text_prompt(s)], false),
+        (Some(Value::String(s)), _) => (vec![text_prompt(s, cached)], false),
         (Some(Value::Array(a)), _) if !a.is_empty() => (
             a.iter()
-                .map(|s| s.as_str().map(text_prompt))
+                .map(|s| s.as_str().map(|s| text_prompt(s, cached)))
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| ReqError::value("text should be a string or a list of strings"))?,
             true,
@@ -370,7 +393,7 @@ fn parse_generate_prompts(m: &Map<String, Value>, cfg: &EngineConfig) -> Result<
             a.iter()
                 .map(|x| {
                     x.as_array()
-                        .and_then(|l| ids_prompt(l))
+                        .and_then(|l| ids_prompt(l, cached))
                         .filter(|p| p.tokens > 0)
                 })
                 .collect::<Option<Vec<_>>>()
@@ -380,12 +403,12 @@ fn parse_generate_prompts(m: &Map<String, Value>, cfg: &EngineConfig) -> Result<
             true,
         ),
         (_, Some(Value::Array(a))) if !a.is_empty() => (
-            vec![ids_prompt(a)
+            vec![ids_prompt(a, cached)
                 .ok_or_else(|| ReqError::value("input_ids should be a list of integers"))?],
             false,
         ),
         _ if m.get("input_embeds").is_some_and(|v| !v.is_null()) => {
-            (vec![text_prompt("embeds")], false)
+            (vec![text_prompt("embeds", cached)], false)
         }
         _ => {
             return Err(ReqError::value(

@@ -34,6 +34,8 @@ use crate::stats::{Outcome, Tracker};
 /// How one instance ended.
 struct InstanceResult {
     tokens: u32,
+    /// The prompt's cached tokens (0 if the instance failed before it knew).
+    cached: u32,
     failure: Option<Failure>,
     died: bool,
 }
@@ -110,6 +112,7 @@ async fn non_stream(engine: Arc<Engine>, parsed: Arc<ParsedRequest>) -> Result<R
         created: now_secs(),
         logprobs: logprob_mode(&engine),
         incremental: engine.cfg.incremental_streaming_output && parsed.stream,
+        cache_report: engine.cfg.enable_cache_report,
     };
     let results = join_all(
         parsed
@@ -135,7 +138,9 @@ async fn non_stream(engine: Arc<Engine>, parsed: Arc<ParsedRequest>) -> Result<R
                 .instances
                 .iter()
                 .zip(&results)
-                .map(|(inst, r)| ctx.generate_obj(inst, 0, r.tokens, true, r.failure.as_ref()))
+                .map(|(inst, r)| {
+                    ctx.generate_obj(inst, 0, r.tokens, true, r.failure.as_ref(), r.cached)
+                })
                 .collect();
             if parsed.is_batch {
                 serde_json::Value::Array(objs)
@@ -148,7 +153,7 @@ async fn non_stream(engine: Arc<Engine>, parsed: Arc<ParsedRequest>) -> Result<R
                 .instances
                 .iter()
                 .zip(&results)
-                .map(|(inst, r)| (inst, r.tokens, r.failure.as_ref()))
+                .map(|(inst, r)| (inst, r.tokens, r.failure.as_ref(), r.cached))
                 .collect();
             ctx.openai_obj(&rows)
         }
@@ -162,6 +167,7 @@ async fn stream_task(engine: Arc<Engine>, parsed: Arc<ParsedRequest>, tx: ChunkT
         created: now_secs(),
         logprobs: logprob_mode(&engine),
         incremental: engine.cfg.incremental_streaming_output && parsed.stream,
+        cache_report: engine.cfg.enable_cache_report,
     };
     let work = async {
         let results = join_all(
@@ -182,8 +188,17 @@ async fn stream_task(engine: Arc<Engine>, parsed: Arc<ParsedRequest>, tx: ChunkT
                 .map(|i| i.prompt_tokens)
                 .sum();
             let completion: u32 = results.iter().map(|r| r.tokens).sum();
+            let cached: u32 = parsed
+                .instances
+                .iter()
+                .zip(&results)
+                .filter(|(i, _)| i.index < parsed.batch)
+                .map(|(_, r)| r.cached)
+                .sum();
             let _ = tx
-                .send(Ok(shapes::sse_event(&ctx.usage_chunk(prompt, completion))))
+                .send(Ok(shapes::sse_event(
+                    &ctx.usage_chunk(prompt, completion, cached),
+                )))
                 .await;
         }
         let _ = tx.send(Ok(shapes::sse_done())).await;
@@ -205,12 +220,14 @@ async fn run_instance(
     engine.started_rids.push(&inst.rid);
     let (abort_rx, _registration) = engine.inflight.register(&inst.rid);
     let progress = AtomicU32::new(0);
+    let cached = AtomicU32::new(0);
     let work = async {
         let plan = match engine.cfg.role {
             Role::Prefill => crate::prefill::prepare(engine, ctx.req, inst, &tracker).await?,
             Role::Decode => crate::decode::prepare(engine, ctx.req, inst, &tracker).await?,
             Role::Regular => crate::plain::prepare(engine, ctx.req, inst, &tracker).await?,
         };
+        cached.store(plan.cached_tokens, Ordering::Relaxed);
         tracker.running();
         generate(engine, ctx, inst, plan, tx, &progress, &tracker).await
     };
@@ -219,11 +236,13 @@ async fn run_instance(
         _ = abort_rx => Err(Failure::user_abort()),
     };
     let tokens = progress.load(Ordering::Relaxed);
+    let cached = cached.load(Ordering::Relaxed);
     match ended {
         Ok(Generated::Done) => {
             tracker.finish(Outcome::Ok);
             InstanceResult {
                 tokens,
+                cached,
                 failure: None,
                 died: false,
             }
@@ -237,6 +256,7 @@ async fn run_instance(
             }
             InstanceResult {
                 tokens,
+                cached,
                 failure: None,
                 died: true,
             }
@@ -245,11 +265,14 @@ async fn run_instance(
             tracker.finish(f.outcome);
             if let Some(tx) = tx {
                 let _ = tx
-                    .send(Ok(shapes::sse_event(&ctx.failure_chunk(inst, tokens, &f))))
+                    .send(Ok(shapes::sse_event(
+                        &ctx.failure_chunk(inst, tokens, &f, cached),
+                    )))
                     .await;
             }
             InstanceResult {
                 tokens,
+                cached,
                 failure: Some(f),
                 died: false,
             }
@@ -327,7 +350,14 @@ async fn generate(
         if tx.is_some() {
             let chunk = if ctx.req.api == Api::Generate {
                 let from = if ctx.incremental { k } else { 0 };
-                ctx.generate_obj(inst, from, k + 1, k + 1 == plan.tokens, None)
+                ctx.generate_obj(
+                    inst,
+                    from,
+                    k + 1,
+                    k + 1 == plan.tokens,
+                    None,
+                    plan.cached_tokens,
+                )
             } else {
                 ctx.with_usage(ctx.token_chunk(inst, k), inst, k + 1)
             };
@@ -338,7 +368,7 @@ async fn generate(
     }
     if tx.is_some() {
         let last = if ctx.req.api == Api::Generate {
-            (plan.tokens == 0).then(|| ctx.generate_obj(inst, 0, 0, true, None))
+            (plan.tokens == 0).then(|| ctx.generate_obj(inst, 0, 0, true, None, plan.cached_tokens))
         } else {
             Some(ctx.with_usage(ctx.finish_chunk(inst, false), inst, plan.tokens))
         };

@@ -18,6 +18,11 @@
 //! - A graceful abort (`/abort_request`, no status) is a normal answer whose
 //!   finish reason is abort.
 //! - Every SSE stream ends with `data: [DONE]\n\n`.
+//! - `meta_info.cached_tokens` is the prompt tokens the prefill's prefix cache held (a
+//!   decode reports its prefill's); OpenAI usage carries them as
+//!   `prompt_tokens_details: {"cached_tokens": N}` only with `--enable-cache-report` and
+//!   N > 0 (else null), summed over each prompt's first sample, never on the per-chunk
+//!   `continuous_usage_stats` usage (SGLang's `UsageProcessor`).
 
 use bytes::Bytes;
 use serde_json::{json, Value};
@@ -106,6 +111,8 @@ pub(crate) struct Ctx<'a> {
     /// A streamed `/generate` sends only what is new in each event
     /// (`--incremental-streaming-output`).
     pub incremental: bool,
+    /// OpenAI usage reports cached tokens (`--enable-cache-report`).
+    pub cache_report: bool,
 }
 
 impl Ctx<'_> {
@@ -118,8 +125,8 @@ impl Ctx<'_> {
         }
     }
 
-    /// A `/generate` object after `tokens` output tokens. `finished` adds the
-    /// finish reason (length, or the failure's abort).
+    /// A `/generate` object after `tokens` output tokens, of a prompt with `cached`
+    /// cached tokens. `finished` adds the finish reason (length, or the failure's abort).
     pub(crate) fn generate_obj(
         &self,
         inst: &Instance,
@@ -127,6 +134,7 @@ impl Ctx<'_> {
         tokens: u32,
         finished: bool,
         failure: Option<&Failure>,
+        cached: u32,
     ) -> Value {
         let finish = if finished || failure.is_some() {
             self.finish_reason_json(tokens, failure)
@@ -138,7 +146,7 @@ impl Ctx<'_> {
             "finish_reason": finish,
             "prompt_tokens": inst.prompt_tokens,
             "completion_tokens": tokens,
-            "cached_tokens": 0,
+            "cached_tokens": cached,
         });
         if self.req.return_logprob {
             let out: Vec<Value> = inst
@@ -182,8 +190,13 @@ impl Ctx<'_> {
         obj
     }
 
-    fn usage(&self, prompt: u32, completion: u32) -> Value {
-        json!({"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion, "prompt_tokens_details": null})
+    fn usage(&self, prompt: u32, completion: u32, cached: u32) -> Value {
+        let details = if self.cache_report && cached > 0 {
+            json!({"cached_tokens": cached})
+        } else {
+            Value::Null
+        };
+        json!({"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion, "prompt_tokens_details": details})
     }
 
     fn object_id(&self) -> String {
@@ -194,15 +207,17 @@ impl Ctx<'_> {
     }
 
     /// The non-streaming OpenAI object for finished instances
-    /// `(instance, tokens, failure)`.
-    pub(crate) fn openai_obj(&self, results: &[(&Instance, u32, Option<&Failure>)]) -> Value {
+    /// `(instance, tokens, failure, cached tokens)`.
+    pub(crate) fn openai_obj(&self, results: &[(&Instance, u32, Option<&Failure>, u32)]) -> Value {
         let mut prompt = 0;
         let mut completion = 0;
+        let mut cached_total = 0;
         let choices: Vec<Value> = results
             .iter()
-            .map(|(inst, tokens, failure)| {
+            .map(|(inst, tokens, failure, cached)| {
                 if inst.index < self.req.batch {
                     prompt += inst.prompt_tokens;
+                    cached_total += cached;
                 }
                 completion += tokens;
                 let reason = if failure.is_some() { "abort" } else { "length" };
@@ -235,7 +250,7 @@ impl Ctx<'_> {
             "created": self.created,
             "model": self.req.model,
             "choices": choices,
-            "usage": self.usage(prompt, completion),
+            "usage": self.usage(prompt, completion, cached_total),
         })
     }
 
@@ -291,13 +306,13 @@ impl Ctx<'_> {
     /// (`stream_options.continuous_usage_stats`).
     pub(crate) fn with_usage(&self, mut v: Value, inst: &Instance, completion: u32) -> Value {
         if self.req.continuous_usage {
-            v["usage"] = self.usage(inst.prompt_tokens, completion);
+            v["usage"] = self.usage(inst.prompt_tokens, completion, 0);
         }
         v
     }
 
-    /// OpenAI `stream_options.include_usage` chunk.
-    pub(crate) fn usage_chunk(&self, prompt: u32, completion: u32) -> Value {
+    /// OpenAI `stream_options.include_usage` chunk (`cached`: the prompts' cached tokens).
+    pub(crate) fn usage_chunk(&self, prompt: u32, completion: u32, cached: u32) -> Value {
         let object = if self.req.api == Api::Chat {
             "chat.completion.chunk"
         } else {
@@ -309,19 +324,26 @@ impl Ctx<'_> {
             "created": self.created,
             "model": self.req.model,
             "choices": [],
-            "usage": self.usage(prompt, completion),
+            "usage": self.usage(prompt, completion, cached),
         })
     }
 
-    /// The SSE chunk that reports `f` for `inst` after `tokens` tokens.
-    pub(crate) fn failure_chunk(&self, inst: &Instance, tokens: u32, f: &Failure) -> Value {
+    /// The SSE chunk that reports `f` for `inst` after `tokens` tokens (`cached`: its
+    /// prompt's cached tokens, if known by then).
+    pub(crate) fn failure_chunk(
+        &self,
+        inst: &Instance,
+        tokens: u32,
+        f: &Failure,
+        cached: u32,
+    ) -> Value {
         match (self.req.api, f.status) {
             (Api::Generate, Some(400)) if f.validation => json!({"error": {
                 "message": f.message, "type": "invalid_request_error", "code": 400, "retryable": false
             }}),
             (Api::Generate, _) => {
                 let from = if self.incremental { tokens } else { 0 };
-                self.generate_obj(inst, from, tokens, true, Some(f))
+                self.generate_obj(inst, from, tokens, true, Some(f), cached)
             }
             (_, None) => self.finish_chunk(inst, true),
             (_, Some(code)) => {

@@ -65,6 +65,10 @@ pub(crate) struct Engine {
     pub running_slots: Vec<Arc<tokio::sync::Semaphore>>,
     /// Requests per server and path ([`crate::SimEngine::hits`]).
     pub hits: crate::hits::Hits,
+    /// One prefix cache per DP rank when the engine's role has one
+    /// (`EngineConfig::prefix_cache_tokens`), else empty. A prefill holds its rank's lock
+    /// for the whole prompt compute: one prompt at a time per rank.
+    pub prefix_caches: Vec<tokio::sync::Mutex<crate::prefix_cache::PrefixCache>>,
 }
 
 /// How many rids a [`RidLog`] keeps (bounded: benches run long).

@@ -14,11 +14,17 @@
 //!   an instance dropped without an outcome counts as a client disconnect, or as
 //!   failed if the engine was down (its connection was cut by the simulator).
 //! - `contract_violations` is the sum of the three `violation_*` counters.
+//! - Prefix caches (`crate::prefix_cache`): per DP rank, the cached tokens never exceed
+//!   the prompt tokens looked up; a prefill counts in the `prefill_prefix_*` lists, a
+//!   decode in the `decode_prefix_*` ones (the other role's lists stay empty), so that
+//!   summing a cluster's engines keeps the roles apart.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+
+use crate::config::Role;
 
 /// A point-in-time copy of an engine's counters (same JSON as `GET /sim/stats`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,9 +69,57 @@ pub struct StatsSnapshot {
     /// Decode: the same peak per DP rank.
     #[serde(default)]
     pub peak_running_per_rank: Vec<u64>,
+    /// Prefill: per DP rank, the prompt tokens of the prompts it computed, each looked up
+    /// in the rank's prefix cache (whether it has one or not); empty on a decode.
+    #[serde(default)]
+    pub prefill_prefix_requested_tokens: Vec<u64>,
+    /// Prefill: per DP rank, how many of those its prefix cache held (`cached_tokens`).
+    #[serde(default)]
+    pub prefill_prefix_cached_tokens: Vec<u64>,
+    /// Decode: per DP rank, the prompt tokens of the requests whose KV arrived there.
+    #[serde(default)]
+    pub decode_prefix_requested_tokens: Vec<u64>,
+    /// Decode: per DP rank, how many of those its prefix cache held (no KV wait for them).
+    #[serde(default)]
+    pub decode_prefix_cached_tokens: Vec<u64>,
+}
+
+/// `acc += other`, element-wise (the longer length wins).
+fn add_per_rank(acc: &mut Vec<u64>, other: &[u64]) {
+    if acc.len() < other.len() {
+        acc.resize(other.len(), 0);
+    }
+    for (a, v) in acc.iter_mut().zip(other) {
+        *a += v;
+    }
+}
+
+/// `cached / requested` summed over ranks; `None` before any lookup.
+fn hit_ratio(requested: &[u64], cached: &[u64]) -> Option<f64> {
+    let r: u64 = requested.iter().sum();
+    let c: u64 = cached.iter().sum();
+    (r > 0).then(|| c as f64 / r as f64)
 }
 
 impl StatsSnapshot {
+    /// The share of prompt tokens the prefill ranks' prefix caches held (`None` before
+    /// any prefill).
+    pub fn prefill_cache_hit_ratio(&self) -> Option<f64> {
+        hit_ratio(
+            &self.prefill_prefix_requested_tokens,
+            &self.prefill_prefix_cached_tokens,
+        )
+    }
+
+    /// The share of prompt tokens the decode ranks' prefix caches held (`None` before any
+    /// KV arrived).
+    pub fn decode_cache_hit_ratio(&self) -> Option<f64> {
+        hit_ratio(
+            &self.decode_prefix_requested_tokens,
+            &self.decode_prefix_cached_tokens,
+        )
+    }
+
     /// Adds `other` into `self` (per-rank counters element-wise).
     pub fn add(&mut self, other: &StatsSnapshot) {
         self.requests_total += other.requests_total;
@@ -107,6 +161,22 @@ impl StatsSnapshot {
         {
             *acc += v;
         }
+        add_per_rank(
+            &mut self.prefill_prefix_requested_tokens,
+            &other.prefill_prefix_requested_tokens,
+        );
+        add_per_rank(
+            &mut self.prefill_prefix_cached_tokens,
+            &other.prefill_prefix_cached_tokens,
+        );
+        add_per_rank(
+            &mut self.decode_prefix_requested_tokens,
+            &other.decode_prefix_requested_tokens,
+        );
+        add_per_rank(
+            &mut self.decode_prefix_cached_tokens,
+            &other.decode_prefix_cached_tokens,
+        );
     }
 }
 
@@ -161,6 +231,11 @@ pub(crate) struct Stats {
     slots: AtomicU64,
     peak: AtomicU64,
     peak_held: AtomicU64,
+    /// Whose lists the prefix counters fill (prefill or decode).
+    role: Role,
+    /// Per DP rank: prompt tokens looked up in the prefix cache, and those it held.
+    prefix_requested: Vec<AtomicU64>,
+    prefix_cached: Vec<AtomicU64>,
 }
 
 /// Load of one DP rank for `/v1/loads` and `/get_load`.
@@ -172,8 +247,9 @@ pub(crate) struct LoadView {
 }
 
 impl Stats {
-    pub(crate) fn new(dp: u32) -> Arc<Stats> {
+    pub(crate) fn new(dp: u32, role: Role) -> Arc<Stats> {
         let dp = dp.max(1) as usize;
+        let counters = || (0..dp).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
         Arc::new(Stats {
             requests_total: AtomicU64::new(0),
             per_rank: (0..dp).map(|_| AtomicU64::new(0)).collect(),
@@ -194,7 +270,20 @@ impl Stats {
             slots: AtomicU64::new(0),
             peak: AtomicU64::new(0),
             peak_held: AtomicU64::new(0),
+            role,
+            prefix_requested: counters(),
+            prefix_cached: counters(),
         })
+    }
+
+    /// DP rank `rank` looked up a prompt of `requested` tokens in its prefix cache, which
+    /// held `cached` of them (at most `requested` are counted).
+    pub(crate) fn prefix_lookup(&self, rank: u32, requested: u32, cached: u32) {
+        let r = rank as usize;
+        if let (Some(req), Some(hit)) = (self.prefix_requested.get(r), self.prefix_cached.get(r)) {
+            req.fetch_add(u64::from(requested), Ordering::Relaxed);
+            hit.fetch_add(u64::from(cached.min(requested)), Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn snapshot(&self) -> StatsSnapshot {
@@ -202,6 +291,14 @@ impl Stats {
         let room_reused = self.room_reused.load(Ordering::Relaxed);
         let bootstrap_mismatch = self.bootstrap_mismatch.load(Ordering::Relaxed);
         let kv_layout_mismatch = self.kv_layout_mismatch.load(Ordering::Relaxed);
+        let load = |v: &[AtomicU64]| v.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        let (requested, cached) = (load(&self.prefix_requested), load(&self.prefix_cached));
+        let ((prefill_requested, prefill_cached), (decode_requested, decode_cached)) =
+            match self.role {
+                Role::Prefill => ((requested, cached), Default::default()),
+                Role::Decode => (Default::default(), (requested, cached)),
+                Role::Regular => Default::default(),
+            };
         StatsSnapshot {
             requests_total: self.requests_total.load(Ordering::Relaxed),
             requests_per_rank: self
@@ -232,6 +329,10 @@ impl Stats {
                 .iter()
                 .map(|l| l.peak.load(Ordering::Relaxed))
                 .collect(),
+            prefill_prefix_requested_tokens: prefill_requested,
+            prefill_prefix_cached_tokens: prefill_cached,
+            decode_prefix_requested_tokens: decode_requested,
+            decode_prefix_cached_tokens: decode_cached,
         }
     }
 

@@ -77,6 +77,59 @@ impl Context {
     }
 }
 
+/// The token id of one word: the simulator's tokenizer makes one token of each
+/// whitespace-separated word (as it counts prompt tokens), its id a hash of the word, so
+/// that prompts sharing leading words share leading token ids (the prefix caches key on
+/// them, `crate::prefix_cache`).
+pub(crate) fn word_id(word: &str) -> i64 {
+    // Non-negative, and clear of the answer ids (2000..7000) and the synthetic prompt ids.
+    ((feed(FNV_OFFSET, word.as_bytes()) >> 2) as i64).max(100_000)
+}
+
+/// The token ids of a text prompt: one per word, or one for a prompt without words (the
+/// simulator counts it as one token).
+pub(crate) fn text_ids(s: &str) -> Vec<i64> {
+    let ids: Vec<i64> = s.split_whitespace().map(word_id).collect();
+    if ids.is_empty() {
+        vec![word_id("")]
+    } else {
+        ids
+    }
+}
+
+/// The token ids of a chat conversation as the simulator counts its tokens: per message,
+/// four of framing (start, role, newline, end) around its content's words (a text part
+/// without words counts one, a part without text none). A conversation's next turn thus
+/// starts with the earlier turns' ids, as with a real chat template.
+pub(crate) fn chat_ids(msgs: &[serde_json::Value]) -> Vec<i64> {
+    let mut ids = Vec::new();
+    for m in msgs {
+        ids.push(word_id("<|im_start|>"));
+        ids.push(word_id(
+            m.get("role")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or(""),
+        ));
+        ids.push(word_id("\n"));
+        match m.get("content") {
+            Some(serde_json::Value::String(s)) => ids.extend(text_ids(s)),
+            Some(serde_json::Value::Array(parts)) => {
+                for p in parts {
+                    if let Some(t) = p.get("text").and_then(serde_json::Value::as_str) {
+                        ids.extend(text_ids(t));
+                    }
+                }
+            }
+            _ => {}
+        }
+        ids.push(word_id("<|im_end|>"));
+    }
+    if ids.is_empty() {
+        ids.push(word_id(""));
+    }
+    ids
+}
+
 /// SGLang's chat rendering, as far as the simulator needs it: each message as
 /// `<role>content\n`, then the generation prompt `<assistant>`; with
 /// `continue_final_message` and a final assistant message, that message's content follows
