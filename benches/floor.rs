@@ -22,7 +22,14 @@
 //! Run: `cargo build --release --bin pdgate && cargo bench --bench floor`
 //! (`PDGATE_BENCH_QUICK=1` for one short round; `PDGATE_FLOOR_ROUNDS=N` to set the rounds;
 //! `PDGATE_FLOOR_ONLY=generate` or `chat` for one route; `PDGATE_FLOOR_TOKENS=N` for
-//! answers of N tokens, 4 by default). Beside CPU, each line counts the
+//! answers of N tokens, 4 by default). To compare builds and peers in the same run:
+//! `PDGATE_FLOOR_ALSO=name=/path/to/pdgate,...` adds more pdgate binaries (each judged
+//! against the same forwarder, round by round); `PDGATE_FLOOR_PEER='name=command'` adds
+//! another router, started with `{port}`, `{prefill}`, `{bootstrap}` and `{decode}`
+//! replaced (e.g. SGLang's router: `sglang-router=python -m sglang_router.launch_router
+//! --pd-disaggregation --host 127.0.0.1 --port {port} --prefill {prefill} {bootstrap}
+//! --decode {decode}`); `PDGATE_BENCH_PIN=N` pins every router and forwarder to core N.
+//! Beside CPU, each line counts the
 //! times the process was put on a CPU and its minor page faults, per request.
 //! This is a measurement, not a test: nothing here asserts on a time.
 
@@ -645,7 +652,7 @@ fn settings() -> Settings {
 }
 
 struct Target {
-    name: &'static str,
+    name: String,
     pid: u32,
     addr: SocketAddr,
 }
@@ -654,7 +661,7 @@ fn start_forwarder(role: &'static str, sim: &SimInfo) -> (Proc, Target) {
     let port = free_port();
     let strip = |u: &str| u.trim_start_matches("http://").to_string();
     let exe = std::env::current_exe().expect("current exe");
-    let child = std::process::Command::new(exe)
+    let child = pinned(exe)
         .env("PDGATE_FLOOR_ROLE", role)
         .env("PDGATE_FLOOR_PREFILL", strip(&sim.prefill_url))
         .env("PDGATE_FLOOR_DECODE", strip(&sim.decode_url))
@@ -674,7 +681,7 @@ fn start_forwarder(role: &'static str, sim: &SimInfo) -> (Proc, Target) {
         "raw null forwarder"
     };
     let target = Target {
-        name,
+        name: name.to_string(),
         pid: child.id(),
         addr: SocketAddr::from(([127, 0, 0, 1], port)),
     };
@@ -699,14 +706,33 @@ fn main() {
     let (_hyper, hyper) = start_forwarder("hyper", &sim);
     let (router, router_url) = start_router(&bin, &sim);
     let pdgate = Target {
-        name: "pdgate",
+        name: "pdgate".to_string(),
         pid: router.pid(),
         addr: router_url
             .trim_start_matches("http://")
             .parse()
             .expect("router address"),
     };
-    let targets = [raw, hyper, pdgate];
+    let mut targets = vec![raw, hyper, pdgate];
+    // More builds and peers, each judged against the hyper forwarder like pdgate.
+    let mut _more: Vec<Proc> = Vec::new();
+    for (name, path) in named_list("PDGATE_FLOOR_ALSO") {
+        let (p, url) = start_router(std::path::Path::new(&path), &sim);
+        targets.push(Target {
+            name,
+            pid: p.pid(),
+            addr: url
+                .trim_start_matches("http://")
+                .parse()
+                .expect("router address"),
+        });
+        _more.push(p);
+    }
+    if let Some((name, cmd)) = named_list("PDGATE_FLOOR_PEER").into_iter().next() {
+        let (p, t) = start_peer(name, &cmd, &sim);
+        targets.push(t);
+        _more.push(p);
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -787,37 +813,88 @@ fn main() {
     // The judged figure: pdgate's CPU per request over the hyper null forwarder's, per
     // round (the two measured back to back), then the median and the worst round.
     println!("\n## floor ratio: pdgate / hyper null forwarder, CPU per request (goal ≤ 1.5)\n");
-    println!("| route | conc | ratio each round | median | worst |");
-    println!("|---|---|---|---|---|");
     let find = |route: Route, ti: usize, conc: usize| {
         cases
             .iter()
             .position(|&(r, t, c)| r == route && t == ti && c == conc)
             .map(|i| &points[i])
     };
+    println!("\n(each target from pdgate on, over the hyper null forwarder measured beside it)\n");
+    println!("| route | target | conc | ratio each round | median | worst |");
+    println!("|---|---|---|---|---|---|");
     for &route in Route::ALL.iter() {
-        for conc in s.concurrency {
-            let (Some(h), Some(p)) = (find(route, 1, conc), find(route, 2, conc)) else {
-                continue;
-            };
-            let mut ratios: Vec<f64> = h
-                .iter()
-                .zip(p.iter())
-                .filter(|(h, _)| h.cpu_ms > 0.0)
-                .map(|(h, p)| p.cpu_ms / h.cpu_ms)
-                .collect();
-            if ratios.is_empty() {
-                continue;
+        for (ti, target) in targets.iter().enumerate().skip(2) {
+            for conc in s.concurrency {
+                let (Some(h), Some(p)) = (find(route, 1, conc), find(route, ti, conc)) else {
+                    continue;
+                };
+                let mut ratios: Vec<f64> = h
+                    .iter()
+                    .zip(p.iter())
+                    .filter(|(h, _)| h.cpu_ms > 0.0)
+                    .map(|(h, p)| p.cpu_ms / h.cpu_ms)
+                    .collect();
+                if ratios.is_empty() {
+                    continue;
+                }
+                let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+                let worst = ratios.iter().copied().fold(0.0, f64::max);
+                println!(
+                    "| {} | {} | {conc} | {} | {:.2} | {:.2} |",
+                    route.label(),
+                    target.name,
+                    each.join(" · "),
+                    median(&mut ratios),
+                    worst
+                );
             }
-            let each: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
-            let worst = ratios.iter().copied().fold(0.0, f64::max);
-            println!(
-                "| {} | {conc} | {} | {:.2} | {:.2} |",
-                route.label(),
-                each.join(" · "),
-                median(&mut ratios),
-                worst
-            );
         }
     }
+}
+
+/// `name=value,name=value` from the environment variable `var` (empty when unset).
+fn named_list(var: &str) -> Vec<(String, String)> {
+    let v = std::env::var(var).unwrap_or_default();
+    if var == "PDGATE_FLOOR_PEER" {
+        // One peer: its command may hold commas.
+        return v
+            .split_once('=')
+            .map(|(n, c)| vec![(n.trim().to_string(), c.trim().to_string())])
+            .unwrap_or_default();
+    }
+    v.split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(n, p)| (n.trim().to_string(), p.trim().to_string()))
+        .collect()
+}
+
+/// Another router, from a command template (see the module docs), on a free port.
+fn start_peer(name: String, template: &str, sim: &SimInfo) -> (Proc, Target) {
+    let port = free_port();
+    let cmd = template
+        .replace("{port}", &port.to_string())
+        .replace("{prefill}", &sim.prefill_url)
+        .replace("{bootstrap}", &sim.bootstrap_port.to_string())
+        .replace("{decode}", &sim.decode_url);
+    let mut words = cmd.split_whitespace();
+    let exe = words.next().expect("a peer command");
+    let child = pinned(exe)
+        .args(words)
+        .stdin(std::process::Stdio::null())
+        .stdout(log_file("floor-peer"))
+        .stderr(log_file("floor-peer-err"))
+        .spawn()
+        .expect("spawn the peer router");
+    let target = Target {
+        name,
+        pid: child.id(),
+        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+    };
+    (
+        Proc {
+            child,
+            name: "peer router",
+        },
+        target,
+    )
 }

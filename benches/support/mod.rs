@@ -334,7 +334,7 @@ pub fn start_router(bin: &Path, sim: &SimInfo) -> (Proc, String) {
 /// [`start_router`] in front of the pairs of several simulators.
 pub fn start_router_over(bin: &Path, sims: &[&SimInfo]) -> (Proc, String) {
     let port = free_port();
-    let mut cmd = Command::new(bin);
+    let mut cmd = pinned(bin);
     cmd.args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
         // No fixed admin port for a bench's router.
         .args(["--admin-port", "0"]);
@@ -364,6 +364,21 @@ pub fn start_router_over(bin: &Path, sims: &[&SimInfo]) -> (Proc, String) {
         },
         format!("http://127.0.0.1:{port}"),
     )
+}
+
+/// A command for a router under measurement: `taskset -c N bin` when
+/// `PDGATE_BENCH_PIN=N` is set (every router and forwarder on one core, so that routers
+/// built for many cores and pdgate's one event loop are compared on the same CPU), else
+/// `bin`. taskset execs the program, so the child's pid is the router's.
+pub fn pinned(bin: impl AsRef<std::ffi::OsStr>) -> Command {
+    match std::env::var("PDGATE_BENCH_PIN") {
+        Ok(core) if !core.is_empty() => {
+            let mut c = Command::new("taskset");
+            c.arg("-c").arg(core).arg(bin);
+            c
+        }
+        _ => Command::new(bin),
+    }
 }
 
 // ---------------------------------------------------------------------------------------

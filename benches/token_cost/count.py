@@ -1,7 +1,8 @@
 """Instructions per request and per streamed token from run.sh's callgrind files.
 
     count.py DIR TAG            totals: per request (256 and 4 tokens), per token
-    count.py DIR TAG BASE_TAG   the same for both, and the per-token difference by function
+    count.py DIR TAG BASE_TAG   the same for both, and the differences by function: per
+                                token, per 4-token stream, per non-streamed request
 
 Per request = (total of 120 requests - total of 20) / 100, so start-up and shut-down cancel
 out; per token = (per request at 256 tokens - at 4) / 252. quanta's clock calibration (a
@@ -41,24 +42,41 @@ def run(d, tag):
     (l20, tl20), (l120, tl120) = f(tag + "-256-20"), f(tag + "-256-120")
     (s20, ts20), (s120, ts120) = f(tag + "-4-20"), f(tag + "-4-120")
     long_req, short_req = (tl120 - tl20) / 100, (ts120 - ts20) / 100
-    fns = {}
+    fns, short_fns, gen_fns = {}, {}, {}
     for k in set(l120) | set(s120):
         lr = (l120.get(k, 0) - l20.get(k, 0)) / 100
         sr = (s120.get(k, 0) - s20.get(k, 0)) / 100
         fns[k] = (lr - sr) / 252
-    return long_req, short_req, (long_req - short_req) / 252, fns
+        short_fns[k] = sr
+    gen_req = None
+    if glob.glob(f"{d}/cg-{tag}-generate-20.*.out"):
+        (g20, tg20), (g120, tg120) = f(tag + "-generate-20"), f(tag + "-generate-120")
+        gen_req = (tg120 - tg20) / 100
+        gen_fns = {k: (g120.get(k, 0) - g20.get(k, 0)) / 100 for k in set(g20) | set(g120)}
+    return long_req, short_req, (long_req - short_req) / 252, fns, gen_req, short_fns, gen_fns
 
 
 d = sys.argv[1]
 tags = sys.argv[2:]
 results = {t: run(d, t) for t in tags}
-print("| binary | per request, 256 tokens | per request, 4 tokens | per token |")
-print("|---|---|---|---|")
-for t, (l, s, p, _) in results.items():
-    print(f"| {t} | {l / 1000:.1f} k | {s / 1000:.1f} k | {p:.0f} |")
-if len(tags) == 2:
-    a, b = results[tags[0]][3], results[tags[1]][3]
+print("| binary | stream, 256 tokens | stream, 4 tokens | per token | `/generate`, not streamed |")
+print("|---|---|---|---|---|")
+for t, (l, s, p, _, g, _, _) in results.items():
+    gen = "-" if g is None else f"{g / 1000:.1f} k"
+    print(f"| {t} | {l / 1000:.1f} k | {s / 1000:.1f} k | {p:.0f} | {gen} |")
+
+
+def diff(title, i, top=20, tail=12):
+    a, b = results[tags[0]][i], results[tags[1]][i]
+    if not a or not b:
+        return
     rows = sorted(((a.get(k, 0) - b.get(k, 0), k) for k in set(a) | set(b)), reverse=True)
-    print(f"\nper token, {tags[0]} - {tags[1]}, by function (self cost; inlining moves costs between rows):")
-    for v, k in rows[:20] + [(0, "...")] + rows[-12:]:
+    print(f"\n{title}, {tags[0]} - {tags[1]}, by function (self cost; inlining moves costs between rows):")
+    for v, k in rows[:top] + [(0, "...")] + rows[-tail:]:
         print(f"{v:8.1f}  {k[:140]}")
+
+
+if len(tags) == 2:
+    diff("per token", 3)
+    diff("per 4-token stream", 5)
+    diff("per non-streamed /generate", 6)

@@ -5,8 +5,8 @@
 #
 # Runs `pdgate serve` (PDGATE_BIN) under callgrind (children traced: `serve` re-executes
 # itself to set its allocator) in front of `pdgate sim` (SIM_BIN, default PDGATE_BIN; one
-# prefill, one decode, no delays) four times: 20 and 120 streamed chat requests, of 256
-# and of 4 tokens. `count.py OUT_DIR TAG [OTHER_TAG]` then prints
+# prefill, one decode, no delays) six times: 20 and 120 streamed chat requests, of 256
+# and of 4 tokens, and 20 and 120 non-streamed `/generate` requests of 4 tokens. `count.py OUT_DIR TAG [OTHER_TAG]` then prints
 # instructions per request and per token. ITL=N gives the simulator N ms between tokens:
 # with 0 (the default) a read holds many events; with 4, about one (each is its own read
 # and write, as at low load).
@@ -14,8 +14,9 @@ set -euo pipefail
 out=$1 tag=$2 bin=$3 sim=${4:-$3}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-one() { # tokens requests
-    local t=$1 n=$2 name="$tag-$1-$2"
+one() { # tokens requests [mode]
+    local t=$1 n=$2 mode=${3:-chat} name="$tag-$1-$2"
+    [ "$mode" = chat ] || name="$tag-$mode-$2"
     rm -f "$out"/cg-"$name".*.out
     "$sim" sim --prefill 1 --decode 1 --host 127.0.0.1 --prefill-ms 0 --ttft-ms 0 \
         --itl-ms "${ITL:-0}" --tokens "$t" > "$out/sim-$name.log" 2>&1 &
@@ -35,10 +36,11 @@ one() { # tokens requests
         sleep 0.5
     done
     local ok
-    ok=$(python3 "$here/drive.py" "$port" "$n" "$t")
+    ok=$(python3 "$here/drive.py" "$port" "$n" "$t" "$mode")
     kill -INT "$router"; wait "$router" || true
     kill "$simpid"; wait "$simpid" 2>/dev/null || true
     [ "$ok" = "$n" ] || { echo "$name: only $ok of $n answers whole" >&2; exit 1; }
 }
 for t in 256 4; do for n in 20 120; do one "$t" "$n"; done; done
+for n in 20 120; do one 4 "$n" generate; done
 echo "counted: $out (tag $tag)"
