@@ -1,48 +1,70 @@
 //! Prefix affinity by consistent hashing with bounded loads (Mirrokni, Thorup and
-//! Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018).
+//! Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018), over (worker, DP
+//! rank) members.
 //!
 //! Why: an engine's radix cache only helps when the turns of a conversation (same
-//! `prefix_hash`) land on the same worker, but pure affinity lets one hot key overload a
-//! worker. Consistent hashing gives affinity that survives workers joining and leaving
-//! (only the keys of the changed worker move); the load bound caps how far any worker can
-//! run above the mean, spilling the excess to the next workers clockwise, which are the
-//! same for every replica, so spilled keys also keep a (secondary) affinity.
+//! `prefix_hash`) land where the previous turn's prefix is cached, but pure affinity lets
+//! one hot key overload its owner. SGLang with DP attention keeps one radix cache per DP
+//! rank (decodes too, with `--disaggregation-decode-enable-radix-cache`), so the unit of
+//! affinity is a (worker, rank), not a worker: the ring's members are the candidates'
+//! routable ranks (on a decode pick, only those with room for the request: a full rank is
+//! not a member for this pick). Consistent hashing gives affinity that survives members
+//! joining and leaving (only the keys of the changed member move; a worker whose DP size
+//! grows only gains members); the load bound caps how far any rank can run above the
+//! mean, spilling the excess to the next members clockwise, which are the same for every
+//! replica, so spilled keys also keep a (secondary) affinity. A DP-k worker owns k members
+//! and so about k times the keys of a DP-1 worker: in proportion to its caches.
 //!
-//! The ring: worker `w` owns `vnodes` points `mix(fnv1a(url_w) + (v+1)·φ)`, v = 0..vnodes
-//! (a SplitMix64 stream seeded by the FNV-1a hash of its normalised base URL); a request
-//! sits at `mix(prefix_hash)`. Walking clockwise from the key meets each worker first at
-//! its point with the smallest clockwise distance, so the walk order over candidates is
-//! the order of `min_v (point − key) mod 2^64`. The whole ring is therefore never built:
-//! each worker's sorted points (a pure function of its URL) are kept in an `ArcSwap`ed
-//! list keyed by URL, and [`CacheAware::pick`] binary-searches each candidate's
-//! points for its distance (n × log2(vnodes) steps), then takes the nearest candidate whose
-//! load is within the bound. A worker not seen before has its points computed on the spot
-//! and published with a compare-and-swap (`rcu`); the pick path never blocks on a lock.
-//! The list is bounded ([`MAX_CACHED`]); past that it starts over.
+//! The ring: member (w, k) owns `vnodes` points `mix(seed + (v+1)·φ)`, v = 0..vnodes, with
+//! `seed = fnv1a(url_w) + mix(k)` (a SplitMix64 stream; `mix(0) = 0`, so rank 0's points
+//! are exactly the worker-level points of the ring this policy had before ranks: a fleet
+//! without DP picks as it did). A request sits at `mix(prefix_hash)`. Walking clockwise
+//! from the key meets each member first at its point with the smallest clockwise distance,
+//! so the walk order over members is the order of `min_v (point − key) mod 2^64`. The whole
+//! ring is therefore never built: each worker's sorted points per rank (a pure function of
+//! its URL and the rank) are kept in an `ArcSwap`ed list keyed by URL, and
+//! [`CacheAware::pick`] binary-searches each member's points for its distance (members ×
+//! log2(vnodes) steps), then takes the nearest member whose load is within the bound. A
+//! worker (or rank) not seen before has its points computed on the spot and published
+//! with a compare-and-swap (`rcu`); the pick path never blocks on a lock and allocates
+//! nothing once the points are cached. The list is bounded ([`MAX_CACHED`] workers); past
+//! that it starts over.
 //!
-//! Load = [`super::power_of_two::load`] (in flight + engine-reported). Bound =
-//! ceil(c × (total load + 1) / n) over the n candidates; a candidate is eligible when its
-//! load ≤ bound, so after taking the request a worker is at most one above the bound.
+//! Load of a member = the rank's requests in flight from this replica plus the engine's
+//! reported load on it (the per-rank terms of [`super::power_of_two::load`]). Bound =
+//! ceil(c × (total load + 1) / n) over the n members; a member is eligible when its load ≤
+//! bound, so after taking the request a rank is at most one above the bound.
+//!
+//! The policy returns the (candidate, rank) pair ([`Chosen`]); `policy::select` sends the
+//! request to that rank. The key is the only input that says where a prefix is cached; a
+//! future cache index (the engines' KV events) could replace it by returning the member
+//! whose cache holds the longest prefix, with the same [`Chosen`] and the same bound.
 //!
 //! Invariants:
-//! - Replica independence: the choice depends only on the candidates' URLs, loads, `c`,
-//!   `vnodes` and the key; never on candidate order, process, build or a random seed
-//!   (FNV-1a and SplitMix64 are fixed functions; ties broken by URL hash, then URL).
-//! - With c ≥ 1 some candidate is always within the bound (the mean is below it); if none
-//!   were, the least loaded candidate is taken, so the pick never exceeds what any other
-//!   candidate would.
-//! - No prefix hash: falls back to power of two choices.
+//! - Replica independence: the choice depends only on the candidates' URLs, routable ranks,
+//!   per-rank loads (and room), `c`, `vnodes` and the key; never on candidate order,
+//!   process, build or a random seed (FNV-1a and SplitMix64 are fixed functions; ties
+//!   broken by URL hash, rank, then URL).
+//! - With c ≥ 1 some member is always within the bound (the mean is below it); if none
+//!   were, the least loaded member is taken, so the pick never exceeds what any other
+//!   member would.
+//! - The rank returned is one of the candidate's routable ranks (with room, when the pick
+//!   has a need).
+//! - No prefix hash: falls back to power of two choices over workers (no rank named), at
+//!   no extra cost.
 //! - Returns an index `< cands.len()`.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use rand::RngCore;
 
 use super::power_of_two::{load, PowerOfTwo};
-use super::{Candidate, PickCtx, Policy};
+use super::{has_room, Candidate, Chosen, PickCtx, Policy};
 use crate::config::PolicyConfig;
-use crate::types::fnv1a;
+use crate::pool::capacity::Need;
+use crate::types::{fnv1a, DpRank};
 
 /// SplitMix64's finaliser: a fixed bijective mixer.
 fn mix64(mut z: u64) -> u64 {
@@ -53,9 +75,16 @@ fn mix64(mut z: u64) -> u64 {
 
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
-/// Position of a worker's virtual node `v` on the ring.
-pub fn ring_point(url_hash: u64, v: u32) -> u64 {
-    mix64(url_hash.wrapping_add(u64::from(v).wrapping_add(1).wrapping_mul(GOLDEN)))
+/// Position of a member's virtual node `v` on the ring, from the member's seed
+/// ([`member_seed`]; a worker's URL hash for its rank 0).
+pub fn ring_point(seed: u64, v: u32) -> u64 {
+    mix64(seed.wrapping_add(u64::from(v).wrapping_add(1).wrapping_mul(GOLDEN)))
+}
+
+/// The ring seed of rank `rank` of the worker whose URL hashes to `url_hash`: the URL hash
+/// itself for rank 0 (`mix64(0) = 0`), so a DP-1 worker keeps its worker-level points.
+pub fn member_seed(url_hash: u64, rank: DpRank) -> u64 {
+    url_hash.wrapping_add(mix64(u64::from(rank)))
 }
 
 /// Position of a request key on the ring.
@@ -66,15 +95,15 @@ pub fn key_point(prefix_hash: u64) -> u64 {
 /// Most workers whose points are kept (configured workers are far fewer).
 pub const MAX_CACHED: usize = 4096;
 
-/// One worker's sorted ring points.
+/// One member's sorted ring points.
 type Points = Arc<[u64]>;
 
-/// A worker's ring identity: its URL's hash and sorted points.
+/// A worker's ring identity: its URL's hash and, per rank 0..len, its sorted points.
 #[derive(Clone, Debug)]
 struct RingEntry {
     url: Box<str>,
     hash: u64,
-    points: Points,
+    ranks: Arc<[Points]>,
 }
 
 /// Sorted by URL.
@@ -90,6 +119,26 @@ pub struct CacheAware {
 impl Default for CacheAware {
     fn default() -> Self {
         CacheAware::from_config(&PolicyConfig::default())
+    }
+}
+
+/// The candidate's ring members: its routable ranks, with room for `need` when set.
+fn members<'a>(c: &'a Candidate<'_>, need: Option<&'a Need>) -> impl Iterator<Item = DpRank> + 'a {
+    c.ranks
+        .iter()
+        .copied()
+        .filter(move |k| need.is_none() || has_room(c.worker, *k, need))
+}
+
+/// A member's load: in flight plus engine-reported on that rank (saturating). A candidate
+/// with one routable rank carries exactly that rank's figures already.
+fn member_load(c: &Candidate<'_>, rank: DpRank) -> u64 {
+    if c.ranks.len() == 1 {
+        load(c)
+    } else {
+        c.worker
+            .in_flight(rank)
+            .saturating_add(c.worker.engine_load(rank))
     }
 }
 
@@ -112,23 +161,23 @@ impl CacheAware {
         CacheAware::new(cfg.cache_aware_balance_factor, cfg.cache_aware_vnodes)
     }
 
-    /// ceil(c × (total + 1) / n): the most load a worker may have and still take one more.
+    /// ceil(c × (total + 1) / n): the most load a member may have and still take one more.
     pub fn bound(&self, total: u64, n: usize) -> u64 {
         let n = n.max(1) as f64;
         // Float to int casts saturate; the value is finite and non-negative.
         (self.factor * (total as f64 + 1.0) / n).ceil() as u64
     }
 
-    /// Clockwise distance from `key` to the worker's nearest virtual node, from scratch
-    /// (the definition; the pick path uses [`Self::distance`]).
-    pub fn distance_direct(&self, url_hash: u64, key: u64) -> u64 {
+    /// Clockwise distance from `key` to the member's nearest virtual node, from scratch
+    /// (the definition; the pick path uses the cached, sorted points).
+    pub fn distance_direct(&self, seed: u64, key: u64) -> u64 {
         (0..self.vnodes)
-            .map(|v| ring_point(url_hash, v).wrapping_sub(key))
+            .map(|v| ring_point(seed, v).wrapping_sub(key))
             .min()
             .unwrap_or(u64::MAX)
     }
 
-    /// The same distance from the worker's sorted points: the first point at or after
+    /// The same distance from the member's sorted points: the first point at or after
     /// `key`, else (wrapping) the first point of the ring.
     fn distance_sorted(points: &[u64], key: u64) -> u64 {
         let i = points.partition_point(|p| *p < key);
@@ -138,15 +187,29 @@ impl CacheAware {
             .map_or(u64::MAX, |p| p.wrapping_sub(key))
     }
 
-    /// A worker's ring entry, computed and published when not cached yet.
-    fn add_entry(&self, url: &str) -> RingEntry {
-        let hash = fnv1a(url.as_bytes());
-        let mut v: Vec<u64> = (0..self.vnodes).map(|i| ring_point(hash, i)).collect();
+    /// A member's sorted points.
+    fn member_points(&self, url_hash: u64, rank: DpRank) -> Points {
+        let seed = member_seed(url_hash, rank);
+        let mut v: Vec<u64> = (0..self.vnodes).map(|i| ring_point(seed, i)).collect();
         v.sort_unstable();
+        v.into()
+    }
+
+    /// A worker's ring entry with the points of ranks `0..ranks` at least, computed and
+    /// published when not cached yet.
+    fn add_entry(&self, url: &str, ranks: usize, old: Option<&RingEntry>) -> RingEntry {
+        let hash = fnv1a(url.as_bytes());
+        let kept = old.map_or(&[][..], |e| &e.ranks[..]);
+        let all: Vec<Points> = (0..ranks.max(1))
+            .map(|k| match kept.get(k) {
+                Some(p) => p.clone(),
+                None => self.member_points(hash, k as DpRank),
+            })
+            .collect();
         let entry = RingEntry {
             url: url.into(),
             hash,
-            points: v.into(),
+            ranks: all.into(),
         };
         self.points.rcu(|cur| {
             let mut next: PointCache = if cur.len() >= MAX_CACHED {
@@ -154,51 +217,84 @@ impl CacheAware {
             } else {
                 cur.as_ref().clone()
             };
-            if let Err(at) = next.binary_search_by(|e| (*e.url).cmp(url)) {
-                next.insert(at, entry.clone());
+            match next.binary_search_by(|e| (*e.url).cmp(url)) {
+                Ok(at) if next[at].ranks.len() < entry.ranks.len() => next[at] = entry.clone(),
+                Ok(_) => {}
+                Err(at) => next.insert(at, entry.clone()),
             }
             next
         });
         entry
     }
 
-    /// The worker's URL hash and the clockwise distance from `key` to its nearest
-    /// virtual node.
-    fn distance(&self, cache: &PointCache, url: &str, key: u64) -> (u64, u64) {
+    /// The worker's ring entry, holding at least ranks `0..ranks`.
+    fn entry<'c>(&self, cache: &'c PointCache, url: &str, ranks: usize) -> Cow<'c, RingEntry> {
         match cache.binary_search_by(|e| (*e.url).cmp(url)) {
-            Ok(i) => (cache[i].hash, Self::distance_sorted(&cache[i].points, key)),
-            Err(_) => {
-                let e = self.add_entry(url);
-                (e.hash, Self::distance_sorted(&e.points, key))
-            }
+            Ok(i) if cache[i].ranks.len() >= ranks => Cow::Borrowed(&cache[i]),
+            Ok(i) => Cow::Owned(self.add_entry(url, ranks, Some(&cache[i]))),
+            Err(_) => Cow::Owned(self.add_entry(url, ranks, None)),
         }
     }
 
-    /// The candidate the key maps to, honouring the load bound.
-    fn walk(&self, cands: &[Candidate<'_>], prefix_hash: u64) -> usize {
+    /// The worker's URL hash and the clockwise distance from `key` to the nearest virtual
+    /// node of its rank `rank`.
+    #[cfg(test)]
+    fn distance(&self, cache: &PointCache, url: &str, rank: DpRank, key: u64) -> (u64, u64) {
+        let e = self.entry(cache, url, rank as usize + 1);
+        let d = e
+            .ranks
+            .get(rank as usize)
+            .map_or(u64::MAX, |p| Self::distance_sorted(p, key));
+        (e.hash, d)
+    }
+
+    /// The member the key maps to, honouring the load bound.
+    fn walk(&self, cands: &[Candidate<'_>], need: Option<&Need>, prefix_hash: u64) -> Chosen {
         let key = key_point(prefix_hash);
-        let total = cands.iter().fold(0u64, |t, c| t.saturating_add(load(c)));
-        let bound = self.bound(total, cands.len());
-        let cache = self.points.load();
-        // (within bound?, load if not, distance, url hash, url) – smallest wins.
-        let mut best: Option<(usize, (bool, u64, u64, u64))> = None;
-        for (i, c) in cands.iter().enumerate() {
-            let url = c.worker.shared.url.as_str();
-            let (h, d) = self.distance(&cache, url, key);
-            let l = load(c);
-            let over = l > bound;
-            let rank = (over, if over { l } else { 0 }, d, h);
-            let better = match &best {
-                None => true,
-                Some((j, r)) => {
-                    rank < *r || (rank == *r && url < cands[*j].worker.shared.url.as_str())
-                }
-            };
-            if better {
-                best = Some((i, rank));
+        // First pass: how many members, and their total load.
+        let (mut n, mut total) = (0usize, 0u64);
+        for c in cands {
+            for k in members(c, need) {
+                n += 1;
+                total = total.saturating_add(member_load(c, k));
             }
         }
-        best.map_or(0, |(i, _)| i)
+        let bound = self.bound(total, n);
+        let cache = self.points.load();
+        // (within bound?, load if not, distance, url hash, rank) – smallest wins, then URL.
+        type Rank = (bool, u64, u64, u64, DpRank);
+        let mut best: Option<(usize, Rank)> = None;
+        for (i, c) in cands.iter().enumerate() {
+            let url = c.worker.shared.url.as_str();
+            let top = c.ranks.iter().max().map_or(1, |k| *k as usize + 1);
+            let e = self.entry(&cache, url, top);
+            for k in members(c, need) {
+                let d = e
+                    .ranks
+                    .get(k as usize)
+                    .map_or(u64::MAX, |p| Self::distance_sorted(p, key));
+                let l = member_load(c, k);
+                let over = l > bound;
+                let rank = (over, if over { l } else { 0 }, d, e.hash, k);
+                let better = match &best {
+                    None => true,
+                    Some((j, r)) => {
+                        rank < *r || (rank == *r && url < cands[*j].worker.shared.url.as_str())
+                    }
+                };
+                if better {
+                    best = Some((i, rank));
+                }
+            }
+        }
+        match best {
+            Some((i, r)) => Chosen {
+                index: i,
+                rank: Some(r.4),
+            },
+            // No member (select lists only candidates with a rank with room): any.
+            None => Chosen::worker(0),
+        }
     }
 }
 
@@ -209,11 +305,12 @@ impl Policy for CacheAware {
     fn wants_prefix(&self) -> bool {
         true
     }
-    fn pick(&self, cands: &[Candidate<'_>], ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> usize {
-        match ctx.prefix_hash {
-            Some(key) if cands.len() > 1 => self.walk(cands, key),
-            Some(_) => 0,
-            None => PowerOfTwo::choose(cands, rng),
+    fn pick(&self, cands: &[Candidate<'_>], ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> Chosen {
+        match (ctx.prefix_hash, cands) {
+            // One candidate with one rank: nothing to choose.
+            (Some(_), [c]) if c.ranks.len() <= 1 => Chosen::worker(0),
+            (Some(key), _) => self.walk(cands, ctx.need.as_ref(), key),
+            (None, _) => Chosen::worker(PowerOfTwo::choose(cands, rng)),
         }
     }
 }
@@ -260,7 +357,7 @@ mod tests {
             need: None,
             among: None,
         };
-        p.pick(c, &ctx, &mut rng)
+        p.pick(c, &ctx, &mut rng).index
     }
 
     #[test]
@@ -275,6 +372,9 @@ mod tests {
         assert_eq!(ring_point(h, 0), 0xd9ae_66a6_a7be_d8b0);
         assert_eq!(ring_point(h, 7), 0xf07c_fe7b_d565_32eb);
         assert_eq!(key_point(fnv1a(b"pin")), 0xfb64_e3cb_d862_11a4);
+        // Rank 0 is the worker-level ring; other ranks are seeded from the URL and the rank.
+        assert_eq!(member_seed(h, 0), h);
+        assert_eq!(member_seed(h, 1), h.wrapping_add(0x5692_161d_100b_05e5));
     }
 
     #[test]
@@ -313,7 +413,9 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         for _ in 0..20 {
             assert_eq!(
-                CacheAware::default().pick(&c, &PickCtx::default(), &mut rng),
+                CacheAware::default()
+                    .pick(&c, &PickCtx::default(), &mut rng)
+                    .index,
                 1
             );
         }
@@ -338,7 +440,8 @@ mod tests {
             let h = fnv1a(url.as_bytes());
             for key in keys.into_iter().chain([0, u64::MAX, ring_point(h, 0)]) {
                 let cache = p.points.load();
-                prop_assert_eq!(p.distance(&cache, &url, key), (h, p.distance_direct(h, key)));
+                prop_assert_eq!(p.distance(&cache, &url, 0, key), (h, p.distance_direct(h, key)));
+                prop_assert_eq!(p.distance(&cache, &url, 3, key), (h, p.distance_direct(member_seed(h, 3), key)));
             }
             prop_assert_eq!(p.points.load().len(), 1);
         }

@@ -1,8 +1,17 @@
 //! Selection policies: pure functions over a pool [`Snapshot`] that pick one routable
-//! worker; [`select`] then takes that worker's least-loaded routable DP rank (the room is
-//! made to match it, see `dispatch::attempt::room`). The randomness is injected (`rng`), so a policy is
-//! deterministic under a seeded generator. Kinds: `random`, `round_robin`, `power_of_two`
-//! (load-aware) and `cache_aware` (prefix affinity with bounded loads); see POLICIES.md.
+//! worker, and optionally its DP rank ([`Chosen`]); when the policy names no rank,
+//! [`select`] takes that worker's least-loaded routable DP rank (the room is made to match
+//! the rank either way, see `dispatch::attempt::room`). The randomness is injected (`rng`),
+//! so a policy is deterministic under a seeded generator. Kinds: `random`, `round_robin`,
+//! `power_of_two` (load-aware) and `cache_aware` (prefix affinity with bounded loads per
+//! (worker, DP rank): an engine keeps one prefix cache per rank); see POLICIES.md.
+//!
+//! Why a policy may name the rank: with DP attention each rank has its own radix cache, so
+//! affinity that stops at the worker lands a conversation on a different rank's cache turn
+//! after turn. The rank a policy names is honoured only while it is one of the candidate's
+//! routable ranks with room (else the least-loaded rule applies), so a policy cannot break
+//! the invariant below. A future cache index (KV events) plugs in the same way: it returns
+//! the candidate and the rank whose cache holds the prefix.
 //!
 //! Decode capacity (`pool::capacity`): with `PickCtx::need` set, a worker is a candidate
 //! only while one of its routable ranks has room for the request, and the rank is picked
@@ -61,14 +70,31 @@ pub struct Candidate<'a> {
     pub engine_load: u64,
 }
 
+/// What a policy picked: a candidate, and the DP rank on it when the policy cares which.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chosen {
+    /// Index into the candidates.
+    pub index: usize,
+    /// One of the candidate's routable ranks (with room, on a decode pick); `None`: the
+    /// least-loaded rule of [`select`] chooses.
+    pub rank: Option<DpRank>,
+}
+
+impl Chosen {
+    /// The candidate `index`, its rank left to [`select`].
+    pub fn worker(index: usize) -> Chosen {
+        Chosen { index, rank: None }
+    }
+}
+
 pub trait Policy: Send + Sync {
     fn name(&self) -> &'static str;
     /// Whether the policy reads `PickCtx::prefix_hash` (it is only computed then).
     fn wants_prefix(&self) -> bool {
         false
     }
-    /// Picks one of `cands` (never empty); returns its index.
-    fn pick(&self, cands: &[Candidate<'_>], ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> usize;
+    /// Picks one of `cands` (never empty), and the rank on it if the policy chooses ranks.
+    fn pick(&self, cands: &[Candidate<'_>], ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> Chosen;
 }
 
 /// A policy with the default `[policy]` settings (see [`build_with`]).
@@ -116,8 +142,9 @@ pub struct Pick {
     pub trial: Option<TrialGuard>,
 }
 
-/// Picks a (worker, rank) of `role`: the policy picks the worker, then the worker's
-/// routable rank with the fewest requests in flight (ties broken at random).
+/// Picks a (worker, rank) of `role`: the policy picks the worker and maybe its rank (kept
+/// while it is routable and has room), else the worker's routable rank with the least
+/// outstanding work ([`rank_for`]).
 pub fn select(
     policy: &dyn Policy,
     snap: &Snapshot,
@@ -143,7 +170,8 @@ pub fn select(
         })
         .collect();
     while !cands.is_empty() {
-        let i = policy.pick(&cands, ctx, rng).min(cands.len() - 1);
+        let choice = policy.pick(&cands, ctx, rng);
+        let i = choice.index.min(cands.len() - 1);
         let c = &cands[i];
         let mut trial = None;
         if c.worker.shared.breaker.state() == BreakerState::HalfOpen {
@@ -155,9 +183,14 @@ pub fn select(
                 continue;
             }
         }
+        let need = ctx.need.as_ref();
+        let rank = match choice.rank {
+            Some(k) if c.ranks.contains(&k) && has_room(c.worker, k, need) => k,
+            _ => rank_for(c, need, rng),
+        };
         let target = Target {
             worker: c.worker.shared.id,
-            rank: rank_for(c, ctx.need.as_ref(), rng),
+            rank,
         };
         return Some(Pick { target, trial });
     }
@@ -321,3 +354,5 @@ mod tests {
 
 #[cfg(test)]
 mod capacity_tests;
+#[cfg(test)]
+mod ring_tests;

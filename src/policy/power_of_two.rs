@@ -19,7 +19,7 @@
 
 use rand::{Rng, RngCore};
 
-use super::{Candidate, PickCtx, Policy};
+use super::{Candidate, Chosen, PickCtx, Policy};
 
 /// The load a policy compares: in flight plus engine-reported (saturating).
 pub fn load(c: &Candidate<'_>) -> u64 {
@@ -53,8 +53,8 @@ impl Policy for PowerOfTwo {
     fn name(&self) -> &'static str {
         "power_of_two"
     }
-    fn pick(&self, cands: &[Candidate<'_>], _ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> usize {
-        Self::choose(cands, rng)
+    fn pick(&self, cands: &[Candidate<'_>], _ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> Chosen {
+        Chosen::worker(Self::choose(cands, rng))
     }
 }
 
@@ -90,7 +90,7 @@ mod tests {
             let max = cands.iter().map(load).max().unwrap();
             let unique_max = cands.iter().filter(|c| load(c) == max).count() == 1;
             for _ in 0..16 {
-                let i = PowerOfTwo.pick(&cands, &PickCtx::default(), &mut rng);
+                let i = PowerOfTwo.pick(&cands, &PickCtx::default(), &mut rng).index;
                 prop_assert!(i < cands.len());
                 if cands.len() >= 2 && unique_max {
                     prop_assert!(load(&cands[i]) < max);
@@ -116,12 +116,15 @@ mod tests {
         // Worker 0 has fewer of pdgate's requests but a longer engine queue.
         let cands = [mk(0, 1, 9), mk(1, 3, 0)];
         for _ in 0..20 {
-            assert_eq!(PowerOfTwo.pick(&cands, &PickCtx::default(), &mut rng), 1);
+            assert_eq!(
+                PowerOfTwo.pick(&cands, &PickCtx::default(), &mut rng).index,
+                1
+            );
         }
         let cands = [mk(0, 2, 2), mk(1, 4, 0)];
         let mut seen = [0; 2];
         for _ in 0..400 {
-            seen[PowerOfTwo.pick(&cands, &PickCtx::default(), &mut rng)] += 1;
+            seen[PowerOfTwo.pick(&cands, &PickCtx::default(), &mut rng).index] += 1;
         }
         assert!(seen[0] > 150 && seen[1] > 150, "{seen:?}");
         assert_eq!(load(&mk(0, u64::MAX, 5)), u64::MAX);

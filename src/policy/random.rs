@@ -2,7 +2,7 @@
 
 use rand::{Rng, RngCore};
 
-use super::{Candidate, PickCtx, Policy};
+use super::{Candidate, Chosen, PickCtx, Policy};
 
 #[derive(Debug, Default)]
 pub struct Random;
@@ -11,7 +11,7 @@ impl Policy for Random {
     fn name(&self) -> &'static str {
         "random"
     }
-    fn pick(&self, cands: &[Candidate<'_>], _ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> usize {
-        rng.random_range(0..cands.len())
+    fn pick(&self, cands: &[Candidate<'_>], _ctx: &PickCtx<'_>, rng: &mut dyn RngCore) -> Chosen {
+        Chosen::worker(rng.random_range(0..cands.len()))
     }
 }
