@@ -396,6 +396,8 @@ pub fn with_defaults(cmd: clap::Command) -> clap::Command {
             "prefix_hash_load_factor",
             c.policy.cache_aware_balance_factor.to_string(),
         ),
+        ("max_idle_secs", c.affinity.sticky_idle_secs.to_string()),
+        ("routing_key_headers", c.affinity.headers.join(" ")),
     ];
     // A command with only some of these flags (`demo`: host and port) shows those.
     defaults.into_iter().fold(cmd, |cmd, (id, v)| {
@@ -447,6 +449,9 @@ pub const SERVE_ONLY: &[&str] = &[
     "load_monitor_interval",
     "disable_load_monitoring",
     "prefix_hash_load_factor",
+    "routing_key_override",
+    "max_idle_secs",
+    "routing_key_headers",
 ];
 
 /// `check`'s help: `serve`'s flags that `check` does not use are hidden.

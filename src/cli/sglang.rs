@@ -103,9 +103,6 @@ const TENANT: Fate = Refused(
 const MESH: Fate = Refused("pdgate replicas share no state: run several behind one Service");
 const EPD: Fate =
     Refused("pdgate routes prefill/decode pairs only (no encode stage): --prefill and --decode");
-const MANUAL: Fate = Refused(
-    "pdgate has no routing by a client-chosen key; --policy cache_aware gives prefix affinity",
-);
 const MTLS: Fate =
     Refused("pdgate talks plain HTTP to engines; put mTLS to the engines in a service mesh");
 const TLS: Fate = Refused(
@@ -187,20 +184,20 @@ pub const FLAGS: &[Flag] = &[
     f("cache-boundaries", CACHE_AWARE),
     f("cache-index", CACHE_AWARE),
     f("cache-ttl-secs", CACHE_AWARE),
-    f("max-idle-secs", CACHE_AWARE),
+    f("max-idle-secs", Mapped),
     f("spill-abs-threshold", CACHE_AWARE),
     f("spill-rel-threshold", CACHE_AWARE),
-    f("assignment-mode", MANUAL),
+    f("assignment-mode", Refused("pdgate places a new routing key by its hash on the cache_aware ring (the same worker on every replica), not by an assignment mode; see [affinity]")),
     f("max-payload-size", Mapped),
     f("max-buffered-request-bytes", Ignored("pdgate reads every request body whole (within admission.max_bytes_in_flight), so every request can be retried")),
     f("pd-admission-wait-secs", Ignored("a request waiting for a decode slot waits in the admission queue, up to admission.queue_timeout_ms")),
     f("stream-body-stall-timeout-secs", Mapped),
     f("sse-keepalive-secs", Ignored("pdgate relays the decode engine's stream as it comes, without keep-alive comments")),
     f("dp-aware", Always("pdgate always routes to a DP rank: it reads each engine's DP layout")),
-    f("routing-key-override", MANUAL),
-    f("sticky-sessions", MANUAL),
-    f("sticky-key-idle-secs", MANUAL),
-    f("routing-key-headers", MANUAL),
+    f("routing-key-override", Mapped),
+    f("sticky-sessions", Mapped),
+    f("sticky-key-idle-secs", Mapped),
+    f("routing-key-headers", Mapped),
     f("dp-minimum-tokens-scheduler", Ignored("pdgate picks the DP rank with its own policy")),
     f("enable-igw", Refused("pdgate routes one prefill/decode fleet; it is not a multi-fleet gateway")),
     f("pd-disaggregation", Always("pdgate routes prefill/decode pairs wherever a model has them, and regular workers (--worker-urls) beside them")),
@@ -527,6 +524,18 @@ pub struct SglangArgs {
     /// HTTP (JSON): the collector's port 4318, not gRPC's 4317.
     #[arg(long, value_name = "HOST:PORT")]
     pub otlp_traces_endpoint: Option<String>,
+    /// Sticky sessions: a request with a routing key is placed by the key whatever the
+    /// policy (affinity.sticky; `--sticky-sessions` is the same flag).
+    #[arg(long, alias = "sticky-sessions")]
+    pub routing_key_override: bool,
+    /// SGLang's idle time of a sticky key, seconds (affinity.sticky_idle_secs): accepted,
+    /// no effect, since pdgate keeps no key map (`--sticky-key-idle-secs` is the same flag).
+    #[arg(long, alias = "sticky-key-idle-secs", value_name = "SECS")]
+    pub max_idle_secs: Option<u64>,
+    /// Request headers read for a routing key, first present wins (affinity.headers; no
+    /// value: none).
+    #[arg(long, num_args = 0.., value_name = "HEADER")]
+    pub routing_key_headers: Option<Vec<String>>,
 }
 
 /// Seconds as milliseconds, saturating (the range check then names the key).
@@ -626,6 +635,17 @@ impl SglangArgs {
         if let Some(v) = self.prefix_hash_load_factor {
             cfg.policy.cache_aware_balance_factor = v;
         }
+        if self.routing_key_override {
+            cfg.affinity.sticky = true;
+        }
+        if let Some(v) = self.max_idle_secs {
+            cfg.affinity.sticky_idle_secs = v;
+        }
+        if let Some(h) = &self.routing_key_headers {
+            // SGLang lower-cases the names it is given; so does pdgate (the check then
+            // refuses what is not a header name).
+            cfg.affinity.headers = h.iter().map(|n| n.to_ascii_lowercase()).collect();
+        }
     }
 }
 
@@ -641,7 +661,9 @@ pub fn parse_policy(s: &str) -> Result<crate::config::PolicyKind, String> {
     let why = match s {
         "prefix_hash" => return Ok(PolicyKind::CacheAware),
         "manual" | "consistent_hashing" => {
-            "pdgate has no routing by a client-chosen key; cache_aware gives prefix affinity"
+            "cache_aware places a request by its routing key header (X-SMG-Routing-Key, \
+             [affinity]) and else by its prompt prefix; --sticky-sessions applies the key \
+             under any policy"
         }
         "least_load" => "power_of_two weighs requests in flight and the engine's reported load",
         "passthrough" | "bucket" => "use round_robin, power_of_two or cache_aware",

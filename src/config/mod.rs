@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+mod affinity;
 mod capacity;
 mod log;
 pub mod models;
@@ -33,6 +34,7 @@ pub fn live(cfg: Config) -> LiveConfig {
     std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(cfg))
 }
 
+pub use affinity::{AffinityConfig, MAX_KEY_HEADERS};
 pub use capacity::CapacityConfig;
 pub use log::{LogConfig, LogFormat};
 pub use models::{ModelSettings, ModelsConfig, RegularWorkerConfig};
@@ -67,6 +69,7 @@ pub struct Config {
     /// Regular (non-PD) engines (`[[worker]]` tables, or `--worker URL`).
     pub worker: Vec<RegularWorkerConfig>,
     pub policy: PolicyConfig,
+    pub affinity: AffinityConfig,
     pub contract: ContractConfig,
     pub timeouts: TimeoutConfig,
     pub retry: RetryConfig,

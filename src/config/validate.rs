@@ -232,6 +232,7 @@ impl Config {
         self.log.filter()?;
         progress::validate(&self.progress)?;
         self.capacity.validate()?;
+        self.affinity.validate()?;
         self.trace.validate()?;
         ops::validate(self)?;
         models::validate_settings(self)

@@ -38,6 +38,15 @@ impl Config {
                 ));
             }
         }
+        if self.affinity.sticky_idle_secs != super::AffinityConfig::default().sticky_idle_secs {
+            out.push(format!(
+                "affinity.sticky_idle_secs (--sticky-key-idle-secs) = {} has no effect: pdgate \
+                 keeps no key map; a keyed request goes where its key hashes on the \
+                 cache_aware ring (the same worker on every replica), so a key never expires \
+                 and moves only when its worker leaves or is over the load bound",
+                self.affinity.sticky_idle_secs
+            ));
+        }
         out
     }
 }
@@ -76,6 +85,20 @@ mod tests {
         let mut discovered = Config::default();
         discovered.discovery.enabled = true;
         assert!(discovered.start_warnings().is_empty());
+    }
+
+    #[test]
+    fn sticky_sessions_say_the_idle_time_has_no_effect() {
+        let mut c = with_workers();
+        c.affinity.sticky = true;
+        assert!(
+            c.start_warnings().is_empty(),
+            "the default idle time is not a choice"
+        );
+        c.affinity.sticky_idle_secs = 600;
+        let w = c.start_warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("= 600 has no effect"), "{w:?}");
     }
 
     #[test]

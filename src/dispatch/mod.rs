@@ -195,6 +195,13 @@ pub struct Dispatcher {
     /// The rate shared by request bodies past their first slice, read from clients and
     /// written to engines (`server.large_body_bytes_per_sec`; `None`: not limited).
     pub bulk_rate: Option<Arc<crate::body::ByteRate>>,
+    /// The headers a client's routing key is read from (`[affinity]`), parsed once per
+    /// config; the front door reads the key, the picks use it.
+    pub keys: request::RoutingKeys,
+}
+
+fn routing_keys(cfg: &Config) -> request::RoutingKeys {
+    request::RoutingKeys::new(&cfg.affinity.headers, cfg.affinity.sticky)
 }
 
 /// How long a quiet shared rate lets bytes go at full speed: 100 ms worth of it.
@@ -219,6 +226,7 @@ impl Dispatcher {
         let bulk = shared_rate(None, cfg.server.large_body_bytes_per_sec);
         let top = Arc::new(model::Settings::top(&cfg, None));
         Dispatcher {
+            keys: routing_keys(&cfg),
             per_model: model::PerModel::build(&cfg, None, &top),
             top,
             pool,
@@ -249,6 +257,7 @@ impl Dispatcher {
         let bulk = shared_rate(self.bulk_rate.as_ref(), cfg.server.large_body_bytes_per_sec);
         let top = Arc::new(model::Settings::top(&cfg, Some(&self.top)));
         Dispatcher {
+            keys: routing_keys(&cfg),
             per_model: model::PerModel::build(&cfg, Some(&self.per_model), &top),
             top,
             pool: self.pool.clone(),
@@ -259,6 +268,12 @@ impl Dispatcher {
             merge_rate: rate,
             bulk_rate: bulk,
         }
+    }
+
+    /// Whether a keyed request's picks go through the key's `cache_aware` ring instead of
+    /// `policy` (`affinity.sticky`, and a policy that does not read the key itself).
+    fn keyed_pick(&self, req: &ParsedRequest, policy: &dyn crate::policy::Policy) -> bool {
+        req.routing_key.is_some() && self.keys.sticky() && !policy.wants_prefix()
     }
 
     /// An OpenAI request that named an alias carries the model served on its legs

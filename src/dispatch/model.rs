@@ -40,6 +40,9 @@ pub struct Policies {
     pub prefill: Arc<dyn Policy>,
     pub decode: Arc<dyn Policy>,
     pub regular: Arc<dyn Policy>,
+    /// The `cache_aware` ring a keyed request is placed on under sticky sessions
+    /// (`affinity.sticky`) when its role's policy does not read keys itself.
+    pub keyed: Arc<dyn Policy>,
 }
 
 impl Policies {
@@ -48,6 +51,7 @@ impl Policies {
             prefill: policy::build_with(cfg.prefill, &cfg).into(),
             decode: policy::build_with(cfg.decode, &cfg).into(),
             regular: policy::build_with(cfg.decode, &cfg).into(),
+            keyed: policy::build_with(crate::config::PolicyKind::CacheAware, &cfg).into(),
             cfg,
         }
     }

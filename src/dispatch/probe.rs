@@ -66,6 +66,7 @@ impl Dispatcher {
             tracer: None,
             merge_rate: self.merge_rate.clone(),
             bulk_rate: self.bulk_rate.clone(),
+            keys: self.keys.clone(),
         }
     }
 

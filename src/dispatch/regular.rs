@@ -106,11 +106,15 @@ impl Dispatcher {
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
         let scope = model.name();
-        let policy = model.policies().regular.as_ref();
+        let policies = model.policies();
+        let mut policy = policies.regular.as_ref();
+        if self.keyed_pick(req, policy) {
+            policy = policies.keyed.as_ref();
+        }
         let pctx = PickCtx {
             exclude: ex.of(Role::Regular),
             prefix_hash: if policy.wants_prefix() {
-                req.prefix_hash()
+                req.affinity_key()
             } else {
                 None
             },

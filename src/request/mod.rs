@@ -96,6 +96,9 @@ pub struct ParsedRequest {
     /// `prompt` or `messages`).
     prompt: Option<Range<usize>>,
     prefix_hash: OnceLock<Option<u64>>,
+    /// The client's routing key, hashed (`request::RoutingKeys`, read from the headers at
+    /// the front door): when set, it is the request's affinity key instead of the prompt's.
+    pub routing_key: Option<u64>,
     /// Top-level members the legs carry instead of the client's (`stream_options` on a
     /// continuable OpenAI stream, see `request::continuation`; `model` when the client named an
     /// alias, see `crate::models::leg_name`). Empty (no allocation) on most requests.
@@ -115,6 +118,12 @@ impl ParsedRequest {
     /// Prompt instances (prompts × samples): the number of rooms one attempt needs.
     pub fn instances(&self) -> usize {
         self.batch.unwrap_or(1) * self.n as usize
+    }
+
+    /// The key the request's picks are placed by: the client's routing key when it sent
+    /// one, else the prompt's [`Self::prefix_hash`].
+    pub fn affinity_key(&self) -> Option<u64> {
+        self.routing_key.or_else(|| self.prefix_hash())
     }
 
     /// The prompt's affinity key, computed once on first use: for chat, the messages up to
@@ -204,6 +213,7 @@ impl ParsedRequest {
     /// carries what `first`'s legs carried instead of the client's members.
     pub fn follow(&mut self, first: &ParsedRequest) {
         self.scope = first.scope.clone();
+        self.routing_key = first.routing_key;
         self.leg_overrides = first.leg_overrides.clone();
     }
 
@@ -392,9 +402,11 @@ fn list_or_scalar(out: &mut Vec<u8>, multi: bool, len: usize, mut item: impl FnM
     }
 }
 
+pub use key::{RoutingKeys, MAX_KEY_BYTES};
 pub use parse::parse;
 
 pub mod continuation;
+mod key;
 mod parse;
 mod plain;
 pub mod record;

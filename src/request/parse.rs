@@ -332,6 +332,7 @@ pub fn parse(route: ApiRoute, body: Bytes) -> Result<ParsedRequest, Failure> {
         replaced,
         prompt,
         prefix_hash: OnceLock::new(),
+        routing_key: None,
         leg_overrides: Vec::new(),
         model,
         scope: None,

@@ -218,13 +218,20 @@ impl App {
                         return reject(rec, f, &rid_header);
                     }
                 };
+                // The client's routing key (`[affinity]`): a value that cannot be one is
+                // refused before a slot is taken.
+                let key = match d.keys.read(req.headers()) {
+                    Ok(k) => k,
+                    Err(f) => return reject(rec, f, &rid_header),
+                };
                 let slot = match self.admission.admit().await {
                     Ok(s) => s.with_client(hold),
                     Err(f) => return reject(rec, f, &rid_header),
                 };
                 // The slot goes with the request: its response body (or a prefill leg still
                 // running after it) releases it, and with it the key's count.
-                self.pd(&d, route, req, rid_header, Some(slot), rec).await
+                self.pd(&d, route, req, rid_header, Some(slot), rec, key)
+                    .await
             }
             Endpoint::Health => rec.answer(json_response(
                 StatusCode::OK,
@@ -251,6 +258,7 @@ impl App {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn pd(
         &self,
         d: &Arc<Dispatcher>,
@@ -259,6 +267,7 @@ impl App {
         rid_header: HeaderValue,
         mut slot: Option<crate::dispatch::AdmissionSlot>,
         rec: RequestRecord,
+        routing_key: Option<u64>,
     ) -> Response<RespBody> {
         let (parts, body) = req.into_parts();
         if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
@@ -346,10 +355,11 @@ impl App {
         if let Some(s) = slot.as_mut() {
             s.hold_bytes(charge);
         }
-        let parsed = match parse_body(route, bytes).await {
+        let mut parsed = match parse_body(route, bytes).await {
             Ok(p) => p,
             Err(f) => return reject(rec, f, &rid_header),
         };
+        parsed.routing_key = routing_key;
         // Traced: the legs carry their own `traceparent` instead of the caller's.
         let traced = rec.trace.is_some();
         let forward = forward_headers(

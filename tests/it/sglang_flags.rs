@@ -271,6 +271,29 @@ const MAPPED: &[(&str, &[&str], Check)] = &[
         &["--health-check-interval-secs", "7"],
         |c| c.health.interval_secs == 7.0,
     ),
+    ("routing-key-override", &["--routing-key-override"], |c| {
+        c.affinity.sticky
+    }),
+    ("sticky-sessions", &["--sticky-sessions"], |c| {
+        c.affinity.sticky
+    }),
+    ("max-idle-secs", &["--max-idle-secs", "600"], |c| {
+        c.affinity.sticky_idle_secs == 600 && !c.affinity.sticky
+    }),
+    (
+        "sticky-key-idle-secs",
+        &["--sticky-sessions", "--sticky-key-idle-secs", "900"],
+        |c| c.affinity.sticky_idle_secs == 900 && c.affinity.sticky,
+    ),
+    (
+        "routing-key-headers",
+        &[
+            "--routing-key-headers",
+            "X-Routing-Key",
+            "x-smg-routing-key",
+        ],
+        |c| c.affinity.headers == ["x-routing-key", "x-smg-routing-key"] && !c.affinity.sticky,
+    ),
     ("api-key", &["--api-key", "sk-1"], |c| {
         let k = Some("sk-1".to_string());
         c.auth.api_key == k && c.admin.api_key == k && c.upstream.api_key == k
@@ -362,8 +385,8 @@ fn sglang_policies_map_or_say_what_replaces_them() {
         ("round_robin", Ok(PolicyKind::RoundRobin)),
         ("power_of_two", Ok(PolicyKind::PowerOfTwo)),
         ("random", Ok(PolicyKind::Random)),
-        ("manual", Err("client-chosen key")),
-        ("consistent_hashing", Err("client-chosen key")),
+        ("manual", Err("routing key header")),
+        ("consistent_hashing", Err("routing key header")),
         ("least_load", Err("power_of_two")),
         ("passthrough", Err("round_robin")),
         ("bucket", Err("round_robin")),
@@ -389,6 +412,47 @@ fn sglang_policies_map_or_say_what_replaces_them() {
                 }
                 (got, want) => panic!("{flag} {name}: {:?} vs {want:?}", got.map(|g| g.0.policy)),
             }
+        }
+    }
+}
+
+/// `--routing-key-headers`: no value reads no header; a name that is not a header name is
+/// refused at start, naming the setting.
+#[test]
+fn routing_key_headers_are_checked_at_start() {
+    type Case<'a> = (&'a [&'a str], Result<&'a [&'a str], &'a str>);
+    let cases: &[Case] = &[
+        (&["--routing-key-headers"], Ok(&[])),
+        (&[], Ok(&["x-smg-routing-key", "x-session-id"])),
+        (
+            &["--routing-key-headers", "X-Session-Id"],
+            Ok(&["x-session-id"]),
+        ),
+        (
+            &["--routing-key-headers", "bad header"],
+            Err("affinity.headers"),
+        ),
+        (
+            &[
+                "--routing-key-headers",
+                "x-a",
+                "x-b",
+                "x-c",
+                "x-d",
+                "x-e",
+                "x-f",
+                "x-g",
+                "x-h",
+                "x-i",
+            ],
+            Err("at most 8"),
+        ),
+    ];
+    for (args, want) in cases {
+        match (serve(args), want) {
+            (Ok((c, _)), Ok(h)) => assert_eq!(c.affinity.headers, *h, "{args:?}"),
+            (Err(e), Err(w)) => assert!(e.contains(w), "{args:?}: {e}"),
+            (got, want) => panic!("{args:?}: {:?} vs {want:?}", got.map(|g| g.0.affinity)),
         }
     }
 }
