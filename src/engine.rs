@@ -58,6 +58,14 @@ pub struct ServerInfo {
     /// event instead of the whole text so far.
     #[serde(default)]
     pub incremental_streaming_output: Option<bool>,
+    /// A decode's own prefix cache (SGLang's `--disaggregation-decode-enable-radix-cache`,
+    /// PRs #19746 and #26288): it receives only the KV its rank lacks, so decode-side
+    /// affinity saves transfer time. Reported by `pdgate check`.
+    #[serde(default)]
+    pub disaggregation_decode_enable_radix_cache: Option<bool>,
+    /// `--disable-radix-cache`: no prefix cache at all on this engine.
+    #[serde(default)]
+    pub disable_radix_cache: Option<bool>,
     /// Per DP rank, the requests it runs at once
     /// (`internal_states[i].effective_max_running_requests_per_dp`; `None` where not
     /// reported). Read leniently: an unexpected shape yields an empty list, never a

@@ -63,6 +63,14 @@ pub(crate) fn server_info(engine: &Engine) -> Value {
         "enable_dp_attention": true,
         "load_balance_method": if cfg.role == crate::config::Role::Prefill { cfg.load_balance_method.as_str() } else { "round_robin" },
         "incremental_streaming_output": cfg.incremental_streaming_output,
+        // SGLang's `--disaggregation-decode-enable-radix-cache` (and `--disable-radix-cache`):
+        // a decode with a prefix cache reports it as the engine does.
+        "disaggregation_decode_enable_radix_cache": cfg.role == crate::config::Role::Decode && cfg.decode_prefix_cache_tokens > 0,
+        "disable_radix_cache": match cfg.role {
+            crate::config::Role::Prefill => cfg.prefill_prefix_cache_tokens == 0,
+            crate::config::Role::Decode => cfg.decode_prefix_cache_tokens == 0,
+            _ => true,
+        },
         "page_size": cfg.page_size,
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "context_length": cfg.context_length,

@@ -441,6 +441,9 @@ async fn probe_engine(
             or_unknown(&info.version)
         ),
     ));
+    if role == Role::Decode && role_ok {
+        p.checks.push(decode_cache_check(t, &info));
+    }
     if role == Role::Prefill && role_ok {
         p.checks.push(room_check(t, &info, mode));
         let (layout, bootstrap) = probe_bootstrap(up, &mut p.checks, e, &url, &info, timeout).await;
@@ -506,6 +509,35 @@ fn role_check(checks: &mut Vec<Check>, e: &Engine, info: &ServerInfo) -> bool {
 }
 
 /// A prefill places room R on rank `R % dp` (`modulo` needs it; `pinned` does not).
+/// Whether a decode keeps its own prefix cache (SGLang's
+/// `--disaggregation-decode-enable-radix-cache`). Informational either way: without it a
+/// decode receives a request's whole KV every turn, and decode-side affinity
+/// (`cache_aware` on decodes) only balances; with it a conversation's turns that meet their
+/// rank receive only the KV that rank lacks.
+fn decode_cache_check(t: &str, info: &ServerInfo) -> Check {
+    let name = "decode_radix_cache";
+    let detail = match (
+        info.disaggregation_decode_enable_radix_cache,
+        info.disable_radix_cache,
+    ) {
+        (Some(true), Some(true)) => {
+            "enabled, but --disable-radix-cache is set too: the decode keeps no prefix cache"
+        }
+        (Some(true), _) => {
+            "on (--disaggregation-decode-enable-radix-cache): each rank keeps the KV it \
+             received, and --decode-policy cache_aware sends a conversation's turns back to \
+             it, so they receive only what the rank lacks"
+        }
+        (Some(false), _) => {
+            "off: the decode receives a request's whole KV every turn; to reuse it across \
+             turns start the decode with --disaggregation-decode-enable-radix-cache and route \
+             with --decode-policy cache_aware"
+        }
+        (None, _) => "not reported by /server_info (an engine without the decode radix cache)",
+    };
+    Check::pass(t, name, detail)
+}
+
 fn room_check(t: &str, info: &ServerInfo, mode: ContractMode) -> Check {
     let name = "load_balance_method";
     match (info.load_balance_method.as_deref(), mode) {

@@ -478,3 +478,39 @@ async fn the_binary_exits_0_1_2_and_writes_json() {
     .await;
     assert_eq!(code, Some(2));
 }
+
+/// `pdgate check` says whether each decode keeps its own prefix cache (SGLang's
+/// `--disaggregation-decode-enable-radix-cache`), as its `/server_info` reports it: a ✓
+/// either way (it is a choice, not a fault), saying what decode affinity then buys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decode_radix_cache_is_reported() {
+    let mut cached = EngineConfig::decode(2);
+    cached.decode_prefix_cache_tokens = 4096;
+    // (decode, words the detail must hold)
+    let cases = [
+        (EngineConfig::decode(2), "off: the decode receives"),
+        (cached, "on (--disaggregation-decode-enable-radix-cache)"),
+    ];
+    for (decode, says) in cases {
+        let report = run_case(
+            &[EngineConfig::prefill(2)],
+            &[decode],
+            as_is,
+            ContractMode::Modulo,
+            CheckOptions::default(),
+        )
+        .await;
+        let rows: Vec<_> = report
+            .checks
+            .iter()
+            .filter(|c| c.name == "decode_radix_cache")
+            .collect();
+        assert_eq!(rows.len(), 1, "{}", report.table());
+        assert!(
+            rows[0].ok && rows[0].detail.contains(says),
+            "{}",
+            report.table()
+        );
+        assert!(report.ok, "{}", report.table());
+    }
+}
