@@ -20,8 +20,10 @@
 
 use std::ops::Range;
 
+mod cached;
 mod shape;
 pub mod tail;
+pub use cached::{prompt_cache, PromptCache};
 pub use shape::{ShapeCache, Token};
 
 /// The members of one chunk the account reads (value spans, `null` included as it is).

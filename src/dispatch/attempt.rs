@@ -130,6 +130,8 @@ pub(super) struct LegsInFlight<D> {
     pub decode: D,
     pub decode_cancel: LegCancel,
     pub decode_load: LoadGuard,
+    /// The prefill rank's cache tally (the answer's `cached_tokens` are its).
+    pub prefill_tally: std::sync::Arc<crate::pool::tally::RankTally>,
     /// Stall detection until decode's first event.
     pub stall: super::stall::StallWatch,
     /// The `decode_first_byte` span, when the request is traced.
@@ -500,6 +502,7 @@ impl Dispatcher {
             decode: async move { up.send_leg(&conns, &decode_req).await },
             decode_cancel: LegCancel::new(&self.up, &c.decode.shared.url, rid_d),
             decode_load: LoadGuard::new(c.decode, dt.rank).with_reservation(slot),
+            prefill_tally: c.prefill.per_rank.tally.clone(),
             stall: super::stall::StallWatch::new(
                 &self.cfg.progress,
                 c.pair,

@@ -231,6 +231,7 @@ impl Dispatcher {
                     // for a prefill batch), so a silence is judged against
                     // `retry.mid_stream_gap_ceiling_ms` alone.
                     gaps: None,
+                    tally: Some((w.per_rank.tally.clone(), t.rank)),
                 },
                 merge_rate: None,
             },

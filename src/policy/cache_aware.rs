@@ -53,6 +53,10 @@
 //! - No prefix hash: falls back to power of two choices over workers (no rank named), at
 //!   no extra cost.
 //! - Returns an index `< cands.len()`.
+//! - `spilled` is set exactly when the member taken is not the key's own (the nearest
+//!   routable rank of the candidates, load and room aside): the request spilled off a full
+//!   or hot rank. A worker with no rank with room is not a candidate, so a key whose whole
+//!   worker is full counts no spill.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -264,15 +268,30 @@ impl CacheAware {
         // (within bound?, load if not, distance, url hash, rank) – smallest wins, then URL.
         type Rank = (bool, u64, u64, u64, DpRank);
         let mut best: Option<(usize, Rank)> = None;
+        // The key's own member, load and room aside: (distance, url hash, rank), then URL.
+        let mut home: Option<(usize, (u64, u64, DpRank))> = None;
         for (i, c) in cands.iter().enumerate() {
             let url = c.worker.shared.url.as_str();
             let top = c.ranks.iter().max().map_or(1, |k| *k as usize + 1);
             let e = self.entry(&cache, url, top);
-            for k in members(c, need) {
+            for &k in c.ranks.iter() {
                 let d = e
                     .ranks
                     .get(k as usize)
                     .map_or(u64::MAX, |p| Self::distance_sorted(p, key));
+                let at = (d, e.hash, k);
+                let nearer = match &home {
+                    None => true,
+                    Some((j, h)) => {
+                        at < *h || (at == *h && url < cands[*j].worker.shared.url.as_str())
+                    }
+                };
+                if nearer {
+                    home = Some((i, at));
+                }
+                if need.is_some() && !has_room(c.worker, k, need) {
+                    continue;
+                }
                 let l = member_load(c, k);
                 let over = l > bound;
                 let rank = (over, if over { l } else { 0 }, d, e.hash, k);
@@ -291,6 +310,7 @@ impl CacheAware {
             Some((i, r)) => Chosen {
                 index: i,
                 rank: Some(r.4),
+                spilled: home.is_some_and(|(j, h)| (j, h.2) != (i, r.4)),
             },
             // No member (select lists only candidates with a rank with room): any.
             None => Chosen::worker(0),

@@ -78,12 +78,20 @@ pub struct Chosen {
     /// One of the candidate's routable ranks (with room, on a decode pick); `None`: the
     /// least-loaded rule of [`select`] chooses.
     pub rank: Option<DpRank>,
+    /// The policy placed the request off its key's own (worker, rank) (`cache_aware`
+    /// spilling a hot or full rank): counted on the rank it went to
+    /// (`pdgate_affinity_spills_total`).
+    pub spilled: bool,
 }
 
 impl Chosen {
     /// The candidate `index`, its rank left to [`select`].
     pub fn worker(index: usize) -> Chosen {
-        Chosen { index, rank: None }
+        Chosen {
+            index,
+            rank: None,
+            spilled: false,
+        }
     }
 }
 
@@ -188,6 +196,9 @@ pub fn select(
             Some(k) if c.ranks.contains(&k) && has_room(c.worker, k, need) => k,
             _ => rank_for(c, need, rng),
         };
+        if choice.spilled {
+            c.worker.per_rank.tally.spilled_in(rank);
+        }
         let target = Target {
             worker: c.worker.shared.id,
             rank,

@@ -127,6 +127,44 @@ fn ring_oracle(
     Some((m.0.clone(), m.2))
 }
 
+/// The key's own member among the candidates (workers with a routable rank with room for
+/// `need`): the nearest of all their routable ranks, whatever their load or room.
+fn home_oracle(snap: &Snapshot, key: u64, need: &Need) -> Option<(String, DpRank)> {
+    let key = key_point(key);
+    // ((distance, url hash, rank, url), the member)
+    type Near = ((u64, u64, DpRank, String), (String, DpRank));
+    let mut best: Option<Near> = None;
+    for w in &snap.decodes {
+        let Some(r) = snap
+            .decode_routable
+            .iter()
+            .find(|r| r.worker == w.shared.id)
+        else {
+            continue;
+        };
+        if !r
+            .ranks
+            .iter()
+            .any(|k| w.capacity(*k).is_none_or(|c| c.has_room(need)))
+        {
+            continue;
+        }
+        let url = w.shared.url.to_string();
+        let h = fnv1a(url.as_bytes());
+        for k in &r.ranks {
+            let d = (0..32)
+                .map(|v| ring_point(member_seed(h, *k), v).wrapping_sub(key))
+                .min()
+                .unwrap_or(u64::MAX);
+            let at = (d, h, *k, url.clone());
+            if best.as_ref().is_none_or(|(b, _)| at < *b) {
+                best = Some((at, (url.clone(), *k)));
+            }
+        }
+    }
+    best.map(|(_, m)| m)
+}
+
 #[test]
 fn the_pick_follows_the_ring_per_rank() {
     // (DP sizes, in flight per (worker, rank), full (worker, rank)s, what must hold)
@@ -267,8 +305,18 @@ proptest! {
             .collect();
         let p = CacheAware::new(c, 32);
         let n = need();
+        let spills = |snap: &Snapshot| -> u64 {
+            snap.decodes.iter().flat_map(|w| w.per_rank.tally.read()).map(|c| c.spills).sum()
+        };
+        let before = spills(&snap);
         let got = pick_at(&p, &snap, &ctx(key, Some(n)));
         prop_assert_eq!(&got, &ring_oracle(c, 32, &snap, key, Some(&n)));
+        // A spill is counted exactly when the pick is not the key's own member: the
+        // nearest routable rank, load and room aside, of the workers that are candidates
+        // (a worker without a rank with room is not one).
+        let home = home_oracle(&snap, key, &n);
+        let spilled = got.is_some() && got != home;
+        prop_assert_eq!(spills(&snap) - before, u64::from(spilled));
         match got {
             Some((u, k)) => {
                 let w = snap.decodes.iter().find(|w| w.shared.url.to_string() == u).unwrap();

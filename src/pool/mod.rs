@@ -37,6 +37,7 @@ mod origin;
 mod ranks;
 mod series;
 pub mod stats;
+pub mod tally;
 mod worker;
 
 pub use breaker::{Breaker, BreakerState, TrialGuard};

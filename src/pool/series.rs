@@ -1,5 +1,6 @@
 //! The pool's own series, derived from its snapshot when `/metrics` is rendered: per
-//! worker its health and breaker state, per (worker, DP rank) the legs in flight, per
+//! worker its health and breaker state, per (worker, DP rank) the legs in flight and what
+//! its prefix cache did (`pool::tally`), per
 //! (prefill, DP rank) its bootstrap state, and the routable ranks of each role and model.
 //!
 //! Read at scrape time because they are already here: the in-flight counters are the
@@ -74,6 +75,24 @@ impl Source for Snapshot {
                 let rank = rank.to_string();
                 let l = labels(w, id, Some(("rank", &rank)));
                 out.sample(&l, n.load(Ordering::Relaxed));
+            }
+        }
+
+        let tallies: Vec<_> = workers().map(|(w, _)| w.per_rank.tally.read()).collect();
+        for (family, value) in [
+            (
+                telemetry::RANK_PROMPT_TOKENS,
+                (|c| c.prompt_tokens) as fn(&super::tally::RankCounts) -> u64,
+            ),
+            (telemetry::RANK_CACHED_TOKENS, |c| c.cached_tokens),
+            (telemetry::AFFINITY_SPILLS, |c| c.spills),
+        ] {
+            out.family(family);
+            for ((w, id), ranks) in workers().zip(&tallies) {
+                for (rank, c) in ranks.iter().enumerate() {
+                    let rank = rank.to_string();
+                    out.sample(&labels(w, id, Some(("rank", &rank))), value(c));
+                }
             }
         }
 

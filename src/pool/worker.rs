@@ -7,7 +7,8 @@
 //!   stop token). Built once when the worker joins the pool and never changed after: the
 //!   master entry and every snapshot's view hold the same `Arc`.
 //! - [`RankHandles`]: the handles sized to the worker's DP size (in-flight counters,
-//!   engine load, capacity, rank probes, learned progress, rank freshness). What they
+//!   engine load, capacity, rank probes, learned progress, rank freshness, the cache
+//!   tally). What they
 //!   point to (atomics, mostly) is written in place by whoever owns it (see
 //!   ARCHITECTURE.md, "Who writes shared state"); the set itself is replaced whole, by the
 //!   pool's writer only, when the DP size changes ([`super::Pool::update_worker_if`]). A
@@ -114,6 +115,8 @@ pub struct RankHandles {
     pub progress: Arc<WorkerProgress>,
     /// When each rank was last confirmed (atomics: no rebuild per confirmation).
     pub fresh: Arc<RankFreshness>,
+    /// What each rank's prefix cache did for its requests, and affinity spills into it.
+    pub tally: Arc<super::tally::RankTally>,
 }
 
 impl RankHandles {
@@ -128,6 +131,7 @@ impl RankHandles {
             probes: Arc::new(RankProbes::new(dp)),
             progress: Arc::new(WorkerProgress::new(dp)),
             fresh: Arc::new(RankFreshness::new(dp)),
+            tally: Arc::new(super::tally::RankTally::new(dp)),
         }
     }
 }

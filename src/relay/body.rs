@@ -56,6 +56,10 @@ pub struct PdBody {
     /// The response is an SSE stream (for its whole life, moves included): a failure ends
     /// it with an error event, and each write is an event whose time is recorded.
     events: bool,
+    /// An SSE stream's last frame relayed: a stream's final figures (its usage chunk) may
+    /// come a read before its `[DONE]`, and the answer's prompt-cache figures are read from
+    /// its end ([`Self::tally`]). A reference to bytes already sent (no copy).
+    last: Bytes,
     record: RequestRecord,
     /// The request's admission slot: released with this body, or handed to a prefill leg
     /// still running when decode's answer is complete.
@@ -235,6 +239,7 @@ impl PdBody {
         let bound = idle_bound(mover.as_deref(), &passive, stream_idle);
         let mut body = PdBody {
             events: legs.sse.is_some(),
+            last: Bytes::new(),
             state: State::Relaying(legs),
             idle: IdleWatch::new(bound, stream_idle),
             mover,
@@ -283,6 +288,20 @@ impl PdBody {
     /// Decode's answer is complete: nothing is cancelled, and a prefill answer still on its
     /// way (its KV was sent, or decode could not have answered) is left to finish on its
     /// own. Returns the scanner's unfinished tail, if any.
+    /// The answer ends well with `out`: its prompt-cache figures, read from its end (else
+    /// from the stream's frame before), go to the prefill rank's tally.
+    fn tally(&mut self, out: &[u8]) {
+        let Some((tally, rank)) = &self.passive.tally else {
+            return;
+        };
+        let last = std::mem::take(&mut self.last);
+        if let Some(pc) =
+            crate::skim::prompt_cache(out).or_else(|| crate::skim::prompt_cache(&last))
+        {
+            tally.answered(*rank, pc.prompt_tokens, pc.cached_tokens);
+        }
+    }
+
     fn end_ok(&mut self) -> Bytes {
         let State::Relaying(mut legs) = std::mem::replace(&mut self.state, State::Ended) else {
             return Bytes::new();
@@ -598,7 +617,12 @@ impl PdBody {
                 }
                 // The whole answer may have come with the first bytes (a non-streamed
                 // answer with a Content-Length, after which hyper stops polling this body).
-                let b = if at_end { join(b, self.end_ok()) } else { b };
+                let b = if at_end {
+                    self.tally(&b);
+                    join(b, self.end_ok())
+                } else {
+                    b
+                };
                 return Poll::Ready(Some(Ok(Frame::data(b))));
             }
         }
@@ -655,8 +679,12 @@ impl PdBody {
                     };
                     let at_end = legs.decode_ended();
                     let out = if at_end {
+                        self.tally(&out);
                         join(out, self.end_ok())
                     } else {
+                        if self.events && !out.is_empty() {
+                            self.last = out.clone();
+                        }
                         out
                     };
                     if out.is_empty() {
@@ -681,6 +709,7 @@ impl PdBody {
                     return self.fail_or_move(f, Bytes::new(), "decode_broken", cx);
                 }
                 Poll::Ready(None) => {
+                    self.tally(&[]);
                     let tail = self.end_ok();
                     if !tail.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(tail))));

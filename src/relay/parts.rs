@@ -29,6 +29,10 @@ pub struct Passive {
     /// Where a stream that ended well teaches its largest inter-event gap (stall
     /// detection): the decode's progress and rank.
     pub gaps: Option<(std::sync::Arc<crate::progress::WorkerProgress>, DpRank)>,
+    /// Where an answer that ends well reports its prompt-cache figures
+    /// ([`crate::skim::prompt_cache`]): the prefill's (a regular worker's own) rank, whose
+    /// cache the engine's `cached_tokens` describe.
+    pub tally: Option<(std::sync::Arc<crate::pool::tally::RankTally>, DpRank)>,
 }
 
 impl Passive {

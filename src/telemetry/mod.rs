@@ -144,6 +144,9 @@ pub const MODEL_ROUTABLE_RANKS: &str = "pdgate_model_routable_ranks";
 pub const WORKER_REQUESTS: &str = "pdgate_worker_requests_total";
 pub const WORKER_PREFILL_DURATION: &str = "pdgate_worker_prefill_duration_seconds";
 pub const WORKER_FIRST_BYTE: &str = "pdgate_worker_first_byte_seconds";
+pub const RANK_PROMPT_TOKENS: &str = "pdgate_rank_prompt_tokens_total";
+pub const RANK_CACHED_TOKENS: &str = "pdgate_rank_cached_tokens_total";
+pub const AFFINITY_SPILLS: &str = "pdgate_affinity_spills_total";
 
 const fn s(
     name: &'static str,
@@ -286,6 +289,12 @@ pub static SERIES: &[Series] = &[
         "Prefill legs that answered: time from the leg's send to the prefill's answer, per prefill worker.")),
     derived_of(histogram(WORKER_FIRST_BYTE, &["role", "worker_id", "worker_url"], LATENCY_BUCKETS,
         "Decode legs: time from the legs' send to the decode's first bytes (it waits for its prefill), per decode worker.")),
+    derived_of(s(RANK_PROMPT_TOKENS, C, Unit::Count, &["role", "worker_id", "worker_url", "rank"],
+        "Prompt tokens of the answers whose prefill ran on this (worker, DP rank), as the engine reported them (usage.prompt_tokens, meta_info.prompt_tokens) in the answer's last event or bytes; answers that report none are not counted.")),
+    derived_of(s(RANK_CACHED_TOKENS, C, Unit::Count, &["role", "worker_id", "worker_url", "rank"],
+        "Of those prompt tokens, the ones the engine found in the rank's prefix cache (meta_info.cached_tokens, usage.prompt_tokens_details.cached_tokens): divide by pdgate_rank_prompt_tokens_total for the rank's hit ratio.")),
+    derived_of(s(AFFINITY_SPILLS, C, Unit::Count, &["role", "worker_id", "worker_url", "rank"],
+        "Requests cache_aware placed on this (worker, DP rank) although their key's own rank was another (over the load bound, or without room for the request): where hot keys spilled.")),
     derived(WORKER_HEALTHY, &["role", "worker_id", "worker_url"],
         "1 when the worker passes its active health checks, else 0."),
     derived(WORKER_IN_FLIGHT, &["role", "worker_id", "worker_url", "rank"],

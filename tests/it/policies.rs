@@ -117,6 +117,8 @@ async fn conversations_stay_on_their_ranks(mode: ContractMode) {
     let with_cache = |mut e: EngineConfig| {
         e.prefill_prefix_cache_tokens = 20_000;
         e.decode_prefix_cache_tokens = 20_000;
+        // As SGLang's `--enable-cache-report`: OpenAI answers carry `cached_tokens`.
+        e.enable_cache_report = true;
         e
     };
     let env = start(
@@ -199,7 +201,36 @@ async fn conversations_stay_on_their_ranks(mode: ContractMode) {
         s.decode_cache_hit_ratio().unwrap_or(0.0),
     );
     assert!(hp > 0.5 && hd > 0.5, "{mode:?}: hit ratios {hp} {hd}");
+    // pdgate's tally per (prefill, rank), from the answers' `cached_tokens`, is the
+    // engines' own count rank by rank.
+    let scrape = pdgate::telemetry::render_derived(&*env.router.pool);
+    let mut seen: Vec<u64> = samples(&scrape, "pdgate_rank_cached_tokens_total{role=\"prefill\"");
+    let mut want: Vec<u64> = env
+        .cluster
+        .prefills
+        .iter()
+        .flat_map(|p| p.stats().prefill_prefix_cached_tokens)
+        .collect();
+    seen.retain(|v| *v > 0);
+    want.retain(|v| *v > 0);
+    seen.sort_unstable();
+    want.sort_unstable();
+    assert!(!want.is_empty(), "{s:?}");
+    assert_eq!(seen, want, "{mode:?}: per-rank cached tokens\n{scrape}");
+    let prompt: u64 = samples(&scrape, "pdgate_rank_prompt_tokens_total{role=\"prefill\"")
+        .iter()
+        .sum();
+    assert!(prompt > want.iter().sum::<u64>(), "{scrape}");
     env.router.server.shutdown().await;
+}
+
+/// The values of the samples whose line starts with `prefix`.
+fn samples(scrape: &str, prefix: &str) -> Vec<u64> {
+    scrape
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

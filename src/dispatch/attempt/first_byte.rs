@@ -105,6 +105,7 @@ where
         decode,
         mut decode_cancel,
         decode_load,
+        prefill_tally,
         mut stall,
         span: _,
     } = legs;
@@ -292,6 +293,7 @@ where
                 decode: pair.decode.worker,
                 decode_role: Role::Decode,
                 gaps: Some((progress.stall.decode_progress(), pair.decode.rank)),
+                tally: Some((prefill_tally, pair.prefill.rank)),
             },
             merge_rate,
         },
