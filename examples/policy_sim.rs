@@ -4,7 +4,10 @@
 //! counters are driven by `LoadGuard`s), and prints a markdown table.
 //!
 //! Why: to show, with numbers, what prefix affinity buys (prefix-cache hits) and what it
-//! costs (load spread), and that independent replicas keep the affinity.
+//! costs (load spread), and that independent replicas keep the affinity. With DP attention
+//! an engine keeps one prefix cache per DP rank, so the DP rows model one cache per
+//! (worker, rank) on the prefill side and, with a decode radix cache, on the decode side
+//! too: a pick is a (worker, rank), as pdgate makes it.
 //!
 //! Invariants: deterministic (fixed seeds; the workload is drawn once and shared by every
 //! policy; a discrete-event loop in virtual time), bounded (about 1,100 requests per run,
@@ -21,7 +24,7 @@ use std::time::Instant;
 use pdgate::config::{PolicyConfig, PolicyKind};
 use pdgate::policy::{build_with, select, PickCtx, Policy};
 use pdgate::pool::{LoadGuard, Pool, Snapshot};
-use pdgate::types::{Role, WorkerId};
+use pdgate::types::Role;
 use pdgate::upstream::parse_base_url;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -38,6 +41,8 @@ const OVERHEAD_S: f64 = 0.03;
 const PREFILL_S_PER_TOKEN: f64 = 0.000_25;
 const ITL_S: f64 = 0.015;
 const BATCH_SLOWDOWN: f64 = 32.0;
+// The decode's wait per prompt token of KV its rank lacks (DP rows).
+const DECODE_S_PER_MISSING_TOKEN: f64 = 0.000_2;
 // Measurement.
 const SAMPLE_EVERY_US: u64 = 50_000;
 const POLL_EVERY_US: u64 = 500_000;
@@ -151,7 +156,10 @@ struct Replica {
     policy: Box<dyn Policy>,
 }
 
-fn replica(n: usize, kind: PolicyKind, cfg: &PolicyConfig) -> Replica {
+/// `n` routable workers of DP `dp`. Both sides of the handoff are modelled on decode-role
+/// workers: the policy code is the same for either role, and a decode is routable without
+/// a bootstrap server.
+fn replica(n: usize, dp: u32, kind: PolicyKind, cfg: &PolicyConfig) -> Replica {
     let pool = Pool::new();
     for i in 0..n {
         let url = parse_base_url(&format!("http://10.0.0.{}:30000", i + 1)).unwrap_or_else(|e| {
@@ -161,7 +169,7 @@ fn replica(n: usize, kind: PolicyKind, cfg: &PolicyConfig) -> Replica {
         let id = pool.add_worker(Role::Decode, url, None);
         pool.update_worker(Role::Decode, id, |w| {
             w.facts.healthy = true;
-            w.facts.dp_size = Some(1);
+            w.facts.dp_size = Some(dp);
         });
     }
     let snap = pool.load_full();
@@ -175,9 +183,38 @@ fn replica(n: usize, kind: PolicyKind, cfg: &PolicyConfig) -> Replica {
 struct InFlight {
     conv: usize,
     turn: usize,
-    worker: usize,
+    /// The prefill (worker, rank) member, and the decode's when the run has a decode side.
+    member: usize,
+    decode: Option<usize>,
     history: u64,
-    _guard: LoadGuard,
+    _guards: (LoadGuard, Option<LoadGuard>),
+}
+
+/// One side of the handoff: `workers` engines of DP `dp` (members: worker × dp + rank).
+#[derive(Clone, Copy)]
+struct Side {
+    workers: usize,
+    dp: u32,
+}
+
+impl Side {
+    fn members(self) -> usize {
+        self.workers * self.dp as usize
+    }
+}
+
+/// A (worker, rank) pick on `r`: its member index and its load guard.
+fn pick(r: &Replica, dp: u32, key: u64, rng: &mut StdRng) -> Option<(usize, LoadGuard)> {
+    let ctx = PickCtx {
+        exclude: &[],
+        prefix_hash: Some(key),
+        need: None,
+        among: None,
+    };
+    let target = select(r.policy.as_ref(), &r.snap, Role::Decode, &ctx, rng)?.target;
+    let view = r.snap.worker(Role::Decode, target.worker)?;
+    let member = target.worker.0 as usize * dp as usize + target.rank as usize;
+    Some((member, LoadGuard::new(view, target.rank)))
 }
 
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
@@ -188,20 +225,40 @@ enum Event {
 
 struct Outcome {
     hit_ratio: f64,
+    /// Decode side: the KV a decode rank already held, over all prompt tokens.
+    decode_hit_ratio: Option<f64>,
     count_spread: f64,
     p99_inflight_spread: f64,
     mean_inflight_spread: f64,
     mean_latency_s: f64,
 }
 
-/// Runs the workload on `n` workers with `replicas` independent policy instances.
-fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: bool) -> Outcome {
+/// Runs the workload on the prefill `side` (and a `decode` side, if given) with `replicas`
+/// independent policy instances per side.
+fn run(
+    convs: &[Conversation],
+    side: Side,
+    decode: Option<Side>,
+    pol: &Policy2,
+    replicas: usize,
+    poll: bool,
+) -> Outcome {
+    let n = side.members();
     let reps: Vec<Replica> = (0..replicas)
-        .map(|_| replica(n, pol.kind, &pol.cfg))
+        .map(|_| replica(side.workers, side.dp, pol.kind, &pol.cfg))
         .collect();
+    let dreps: Vec<Replica> = decode.map_or_else(Vec::new, |d| {
+        (0..replicas)
+            .map(|_| replica(d.workers, d.dp, pol.kind, &pol.cfg))
+            .collect()
+    });
     let mut rng = StdRng::seed_from_u64(7);
     let mut caches: Vec<Cache> = (0..n).map(|_| Cache::default()).collect();
+    let mut dcaches: Vec<Cache> = (0..decode.map_or(0, Side::members))
+        .map(|_| Cache::default())
+        .collect();
     let mut inflight = vec![0u64; n];
+    let mut dinflight = vec![0u64; dcaches.len()];
     let mut counts = vec![0u64; n];
     let mut history = vec![0u64; convs.len()];
     let mut live: HashMap<u64, InFlight> = HashMap::new();
@@ -216,13 +273,13 @@ fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: b
         )));
         seq += 1;
     }
-    let (mut hit, mut prompt, mut latency, mut done) = (0u64, 0u64, 0.0, 0u64);
+    let (mut hit, mut dhit, mut prompt, mut latency, mut done) = (0u64, 0u64, 0u64, 0.0, 0u64);
     let mut spreads = Vec::new();
     let (mut next_sample, mut next_poll) = (0u64, 0u64);
     while let Some(Reverse((t, _, ev))) = events.pop() {
         while next_sample <= t {
             let total: u64 = inflight.iter().sum();
-            // Only when there is on average at least one request per worker: below that
+            // Only when there is on average at least one request per member: below that
             // max/mean measures emptiness, not imbalance.
             if total >= n as u64 {
                 let max = inflight.iter().copied().max().unwrap_or(0);
@@ -231,11 +288,18 @@ fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: b
             next_sample += SAMPLE_EVERY_US;
         }
         while poll && next_poll <= t {
-            // What `health::load` would store: the engine's own count, every replica's.
-            for r in &reps {
-                for (w, view) in r.snap.decodes.iter().enumerate() {
-                    if let Some(slot) = view.per_rank.engine_load.first() {
-                        slot.store(inflight[w], Ordering::Relaxed);
+            // What `health::load` would store: the engine's own count per rank, every
+            // replica's.
+            for (reps, dp, counts) in [
+                (&reps, side.dp, &inflight),
+                (&dreps, decode.map_or(1, |d| d.dp), &dinflight),
+            ] {
+                for r in reps {
+                    for (w, view) in r.snap.decodes.iter().enumerate() {
+                        for (k, slot) in view.per_rank.engine_load.iter().enumerate() {
+                            let m = w * dp as usize + k;
+                            slot.store(counts.get(m).copied().unwrap_or(0), Ordering::Relaxed);
+                        }
                     }
                 }
             }
@@ -244,43 +308,55 @@ fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: b
         match ev {
             Event::Arrive { conv, turn } => {
                 let c = &convs[conv];
-                let r = &reps[rng.random_range(0..replicas)];
-                let ctx = PickCtx {
-                    exclude: &[],
-                    prefix_hash: Some(c.key),
-                    need: None,
-                    among: None,
-                };
-                let Some(target) = select(r.policy.as_ref(), &r.snap, Role::Decode, &ctx, &mut rng)
-                    .map(|p| p.target)
-                else {
+                let ri = rng.random_range(0..replicas);
+                let Some((m, guard)) = pick(&reps[ri], side.dp, c.key, &mut rng) else {
                     continue;
                 };
-                let w = target.worker.0 as usize;
-                let Some(view) = r.snap.worker(Role::Decode, WorkerId(w as u32)) else {
-                    continue;
+                let dpick = match (decode, dreps.get(ri)) {
+                    (Some(d), Some(r)) => {
+                        let Some(p) = pick(r, d.dp, c.key, &mut rng) else {
+                            continue;
+                        };
+                        Some(p)
+                    }
+                    _ => None,
                 };
-                let guard = LoadGuard::new(view, target.rank);
                 let hist = history[conv];
                 let tokens = SYSTEM_TOKENS + hist + c.turns[turn].user;
-                let cached = caches[w].hit(c.system, conv, hist);
+                let cached = caches[m].hit(c.system, conv, hist);
                 hit += cached;
                 prompt += tokens;
-                let slowdown = 1.0 + inflight[w] as f64 / BATCH_SLOWDOWN;
+                // The decode waits for the KV its rank lacks.
+                let kv_wait = match &dpick {
+                    Some((dm, _)) => {
+                        let held = dcaches[*dm].hit(c.system, conv, hist);
+                        dhit += held;
+                        dinflight[*dm] += 1;
+                        DECODE_S_PER_MISSING_TOKEN * (tokens - held) as f64
+                    }
+                    None => 0.0,
+                };
+                let slowdown = 1.0 + inflight[m] as f64 / BATCH_SLOWDOWN;
                 let svc = OVERHEAD_S
                     + PREFILL_S_PER_TOKEN * (tokens - cached) as f64
+                    + kv_wait
                     + ITL_S * c.turns[turn].output as f64 * slowdown;
                 latency += svc;
-                inflight[w] += 1;
-                counts[w] += 1;
+                inflight[m] += 1;
+                counts[m] += 1;
+                let (decode_member, dguard) = match dpick {
+                    Some((dm, g)) => (Some(dm), Some(g)),
+                    None => (None, None),
+                };
                 live.insert(
                     seq,
                     InFlight {
                         conv,
                         turn,
-                        worker: w,
+                        member: m,
+                        decode: decode_member,
                         history: hist,
-                        _guard: guard,
+                        _guards: (guard, dguard),
                     },
                 );
                 events.push(Reverse((t + us(svc), seq, Event::Complete { req: seq })));
@@ -290,11 +366,22 @@ fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: b
                 let Some(f) = live.remove(&req) else { continue };
                 let c = &convs[f.conv];
                 let turn = &c.turns[f.turn];
-                inflight[f.worker] -= 1;
+                inflight[f.member] -= 1;
                 done += 1;
                 let h = f.history + turn.user + turn.output;
                 history[f.conv] = h;
-                caches[f.worker].insert(c.system, f.conv, h);
+                // A PD prefill rank caches the prompt it computed (it never sees the
+                // output); a decode rank with a radix cache keeps the KV it received and
+                // generated. Without a decode side a worker is one engine that keeps both.
+                let computed = match f.decode {
+                    Some(_) => f.history + turn.user,
+                    None => h,
+                };
+                caches[f.member].insert(c.system, f.conv, computed);
+                if let Some(dm) = f.decode {
+                    dinflight[dm] -= 1;
+                    dcaches[dm].insert(c.system, f.conv, h);
+                }
                 if f.turn + 1 < c.turns.len() {
                     let at = t + us(turn.think_s);
                     events.push(Reverse((
@@ -319,6 +406,7 @@ fn run(convs: &[Conversation], n: usize, pol: &Policy2, replicas: usize, poll: b
     let mean_count = counts.iter().sum::<u64>() as f64 / n as f64;
     Outcome {
         hit_ratio: hit as f64 / prompt.max(1) as f64,
+        decode_hit_ratio: decode.map(|_| dhit as f64 / prompt.max(1) as f64),
         count_spread: counts.iter().copied().max().unwrap_or(0) as f64 / mean_count.max(1e-9),
         p99_inflight_spread: p99,
         mean_inflight_spread: spreads.iter().sum::<f64>() / spreads.len().max(1) as f64,
@@ -372,7 +460,7 @@ fn pick_cost() {
     for n in [4usize, 8, 16, 32, 64] {
         let mut row = Vec::new();
         for kind in [PolicyKind::PowerOfTwo, PolicyKind::CacheAware] {
-            let r = replica(n, kind, &PolicyConfig::default());
+            let r = replica(n, 1, kind, &PolicyConfig::default());
             let mut rng = StdRng::seed_from_u64(1);
             let iters = 20_000u64;
             let start = Instant::now();
@@ -406,15 +494,41 @@ fn main() {
     );
     println!("| workers | replicas | engine load polled | policy | prefix hit | requests max/mean | in-flight max/mean: mean | p99 | mean service s |");
     println!("|---:|---:|:---:|---|---:|---:|---:|---:|---:|");
+    let one = |workers| Side { workers, dp: 1 };
     let scenarios = [(4, 1, false), (8, 1, false), (8, 2, false), (8, 2, true)];
     for (n, replicas, poll) in scenarios {
         for p in policies() {
-            let o = run(&convs, n, &p, replicas, poll);
+            let o = run(&convs, one(n), None, &p, replicas, poll);
             println!(
                 "| {n} | {replicas} | {} | {} | {:.1}% | {:.2} | {:.2} | {:.2} | {:.2} |",
                 if poll { "yes" } else { "no" },
                 p.label,
                 o.hit_ratio * 100.0,
+                o.count_spread,
+                o.mean_inflight_spread,
+                o.p99_inflight_spread,
+                o.mean_latency_s
+            );
+        }
+    }
+    // PD with DP attention: 2 prefills of DP 4 and 2 decodes of DP 2 (issue 35's fleet),
+    // one prefix cache per rank on each side (each rank's share of the worker's cache).
+    let (prefill, decode) = (Side { workers: 2, dp: 4 }, Side { workers: 2, dp: 2 });
+    println!(
+        "\nPD, DP attention: prefills {}×DP{}, decodes {}×DP{}; one cache of {CACHE_TOKENS} tokens per rank\n",
+        prefill.workers, prefill.dp, decode.workers, decode.dp
+    );
+    println!("| replicas | engine load polled | policy (both sides) | prefill hit | decode hit | prefill ranks: requests max/mean | in-flight max/mean: mean | p99 | mean service s |");
+    println!("|---:|:---:|---|---:|---:|---:|---:|---:|---:|");
+    for (replicas, poll) in [(1, false), (3, false), (3, true)] {
+        for p in policies() {
+            let o = run(&convs, prefill, Some(decode), &p, replicas, poll);
+            println!(
+                "| {replicas} | {} | {} | {:.1}% | {:.1}% | {:.2} | {:.2} | {:.2} | {:.2} |",
+                if poll { "yes" } else { "no" },
+                p.label,
+                o.hit_ratio * 100.0,
+                o.decode_hit_ratio.unwrap_or(0.0) * 100.0,
                 o.count_spread,
                 o.mean_inflight_spread,
                 o.p99_inflight_spread,
