@@ -331,8 +331,12 @@ def run(name, out_path, target, prefills, decodes, extra):
         time.sleep(0.1)
     stats = {"prefill": [get_json(e["url"], "/sim/stats") for e in prefills],
              "decode": [get_json(e["url"], "/sim/stats") for e in decodes]}
+    spills = {"prefill": 0, "decode": 0}
+    for port in getattr(target, "ports", []):
+        for role, n in scrape_spills(port).items():
+            spills[role] = spills.get(role, 0) + n
     expected = sum(len(c["users"]) for c in convs)
-    doc = {"name": name, "extra": extra, "elapsed_s": round(elapsed, 2),
+    doc = {"spills": spills if isinstance(target, Routers) else None, "name": name, "extra": extra, "elapsed_s": round(elapsed, 2),
            "requests_expected": expected, "results": results, "stats": stats,
            "samples": samples, "prefill_dp": [p["dp"] for p in prefills],
            "decode_dp": [d["dp"] for d in decodes], "concurrency": CONCURRENCY}
@@ -343,6 +347,23 @@ def run(name, out_path, target, prefills, decodes, extra):
           f"{pct(s['prefill_hit'])}, decode hit {pct(s['decode_hit'])}, TTFT p50 "
           f"{s['p50']:.0f} ms p99 {s['p99']:.0f} ms, violations {s['violations']}, "
           f"{elapsed:.1f} s", file=sys.stderr)
+
+
+def scrape_spills(port):
+    """The router's `pdgate_affinity_spills_total`, summed by role (its front-door
+    /metrics, served with --public-metrics); {} when it has none."""
+    out = {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except Exception:  # noqa: BLE001 - an older binary without the metric
+        return out
+    for line in text.splitlines():
+        if line.startswith("pdgate_affinity_spills_total{"):
+            labels, value = line.rsplit(" ", 1)
+            role = labels.split('role="', 1)[1].split('"', 1)[0]
+            out[role] = out.get(role, 0) + int(float(value))
+    return out
 
 
 # ---------------------------------------------------------------- the report
@@ -382,7 +403,22 @@ def summarise(doc):
     # Errors: requests that failed, plus turns never sent because of one (or the deadline).
     sent_or_failed = len(res)
     errors = len(res) - len(ok) + (doc["requests_expected"] - sent_or_failed)
+    # Follow-up turns whose prefill held less than the previous turn's prompt (less one
+    # page): the conversation's prefix was not where the turn ran (moved, or evicted).
+    prev, lost, follow = {}, 0, 0
+    for r in sorted(ok, key=lambda r: (r["conv"], r["turn"])):
+        u = r["usage"] or {}
+        if r["turn"] > 0 and r["conv"] in prev:
+            follow += 1
+            cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            if cached < prev[r["conv"]] - 16:
+                lost += 1
+        prev[r["conv"]] = u.get("prompt_tokens", 0)
+    sp = doc.get("spills")
     s = {
+        "spills": "—" if not sp else f"{sp.get('prefill', 0)} / {sp.get('decode', 0)}",
+        "lost_turns": lost,
+        "follow_turns": follow,
         "ok": len(ok),
         "errors": errors,
         "error_examples": sorted({r["error"] for r in res if r["error"]})[:3],
@@ -431,6 +467,7 @@ def report(out_dir):
         ("round_robin", "pdgate `--policy round_robin`"),
         ("cache_aware_3", "pdgate `cache_aware`, 3 replicas sharing nothing (requests round-robin over them)"),
         ("cache_aware_pinned", "pdgate `cache_aware --contract-mode pinned`, engines that query the prefill rank"),
+        ("cache_aware_c2", "pdgate `cache_aware`, balance factor 2 (not the default 1.25)"),
         ("ideal_conversation", "ideal, per conversation (conversation i on prefill rank i mod 8, decode rank i mod 4)"),
         ("ideal_sysprompt", "**ideal rank-affine placement** (per system prompt: 2 prefill ranks and 1 decode rank each)"),
     ]
@@ -459,18 +496,20 @@ def report(out_dir):
             dd = 100 * (s["decode_hit"] - ideal["decode_hit"])
             print(f"| {key} | {dp:+.1f} pt | {dd:+.1f} pt | {s['p50'] / ideal['p50']:.2f}× |")
     print()
-    print("Per rank (global rank = worker × DP + rank): requests, and the client's view of the "
-          "prefill hit (`usage.prompt_tokens_details.cached_tokens`):")
+    print("Per rank (global rank = worker × DP + rank): requests; the client's view of the "
+          "prefill hit (`usage.prompt_tokens_details.cached_tokens`); follow-up turns whose "
+          "prefill held less than the previous turn's prompt (less one page), i.e. ran where "
+          "their conversation's prefix was not (moved, or evicted):")
     print()
-    print("| run | prefill requests per rank | decode requests per rank | client-reported hit | engine failed+aborted |")
-    print("|---|---|---|---|---|")
+    print("| run | prefill requests per rank | decode requests per rank | client-reported hit | follow-up turns that missed their prefix on the prefill | spills (pdgate's count, prefill / decode) | engine failed+aborted |")
+    print("|---|---|---|---|---|---|---|")
     for key, _ in rows:
         s = sums.get(key)
         if not s:
             continue
         pr = " ".join(str(x) for r in s["prefill_requests"] for x in r)
         dr = " ".join(str(x) for r in s["decode_requests"] for x in r)
-        print(f"| {key} | {pr} | {dr} | {pct(s['client_hit'])} | {s['engine_failed']} |")
+        print(f"| {key} | {pr} | {dr} | {pct(s['client_hit'])} | {s['lost_turns']} of {s['follow_turns']} | {s['spills']} | {s['engine_failed']} |")
     if "hot" in docs:
         s = summarise(docs["hot"])
         d = docs["hot"]
@@ -482,7 +521,8 @@ def report(out_dir):
               f"decode hit {pct(s['decode_hit'])}, TTFT p50 / p99 {s['p50']:.0f} / "
               f"{s['p99']:.0f} ms (hot {quantile([1000 * r['ttft'] for r in hot], 0.5):.0f} ms, "
               f"others {quantile([1000 * r['ttft'] for r in cold], 0.5):.0f} ms), errors "
-              f"{s['errors']}, violations {s['violations']}.")
+              f"{s['errors']}, violations {s['violations']}, spills (prefill / decode) "
+              f"{s['spills']}.")
         print()
         print("| pool | requests per rank | peak present per rank (sampled every 50 ms) | peak total present | bound at that total, ceil(1.25 × (total + 1) / n) | decode peak running per rank (engine) |")
         print("|---|---|---|---|---|---|")
