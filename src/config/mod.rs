@@ -212,9 +212,15 @@ pub enum PolicyKind {
 pub struct PolicyConfig {
     pub prefill: PolicyKind,
     pub decode: PolicyKind,
-    /// cache_aware: bounded-load factor c; a worker takes a request only while its load
-    /// stays within ceil(c x (total load + 1) / workers). At least 1.0.
+    /// cache_aware: bounded-load factor c; a (worker, rank) takes a request only while its
+    /// load stays within ceil(c x (total load + 1) / members) + `cache_aware_slack`. At
+    /// least 1.0.
     pub cache_aware_balance_factor: f64,
+    /// cache_aware: requests a member may hold above the relative bound before its keys
+    /// spill. At low load the relative bound is one or two requests, and a spilled turn
+    /// recomputes its whole conversation on another rank, which costs more than waiting
+    /// behind a request or two on its own (issue 35's multi-turn bench). 0..=64.
+    pub cache_aware_slack: u32,
     /// cache_aware: virtual nodes per worker on the hash ring.
     pub cache_aware_vnodes: u32,
     /// Poll each engine's own load (`/v1/loads`, else `/get_load`) this often; 0 = off.
@@ -227,6 +233,7 @@ impl Default for PolicyConfig {
             prefill: PolicyKind::RoundRobin,
             decode: PolicyKind::RoundRobin,
             cache_aware_balance_factor: 1.25,
+            cache_aware_slack: 1,
             cache_aware_vnodes: 100,
             load_poll_interval_ms: 0,
         }

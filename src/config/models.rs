@@ -166,6 +166,7 @@ overlay! {
         prefill: PolicyKind,
         decode: PolicyKind,
         cache_aware_balance_factor: f64,
+        cache_aware_slack: u32,
         cache_aware_vnodes: u32,
     }
 }

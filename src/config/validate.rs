@@ -203,6 +203,7 @@ impl Config {
             1000.0,
         )?;
         range("policy.cache_aware_vnodes", p.cache_aware_vnodes, 1, 1024)?;
+        range("policy.cache_aware_slack", p.cache_aware_slack, 0, 64)?;
         if p.load_poll_interval_ms != 0 {
             range(
                 "policy.load_poll_interval_ms",

@@ -116,6 +116,8 @@ type PointCache = Vec<RingEntry>;
 #[derive(Debug)]
 pub struct CacheAware {
     factor: f64,
+    /// Requests a member may hold above the relative bound (`policy.cache_aware_slack`).
+    slack: u32,
     vnodes: u32,
     points: ArcSwap<PointCache>,
 }
@@ -147,7 +149,7 @@ fn member_load(c: &Candidate<'_>, rank: DpRank) -> u64 {
 }
 
 impl CacheAware {
-    /// `factor` below 1 or not finite is taken as 1; `vnodes` at least 1.
+    /// `factor` below 1 or not finite is taken as 1; `vnodes` at least 1; no slack.
     pub fn new(factor: f64, vnodes: u32) -> CacheAware {
         let factor = if factor.is_finite() && factor >= 1.0 {
             factor
@@ -156,20 +158,29 @@ impl CacheAware {
         };
         CacheAware {
             factor,
+            slack: 0,
             vnodes: vnodes.max(1),
             points: ArcSwap::from_pointee(Vec::new()),
         }
     }
 
-    pub fn from_config(cfg: &PolicyConfig) -> CacheAware {
-        CacheAware::new(cfg.cache_aware_balance_factor, cfg.cache_aware_vnodes)
+    /// The same with `slack` requests above the relative bound.
+    pub fn with_slack(self, slack: u32) -> CacheAware {
+        CacheAware { slack, ..self }
     }
 
-    /// ceil(c × (total + 1) / n): the most load a member may have and still take one more.
+    pub fn from_config(cfg: &PolicyConfig) -> CacheAware {
+        CacheAware::new(cfg.cache_aware_balance_factor, cfg.cache_aware_vnodes)
+            .with_slack(cfg.cache_aware_slack)
+    }
+
+    /// ceil(c × (total + 1) / n) + slack: the most load a member may have and still take
+    /// one more.
     pub fn bound(&self, total: u64, n: usize) -> u64 {
         let n = n.max(1) as f64;
         // Float to int casts saturate; the value is finite and non-negative.
-        (self.factor * (total as f64 + 1.0) / n).ceil() as u64
+        ((self.factor * (total as f64 + 1.0) / n).ceil() as u64)
+            .saturating_add(u64::from(self.slack))
     }
 
     /// Clockwise distance from `key` to the member's nearest virtual node, from scratch

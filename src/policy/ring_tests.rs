@@ -85,6 +85,7 @@ fn pick_at(p: &CacheAware, snap: &Snapshot, ctx: &PickCtx<'_>) -> Option<(String
 /// clockwise from the key to the first member within the bound (else the least loaded).
 fn ring_oracle(
     p_factor: f64,
+    slack: u32,
     vnodes: u32,
     snap: &Snapshot,
     key: u64,
@@ -109,7 +110,9 @@ fn ring_oracle(
         return None;
     }
     let total = members.iter().fold(0u64, |t, m| t.saturating_add(m.3));
-    let bound = CacheAware::new(p_factor, vnodes).bound(total, members.len());
+    let bound = CacheAware::new(p_factor, vnodes)
+        .with_slack(slack)
+        .bound(total, members.len());
     let key = key_point(key);
     let mut ring = Vec::new(); // (clockwise distance, hash, rank, url, member)
     for (i, m) in members.iter().enumerate() {
@@ -198,7 +201,7 @@ fn the_pick_follows_the_ring_per_rank() {
             let key = fnv1a(format!("conversation {key}").as_bytes());
             for need in [None, Some(need())] {
                 let got = pick_at(&p, &snap, &ctx(key, need));
-                let want = ring_oracle(1.25, 100, &snap, key, need.as_ref());
+                let want = ring_oracle(1.25, 1, 100, &snap, key, need.as_ref());
                 assert_eq!(got, want, "{dps:?} {loads:?} {full:?} key {key:x}");
                 if need.is_some() {
                     let (u, k) = got.unwrap();
@@ -221,32 +224,46 @@ fn the_pick_follows_the_ring_per_rank() {
 
 #[test]
 fn the_policy_rank_wins_over_the_least_loaded_one() {
-    let pool = fleet(&[4], false);
-    let snap = pool.load_full();
-    let p = CacheAware::default();
-    let key = fnv1a(b"a conversation");
-    let (_, k) = pick_at(&p, &snap, &ctx(key, None)).unwrap();
-    // One request in flight on that rank: still within the bound (ceil(1.25·2/4) = 1), so
-    // the key stays although the other ranks are idle.
-    let _g = LoadGuard::new(&snap.decodes[0], k);
-    assert_eq!(pick_at(&p, &snap, &ctx(key, None)).unwrap().1, k);
-    // Two: over the bound (ceil(1.25·3/4) = 1): the next rank clockwise, not the first free.
-    let _h = LoadGuard::new(&snap.decodes[0], k);
-    let spilled = pick_at(&p, &snap, &ctx(key, None)).unwrap().1;
-    assert_ne!(spilled, k);
-    assert_eq!(
-        Some(spilled),
-        ring_oracle(1.25, 100, &snap, key, None).map(|m| m.1)
-    );
-    // A full rank is skipped on a decode pick the same way.
-    drop((_g, _h));
-    busy(&snap.decodes[0], k as usize, 8);
-    let got = pick_at(&p, &snap, &ctx(key, Some(need()))).unwrap().1;
-    assert_ne!(got, k);
-    assert_eq!(
-        Some(got),
-        ring_oracle(1.25, 100, &snap, key, Some(&need())).map(|m| m.1)
-    );
+    // (slack, the most requests in flight on the key's rank while it still takes the key:
+    // the largest l with l ≤ ceil(1.25·(l+1)/4) + slack, the other ranks idle)
+    for (slack, kept) in [(0u32, 1usize), (1, 3), (3, 6)] {
+        let pool = fleet(&[4], false);
+        let snap = pool.load_full();
+        let p = CacheAware::new(1.25, 100).with_slack(slack);
+        let key = fnv1a(b"a conversation");
+        let (_, k) = pick_at(&p, &snap, &ctx(key, None)).unwrap();
+        // Up to `kept` requests in flight on that rank: within the bound, so the key stays
+        // although the other ranks are idle.
+        assert!(
+            kept as u64 <= p.bound(kept as u64, 4) && kept as u64 + 1 > p.bound(kept as u64 + 1, 4)
+        );
+        let mut guards: Vec<LoadGuard> = Vec::new();
+        for _ in 0..kept {
+            guards.push(LoadGuard::new(&snap.decodes[0], k));
+            assert_eq!(
+                pick_at(&p, &snap, &ctx(key, None)).unwrap().1,
+                k,
+                "slack {slack}"
+            );
+        }
+        // One more: over the bound: the next rank clockwise, not the first free.
+        guards.push(LoadGuard::new(&snap.decodes[0], k));
+        let spilled = pick_at(&p, &snap, &ctx(key, None)).unwrap().1;
+        assert_ne!(spilled, k, "slack {slack}");
+        assert_eq!(
+            Some(spilled),
+            ring_oracle(1.25, slack, 100, &snap, key, None).map(|m| m.1)
+        );
+        // A full rank is skipped on a decode pick the same way.
+        drop(guards);
+        busy(&snap.decodes[0], k as usize, 8);
+        let got = pick_at(&p, &snap, &ctx(key, Some(need()))).unwrap().1;
+        assert_ne!(got, k);
+        assert_eq!(
+            Some(got),
+            ring_oracle(1.25, slack, 100, &snap, key, Some(&need())).map(|m| m.1)
+        );
+    }
 }
 
 /// The worker-level ring as it was before ranks, over [`Candidate`]s (the reference for
@@ -310,7 +327,7 @@ proptest! {
         };
         let before = spills(&snap);
         let got = pick_at(&p, &snap, &ctx(key, Some(n)));
-        prop_assert_eq!(&got, &ring_oracle(c, 32, &snap, key, Some(&n)));
+        prop_assert_eq!(&got, &ring_oracle(c, 0, 32, &snap, key, Some(&n)));
         // A spill is counted exactly when the pick is not the key's own member: the
         // nearest routable rank, load and room aside, of the workers that are candidates
         // (a worker without a rank with room is not one).
