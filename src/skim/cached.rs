@@ -4,19 +4,33 @@
 //!
 //! Why from the end, by search: the figures sit in the answer's last event (a stream's
 //! final usage chunk, a non-streamed answer's `usage` or `meta_info`, which SGLang writes
-//! after the text), and the relay looks at them once per answer, so a search of a bounded
-//! tail ([`WINDOW`]) costs what one short `memmem` does, whatever the answer's length.
+//! after the text), and the relay looks at them once per answer: one reverse search of a
+//! bounded tail ([`WINDOW`]) for `prompt_tokens`, then one for `cached_tokens` within
+//! [`NEAR`] bytes of it, with searchers built once, whatever the answer's length.
 //!
 //! Invariants: only a key that opens a JSON string counts (one inside a string value is
-//! escaped, `\"cached_tokens\"`, and is skipped); the last occurrence wins (a stream's
-//! final figures); `None` when no `prompt_tokens` number is there (the engine reported
-//! nothing); a missing `cached_tokens` is 0 (SGLang omits `prompt_tokens_details` when
-//! nothing was cached). Never panics.
+//! escaped, `\"cached_tokens\"`, and is skipped); the last `prompt_tokens` wins (a
+//! stream's final figures) with the `cached_tokens` nearest after it (else before it);
+//! `None` when no `prompt_tokens` number is there (the engine reported nothing); a missing
+//! `cached_tokens` is 0 (SGLang omits `prompt_tokens_details` when nothing was cached).
+//! Never panics.
+
+use std::sync::LazyLock;
 
 use memchr::memmem;
 
-/// How many trailing bytes are searched.
+/// How many trailing bytes are searched for `prompt_tokens`.
 pub const WINDOW: usize = 4096;
+/// How far from `prompt_tokens` its `cached_tokens` is looked for (after it, where SGLang
+/// writes it in `meta_info` and `usage`, else before it).
+pub const NEAR: usize = 512;
+
+static PROMPT: LazyLock<memmem::FinderRev<'static>> =
+    LazyLock::new(|| memmem::FinderRev::new(b"\"prompt_tokens\""));
+static CACHED_REV: LazyLock<memmem::FinderRev<'static>> =
+    LazyLock::new(|| memmem::FinderRev::new(b"\"cached_tokens\""));
+static CACHED: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"cached_tokens\""));
 
 /// An answer's prompt figures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,34 +42,54 @@ pub struct PromptCache {
 /// The figures in the last [`WINDOW`] bytes of `b`; see the module docs.
 pub fn prompt_cache(b: &[u8]) -> Option<PromptCache> {
     let tail = &b[b.len().saturating_sub(WINDOW)..];
-    let prompt_tokens = last_number(tail, b"\"prompt_tokens\"")?;
-    let cached_tokens = last_number(tail, b"\"cached_tokens\"").unwrap_or(0);
+    let (at, prompt_tokens) = last_number(tail, &PROMPT, b"\"prompt_tokens\"".len())?;
+    let after = &tail[at..tail.len().min(at + NEAR)];
+    let before = &tail[at.saturating_sub(NEAR)..at];
+    let key = b"\"cached_tokens\"".len();
+    let cached_tokens = CACHED
+        .find(after)
+        .and_then(|i| number_after(after, i, key))
+        .or_else(|| last_number(before, &CACHED_REV, key).map(|(_, n)| n))
+        .unwrap_or(0);
     Some(PromptCache {
         prompt_tokens,
         cached_tokens,
     })
 }
 
-/// The number after the last unescaped `key` followed by a colon.
-fn last_number(b: &[u8], key: &[u8]) -> Option<u64> {
+/// Where the last unescaped key `finder` finds (of `key_len` bytes) starts, and the number
+/// after its colon.
+fn last_number(b: &[u8], finder: &memmem::FinderRev<'_>, key_len: usize) -> Option<(usize, u64)> {
     let mut end = b.len();
-    while let Some(at) = memmem::rfind(&b[..end], key) {
+    while let Some(at) = finder.rfind(&b[..end]) {
         end = at;
-        if at > 0 && b[at - 1] == b'\\' {
-            continue;
+        if let Some(n) = number_after(b, at, key_len) {
+            return Some((at, n));
         }
-        let mut i = super::ws(b, at + key.len());
-        if b.get(i) != Some(&b':') {
-            continue;
-        }
-        i = super::ws(b, i + 1);
-        let digits = b[i..].iter().take_while(|c| c.is_ascii_digit()).count();
-        if digits == 0 {
-            continue;
-        }
-        return super::parse_u64(b, i..i + digits);
     }
     None
+}
+
+/// The number after the key at `at` (of `key_len` bytes) and its colon, when the key is
+/// not escaped (inside a string).
+fn number_after(b: &[u8], at: usize, key_len: usize) -> Option<u64> {
+    if at > 0 && b[at - 1] == b'\\' {
+        return None;
+    }
+    let mut i = super::ws(b, at + key_len);
+    if b.get(i) != Some(&b':') {
+        return None;
+    }
+    i = super::ws(b, i + 1);
+    let digits = b
+        .get(i..)?
+        .iter()
+        .take_while(|c| c.is_ascii_digit())
+        .count();
+    if digits == 0 {
+        return None;
+    }
+    super::parse_u64(b, i..i + digits)
 }
 
 #[cfg(test)]
