@@ -32,8 +32,11 @@
 //!
 //! Load of a member = the rank's requests in flight from this replica plus the engine's
 //! reported load on it (the per-rank terms of [`super::power_of_two::load`]). Bound =
-//! ceil(c × (total load + 1) / n) over the n members; a member is eligible when its load ≤
-//! bound, so after taking the request a rank is at most one above the bound.
+//! ceil(c × (total load + 1) / n) + s over the n members (s = `cache_aware_slack`: at low
+//! load the relative term is one or two requests, and a spilled turn recomputes its
+//! conversation elsewhere, dearer than waiting behind a request on its own rank); a member
+//! is eligible when its load ≤ bound, so after taking the request a rank is at most one
+//! above the bound.
 //!
 //! The policy returns the (candidate, rank) pair ([`Chosen`]); `policy::select` sends the
 //! request to that rank. The key is the only input that says where a prefix is cached; a
