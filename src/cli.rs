@@ -67,6 +67,14 @@ pub struct ServeArgs {
     /// Good checks in a row that bring it back.
     #[arg(long)]
     pub health_success_threshold: Option<u32>,
+    /// pdgate replicas serving the same engines (0 = unknown): each then holds at most its
+    /// share of every decode rank's capacity (`[admission] replicas`).
+    #[arg(long)]
+    pub replicas: Option<u32>,
+    /// This replica's index among `--replicas` (0-based; a StatefulSet pod's ordinal):
+    /// which replicas take each rank's remainder slots (`[admission] replica_index`).
+    #[arg(long)]
+    pub replica_index: Option<u32>,
     /// Runtime worker threads (1 = one current-thread runtime; 0 = one per core).
     #[arg(long)]
     pub worker_threads: Option<usize>,
@@ -232,6 +240,12 @@ impl ServeArgs {
         if let Some(v) = self.worker_threads {
             cfg.server.worker_threads = v;
         }
+        if let Some(v) = self.replicas {
+            cfg.admission.replicas = v;
+        }
+        if let Some(v) = self.replica_index {
+            cfg.admission.replica_index = Some(v);
+        }
         if let Some(v) = self.max_payload_size {
             cfg.server.max_body_bytes = v;
         }
@@ -358,6 +372,7 @@ pub fn with_defaults(cmd: clap::Command) -> clap::Command {
             c.admission.max_in_flight.to_string(),
         ),
         ("queue_size", c.admission.max_queue.to_string()),
+        ("replicas", c.admission.replicas.to_string()),
         ("queue_timeout_secs", secs(c.admission.queue_timeout_ms)),
         ("retry_max_retries", c.retry.max_retries.to_string()),
         (
@@ -435,6 +450,8 @@ pub const SERVE_ONLY: &[&str] = &[
     "max_concurrent_requests",
     "queue_size",
     "queue_timeout_secs",
+    "replicas",
+    "replica_index",
     "retry_max_retries",
     "disable_retries",
     "cb_failure_threshold",

@@ -88,6 +88,9 @@ pub(crate) async fn prepare(
     let my_rank = own.unwrap_or_else(|| engine.next_rr());
     tracker.set_rank(my_rank);
     tracker.waiting();
+    // SGLang's pre-allocation queue: from arrival (the handshake happens there) until the
+    // request holds a running slot (`running_slot`).
+    tracker.prealloc();
     tracker.add_tokens(u64::from(inst.prompt_tokens));
     if faults.decode_hold {
         let mut rx = engine.faults_tx.subscribe();
@@ -151,12 +154,10 @@ pub(crate) async fn prepare(
 /// Waits for the prompt's KV that `rank` does not hold (`decode_per_missing_token` per
 /// token its prefix cache lacks), then stores the prompt in the rank's cache.
 async fn receive_missing_kv(engine: &Engine, inst: &Instance, rank: u32) {
-    let cache = engine.prefix_caches.get(rank as usize);
-    let held = match cache {
-        Some(c) => c.lock().await.match_prefix(&inst.prefix_ids),
-        None => 0,
-    }
-    .min(inst.prompt_tokens);
+    let held = engine
+        .prefix_cache(rank)
+        .map_or(0, |mut c| c.match_prefix(&inst.prefix_ids))
+        .min(inst.prompt_tokens);
     engine.stats.prefix_lookup(rank, inst.prompt_tokens, held);
     let wait = engine
         .cfg
@@ -165,8 +166,8 @@ async fn receive_missing_kv(engine: &Engine, inst: &Instance, rank: u32) {
     if !wait.is_zero() {
         tokio::time::sleep(wait).await;
     }
-    if let Some(c) = cache {
-        c.lock().await.insert(&inst.prefix_ids);
+    if let Some(mut c) = engine.prefix_cache(rank) {
+        c.insert(&inst.prefix_ids);
     }
 }
 

@@ -220,11 +220,19 @@ pub(crate) async fn spawn_in(
         _ => Vec::new(),
     };
     let cache_tokens = cfg.prefix_cache_tokens();
-    let prefix_caches = if cache_tokens > 0 {
+    let prefix_caches: Vec<_> = if cache_tokens > 0 {
         (0..dp)
             .map(|_| {
-                tokio::sync::Mutex::new(PrefixCache::new(cache_tokens, cfg.prefix_cache_page_size))
+                std::sync::Mutex::new(PrefixCache::new(cache_tokens, cfg.prefix_cache_page_size))
             })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let compute_locks = if cfg.role == Role::Prefill {
+        prefix_caches
+            .iter()
+            .map(|_| tokio::sync::Mutex::new(()))
             .collect()
     } else {
         Vec::new()
@@ -232,6 +240,7 @@ pub(crate) async fn spawn_in(
     let engine = Arc::new(Engine {
         running_slots,
         prefix_caches,
+        compute_locks,
         cfg,
         faults_tx,
         shutdown_tx,

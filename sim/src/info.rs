@@ -121,13 +121,33 @@ pub(crate) fn models(engine: &Engine) -> Value {
     json!({"object": "list", "data": [model_card(engine)]})
 }
 
-/// `GET /v1/loads[?dp_rank=N]` (newest generation, `{"loads": [...]}`).
+/// The sections of `/v1/loads` a request asks for (`include=`, comma-separated; SGLang's
+/// default is all of them). The simulator reports the core keys and `disaggregation`.
+fn wants_disaggregation(query: Option<&str>) -> bool {
+    match query_param(query, "include") {
+        None => true,
+        Some(list) => list
+            .split(',')
+            .map(str::trim)
+            .any(|s| s == "all" || s == "disagg"),
+    }
+}
+
+/// `GET /v1/loads[?dp_rank=N][&include=...]` (newest generation, `{"loads": [...]}`), one
+/// entry per DP rank with SGLang's core keys and, unless `include` leaves it out, its
+/// `disaggregation` section. As SGLang counts them: a decode's `num_waiting_reqs` holds its
+/// pre-allocation queue (no running slot yet) and its transfer queue; a prefill's holds the
+/// prompts queued for compute, whose uncached tokens are `num_waiting_uncached_tokens` (0 on
+/// a decode), and not the computed requests whose KV waits for a decode (the inflight queue).
 pub(crate) fn loads(engine: &Engine, query: Option<&str>) -> Value {
     let cfg = &engine.cfg;
     let only = query_param(query, "dp_rank").and_then(|r| r.parse::<usize>().ok());
+    let disagg = wants_disaggregation(query);
     let ts = now_f64();
     let max = cfg.max_total_num_tokens;
     let cap = max_running(engine);
+    let prefill = cfg.role == crate::config::Role::Prefill;
+    let decode = cfg.role == crate::config::Role::Decode;
     let entries: Vec<Value> = engine
         .stats
         .loads()
@@ -140,12 +160,12 @@ pub(crate) fn loads(engine: &Engine, query: Option<&str>) -> Value {
             } else {
                 l.tokens as f64 / max as f64
             };
-            let prefill = cfg.role == crate::config::Role::Prefill;
-            json!({
+            let mut v = json!({
                 "dp_rank": rank,
                 "timestamp": ts,
                 "num_running_reqs": l.running,
                 "num_waiting_reqs": l.waiting,
+                "num_waiting_uncached_tokens": if prefill { l.uncached_tokens } else { 0 },
                 "num_used_tokens": l.tokens,
                 "num_total_tokens": l.tokens,
                 "max_total_num_tokens": max,
@@ -154,17 +174,23 @@ pub(crate) fn loads(engine: &Engine, query: Option<&str>) -> Value {
                 "cache_hit_rate": 0.0,
                 "utilization": usage,
                 "max_running_requests": cap,
-                "disaggregation": {
-                    "mode": cfg.role.as_str(),
-                    "prefill_prealloc_queue_reqs": if prefill { l.waiting } else { 0 },
-                    "prefill_inflight_queue_reqs": 0,
-                    "decode_prealloc_queue_reqs": 0,
-                    "decode_transfer_queue_reqs": if prefill { 0 } else { l.waiting },
-                    "decode_retracted_queue_reqs": 0,
-                    "kv_transfer_speed_gb_s": 0.0,
-                    "kv_transfer_latency_ms": 0.0,
-                },
-            })
+            });
+            if let (true, Some(o)) = (disagg, v.as_object_mut()) {
+                o.insert(
+                    "disaggregation".into(),
+                    json!({
+                        "mode": cfg.role.disaggregation_mode(),
+                        "prefill_bootstrap_queue_reqs": 0,
+                        "prefill_inflight_queue_reqs": if prefill { l.inflight } else { 0 },
+                        "decode_prealloc_queue_reqs": if decode { l.prealloc } else { 0 },
+                        "decode_transfer_queue_reqs": if decode { l.waiting.saturating_sub(l.prealloc) } else { 0 },
+                        "decode_retracted_queue_reqs": 0,
+                        "kv_transfer_speed_gb_s": 0.0,
+                        "kv_transfer_latency_ms": 0.0,
+                    }),
+                );
+            }
+            v
         })
         .collect();
     json!({"loads": entries})

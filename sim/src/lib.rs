@@ -46,6 +46,8 @@ mod engine;
 mod hits;
 mod http;
 mod info;
+#[cfg(test)]
+mod load_tests;
 mod plain;
 mod plan;
 mod prefill;

@@ -17,10 +17,14 @@
 //! - The answer comes only after the decode of the same room reached the same
 //!   rank (or `bootstrap_timeout` passed).
 //! - With a prefix cache (`prefill_prefix_cache_tokens`), a rank computes one prompt at a
-//!   time (its cache's lock is held for the whole compute), looks the prompt up when its
+//!   time (its compute lock is held for the whole compute), looks the prompt up when its
 //!   compute starts, and spends `prefill_per_token` only on the tokens its cache lacks;
 //!   the cached tokens go to the answer and, with the KV, to the decode. Without one,
 //!   every prompt token is computed and computes overlap (unless `serial_prefill`).
+//! - Load phases, as SGLang reports them per rank: waiting while queued for compute (its
+//!   uncached prompt tokens in `num_waiting_uncached_tokens`), running while it computes,
+//!   then inflight (computed, KV not yet taken) until its decode takes the KV or the
+//!   `bootstrap_timeout`, counted from the leg's arrival, fails it (`KVPoll.Bootstrapping`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -157,7 +161,9 @@ pub(crate) async fn prepare(
         .rendezvous
         .prefill_arrive(room, rank, inst.host.clone(), inst.port);
     let cached_tokens = compute_prompt(engine, inst, rank, &faults, tracker).await;
-    tracker.waiting();
+    // Computed: the KV waits for its decode (SGLang's inflight queue, neither running
+    // nor waiting in the load report).
+    tracker.inflight();
     let left = engine
         .cfg
         .bootstrap_timeout
@@ -177,9 +183,14 @@ pub(crate) async fn prepare(
     })
 }
 
-/// Computes the prompt of `inst` on `rank`: with a prefix cache, under the rank's lock (one
-/// prompt at a time per rank) and only for the tokens the cache lacks. Returns the cached
-/// tokens.
+/// Computes the prompt of `inst` on `rank`: with a prefix cache, under the rank's compute
+/// lock (one prompt at a time per rank) and only for the tokens the cache lacks. Returns the
+/// cached tokens.
+///
+/// While it waits for its compute (the rank's lock, or with `serial_prefill` the engine's
+/// compute queue), the instance counts in its rank's `num_waiting_uncached_tokens`: the
+/// prompt tokens the rank's cache did not hold when it queued (SGLang counts a queued
+/// request's `seqlen` minus its matched prefix).
 async fn compute_prompt(
     engine: &Engine,
     inst: &Instance,
@@ -187,24 +198,46 @@ async fn compute_prompt(
     faults: &Faults,
     tracker: &Tracker,
 ) -> u32 {
-    let mut cache = match engine.prefix_caches.get(rank as usize) {
-        Some(c) => Some(c.lock().await),
+    let lock = engine.compute_locks.get(rank as usize);
+    let _turn = match lock {
+        Some(l) => match l.try_lock() {
+            Ok(g) => Some(g),
+            Err(_) => {
+                let held = engine
+                    .prefix_cache(rank)
+                    .map_or(0, |c| c.peek_prefix(&inst.prefix_ids))
+                    .min(inst.prompt_tokens);
+                tracker.queue_uncached(u64::from(inst.prompt_tokens - held));
+                Some(l.lock().await)
+            }
+        },
         None => None,
     };
-    let cached = cache
-        .as_mut()
-        .map_or(0, |c| c.match_and_insert(&inst.prefix_ids))
+    let cached = engine
+        .prefix_cache(rank)
+        .map_or(0, |mut c| c.match_and_insert(&inst.prefix_ids))
         .min(inst.prompt_tokens);
     engine.stats.prefix_lookup(rank, inst.prompt_tokens, cached);
-    tracker.running();
     tracker.add_tokens(u64::from(inst.prompt_tokens));
-    let compute = engine.cfg.prefill_time(inst.prompt_tokens - cached, faults);
+    let uncached = inst.prompt_tokens - cached;
+    let compute = engine.cfg.prefill_time(uncached, faults);
     if engine.cfg.serial_prefill {
-        tokio::time::sleep_until(engine.queue_compute(compute)).await;
-    } else if !compute.is_zero() {
-        tokio::time::sleep(compute).await;
+        let until = engine.queue_compute(compute);
+        let starts = until.checked_sub(compute).unwrap_or(until);
+        if starts > tokio::time::Instant::now() {
+            tracker.queue_uncached(u64::from(uncached));
+            tokio::time::sleep_until(starts).await;
+        }
+        tracker.compute_starts();
+        tracker.running();
+        tokio::time::sleep_until(until).await;
+    } else {
+        tracker.compute_starts();
+        tracker.running();
+        if !compute.is_zero() {
+            tokio::time::sleep(compute).await;
+        }
     }
-    drop(cache);
     cached
 }
 

@@ -136,6 +136,20 @@ impl PrefixCache {
         u32::try_from(hits.len().saturating_mul(self.page_size)).unwrap_or(u32::MAX)
     }
 
+    /// What [`match_prefix`](Self::match_prefix) would answer now, without touching
+    /// anything (a load report's look at a queued prompt must not change the eviction order).
+    pub(crate) fn peek_prefix(&self, tokens: &[i64]) -> u32 {
+        if self.max_pages == 0 {
+            return 0;
+        }
+        let considered = &tokens[..tokens.len().saturating_sub(1)];
+        let hits = self
+            .keys(considered)
+            .take_while(|k| self.pages.contains_key(k))
+            .count();
+        u32::try_from(hits.saturating_mul(self.page_size)).unwrap_or(u32::MAX)
+    }
+
     /// Stores `tokens`' whole pages (the leading ones that fit), evicting least recently
     /// used leaves as needed; pages already held are touched.
     pub(crate) fn insert(&mut self, tokens: &[i64]) {
@@ -384,7 +398,10 @@ mod tests {
             let ps = page.max(1) as usize;
             let max_pages = (capacity / u64::from(page.max(1))) as usize;
             for p in &prompts {
+                // A peek (`&self`: it changes nothing) answers what the match then finds.
+                let peeked = c.peek_prefix(p) as usize;
                 let cached = c.match_and_insert(p) as usize;
+                prop_assert_eq!(peeked, cached);
                 prop_assert!(cached <= p.len().saturating_sub(1));
                 prop_assert_eq!(cached % ps, 0);
                 prop_assert!(c.len_tokens() <= capacity);

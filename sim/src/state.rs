@@ -66,9 +66,13 @@ pub(crate) struct Engine {
     /// Requests per server and path ([`crate::SimEngine::hits`]).
     pub hits: crate::hits::Hits,
     /// One prefix cache per DP rank when the engine's role has one
-    /// (`EngineConfig::prefix_cache_tokens`), else empty. A prefill holds its rank's lock
-    /// for the whole prompt compute: one prompt at a time per rank.
-    pub prefix_caches: Vec<tokio::sync::Mutex<crate::prefix_cache::PrefixCache>>,
+    /// (`EngineConfig::prefix_cache_tokens`), else empty. Locked only for a lookup or an
+    /// insert, never across an await.
+    pub prefix_caches: Vec<std::sync::Mutex<crate::prefix_cache::PrefixCache>>,
+    /// A prefill with prefix caches: one lock per DP rank, held for the whole prompt
+    /// compute (one prompt at a time per rank; the queue for it is what `/v1/loads`
+    /// reports as `num_waiting_uncached_tokens`); else empty.
+    pub compute_locks: Vec<tokio::sync::Mutex<()>>,
 }
 
 /// How many rids a [`RidLog`] keeps (bounded: benches run long).
@@ -99,6 +103,17 @@ impl RidLog {
 }
 
 impl Engine {
+    /// Rank `rank`'s prefix cache, locked (a poisoned lock is taken over: the cache holds
+    /// no invariant a panic elsewhere could break).
+    pub(crate) fn prefix_cache(
+        &self,
+        rank: u32,
+    ) -> Option<std::sync::MutexGuard<'_, crate::prefix_cache::PrefixCache>> {
+        self.prefix_caches
+            .get(rank as usize)
+            .map(|c| c.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
     /// Queues a prompt compute of `compute` on the engine (a plain engine, or a prefill
     /// with `serial_prefill`): it ends `compute` after the last queued one ends, or from
     /// now. Returns when it ends.

@@ -18,6 +18,11 @@
 //!   the prompt tokens looked up; a prefill counts in the `prefill_prefix_*` lists, a
 //!   decode in the `decode_prefix_*` ones (the other role's lists stay empty), so that
 //!   summing a cluster's engines keeps the roles apart.
+//! - The load gauges per DP rank (`/v1/loads`, `/get_load`) are exact at any quiet moment
+//!   too: an instance is in at most one phase (waiting, running, or a prefill's inflight),
+//!   a decode's pre-allocation count is a subset of its waiting count, and a prefill's
+//!   queued uncached tokens are what its queued instances added; the guard takes back
+//!   whatever it added when it drops, so every gauge returns to 0.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -202,6 +207,15 @@ struct RankLoad {
     running: AtomicU64,
     waiting: AtomicU64,
     tokens: AtomicU64,
+    /// Decode: instances in the pre-allocation queue (arrived, no running slot yet; a
+    /// subset of `waiting`).
+    prealloc: AtomicU64,
+    /// Prefill: instances computed whose KV no decode took yet (SGLang's inflight queue:
+    /// neither running nor waiting).
+    inflight: AtomicU64,
+    /// Prefill: prompt tokens queued for compute that the rank's prefix cache did not
+    /// hold when they queued.
+    uncached: AtomicU64,
     /// Instances holding a running slot now, and the most at once.
     slots: AtomicU64,
     peak: AtomicU64,
@@ -242,8 +256,16 @@ pub(crate) struct Stats {
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct LoadView {
     pub running: u64,
+    /// Queued: a prefill's prompts waiting for compute; a decode's requests before their
+    /// first token (pre-allocation queue, KV transfer).
     pub waiting: u64,
     pub tokens: u64,
+    /// Decode: of `waiting`, those without a running slot (SGLang's pre-allocation queue).
+    pub prealloc: u64,
+    /// Prefill: computed, their KV not taken by a decode yet.
+    pub inflight: u64,
+    /// Prefill: uncached prompt tokens queued for compute.
+    pub uncached_tokens: u64,
 }
 
 impl Stats {
@@ -343,6 +365,9 @@ impl Stats {
                 running: l.running.load(Ordering::Relaxed),
                 waiting: l.waiting.load(Ordering::Relaxed),
                 tokens: l.tokens.load(Ordering::Relaxed),
+                prealloc: l.prealloc.load(Ordering::Relaxed),
+                inflight: l.inflight.load(Ordering::Relaxed),
+                uncached_tokens: l.uncached.load(Ordering::Relaxed),
             })
             .collect()
     }
@@ -374,6 +399,8 @@ impl Stats {
             phase: Phase::None,
             tokens: 0,
             slot: None,
+            prealloc: false,
+            queued_uncached: 0,
         }
     }
 
@@ -394,6 +421,8 @@ enum Phase {
     None,
     Waiting,
     Running,
+    /// Prefill: computed, waiting for its decode to take the KV.
+    Inflight,
 }
 
 /// Tracks one request instance from start to outcome; see the module invariants.
@@ -405,6 +434,11 @@ pub(crate) struct InstanceGuard {
     tokens: u64,
     /// The running slot the instance holds (decode), and whether it counts in `slots`.
     slot: Option<Option<tokio::sync::OwnedSemaphorePermit>>,
+    /// Decode: counted in its rank's pre-allocation queue (until it holds a slot).
+    prealloc: bool,
+    /// Prefill: uncached prompt tokens it counts in its rank's queue (until its compute
+    /// starts).
+    queued_uncached: u64,
 }
 
 impl InstanceGuard {
@@ -414,6 +448,7 @@ impl InstanceGuard {
         if self.slot.is_some() {
             return;
         }
+        self.leave_prealloc();
         let now = self.stats.slots.fetch_add(1, Ordering::AcqRel) + 1;
         self.stats.peak.fetch_max(now, Ordering::AcqRel);
         if let Some(l) = self.load() {
@@ -448,6 +483,9 @@ impl InstanceGuard {
                 Phase::Running => {
                     l.running.fetch_sub(1, Ordering::Relaxed);
                 }
+                Phase::Inflight => {
+                    l.inflight.fetch_sub(1, Ordering::Relaxed);
+                }
                 Phase::None => {}
             }
         }
@@ -472,6 +510,55 @@ impl InstanceGuard {
         }
     }
 
+    /// The instance (a prefill's, computed) waits for its decode to take the KV.
+    pub(crate) fn inflight(&mut self) {
+        self.leave_phase();
+        if let Some(l) = self.load() {
+            l.inflight.fetch_add(1, Ordering::Relaxed);
+            self.phase = Phase::Inflight;
+        }
+    }
+
+    /// The instance (a decode's) joins its rank's pre-allocation queue, which it leaves
+    /// when it holds a running slot ([`Self::hold_slot`]). Needs the rank set first.
+    pub(crate) fn prealloc(&mut self) {
+        if self.prealloc || self.slot.is_some() {
+            return;
+        }
+        if let Some(l) = self.load() {
+            l.prealloc.fetch_add(1, Ordering::Relaxed);
+            self.prealloc = true;
+        }
+    }
+
+    fn leave_prealloc(&mut self) {
+        if std::mem::take(&mut self.prealloc) {
+            if let Some(l) = self.load() {
+                l.prealloc.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The instance (a prefill's) waits for its compute with `n` prompt tokens its rank's
+    /// cache lacks, until [`Self::compute_starts`]. Needs the rank set first.
+    pub(crate) fn queue_uncached(&mut self, n: u64) {
+        self.compute_starts();
+        if let Some(l) = self.load() {
+            l.uncached.fetch_add(n, Ordering::Relaxed);
+            self.queued_uncached = n;
+        }
+    }
+
+    /// The instance's compute starts: its tokens leave the rank's queue.
+    pub(crate) fn compute_starts(&mut self) {
+        let n = std::mem::take(&mut self.queued_uncached);
+        if n > 0 {
+            if let Some(l) = self.load() {
+                l.uncached.fetch_sub(n, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Adds KV tokens held by the instance.
     pub(crate) fn add_tokens(&mut self, n: u64) {
         if let Some(l) = self.load() {
@@ -488,6 +575,8 @@ impl InstanceGuard {
 
 impl Drop for InstanceGuard {
     fn drop(&mut self) {
+        self.leave_prealloc();
+        self.compute_starts();
         if self.slot.take().is_some() {
             self.stats.slots.fetch_sub(1, Ordering::AcqRel);
             if let Some(l) = self.load() {
@@ -538,5 +627,21 @@ impl Tracker {
 
     pub(crate) fn hold_slot(&self, permit: Option<tokio::sync::OwnedSemaphorePermit>) {
         self.with(|g| g.hold_slot(permit));
+    }
+
+    pub(crate) fn inflight(&self) {
+        self.with(InstanceGuard::inflight);
+    }
+
+    pub(crate) fn prealloc(&self) {
+        self.with(InstanceGuard::prealloc);
+    }
+
+    pub(crate) fn queue_uncached(&self, n: u64) {
+        self.with(|g| g.queue_uncached(n));
+    }
+
+    pub(crate) fn compute_starts(&self) {
+        self.with(InstanceGuard::compute_starts);
     }
 }

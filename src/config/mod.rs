@@ -337,6 +337,17 @@ pub struct AdmissionConfig {
     /// `server.max_body_bytes`. The process's memory is about a base plus this times a
     /// small factor (docs/pools-and-capacity.md, "Memory").
     pub max_bytes_in_flight: usize,
+    /// How many pdgate replicas serve the same engines (a static deployment's count); 0 =
+    /// unknown. Known, each replica holds at most its share of every decode rank's
+    /// capacity (`pool::capacity::share`), so that together they never send a rank more
+    /// than it runs (ARCHITECTURE.md, "Admission across replicas"). Replica-wide: a model's
+    /// admission override does not change it.
+    pub replicas: u32,
+    /// This replica's index among `replicas` (0-based; a StatefulSet pod's ordinal): it
+    /// decides which replicas take the `capacity mod replicas` remainder slots of each
+    /// rank, so that the shares add up to the whole capacity. Unset: no remainder slot
+    /// (at least one slot per rank).
+    pub replica_index: Option<u32>,
 }
 
 impl Default for AdmissionConfig {
@@ -346,6 +357,8 @@ impl Default for AdmissionConfig {
             max_queue: 4096,
             queue_timeout_ms: 10_000,
             max_bytes_in_flight: 128 * 1024 * 1024,
+            replicas: 0,
+            replica_index: None,
         }
     }
 }

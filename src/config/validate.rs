@@ -129,6 +129,15 @@ impl Config {
             1,
             3_600_000,
         )?;
+        range("admission.replicas", a.replicas, 0, 1024)?;
+        if let Some(i) = a.replica_index {
+            if i >= a.replicas {
+                return Err(invalid(format!(
+                    "admission.replica_index = {i} is not an index among admission.replicas = {} (0..replicas)",
+                    a.replicas
+                )));
+            }
+        }
         range(
             "bootstrap.heartbeat_interval_ms",
             bs.heartbeat_interval_ms,

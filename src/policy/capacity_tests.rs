@@ -29,6 +29,7 @@ fn need(override_per_rank: u64) -> Need {
             override_per_rank,
             learn_from_engine: true,
             kv_bound: true,
+            ..Limits::default()
         },
         tokens: 10,
         slots: 1,

@@ -48,6 +48,7 @@ fn need() -> Need {
             override_per_rank: 0,
             learn_from_engine: true,
             kv_bound: true,
+            ..Limits::default()
         },
         tokens: 10,
         slots: 1,

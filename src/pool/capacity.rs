@@ -34,15 +34,30 @@
 //! room: `prompt + max_new_tokens` must fit into `max_total_num_tokens` minus what is in
 //! use (unless the rank holds nothing of this replica's, where waiting cannot help).
 //!
+//! With the replica count `R` known (`admission.replicas`), each replica also holds at most
+//! its *share* of a rank's capacity ([`share`]): `⌊capacity / R⌋`, plus one of the
+//! `capacity mod R` remainder slots when its index is known and the rank's turn gives it
+//! one. The shares of `R` replicas with distinct indexes add up to the capacity, so
+//! together they never send a rank more than it runs, whatever their polls saw
+//! (ARCHITECTURE.md, "Admission across replicas", has the argument and the exceptions).
+//! The share is checked in the same compare-and-swap as the occupancy, against this
+//! replica's own reservations; `R = 0` (unknown) checks nothing more than before.
+//!
 //! Invariants: lock-free (atomics only); a [`Reservation`] gives back exactly what it took
 //! when dropped (the response body ended, or the attempt failed), whatever the epoch;
 //! waiters are woken through [`CapacitySignal`] only when some wait, so a release costs
-//! two atomics and a load when nobody waits.
+//! two atomics and a load when nobody waits; with `R` known and an index, this replica's
+//! reservations on a rank never exceed its share (one exception: a request larger than a
+//! share of at least one slot goes alone to a rank that holds nothing).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
+
+pub mod share;
+
+pub use share::share;
 
 /// How a rank's capacity is decided (from `[capacity]`), per request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -53,6 +68,11 @@ pub struct Limits {
     pub learn_from_engine: bool,
     /// Whether KV tokens bound admission too.
     pub kv_bound: bool,
+    /// Replicas sharing every decode rank (`admission.replicas`); 0 = unknown: no share.
+    pub replicas: u32,
+    /// This replica's index among them (`admission.replica_index`), which decides the
+    /// remainder slots; `None`: no remainder slot.
+    pub replica_index: Option<u32>,
 }
 
 /// What one request needs of a decode rank.
@@ -96,6 +116,8 @@ pub struct Reported {
 /// One decode DP rank's capacity state.
 #[derive(Debug, Default)]
 pub struct RankCapacity {
+    /// The rank's index on its worker (whose turn the remainder slots take, see [`share`]).
+    rank: u32,
     /// Capacity the engine reported (0 = unknown).
     engine_cap: AtomicU64,
     /// Running + waiting at the last poll.
@@ -171,11 +193,36 @@ impl RankCapacity {
         }
     }
 
+    /// This replica's share of the rank under `l` (`None`: no share applies: the replica
+    /// count is unknown or the rank unlimited).
+    pub fn share(&self, l: &Limits) -> Option<u64> {
+        share(self.limit(l), l.replicas, l.replica_index, self.rank)
+    }
+
+    /// Whether `slots` more fit this replica's share (see [`share`]), holding `own` and
+    /// estimating `occupancy`: within the share, or alone on an empty rank when the request
+    /// is larger than a share of at least one slot (waiting would not help).
+    fn share_fits(&self, l: &Limits, own: u64, occupancy: u64, slots: u64) -> bool {
+        match self.share(l) {
+            None => true,
+            Some(s) => {
+                own.saturating_add(slots) <= s || (s > 0 && slots > s && own == 0 && occupancy == 0)
+            }
+        }
+    }
+
+    fn admits(&self, need: &Need, packed: u64) -> bool {
+        let occ = self.occupancy_of(packed);
+        let cap = self.limit(&need.limits);
+        let k = need.slots();
+        fits(cap, occ, k)
+            && self.share_fits(&need.limits, packed >> 32, occ, k)
+            && self.kv_fits(need, occ)
+    }
+
     /// Whether a request with `need` would be admitted now (no reservation taken).
     pub fn has_room(&self, need: &Need) -> bool {
-        let occ = self.occupancy();
-        let cap = self.limit(&need.limits);
-        fits(cap, occ, need.slots()) && self.kv_fits(need, occ)
+        self.admits(need, self.reqs.load(Ordering::Acquire))
     }
 
     /// Stores one poll's figures and starts a new window (see the module docs). A figure
@@ -267,13 +314,12 @@ impl Reservation {
         signal: &Arc<CapacitySignal>,
     ) -> Option<Reservation> {
         let r = ranks.get(rank as usize)?;
-        let cap = r.limit(&need.limits);
         let epoch = r.epoch.load(Ordering::Acquire);
         let k = need.slots().min(LOW >> 1);
+        let need = &Need { slots: k, ..*need };
         let mut cur = r.reqs.load(Ordering::Acquire);
         loop {
-            let occ = r.occupancy_of(cur);
-            if !fits(cap, occ, k) || !r.kv_fits(need, occ) {
+            if !r.admits(need, cur) {
                 return None;
             }
             let next = cur.saturating_add((k << 32) + k);
@@ -334,7 +380,12 @@ fn sub(a: &AtomicU64, n: u64) {
 
 /// A fresh capacity array for `dp` ranks.
 pub fn new_ranks(dp: u32) -> Arc<[RankCapacity]> {
-    (0..dp.max(1)).map(|_| RankCapacity::default()).collect()
+    (0..dp.max(1))
+        .map(|rank| RankCapacity {
+            rank,
+            ..RankCapacity::default()
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -381,7 +381,8 @@ impl App {
     }
 
     fn readiness(&self, rid: &HeaderValue) -> Response<RespBody> {
-        let snap = self.dispatcher.load().pool.load();
+        let dispatcher = self.dispatcher.load();
+        let snap = dispatcher.pool.load();
         let draining = self.draining.load(Ordering::SeqCst);
         // Ready when some prefill has a decode of its handoff group (see `pool::groups`),
         // or a regular worker is routable.
@@ -408,6 +409,8 @@ impl App {
             "routable_regular_ranks": snap.routable_ranks(Role::Regular),
             "regular": count(&snap.regulars),
             "models": crate::models::readiness(&snap),
+            // How many replicas share each decode rank's capacity (0 = unknown).
+            "replicas": dispatcher.cfg.admission.replicas,
         });
         let status = if ready {
             StatusCode::OK

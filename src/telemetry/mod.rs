@@ -102,6 +102,7 @@ pub const RETRIES: &str = "pdgate_retries_total";
 pub const STREAM_MOVES: &str = "pdgate_stream_moves_total";
 pub const IN_FLIGHT: &str = "pdgate_in_flight_requests";
 pub const ADMISSION_QUEUE: &str = "pdgate_admission_queue";
+pub const ADMISSION_REPLICAS: &str = "pdgate_admission_replicas";
 pub const ADMISSION_REJECTED: &str = "pdgate_admission_rejected_total";
 // A model's own admission (`[models.settings."NAME".admission]`).
 pub const MODEL_IN_FLIGHT: &str = "pdgate_model_in_flight_requests";
@@ -227,6 +228,8 @@ pub static SERIES: &[Series] = &[
         "PD requests admitted whose response has not ended (including prefill legs still answering after it)."),
     s(ADMISSION_QUEUE, G, Unit::Count, &[],
         "PD requests waiting for an admission slot (admission.max_in_flight reached)."),
+    s(ADMISSION_REPLICAS, G, Unit::Count, &[],
+        "The replica count this replica shares each decode rank's capacity with (admission.replicas; 0 = unknown: no shares)."),
     s(ADMISSION_REJECTED, C, Unit::Count, &["reason"],
         "PD requests shed by admission: queue_full (429) or queue_timeout (503) waiting for the in-flight cap; capacity_queue_full, capacity_timeout waiting for a decode slot; bytes_full (503) with the byte budget full, bytes_too_large (413) for a body or answer larger than the whole budget."),
     s(MODEL_IN_FLIGHT, G, Unit::Count, &["model"],

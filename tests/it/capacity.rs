@@ -281,3 +281,53 @@ async fn the_simulator_reports_its_cap_only_when_it_has_one() {
         }
     }
 }
+
+/// With the replica count given (`admission.replicas`, and each replica's index), three
+/// routers in front of one decode of `CAP` slots never make it hold more than `CAP` at once
+/// (its own count of requests queued or running), whatever their polls saw: each holds
+/// only its share. `/readiness` shows the count.
+#[tokio::test(crate = "crate::support::rt")]
+async fn replicas_given_their_count_never_overfill_a_decode() {
+    let (p, d) = engines();
+    let cluster = SimCluster::spawn(&p, &d).await.expect("sim cluster");
+    let mut routers = Vec::new();
+    // Seeds far apart: see `two_replicas_stay_within_the_stated_overshoot`.
+    for i in 0..3u32 {
+        let mut cfg = fast_config();
+        add_sim_workers(&mut cfg, &cluster);
+        tweak(&mut cfg);
+        cfg.admission.replicas = 3;
+        cfg.admission.replica_index = Some(i);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let r = pdgate::router::start_with(
+            cfg,
+            Some(l),
+            pdgate::router::AdminListener::Off,
+            RngSource::Seeded((u64::from(i + 1) << 40).into()),
+        )
+        .await
+        .expect("router");
+        learned(&r.pool, u64::from(CAP)).await;
+        routers.push(r);
+    }
+    let ready = crate::support::sim_support::get(&format!("{}/readiness", routers[0].url()))
+        .await
+        .json();
+    assert_eq!(ready["replicas"], 3, "{ready}");
+    let urls: Vec<String> = routers.iter().map(|r| r.url()).collect();
+    let statuses = join_all(urls.iter().map(|u| burst(u, 12))).await;
+    assert!(
+        statuses.iter().flatten().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    let peak = cluster.decodes[0].stats().peak_held;
+    assert!(
+        peak <= u64::from(CAP),
+        "the decode held {peak} at once; capacity {CAP}"
+    );
+    for r in &routers {
+        r.shutdown().await;
+    }
+}

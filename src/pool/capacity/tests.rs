@@ -7,6 +7,7 @@ fn need(override_per_rank: u64, tokens: u64) -> Need {
             override_per_rank,
             learn_from_engine: true,
             kv_bound: true,
+            ..Limits::default()
         },
         tokens,
         slots: 1,
@@ -34,6 +35,7 @@ fn the_limit_is_the_override_else_the_engine_s_figure() {
             override_per_rank: ov,
             learn_from_engine: learn,
             kv_bound: false,
+            ..Limits::default()
         };
         assert_eq!(r.limit(&l), want, "{ov} {learn} {engine}");
     }
@@ -199,5 +201,169 @@ fn a_batch_takes_one_slot_per_instance() {
         }
         drop((held, got));
         assert_eq!(ranks[0].own(), 0);
+    }
+}
+
+/// `R` replicas in one process: each its own capacity state (as separate processes have),
+/// every one with the same settings but its own index.
+fn replicas(r: u32, indexed: bool, dp: u32) -> Vec<(Arc<[RankCapacity]>, Limits)> {
+    (0..r)
+        .map(|i| {
+            let limits = Limits {
+                learn_from_engine: true,
+                replicas: r,
+                replica_index: indexed.then_some(i),
+                ..Limits::default()
+            };
+            (new_ranks(dp), limits)
+        })
+        .collect()
+}
+
+#[test]
+fn a_replica_holds_its_share_whatever_the_engine_reports() {
+    // (replicas, capacity, indexed, what replica 0 takes on rank 0 and rank 1)
+    let table = [
+        (1, 4, false, (4, 4)),
+        (3, 4, true, (2, 1)),
+        (3, 4, false, (1, 1)),
+        (5, 4, true, (1, 1)),
+        (5, 1, true, (1, 0)),
+        (5, 2, false, (1, 1)),
+    ];
+    let sig = Arc::new(CapacitySignal::default());
+    for (r, cap, indexed, want) in table {
+        let all = replicas(r, indexed, 2);
+        let (ranks, limits) = &all[0];
+        let n = Need {
+            limits: *limits,
+            tokens: 0,
+            slots: 1,
+        };
+        let mut got = Vec::new();
+        for rank in 0..2u32 {
+            // The engine reports the rank empty: the report alone would admit `cap`.
+            ranks[rank as usize].observe(&Reported {
+                busy: Some(0),
+                max_running: Some(cap),
+                ..Reported::default()
+            });
+            let held: Vec<_> = std::iter::from_fn(|| Reservation::try_take(ranks, rank, &n, &sig))
+                .take(cap as usize + 1)
+                .collect();
+            assert_eq!(
+                ranks[rank as usize].share(limits),
+                Some(held.len() as u64),
+                "{r} {cap} {indexed}"
+            );
+            got.push(held.len() as u64);
+        }
+        assert_eq!(
+            (got[0], got[1]),
+            want,
+            "{r} replicas, capacity {cap}, indexed {indexed}"
+        );
+    }
+}
+
+#[test]
+fn a_request_larger_than_the_share_goes_alone_to_an_empty_rank() {
+    let all = replicas(2, true, 1);
+    let (ranks, limits) = &all[0];
+    let sig = Arc::new(CapacitySignal::default());
+    ranks[0].observe(&Reported {
+        busy: Some(0),
+        max_running: Some(4),
+        ..Reported::default()
+    });
+    let batch = |slots| Need {
+        limits: *limits,
+        tokens: 0,
+        slots,
+    };
+    let big = Reservation::try_take(ranks, 0, &batch(3), &sig).expect("alone");
+    assert!(
+        Reservation::try_take(ranks, 0, &batch(1), &sig).is_none(),
+        "share spent"
+    );
+    drop(big);
+    let one = Reservation::try_take(ranks, 0, &batch(1), &sig).expect("within the share");
+    assert!(
+        Reservation::try_take(ranks, 0, &batch(3), &sig).is_none(),
+        "not alone any more"
+    );
+    drop(one);
+}
+
+proptest! {
+    /// The bound across replicas: R replicas (separate states, as separate processes),
+    /// any interleaving of reservations, releases and engine polls on two DP ranks, against
+    /// a model engine whose count is every replica's live reservations; the polls report
+    /// that count (or fail). With the replica count known and every index known, no rank
+    /// ever holds more than its capacity; without indexes, neither when the capacity is at
+    /// least R (else at most R: one slot each). Each replica stays within its share.
+    #[test]
+    fn replicas_together_never_exceed_a_rank_s_capacity(
+        r in 1u32..6,
+        cap in 1u64..12,
+        indexed in any::<bool>(),
+        learned in any::<bool>(),
+        ops in proptest::collection::vec((0u32..6, 0u32..2, 0u8..4), 1..200),
+    ) {
+        let sig = Arc::new(CapacitySignal::default());
+        let mut all = replicas(r, indexed, 2);
+        for (ranks, limits) in &mut all {
+            if learned {
+                // `/server_info` gave the capacity before any poll.
+                ranks.iter().for_each(|k| k.set_engine_cap(cap));
+            } else {
+                limits.override_per_rank = cap;
+                limits.learn_from_engine = false;
+            }
+        }
+        let bound = if indexed || cap >= u64::from(r) { cap } else { u64::from(r) };
+        // held[replica] = (rank, reservation)
+        let mut held: Vec<Vec<(u32, Reservation)>> = (0..r).map(|_| Vec::new()).collect();
+        let engine = |held: &Vec<Vec<(u32, Reservation)>>, rank: u32| -> u64 {
+            held.iter().flatten().filter(|(k, _)| *k == rank).map(|(_, h)| h.slots).sum()
+        };
+        for (who, rank, op) in ops {
+            let who = (who % r) as usize;
+            let (ranks, limits) = &all[who];
+            match op {
+                0 | 1 => {
+                    let n = Need { limits: *limits, tokens: 1, slots: 1 };
+                    if let Some(h) = Reservation::try_take(ranks, rank, &n, &sig) {
+                        held[who].push((rank, h));
+                    }
+                }
+                2 => {
+                    if !held[who].is_empty() {
+                        let i = (rank as usize) % held[who].len();
+                        held[who].swap_remove(i);
+                    }
+                }
+                _ => {
+                    let busy = engine(&held, rank);
+                    let report = if busy % 3 == 2 {
+                        Reported::default() // a failed poll
+                    } else {
+                        Reported { busy: Some(busy), max_running: Some(cap), ..Reported::default() }
+                    };
+                    ranks[rank as usize].observe(&report);
+                }
+            }
+            for k in 0..2u32 {
+                prop_assert!(engine(&held, k) <= bound, "rank {} holds {} > {}", k, engine(&held, k), bound);
+                for (i, (ranks, limits)) in all.iter().enumerate() {
+                    let own = ranks[k as usize].own();
+                    prop_assert!(Some(own) <= ranks[k as usize].share(limits).or(Some(u64::MAX)), "replica {} over its share", i);
+                }
+            }
+        }
+        held.clear();
+        for (ranks, _) in &all {
+            prop_assert!(ranks.iter().all(|k| k.own() == 0));
+        }
     }
 }
