@@ -56,9 +56,10 @@ pub struct PdBody {
     /// The response is an SSE stream (for its whole life, moves included): a failure ends
     /// it with an error event, and each write is an event whose time is recorded.
     events: bool,
-    /// An SSE stream's last frame relayed: a stream's final figures (its usage chunk) may
-    /// come a read before its `[DONE]`, and the answer's prompt-cache figures are read from
-    /// its end ([`Self::tally`]). A reference to bytes already sent (no copy).
+    /// An SSE stream's last frame read from the decode, as the decode sent it (before a
+    /// continuable stream's account cut its usage): a stream's final figures (its usage
+    /// chunk) may come a read before its `[DONE]`, and the answer's prompt-cache figures are
+    /// read from its end ([`Self::tally`]). A reference to bytes already read (no copy).
     last: Bytes,
     record: RequestRecord,
     /// The request's admission slot: released with this body, or handed to a prefill leg
@@ -605,6 +606,9 @@ impl PdBody {
             return Poll::Ready(None);
         };
         if let Some(b) = legs.pending.take() {
+            // The decode's own bytes, before a continuable stream's account cuts the usage
+            // it asked for (the tally reads them).
+            let raw = self.mover.is_some().then(|| b.clone());
             let b = match relay(&mut self.mover, b) {
                 Ok(b) => b,
                 Err(a) => return self.aborted(a, cx),
@@ -618,9 +622,12 @@ impl PdBody {
                 // The whole answer may have come with the first bytes (a non-streamed
                 // answer with a Content-Length, after which hyper stops polling this body).
                 let b = if at_end {
-                    self.tally(&b);
+                    self.tally(raw.as_ref().unwrap_or(&b));
                     join(b, self.end_ok())
                 } else {
+                    if self.events {
+                        self.last = raw.unwrap_or_else(|| b.clone());
+                    }
                     b
                 };
                 return Poll::Ready(Some(Ok(Frame::data(b))));
@@ -659,13 +666,20 @@ impl PdBody {
                     };
                     let now = tokio::time::Instant::now();
                     self.idle.saw_data(now);
+                    // The decode's own bytes when the account rewrites them (see the tally).
+                    let mut raw = None;
                     let out = match legs.sse.as_mut() {
                         None => data,
                         Some(sse) => match sse.push(data) {
-                            Scan::Forward(b) => match relay(&mut self.mover, b) {
-                                Ok(b) => b,
-                                Err(a) => return self.aborted(a, cx),
-                            },
+                            Scan::Forward(b) => {
+                                if self.mover.is_some() {
+                                    raw = Some(b.clone());
+                                }
+                                match relay(&mut self.mover, b) {
+                                    Ok(b) => b,
+                                    Err(a) => return self.aborted(a, cx),
+                                }
+                            }
                             Scan::Abort { before, abort } => {
                                 let f = crate::legs::decode_abort_failure(&abort);
                                 let why = f.reason.as_str();
@@ -679,11 +693,14 @@ impl PdBody {
                     };
                     let at_end = legs.decode_ended();
                     let out = if at_end {
-                        self.tally(&out);
+                        self.tally(raw.as_ref().unwrap_or(&out));
                         join(out, self.end_ok())
                     } else {
-                        if self.events && !out.is_empty() {
-                            self.last = out.clone();
+                        if self.events {
+                            let frame = raw.unwrap_or_else(|| out.clone());
+                            if !frame.is_empty() {
+                                self.last = frame;
+                            }
                         }
                         out
                     };

@@ -4,9 +4,11 @@
 //!
 //! Why from the end, by search: the figures sit in the answer's last event (a stream's
 //! final usage chunk, a non-streamed answer's `usage` or `meta_info`, which SGLang writes
-//! after the text), and the relay looks at them once per answer: one reverse search of a
-//! bounded tail ([`WINDOW`]) for `prompt_tokens`, then one for `cached_tokens` within
-//! [`NEAR`] bytes of it, with searchers built once, whatever the answer's length.
+//! after the text), and the relay looks at them once per answer: one search of a bounded
+//! tail ([`WINDOW`]) for `prompt_tokens`, then one for `cached_tokens` within [`NEAR`]
+//! bytes of it, with searchers built once, whatever the answer's length. The relay hands
+//! over the decode's bytes as they came, before a continuable stream's account cuts the
+//! usage it asked for out of what the client gets.
 //!
 //! Invariants: only a key that opens a JSON string counts (one inside a string value is
 //! escaped, `\"cached_tokens\"`, and is skipped); the last `prompt_tokens` wins (a
@@ -20,15 +22,15 @@ use std::sync::LazyLock;
 use memchr::memmem;
 
 /// How many trailing bytes are searched for `prompt_tokens`.
-pub const WINDOW: usize = 4096;
+pub const WINDOW: usize = 2048;
 /// How far from `prompt_tokens` its `cached_tokens` is looked for (after it, where SGLang
 /// writes it in `meta_info` and `usage`, else before it).
 pub const NEAR: usize = 512;
 
-static PROMPT: LazyLock<memmem::FinderRev<'static>> =
-    LazyLock::new(|| memmem::FinderRev::new(b"\"prompt_tokens\""));
-static CACHED_REV: LazyLock<memmem::FinderRev<'static>> =
-    LazyLock::new(|| memmem::FinderRev::new(b"\"cached_tokens\""));
+// Forward searchers (memchr's SIMD prefilter; its reverse search has none): the last
+// occurrence is the last one a forward pass meets.
+static PROMPT: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"prompt_tokens\""));
 static CACHED: LazyLock<memmem::Finder<'static>> =
     LazyLock::new(|| memmem::Finder::new(b"\"cached_tokens\""));
 
@@ -49,7 +51,7 @@ pub fn prompt_cache(b: &[u8]) -> Option<PromptCache> {
     let cached_tokens = CACHED
         .find(after)
         .and_then(|i| number_after(after, i, key))
-        .or_else(|| last_number(before, &CACHED_REV, key).map(|(_, n)| n))
+        .or_else(|| last_number(before, &CACHED, key).map(|(_, n)| n))
         .unwrap_or(0);
     Some(PromptCache {
         prompt_tokens,
@@ -59,15 +61,11 @@ pub fn prompt_cache(b: &[u8]) -> Option<PromptCache> {
 
 /// Where the last unescaped key `finder` finds (of `key_len` bytes) starts, and the number
 /// after its colon.
-fn last_number(b: &[u8], finder: &memmem::FinderRev<'_>, key_len: usize) -> Option<(usize, u64)> {
-    let mut end = b.len();
-    while let Some(at) = finder.rfind(&b[..end]) {
-        end = at;
-        if let Some(n) = number_after(b, at, key_len) {
-            return Some((at, n));
-        }
-    }
-    None
+fn last_number(b: &[u8], finder: &memmem::Finder<'_>, key_len: usize) -> Option<(usize, u64)> {
+    finder
+        .find_iter(b)
+        .filter_map(|at| number_after(b, at, key_len).map(|n| (at, n)))
+        .last()
 }
 
 /// The number after the key at `at` (of `key_len` bytes) and its colon, when the key is

@@ -36,9 +36,12 @@ async fn cache_aware_keeps_a_conversation_on_one_prefill() {
             r#"{{"role":"user","content":"conversation {conv} starts here"}}"#
         )];
         for turn in 0..4 {
+            // Odd turns stream (a continuable stream: its account cuts the usage pdgate
+            // asked for out of what the client gets, and the tally still counts it).
             let body = format!(
-                r#"{{"model":"sim-model","messages":[{}],"max_tokens":2}}"#,
-                messages.join(",")
+                r#"{{"model":"sim-model","messages":[{}],"max_tokens":2,"stream":{}}}"#,
+                messages.join(","),
+                turn % 2 == 1
             );
             let (st, _, bytes) = env.post("/v1/chat/completions", &body).await;
             assert_eq!(st, 200, "{}", String::from_utf8_lossy(&bytes));
