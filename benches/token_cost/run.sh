@@ -9,7 +9,10 @@
 # and of 4 tokens, and 20 and 120 non-streamed `/generate` requests of 4 tokens. `count.py OUT_DIR TAG [OTHER_TAG]` then prints
 # instructions per request and per token. ITL=N gives the simulator N ms between tokens:
 # with 0 (the default) a read holds many events; with 4, about one (each is its own read
-# and write, as at low load).
+# and write, as at low load). ROUTER_ARGS are added to `serve` (default:
+# `--health-check-interval-secs 60`: background work accrues with the run's wall time, not
+# with its requests, so at the default 0.5 s it leaks into the per-request figures and
+# differs between binaries and runs).
 set -euo pipefail
 out=$1 tag=$2 bin=$3 sim=${4:-$3}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -29,7 +32,8 @@ one() { # tokens requests [mode]
     local port=$((20000 + RANDOM % 20000))
     valgrind --tool=callgrind --trace-children=yes --callgrind-out-file="$out/cg-$name.%p.out" \
         "$bin" serve --host 127.0.0.1 --port "$port" --admin-port 0 \
-        --prefill "$p" "$bp" --decode "$d" > "$out/router-$name.log" 2>&1 &
+        --prefill "$p" "$bp" --decode "$d" ${ROUTER_ARGS---health-check-interval-secs 60} \
+        > "$out/router-$name.log" 2>&1 &
     local router=$!
     for _ in $(seq 1 120); do
         curl -s -o /dev/null -w "%{http_code}" "127.0.0.1:$port/health" 2>/dev/null | grep -q 200 && break

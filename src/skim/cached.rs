@@ -43,8 +43,14 @@ pub struct PromptCache {
 
 /// The figures in the last [`WINDOW`] bytes of `b`; see the module docs.
 pub fn prompt_cache(b: &[u8]) -> Option<PromptCache> {
-    let tail = &b[b.len().saturating_sub(WINDOW)..];
-    let (at, prompt_tokens) = last_number(tail, &PROMPT, b"\"prompt_tokens\"".len())?;
+    let key = b"\"prompt_tokens\"".len();
+    // The final figures usually sit in the last few hundred bytes (a stream's last usage
+    // chunk before `[DONE]`): look there first, so that a stream with usage on every chunk
+    // is not read event by event; then the whole window.
+    let (tail, (at, prompt_tokens)) = [NEAR, WINDOW]
+        .into_iter()
+        .map(|w| &b[b.len().saturating_sub(w)..])
+        .find_map(|t| last_number(t, &PROMPT, key).map(|found| (t, found)))?;
     let after = &tail[at..tail.len().min(at + NEAR)];
     let before = &tail[at.saturating_sub(NEAR)..at];
     let key = b"\"cached_tokens\"".len();
