@@ -151,6 +151,15 @@ fn member_load(c: &Candidate<'_>, rank: DpRank) -> u64 {
     }
 }
 
+/// Whether a member at `key` on the candidate whose URL is `url` comes before `held` (the
+/// candidate index and key held so far): the smaller key, then the smaller URL.
+fn ahead<K: Ord>(held: &Option<(usize, K)>, key: &K, url: &str, cands: &[Candidate<'_>]) -> bool {
+    match held {
+        None => true,
+        Some((j, h)) => key < h || (key == h && url < cands[*j].worker.shared.url.as_str()),
+    }
+}
+
 impl CacheAware {
     /// `factor` below 1 or not finite is taken as 1; `vnodes` at least 1; no slack.
     pub fn new(factor: f64, vnodes: u32) -> CacheAware {
@@ -294,13 +303,7 @@ impl CacheAware {
                     .get(k as usize)
                     .map_or(u64::MAX, |p| Self::distance_sorted(p, key));
                 let at = (d, e.hash, k);
-                let nearer = match &home {
-                    None => true,
-                    Some((j, h)) => {
-                        at < *h || (at == *h && url < cands[*j].worker.shared.url.as_str())
-                    }
-                };
-                if nearer {
+                if ahead(&home, &at, url, cands) {
                     home = Some((i, at));
                 }
                 if need.is_some() && !has_room(c.worker, k, need) {
@@ -309,13 +312,7 @@ impl CacheAware {
                 let l = member_load(c, k);
                 let over = l > bound;
                 let rank = (over, if over { l } else { 0 }, d, e.hash, k);
-                let better = match &best {
-                    None => true,
-                    Some((j, r)) => {
-                        rank < *r || (rank == *r && url < cands[*j].worker.shared.url.as_str())
-                    }
-                };
-                if better {
+                if ahead(&best, &rank, url, cands) {
                     best = Some((i, rank));
                 }
             }
