@@ -175,7 +175,8 @@ mod tests {
             {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0,
              "disaggregation": {"mode": "decode", "decode_prealloc_queue_reqs": 0}}]}"#;
         // (body, the queue per reported rank)
-        let table: &[(&str, Vec<(usize, Option<u64>)>)] = &[
+        type Queues = Vec<(usize, Option<u64>)>;
+        let table: &[(&str, Queues)] = &[
             (real, vec![(0, Some(2)), (1, Some(0))]),
             // `include=core`, or an engine without the section: unknown, not 0.
             (

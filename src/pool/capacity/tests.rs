@@ -386,7 +386,8 @@ fn a_rank_whose_engine_queues_before_pre_allocation_has_no_room_until_it_drains(
     };
     // (reports in order: busy, capacity, pre-allocation queue; then whether a request
     // with `learn_from_engine` has room, and one without)
-    let table: &[(&[(u64, Option<u64>, Option<u64>)], bool, bool)] = &[
+    type Polls<'a> = &'a [(u64, Option<u64>, Option<u64>)];
+    let table: &[(Polls, bool, bool)] = &[
         // No figure (older engine, `include=core`): as before.
         (&[(2, Some(8), None)], true, true),
         (&[(0, None, None)], true, true),
