@@ -3,7 +3,8 @@
 //! its capacity (`max_running_requests` per entry), its KV figures (`num_used_tokens`,
 //! `num_total_tokens`, `max_total_num_tokens`) and its pre-allocation queue
 //! (`disaggregation.decode_prealloc_queue_reqs`, which `num_waiting_reqs` already counts;
-//! a rank showing one takes no new request, see `pool::capacity`), stored in place into the worker's
+//! a rank showing more than this replica just sent it takes no new request, see
+//! `pool::capacity`), stored in place into the worker's
 //! [`crate::pool::RankCapacity`] atomics; and the capacity `/server_info` reports
 //! (`internal_states[i].effective_max_running_requests_per_dp`), read once at start.
 //!

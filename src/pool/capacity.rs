@@ -44,25 +44,30 @@
 //! replica's own reservations; `R = 0` (unknown) checks nothing more than before.
 //!
 //! A decode whose last report shows requests in its pre-allocation queue
-//! (`disaggregation.decode_prealloc_queue_reqs` > 0: arrived, waiting for KV room or a
-//! running slot while their prefill's bootstrap clock runs) has no room for new requests,
-//! whatever the occupancy says (the engine's capacity may be unknown, or smaller than its
-//! figure, or its KV full), until a report shows the queue drained (0). New requests then
-//! wait in pdgate's queue, where they can still go to another rank, not in the engine's.
-//! A rank whose report has no such figure (older engines, a prefill, a failed poll) is
-//! judged as before; with `learn_from_engine` off the queue is not looked at. The cost: a
-//! poll that catches a request mid-handshake (briefly in the queue on a healthy engine)
-//! closes the rank for one poll interval.
+//! (`disaggregation.decode_prealloc_queue_reqs`: arrived, handshaking, or waiting for KV
+//! room or a running slot while their prefill's bootstrap clock runs) has no room for new
+//! requests, whatever the occupancy says (the engine's capacity may be unknown, or smaller
+//! than its figure, or its KV full), when that queue is longer than this replica's
+//! reservations taken in the window before the poll and still held: those may be there
+//! only for their handshake (milliseconds on a healthy engine, and a busy rank always has
+//! some), anything more has waited at least a poll interval or is another replica's. While
+//! closed, the replica sends the rank nothing, so it stays closed until a report shows the
+//! queue drained (0). New requests then wait in pdgate's queue, where they can still go to
+//! another rank, not in the engine's. A rank whose report has no such figure (older
+//! engines, a prefill, a failed poll) is judged as before; with `learn_from_engine` off the
+//! queue is not looked at. Other replicas' fresh requests are not told apart: they may
+//! close a busy rank for a poll interval when nothing waits for long.
 //!
 //! Invariants: lock-free (atomics only); a rank whose last report shows a pre-allocation
-//! queue admits nothing (with `learn_from_engine`), one with no such report as before; a [`Reservation`] gives back exactly what it took
+//! queue longer than this replica's fresh reservations admits nothing (with
+//! `learn_from_engine`), one with no such report as before; a [`Reservation`] gives back exactly what it took
 //! when dropped (the response body ended, or the attempt failed), whatever the epoch;
 //! waiters are woken through [`CapacitySignal`] only when some wait, so a release costs
 //! two atomics and a load when nobody waits; with `R` known and an index, this replica's
 //! reservations on a rank never exceed its share (one exception: a request larger than a
 //! share of at least one slot goes alone to a rank that holds nothing).
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
@@ -142,6 +147,9 @@ pub struct RankCapacity {
     engine_max_tokens: AtomicU64,
     /// The pre-allocation queue at the last poll, plus one (0 = not reported).
     engine_prealloc: AtomicU64,
+    /// Whether that queue was longer than this replica's reservations taken in the window
+    /// before the poll and still held (which may be there only for their handshake).
+    engine_queued: AtomicBool,
     /// Bumped at every poll.
     epoch: AtomicU64,
     /// `own_live << 32 | new_live`.
@@ -174,11 +182,18 @@ impl RankCapacity {
         self.engine_prealloc.load(Ordering::Relaxed).checked_sub(1)
     }
 
-    /// Whether the engine's last report shows requests queued before pre-allocation, and
-    /// the engine's reports count (`learn_from_engine`): no new request goes there until a
-    /// report shows the queue drained.
+    /// Whether the engine's last report shows more requests queued before pre-allocation
+    /// than this replica's fresh ones explain, and the engine's reports count
+    /// (`learn_from_engine`): no new request goes there until a report shows the queue
+    /// drained (while closed, this replica sends the rank nothing fresh).
     fn engine_queues(&self, l: &Limits) -> bool {
-        l.learn_from_engine && self.prealloc_queue().is_some_and(|q| q > 0)
+        l.learn_from_engine && self.queue_closes()
+    }
+
+    /// Whether the last report's pre-allocation queue closes the rank (see the module
+    /// docs), where the engine's reports count.
+    pub fn queue_closes(&self) -> bool {
+        self.engine_queued.load(Ordering::Relaxed)
     }
 
     fn occupancy_of(&self, packed: u64) -> u64 {
@@ -272,9 +287,18 @@ impl RankCapacity {
             Ordering::Relaxed,
         );
         self.epoch.fetch_add(1, Ordering::AcqRel);
-        let _ = self
+        let before = match self
             .reqs
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p & !LOW));
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p & !LOW))
+        {
+            Ok(p) | Err(p) => p,
+        };
+        // Requests this replica sent in the window that ended may still be handshaking
+        // (in the queue for a few milliseconds on a healthy engine): only a queue longer
+        // than they are closes the rank.
+        let fresh = before & LOW;
+        self.engine_queued
+            .store(r.prealloc.is_some_and(|q| q > fresh), Ordering::Relaxed);
         self.released_old.store(0, Ordering::Relaxed);
         self.new_tokens.store(0, Ordering::Relaxed);
         self.released_old_tokens.store(0, Ordering::Relaxed);

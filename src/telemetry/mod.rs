@@ -304,7 +304,7 @@ pub static SERIES: &[Series] = &[
     derived(WORKER_IN_FLIGHT, &["role", "worker_id", "worker_url", "rank"],
         "Legs pdgate has in flight on a worker's DP rank (what the policies balance; sum by worker for the worker's total)."),
     derived(DECODE_PREALLOC_QUEUE, &["worker_id", "worker_url", "rank"],
-        "Requests in a decode DP rank's pre-allocation queue at the last load poll (the engine's disaggregation.decode_prealloc_queue_reqs, every replica's requests); above 0 the rank is sent nothing new until a poll shows it drained. Absent for a rank whose engine does not report it."),
+        "Requests in a decode DP rank's pre-allocation queue at the last load poll (the engine's disaggregation.decode_prealloc_queue_reqs, every replica's requests); more than this replica sent the rank in the interval before (which may only be handshaking) and the rank is sent nothing new until a poll shows it drained. Absent for a rank whose engine does not report it."),
     derived(WORKER_BREAKER_STATE, &["role", "worker_id", "worker_url", "state"],
         "1 for the circuit breaker's current state (closed, open, half_open, stalled) of each worker, else 0."),
     derived(BOOTSTRAP_RANK_STATE, &["worker_id", "worker_url", "rank", "state"],

@@ -334,8 +334,9 @@ async fn replicas_given_their_count_never_overfill_a_decode() {
 }
 
 /// Issue 36, item 2: a decode whose own report shows requests in its pre-allocation queue
-/// (`disaggregation.decode_prealloc_queue_reqs`) is sent nothing new until a report shows
-/// the queue drained, even with free slots by pdgate's count. The decode holds the first
+/// (`disaggregation.decode_prealloc_queue_reqs`) beyond the ones this replica just sent is
+/// sent nothing new until a report shows the queue drained, even with free slots by
+/// pdgate's count. The decode holds the first
 /// request in that queue (`decode_hold`, which the simulator counts there) until the test
 /// lets it go, so the queue's length is the test's choice, not a race. What this proves:
 /// while the queue shows, a second request waits in pdgate (its prefill leg is not even
@@ -379,6 +380,23 @@ async fn a_decode_queueing_before_pre_allocation_is_sent_nothing_until_it_drains
 
     let first = post();
     until(Some(1)).await;
+    // The first poll that shows it finds the request fresh (it may only be handshaking);
+    // the next one, with nothing sent since, closes the rank.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !env
+        .router
+        .pool
+        .load()
+        .worker(Role::Decode, WorkerId(0))
+        .and_then(|w| w.capacity(0).map(|c| c.queue_closes()))
+        .unwrap_or(false)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the queue never closed the rank"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let second = post();
     // Fifteen polls: without the rule the second request would have gone at once (the
     // decode runs CAP and pdgate counts one).

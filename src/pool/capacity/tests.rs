@@ -425,3 +425,50 @@ fn a_rank_whose_engine_queues_before_pre_allocation_has_no_room_until_it_drains(
         );
     }
 }
+
+#[test]
+fn this_replica_s_fresh_requests_explain_a_short_queue() {
+    let sig = Arc::new(CapacitySignal::default());
+    let n = need(0, 10);
+    // (reservations taken in the window before the poll and still held, the queue it
+    // reported, whether the rank has room after it, and after one more poll showing the
+    // same queue with nothing sent in between)
+    let table = [
+        (0, 0, true, true),
+        // One request of ours, still handshaking: no sign of waiting yet.
+        (1, 1, true, false),
+        (2, 2, true, false),
+        // More queued than ours (older ones, or another replica's): closed at once.
+        (1, 2, false, false),
+        (0, 1, false, false),
+    ];
+    for (fresh, queue, room, room_next) in table {
+        let ranks = new_ranks(1);
+        let r = &ranks[0];
+        r.observe(&Reported {
+            busy: Some(0),
+            max_running: Some(8),
+            prealloc: Some(0),
+            ..Reported::default()
+        });
+        let held: Vec<_> = (0..fresh)
+            .map(|_| take(&ranks, &n, &sig).expect("room"))
+            .collect();
+        let poll = Reported {
+            busy: Some(queue),
+            max_running: Some(8),
+            prealloc: Some(queue),
+            ..Reported::default()
+        };
+        r.observe(&poll);
+        assert_eq!(r.has_room(&n), room, "{fresh} fresh, queue {queue}");
+        assert_eq!(r.queue_closes(), !room);
+        r.observe(&poll);
+        assert_eq!(
+            r.has_room(&n),
+            room_next,
+            "{fresh} fresh, queue {queue}, next"
+        );
+        drop(held);
+    }
+}
