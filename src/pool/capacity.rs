@@ -50,7 +50,8 @@
 //! than its figure, or its KV full), when that queue is longer than this replica's
 //! reservations taken in the window before the poll and still held: those may be there
 //! only for their handshake (milliseconds on a healthy engine, and a busy rank always has
-//! some), anything more has waited at least a poll interval or is another replica's. While
+//! some), anything more has waited a poll interval (with a shorter handshake) or is
+//! another replica's. While
 //! closed, the replica sends the rank nothing, so it stays closed until a report shows the
 //! queue drained (0). New requests then wait in pdgate's queue, where they can still go to
 //! another rank, not in the engine's. A rank whose report has no such figure (older
@@ -60,8 +61,9 @@
 //!
 //! Invariants: lock-free (atomics only); a rank whose last report shows a pre-allocation
 //! queue longer than this replica's fresh reservations admits nothing (with
-//! `learn_from_engine`), one with no such report as before; a [`Reservation`] gives back exactly what it took
-//! when dropped (the response body ended, or the attempt failed), whatever the epoch;
+//! `learn_from_engine`), one with no such report as before; a [`Reservation`] gives back
+//! exactly what it took when dropped (the response body ended, or the attempt failed),
+//! whatever the epoch;
 //! waiters are woken through [`CapacitySignal`] only when some wait, so a release costs
 //! two atomics and a load when nobody waits; with `R` known and an index, this replica's
 //! reservations on a rank never exceed its share (one exception: a request larger than a
