@@ -52,10 +52,10 @@
 //! only for their handshake (milliseconds on a healthy engine, and a busy rank always has
 //! some), anything more has waited a poll interval (with a shorter handshake) or is
 //! another replica's. While closed, the replica sends the rank nothing, so it stays closed
-//! until a report shows the queue drained (0). New requests then wait in pdgate's queue, where they can still go to
-//! another rank, not in the engine's. A rank whose report has no such figure (older
-//! engines, a prefill, a failed poll) is judged as before; with `learn_from_engine` off the
-//! queue is not looked at. Other replicas' fresh requests are not told apart: they may
+//! until a report shows the queue drained (0). New requests then wait in pdgate's queue,
+//! where they can still go to another rank, not in the engine's. A rank whose report has
+//! no such figure (older engines, a prefill, a failed poll) is judged as before; with
+//! `learn_from_engine` off the queue is not looked at. Other replicas' fresh requests are not told apart: they may
 //! close a busy rank for a poll interval when nothing waits for long.
 //!
 //! Invariants: lock-free (atomics only); a rank whose last report shows a pre-allocation
