@@ -55,8 +55,9 @@
 //! until a report shows the queue drained (0). New requests then wait in pdgate's queue,
 //! where they can still go to another rank, not in the engine's. A rank whose report has
 //! no such figure (older engines, a prefill, a failed poll) is judged as before; with
-//! `learn_from_engine` off the queue is not looked at. Other replicas' fresh requests are not told apart: they may
-//! close a busy rank for a poll interval when nothing waits for long.
+//! `learn_from_engine` off the queue is not looked at. Other replicas' fresh requests are
+//! not told apart: they may close a busy rank for a poll interval when nothing waits for
+//! long.
 //!
 //! Invariants: lock-free (atomics only); a rank whose last report shows a pre-allocation
 //! queue longer than this replica's fresh reservations admits nothing (with
