@@ -1,7 +1,10 @@
 //! The capacity half of the engine load poll: from the same `/v1/loads` (or `/get_load`)
 //! body the load poller reads, each decode DP rank's running window (running + waiting),
-//! its capacity (`max_running_requests` per entry) and its KV figures (`num_used_tokens`,
-//! `num_total_tokens`, `max_total_num_tokens`), stored in place into the worker's
+//! its capacity (`max_running_requests` per entry), its KV figures (`num_used_tokens`,
+//! `num_total_tokens`, `max_total_num_tokens`) and its pre-allocation queue
+//! (`disaggregation.decode_prealloc_queue_reqs`, which `num_waiting_reqs` already counts;
+//! a rank showing more than this replica just sent it takes no new request, see
+//! `pool::capacity`), stored in place into the worker's
 //! [`crate::pool::RankCapacity`] atomics; and the capacity `/server_info` reports
 //! (`internal_states[i].effective_max_running_requests_per_dp`), read once at start.
 //!
@@ -48,6 +51,12 @@ fn entry(e: &Value) -> Reported {
         max_running: count(e.get("max_running_requests")).filter(|c| *c > 0),
         tokens,
         max_tokens: count(e.get("max_total_num_tokens")).filter(|c| *c > 0),
+        // Newest generation, decode engines, unless `include=` left the section out:
+        // absent (or not a count) is unknown, never 0.
+        prealloc: count(
+            e.get("disaggregation")
+                .and_then(|d| d.get("decode_prealloc_queue_reqs")),
+        ),
     }
 }
 
@@ -120,6 +129,7 @@ mod tests {
             max_running,
             tokens,
             max_tokens,
+            prealloc: None,
         };
         let table: &[(&str, Vec<(usize, Reported)>)] = &[
             (
@@ -149,5 +159,57 @@ mod tests {
         for (body, want) in table {
             assert_eq!(&parse(body.as_bytes()), want, "{body}");
         }
+    }
+
+    #[test]
+    fn reads_the_decode_pre_allocation_queue() {
+        // SGLang's /v1/loads entry (`LoadSnapshot.to_dict`) on a decode, as the simulator
+        // reports it too; `num_waiting_reqs` counts the queue already.
+        let real = r#"{"loads": [{"dp_rank": 0, "timestamp": 1.5, "num_running_reqs": 4, "num_waiting_reqs": 3,
+            "num_waiting_uncached_tokens": 0, "num_used_tokens": 80, "num_total_tokens": 80,
+            "max_total_num_tokens": 1000, "max_running_requests": 4, "token_usage": 0.08,
+            "gen_throughput": 0.0, "cache_hit_rate": 0.0, "utilization": 0.08,
+            "disaggregation": {"mode": "decode", "prefill_bootstrap_queue_reqs": 0,
+                "prefill_inflight_queue_reqs": 0, "decode_prealloc_queue_reqs": 2,
+                "decode_transfer_queue_reqs": 1, "decode_retracted_queue_reqs": 0,
+                "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0}},
+            {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0,
+             "disaggregation": {"mode": "decode", "decode_prealloc_queue_reqs": 0}}]}"#;
+        // (body, the queue per reported rank)
+        type Queues = Vec<(usize, Option<u64>)>;
+        let table: &[(&str, Queues)] = &[
+            (real, vec![(0, Some(2)), (1, Some(0))]),
+            // `include=core`, or an engine without the section: unknown, not 0.
+            (
+                r#"{"loads": [{"dp_rank": 0, "num_running_reqs": 4, "num_waiting_reqs": 3}]}"#,
+                vec![(0, None)],
+            ),
+            (
+                r#"[{"num_running_reqs": 1, "disaggregation": {"mode": "decode"}}]"#,
+                vec![(0, None)],
+            ),
+            // The mid generation has no such figure.
+            (r#"[{"dp_rank": 1, "num_reqs": 4}]"#, vec![(1, None)]),
+            // Malformed: negative, a string, a section that is not an object.
+            (
+                r#"[{"num_running_reqs": 1, "disaggregation": {"decode_prealloc_queue_reqs": -1}},
+                   {"num_running_reqs": 1, "disaggregation": {"decode_prealloc_queue_reqs": "2"}},
+                   {"num_running_reqs": 1, "disaggregation": 3},
+                   {"num_running_reqs": 1, "disaggregation": {"decode_prealloc_queue_reqs": 1.0}}]"#,
+                vec![(0, None), (1, None), (2, None), (3, Some(1))],
+            ),
+        ];
+        for (body, want) in table {
+            let got: Vec<_> = parse(body.as_bytes())
+                .into_iter()
+                .map(|(rank, r)| (rank, r.prealloc))
+                .collect();
+            assert_eq!(&got, want, "{body}");
+        }
+        assert_eq!(
+            parse(real.as_bytes()).first().map(|(_, r)| r.busy),
+            Some(Some(7)),
+            "running + waiting, the queue inside waiting, not added twice"
+        );
     }
 }

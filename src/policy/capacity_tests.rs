@@ -42,6 +42,7 @@ fn report(busy: u64, tokens: Option<u64>) -> Reported {
         max_running: Some(8),
         tokens,
         max_tokens: tokens.map(|_| 100_000),
+        prealloc: None,
     }
 }
 

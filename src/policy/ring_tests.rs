@@ -62,6 +62,7 @@ fn busy(w: &WorkerView, rank: usize, busy: u64) {
         max_running: Some(8),
         tokens: None,
         max_tokens: None,
+        prealloc: None,
     });
 }
 

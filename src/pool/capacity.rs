@@ -43,14 +43,33 @@
 //! The share is checked in the same compare-and-swap as the occupancy, against this
 //! replica's own reservations; `R = 0` (unknown) checks nothing more than before.
 //!
-//! Invariants: lock-free (atomics only); a [`Reservation`] gives back exactly what it took
-//! when dropped (the response body ended, or the attempt failed), whatever the epoch;
+//! A decode whose last report shows requests in its pre-allocation queue
+//! (`disaggregation.decode_prealloc_queue_reqs`: arrived, handshaking, or waiting for KV
+//! room or a running slot while their prefill's bootstrap clock runs) has no room for new
+//! requests, whatever the occupancy says (the engine's capacity may be unknown, or smaller
+//! than its figure, or its KV full), when that queue is longer than this replica's
+//! reservations taken in the window before the poll and still held: those may be there
+//! only for their handshake (milliseconds on a healthy engine, and a busy rank always has
+//! some), anything more has waited a poll interval (with a shorter handshake) or is
+//! another replica's. While closed, the replica sends the rank nothing, so it stays closed
+//! until a report shows the queue drained (0). New requests then wait in pdgate's queue,
+//! where they can still go to another rank, not in the engine's. A rank whose report has
+//! no such figure (older engines, a prefill, a failed poll) is judged as before; with
+//! `learn_from_engine` off the queue is not looked at. Other replicas' fresh requests are
+//! not told apart: they may close a busy rank for a poll interval when nothing waits for
+//! long.
+//!
+//! Invariants: lock-free (atomics only); a rank whose last report shows a pre-allocation
+//! queue longer than this replica's fresh reservations admits nothing (with
+//! `learn_from_engine`), one with no such report as before; a [`Reservation`] gives back
+//! exactly what it took when dropped (the response body ended, or the attempt failed),
+//! whatever the epoch;
 //! waiters are woken through [`CapacitySignal`] only when some wait, so a release costs
 //! two atomics and a load when nobody waits; with `R` known and an index, this replica's
 //! reservations on a rank never exceed its share (one exception: a request larger than a
 //! share of at least one slot goes alone to a rank that holds nothing).
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
@@ -111,6 +130,9 @@ pub struct Reported {
     pub tokens: Option<u64>,
     /// The rank's KV capacity in tokens.
     pub max_tokens: Option<u64>,
+    /// Requests in the decode's pre-allocation queue
+    /// (`disaggregation.decode_prealloc_queue_reqs`): arrived, not yet holding KV room.
+    pub prealloc: Option<u64>,
 }
 
 /// One decode DP rank's capacity state.
@@ -125,6 +147,11 @@ pub struct RankCapacity {
     /// KV tokens in use at the last poll, and the KV capacity (0 = not reported).
     engine_tokens: AtomicU64,
     engine_max_tokens: AtomicU64,
+    /// The pre-allocation queue at the last poll, plus one (0 = not reported).
+    engine_prealloc: AtomicU64,
+    /// Whether that queue was longer than this replica's reservations taken in the window
+    /// before the poll and still held (which may be there only for their handshake).
+    engine_queued: AtomicBool,
     /// Bumped at every poll.
     epoch: AtomicU64,
     /// `own_live << 32 | new_live`.
@@ -150,6 +177,25 @@ impl RankCapacity {
     /// The engine-reported capacity (0 = unknown).
     pub fn engine_cap(&self) -> u64 {
         self.engine_cap.load(Ordering::Relaxed)
+    }
+
+    /// The pre-allocation queue the last poll reported (`None`: not reported).
+    pub fn prealloc_queue(&self) -> Option<u64> {
+        self.engine_prealloc.load(Ordering::Relaxed).checked_sub(1)
+    }
+
+    /// Whether the engine's last report shows more requests queued before pre-allocation
+    /// than this replica's fresh ones explain, and the engine's reports count
+    /// (`learn_from_engine`): no new request goes there until a report shows the queue
+    /// drained (while closed, this replica sends the rank nothing fresh).
+    fn engine_queues(&self, l: &Limits) -> bool {
+        l.learn_from_engine && self.queue_closes()
+    }
+
+    /// Whether the last report's pre-allocation queue closes the rank (see the module
+    /// docs), where the engine's reports count.
+    pub fn queue_closes(&self) -> bool {
+        self.engine_queued.load(Ordering::Relaxed)
     }
 
     fn occupancy_of(&self, packed: u64) -> u64 {
@@ -215,7 +261,8 @@ impl RankCapacity {
         let occ = self.occupancy_of(packed);
         let cap = self.limit(&need.limits);
         let k = need.slots();
-        fits(cap, occ, k)
+        !self.engine_queues(&need.limits)
+            && fits(cap, occ, k)
             && self.share_fits(&need.limits, packed >> 32, occ, k)
             && self.kv_fits(need, occ)
     }
@@ -237,10 +284,23 @@ impl RankCapacity {
             .store(r.tokens.unwrap_or(0), Ordering::Relaxed);
         self.engine_busy
             .store(r.busy.unwrap_or(0), Ordering::Relaxed);
+        self.engine_prealloc.store(
+            r.prealloc.map_or(0, |q| q.saturating_add(1)),
+            Ordering::Relaxed,
+        );
         self.epoch.fetch_add(1, Ordering::AcqRel);
-        let _ = self
+        let before = match self
             .reqs
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p & !LOW));
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p & !LOW))
+        {
+            Ok(p) | Err(p) => p,
+        };
+        // Requests this replica sent in the window that ended may still be handshaking
+        // (in the queue for a few milliseconds on a healthy engine): only a queue longer
+        // than they are closes the rank.
+        let fresh = before & LOW;
+        self.engine_queued
+            .store(r.prealloc.is_some_and(|q| q > fresh), Ordering::Relaxed);
         self.released_old.store(0, Ordering::Relaxed);
         self.new_tokens.store(0, Ordering::Relaxed);
         self.released_old_tokens.store(0, Ordering::Relaxed);

@@ -1,6 +1,7 @@
 //! The pool's own series, derived from its snapshot when `/metrics` is rendered: per
 //! worker its health and breaker state, per (worker, DP rank) the legs in flight and what
-//! its prefix cache did (`pool::tally`), per
+//! its prefix cache did (`pool::tally`), per decode (worker, DP rank) the engine's
+//! pre-allocation queue at the last poll (`pool::capacity`), per
 //! (prefill, DP rank) its bootstrap state, and the routable ranks of each role and model.
 //!
 //! Read at scrape time because they are already here: the in-flight counters are the
@@ -75,6 +76,22 @@ impl Source for Snapshot {
                 let rank = rank.to_string();
                 let l = labels(w, id, Some(("rank", &rank)));
                 out.sample(&l, n.load(Ordering::Relaxed));
+            }
+        }
+
+        // Only what the engine reported: a rank without the figure has no sample.
+        out.family(telemetry::DECODE_PREALLOC_QUEUE);
+        for (w, id) in workers().filter(|(w, _)| w.shared.role == Role::Decode) {
+            for (rank, c) in w.per_rank.capacity.iter().enumerate() {
+                if let Some(q) = c.prealloc_queue() {
+                    let rank = rank.to_string();
+                    let labels = [
+                        ("worker_id", id),
+                        ("worker_url", w.shared.url.as_str()),
+                        ("rank", rank.as_str()),
+                    ];
+                    out.sample(&labels, q);
+                }
             }
         }
 
@@ -195,6 +212,11 @@ mod tests {
         });
         let snap = pool.load_full();
         let guard = LoadGuard::new(&snap.decodes[0], 1);
+        // Rank 1 reported a queue of 3; rank 0 reported nothing (no sample).
+        snap.decodes[0].per_rank.capacity[1].observe(&crate::pool::capacity::Reported {
+            prealloc: Some(3),
+            ..Default::default()
+        });
         let text = telemetry::render_derived(&pool);
         drop(guard);
         for line in [
@@ -205,11 +227,16 @@ mod tests {
             "pdgate_worker_breaker_state{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",state=\"open\"} 0\n",
             "pdgate_worker_requests_total{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",outcome=\"ok\"} 0\n",
             "pdgate_worker_first_byte_seconds_count{role=\"decode\",worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\"} 0\n",
+            "pdgate_decode_prealloc_queue{worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",rank=\"1\"} 3\n",
             "pdgate_routable_ranks{role=\"decode\"} 2\n",
             "pdgate_routable_ranks{role=\"prefill\"} 0\n",
         ] {
             assert!(text.contains(line), "{line} not in\n{text}");
         }
+        assert!(
+            !text.contains("pdgate_decode_prealloc_queue{worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",rank=\"0\"}"),
+            "a rank without a report has no sample:\n{text}"
+        );
     }
 
     /// Every sample's name and labels in `text` (no duplicates), by parsing the exposition.

@@ -138,6 +138,7 @@ pub const DISCOVERY_WORKERS: &str = "pdgate_discovery_workers";
 // Derived series (read from the pool at scrape time).
 pub const WORKER_HEALTHY: &str = "pdgate_worker_healthy";
 pub const WORKER_IN_FLIGHT: &str = "pdgate_worker_in_flight_requests";
+pub const DECODE_PREALLOC_QUEUE: &str = "pdgate_decode_prealloc_queue";
 pub const WORKER_BREAKER_STATE: &str = "pdgate_worker_breaker_state";
 pub const BOOTSTRAP_RANK_STATE: &str = "pdgate_bootstrap_rank_state";
 pub const ROUTABLE_RANKS: &str = "pdgate_routable_ranks";
@@ -302,6 +303,8 @@ pub static SERIES: &[Series] = &[
         "1 when the worker passes its active health checks, else 0."),
     derived(WORKER_IN_FLIGHT, &["role", "worker_id", "worker_url", "rank"],
         "Legs pdgate has in flight on a worker's DP rank (what the policies balance; sum by worker for the worker's total)."),
+    derived(DECODE_PREALLOC_QUEUE, &["worker_id", "worker_url", "rank"],
+        "Requests in a decode DP rank's pre-allocation queue at the last load poll (the engine's disaggregation.decode_prealloc_queue_reqs, every replica's requests); more than this replica sent the rank in the interval before (which may only be handshaking) and the rank is sent nothing new until a poll shows it drained. Absent for a rank whose engine does not report it."),
     derived(WORKER_BREAKER_STATE, &["role", "worker_id", "worker_url", "state"],
         "1 for the circuit breaker's current state (closed, open, half_open, stalled) of each worker, else 0."),
     derived(BOOTSTRAP_RANK_STATE, &["worker_id", "worker_url", "rank", "state"],

@@ -3,7 +3,8 @@
 //! admission queue (bounded, with its deadline) instead of in the engine while the
 //! prefill's bootstrap clock runs out; two replicas stay within the stated overshoot.
 //! The simulator enforces its own cap (`max_running_requests`), reports it, and counts
-//! the most requests it held at once (`peak_held`: queued or running).
+//! the most requests it held at once (`peak_held`: queued or running). A decode whose
+//! report shows a pre-allocation queue is sent nothing until it drains (issue 36, item 2).
 
 use std::time::Duration;
 
@@ -330,4 +331,91 @@ async fn replicas_given_their_count_never_overfill_a_decode() {
     for r in &routers {
         r.shutdown().await;
     }
+}
+
+/// Issue 36, item 2: a decode whose own report shows requests in its pre-allocation queue
+/// (`disaggregation.decode_prealloc_queue_reqs`) beyond the ones this replica just sent is
+/// sent nothing new until a report shows the queue drained, even with free slots by
+/// pdgate's count. The decode holds the first
+/// request in that queue (`decode_hold`, which the simulator counts there) until the test
+/// lets it go, so the queue's length is the test's choice, not a race. What this proves:
+/// while the queue shows, a second request waits in pdgate (its prefill leg is not even
+/// sent), and it is served once the queue drains. It does not measure how far an engine's
+/// queue grows under a burst between two polls.
+#[tokio::test(crate = "crate::support::rt")]
+async fn a_decode_queueing_before_pre_allocation_is_sent_nothing_until_it_drains() {
+    let p = fast_engine(EngineConfig::prefill(1));
+    let mut d = fast_engine(EngineConfig::decode(1));
+    d.max_running_requests = Some(CAP);
+    d.faults.decode_hold = true;
+    let env = std::sync::Arc::new(start_as_is(vec![p], vec![d], tweak).await);
+    env.wait_routable(1, 1).await;
+    learned(&env.router.pool, u64::from(CAP)).await;
+    let queue = || {
+        env.router
+            .pool
+            .load()
+            .worker(Role::Decode, WorkerId(0))
+            .and_then(|w| w.capacity(0).and_then(|c| c.prealloc_queue()))
+    };
+    let until = |want: Option<u64>| {
+        let queue = &queue;
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while queue() != want {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the queue never showed {want:?}: {:?}",
+                    queue()
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    until(Some(0)).await;
+    let post = || {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", BODY).await })
+    };
+
+    let first = post();
+    until(Some(1)).await;
+    // The first poll that shows it finds the request fresh (it may only be handshaking);
+    // the next one, with nothing sent since, closes the rank.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !env
+        .router
+        .pool
+        .load()
+        .worker(Role::Decode, WorkerId(0))
+        .and_then(|w| w.capacity(0).map(|c| c.queue_closes()))
+        .unwrap_or(false)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the queue never closed the rank"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let second = post();
+    // Fifteen polls: without the rule the second request would have gone at once (the
+    // decode runs CAP and pdgate counts one).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        env.cluster.prefills[0].stats().requests_total,
+        1,
+        "the second request was sent while the decode queued"
+    );
+    assert_eq!(env.cluster.decodes[0].stats().held_now, 1);
+    assert!(!second.is_finished(), "it waits in pdgate's queue");
+
+    env.cluster.decodes[0].set_faults(pdgate_sim::Faults::default());
+    for t in [first, second] {
+        let (status, _, body) = tokio::time::timeout(Duration::from_secs(10), t)
+            .await
+            .expect("served in time")
+            .expect("a task");
+        assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    }
+    assert_eq!(env.cluster.decodes[0].stats().ok, 2);
 }

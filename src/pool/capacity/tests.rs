@@ -52,6 +52,7 @@ fn occupancy_is_the_engine_s_figure_plus_reservations_since_the_poll() {
         max_running: Some(4),
         tokens: Some(100),
         max_tokens: Some(1000),
+        prealloc: None,
     });
     assert_eq!(r.occupancy(), 2);
     let a = take(&ranks, &n, &sig).expect("2 of 4");
@@ -68,6 +69,7 @@ fn occupancy_is_the_engine_s_figure_plus_reservations_since_the_poll() {
         max_running: None,
         tokens: Some(20),
         max_tokens: Some(1000),
+        prealloc: None,
     });
     assert_eq!(
         r.engine_cap(),
@@ -96,6 +98,7 @@ fn kv_tokens_bound_admission_unless_the_rank_is_empty() {
         max_running: Some(100),
         tokens: Some(900),
         max_tokens: Some(1000),
+        prealloc: None,
     });
     assert!(
         take(&ranks, &need(0, 101), &sig).is_none(),
@@ -117,6 +120,7 @@ fn kv_tokens_bound_admission_unless_the_rank_is_empty() {
         max_running: None,
         tokens: Some(0),
         max_tokens: Some(1000),
+        prealloc: None,
     });
     let _big = take(&ranks, &need(0, 5000), &sig).expect("alone, even a large request goes");
 }
@@ -365,5 +369,106 @@ proptest! {
         for (ranks, _) in &all {
             prop_assert!(ranks.iter().all(|k| k.own() == 0));
         }
+    }
+}
+
+#[test]
+fn a_rank_whose_engine_queues_before_pre_allocation_has_no_room_until_it_drains() {
+    let sig = Arc::new(CapacitySignal::default());
+    let learn = need(0, 10);
+    let not_learning = Need {
+        limits: Limits {
+            override_per_rank: 8,
+            learn_from_engine: false,
+            ..learn.limits
+        },
+        ..learn
+    };
+    // (reports in order: busy, capacity, pre-allocation queue; then whether a request
+    // with `learn_from_engine` has room, and one without)
+    type Polls<'a> = &'a [(u64, Option<u64>, Option<u64>)];
+    let table: &[(Polls, bool, bool)] = &[
+        // No figure (older engine, `include=core`): as before.
+        (&[(2, Some(8), None)], true, true),
+        (&[(0, None, None)], true, true),
+        // A queue closes the rank, even under its capacity, and with no capacity known.
+        (&[(2, Some(8), Some(1))], false, true),
+        (&[(5, None, Some(3))], false, true),
+        // Even a rank the engine reports idle otherwise (the queue is the figure to trust).
+        (&[(0, Some(8), Some(1))], false, true),
+        // Drained: room again.
+        (&[(9, Some(8), Some(4)), (3, Some(8), Some(0))], true, true),
+        // A failed poll or a report without the figure: unknown, judged as before.
+        (&[(9, Some(8), Some(4)), (3, Some(8), None)], true, true),
+        // Still queued at the next poll: still closed.
+        (&[(9, Some(8), Some(4)), (3, Some(8), Some(1))], false, true),
+    ];
+    for (reports, want_learn, want_not) in table {
+        let ranks = new_ranks(1);
+        for (busy, cap, prealloc) in reports.iter().copied() {
+            ranks[0].observe(&Reported {
+                busy: Some(busy),
+                max_running: cap,
+                prealloc,
+                ..Reported::default()
+            });
+        }
+        let r = &ranks[0];
+        assert_eq!(r.has_room(&learn), *want_learn, "{reports:?}");
+        assert_eq!(r.has_room(&not_learning), *want_not, "{reports:?}");
+        let got = take(&ranks, &learn, &sig);
+        assert_eq!(got.is_some(), *want_learn, "{reports:?}: reservation");
+        assert_eq!(
+            r.prealloc_queue(),
+            reports.last().and_then(|(_, _, q)| *q),
+            "{reports:?}"
+        );
+    }
+}
+
+#[test]
+fn this_replica_s_fresh_requests_explain_a_short_queue() {
+    let sig = Arc::new(CapacitySignal::default());
+    let n = need(0, 10);
+    // (reservations taken in the window before the poll and still held, the queue it
+    // reported, whether the rank has room after it, and after one more poll showing the
+    // same queue with nothing sent in between)
+    let table = [
+        (0, 0, true, true),
+        // One request of ours, still handshaking: no sign of waiting yet.
+        (1, 1, true, false),
+        (2, 2, true, false),
+        // More queued than ours (older ones, or another replica's): closed at once.
+        (1, 2, false, false),
+        (0, 1, false, false),
+    ];
+    for (fresh, queue, room, room_next) in table {
+        let ranks = new_ranks(1);
+        let r = &ranks[0];
+        r.observe(&Reported {
+            busy: Some(0),
+            max_running: Some(8),
+            prealloc: Some(0),
+            ..Reported::default()
+        });
+        let held: Vec<_> = (0..fresh)
+            .map(|_| take(&ranks, &n, &sig).expect("room"))
+            .collect();
+        let poll = Reported {
+            busy: Some(queue),
+            max_running: Some(8),
+            prealloc: Some(queue),
+            ..Reported::default()
+        };
+        r.observe(&poll);
+        assert_eq!(r.has_room(&n), room, "{fresh} fresh, queue {queue}");
+        assert_eq!(r.queue_closes(), !room);
+        r.observe(&poll);
+        assert_eq!(
+            r.has_room(&n),
+            room_next,
+            "{fresh} fresh, queue {queue}, next"
+        );
+        drop(held);
     }
 }
