@@ -257,15 +257,12 @@ impl Dispatcher {
         need: Option<Need>,
     ) -> Result<ChosenPair<'s>, AttemptFailure> {
         let policies = model.policies();
-        let (mut prefill_policy, mut decode_policy) =
-            (policies.prefill.as_ref(), policies.decode.as_ref());
         // Sticky sessions: a keyed request is placed by its key whatever the policy.
-        if self.keyed_pick(req, prefill_policy) {
-            prefill_policy = policies.keyed.as_ref();
-        }
-        if self.keyed_pick(req, decode_policy) {
-            decode_policy = policies.keyed.as_ref();
-        }
+        let sticky = self.sticky_key(req);
+        let (prefill_policy, decode_policy) = (
+            policies.placing(Role::Prefill, sticky),
+            policies.placing(Role::Decode, sticky),
+        );
         let (exclude_p, exclude_d) = (ex.of(Role::Prefill), ex.of(Role::Decode));
         let prefix_hash = if prefill_policy.wants_prefix() || decode_policy.wants_prefix() {
             req.affinity_key()

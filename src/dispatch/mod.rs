@@ -270,10 +270,10 @@ impl Dispatcher {
         }
     }
 
-    /// Whether a keyed request's picks go through the key's `cache_aware` ring instead of
-    /// `policy` (`affinity.sticky`, and a policy that does not read the key itself).
-    fn keyed_pick(&self, req: &ParsedRequest, policy: &dyn crate::policy::Policy) -> bool {
-        req.routing_key.is_some() && self.keys.sticky() && !policy.wants_prefix()
+    /// Whether `req` carries a routing key that places it under any policy
+    /// (`affinity.sticky`; see `model::Policies::placing`).
+    fn sticky_key(&self, req: &ParsedRequest) -> bool {
+        req.routing_key.is_some() && self.keys.sticky()
     }
 
     /// An OpenAI request that named an alias carries the model served on its legs

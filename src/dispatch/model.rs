@@ -30,6 +30,7 @@ use crate::admission::Admission;
 use crate::config::{AdmissionConfig, BreakerConfig, Config, PolicyConfig, RetryConfig};
 use crate::policy::{self, Policy};
 use crate::pool::Pool;
+use crate::types::Role;
 
 use super::{Dispatcher, RetryBudget};
 
@@ -46,6 +47,22 @@ pub struct Policies {
 }
 
 impl Policies {
+    /// The policy that places a `role` leg: the role's own, or the key's `cache_aware`
+    /// ring for a request with a routing key under sticky sessions (`sticky_key`) when the
+    /// role's own policy does not read keys itself.
+    pub fn placing(&self, role: Role, sticky_key: bool) -> &dyn Policy {
+        let own = match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+            Role::Regular => &self.regular,
+        };
+        if sticky_key && !own.wants_prefix() {
+            self.keyed.as_ref()
+        } else {
+            own.as_ref()
+        }
+    }
+
     pub fn new(cfg: PolicyConfig) -> Policies {
         Policies {
             prefill: policy::build_with(cfg.prefill, &cfg).into(),

@@ -106,11 +106,9 @@ impl Dispatcher {
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
         let scope = model.name();
-        let policies = model.policies();
-        let mut policy = policies.regular.as_ref();
-        if self.keyed_pick(req, policy) {
-            policy = policies.keyed.as_ref();
-        }
+        let policy = model
+            .policies()
+            .placing(Role::Regular, self.sticky_key(req));
         let pctx = PickCtx {
             exclude: ex.of(Role::Regular),
             prefix_hash: if policy.wants_prefix() {

@@ -289,8 +289,8 @@ impl PdBody {
     /// Decode's answer is complete: nothing is cancelled, and a prefill answer still on its
     /// way (its KV was sent, or decode could not have answered) is left to finish on its
     /// own. Returns the scanner's unfinished tail, if any.
-    /// The answer ends well with `out`: its prompt-cache figures, read from its end (else
-    /// from the stream's frame before), go to the prefill rank's tally.
+    /// The answer's prompt-cache figures, read from `out`, its last bytes as the decode
+    /// sent them (else from the stream's frame before), go to the prefill rank's tally.
     fn tally(&mut self, out: &[u8]) {
         let Some((tally, rank)) = &self.passive.tally else {
             return;
@@ -303,10 +303,13 @@ impl PdBody {
         }
     }
 
-    fn end_ok(&mut self) -> Bytes {
+    /// The answer ended well, its last bytes (as the decode sent them) `out`: counted,
+    /// its legs let go; returns what still goes to the client after `out`.
+    fn end_ok(&mut self, out: &[u8]) -> Bytes {
         let State::Relaying(mut legs) = std::mem::replace(&mut self.state, State::Ended) else {
             return Bytes::new();
         };
+        self.tally(out);
         legs.cancel.disarm();
         let tail = self.detach(&mut legs);
         self.record.finish(Outcome::Ok);
@@ -622,8 +625,8 @@ impl PdBody {
                 // The whole answer may have come with the first bytes (a non-streamed
                 // answer with a Content-Length, after which hyper stops polling this body).
                 let b = if at_end {
-                    self.tally(raw.as_ref().unwrap_or(&b));
-                    join(b, self.end_ok())
+                    let tail = self.end_ok(raw.as_ref().unwrap_or(&b));
+                    join(b, tail)
                 } else {
                     if self.events {
                         self.last = raw.unwrap_or_else(|| b.clone());
@@ -693,8 +696,8 @@ impl PdBody {
                     };
                     let at_end = legs.decode_ended();
                     let out = if at_end {
-                        self.tally(raw.as_ref().unwrap_or(&out));
-                        join(out, self.end_ok())
+                        let tail = self.end_ok(raw.as_ref().unwrap_or(&out));
+                        join(out, tail)
                     } else {
                         if self.events {
                             let frame = raw.unwrap_or_else(|| out.clone());
@@ -726,8 +729,7 @@ impl PdBody {
                     return self.fail_or_move(f, Bytes::new(), "decode_broken", cx);
                 }
                 Poll::Ready(None) => {
-                    self.tally(&[]);
-                    let tail = self.end_ok();
+                    let tail = self.end_ok(&[]);
                     if !tail.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(tail))));
                     }
