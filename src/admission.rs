@@ -346,6 +346,16 @@ impl Queued<'_> {
 }
 
 impl Admission {
+    /// Requests waiting in the queue now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// The longest wait in the queue (`queue_timeout_ms`).
+    pub fn queue_timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+
     /// Joins the wait queue (bounded by `max_queue`, with `queue_timeout_ms` from now)
     /// without a slot to wait for; a full queue answers 429 with `Retry-After`.
     pub fn enqueue(&self, what: &str) -> Result<Queued<'_>, Failure> {

@@ -224,6 +224,9 @@ pub struct PolicyConfig {
     /// cache_aware: virtual nodes per worker on the hash ring.
     pub cache_aware_vnodes: u32,
     /// Poll each engine's own load (`/v1/loads`, else `/get_load`) this often; 0 = off.
+    /// On by default: decode admission across replicas reads the engines' reports
+    /// (running, waiting, pre-allocation queue). With the default health and bootstrap
+    /// intervals one idle router sends an engine at most 4 requests a second in all.
     pub load_poll_interval_ms: u64,
 }
 
@@ -235,7 +238,7 @@ impl Default for PolicyConfig {
             cache_aware_balance_factor: 1.25,
             cache_aware_slack: 1,
             cache_aware_vnodes: 100,
-            load_poll_interval_ms: 0,
+            load_poll_interval_ms: 1000,
         }
     }
 }
@@ -328,8 +331,17 @@ pub struct AdmissionConfig {
     pub max_in_flight: usize,
     /// Requests that may wait for a slot; more get 429.
     pub max_queue: usize,
-    /// Longest wait for a slot; longer gets 503.
+    /// Longest wait for a slot; longer gets 503. A request whose estimated wait (its place
+    /// in the queue against the rate the decode slots free) is longer is answered 503 at
+    /// once, with that estimate in `Retry-After`.
     pub queue_timeout_ms: u64,
+    /// How long the engines let a prefill's KV wait for its decode
+    /// (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, SGLang's default 300 s; engines do not
+    /// report it). A decode rank whose reported queue would hold a new request for half
+    /// of it (its waiting requests against its running ones and the time a request holds
+    /// a slot there) is sent nothing until it shortens: the request waits in pdgate's
+    /// queue instead of starting a bootstrap clock it may not win.
+    pub engine_bootstrap_timeout_secs: u64,
     /// The in-flight byte budget (`crate::memory`): request bodies and buffered engine
     /// answers held at once, across all requests. A request that does not fit now gets 503
     /// with `Retry-After`; one that can never fit gets 413. A large request (over 1/64 of
@@ -355,7 +367,8 @@ impl Default for AdmissionConfig {
         AdmissionConfig {
             max_in_flight: 4096,
             max_queue: 4096,
-            queue_timeout_ms: 10_000,
+            queue_timeout_ms: 60_000,
+            engine_bootstrap_timeout_secs: 300,
             max_bytes_in_flight: 128 * 1024 * 1024,
             replicas: 0,
             replica_index: None,
@@ -392,7 +405,7 @@ pub struct BootstrapConfig {
 impl Default for BootstrapConfig {
     fn default() -> Self {
         BootstrapConfig {
-            heartbeat_interval_ms: 500,
+            heartbeat_interval_ms: 750,
             heartbeat_max_failures: 2,
             refresh_interval_ms: 30_000,
             refresh_jitter: 0.2,

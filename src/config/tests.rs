@@ -181,7 +181,11 @@ fn policy_keys_parse_and_are_checked() {
         cfg.policy.load_poll_interval(),
         Some(Duration::from_millis(250))
     );
-    assert_eq!(Config::default().policy.load_poll_interval(), None);
+    assert_eq!(
+        Config::default().policy.load_poll_interval(),
+        Some(Duration::from_secs(1)),
+        "on by default"
+    );
     let err = Config::from_toml("[policy]\ncache_aware_vnode = 3\n")
         .unwrap_err()
         .to_string();

@@ -129,6 +129,12 @@ impl Config {
             1,
             3_600_000,
         )?;
+        range(
+            "admission.engine_bootstrap_timeout_secs",
+            a.engine_bootstrap_timeout_secs,
+            1,
+            86_400,
+        )?;
         range("admission.replicas", a.replicas, 0, 1024)?;
         if let Some(i) = a.replica_index {
             if i >= a.replicas {

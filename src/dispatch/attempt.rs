@@ -189,7 +189,14 @@ impl Dispatcher {
             // wait for a wake-up under the queue's deadline.
             if queued.is_none() {
                 drop(wake);
-                queued = Some(capacity::Queue::join(self, ctx, full)?);
+                queued = Some(capacity::Queue::join(
+                    self,
+                    ctx,
+                    full,
+                    &snap,
+                    model.name(),
+                    &need,
+                )?);
                 continue;
             }
             if let (Some(q), Some(w)) = (&queued, wake) {

@@ -12,6 +12,7 @@
 //! wake-ups of one attempt.
 
 use std::pin::Pin;
+use std::time::Duration;
 
 use super::AttemptFailure;
 use super::{Dispatcher, ReqCtx};
@@ -38,6 +39,8 @@ pub(in crate::dispatch) fn need(
         kv_bound: c.kv_bound,
         replicas: a.replicas,
         replica_index: a.replica_index,
+        proportional: c.proportional_share,
+        bootstrap_timeout_ms: a.engine_bootstrap_timeout_secs.saturating_mul(1000),
     };
     Need {
         limits,
@@ -76,16 +79,72 @@ pub(in crate::dispatch) struct Queue<'a> {
     waiter: Waiter,
 }
 
+/// The pace at which the decode ranks a request may go to free slots, in requests a
+/// second: each rank's capacity over the time a request holds a slot there, summed over
+/// the routable decodes of `model` (all without one). `None` when no rank has both a
+/// capacity and a measured hold time (nothing to estimate from).
+pub(in crate::dispatch) fn drain_rate(
+    snap: &Snapshot,
+    model: Option<&str>,
+    need: &Need,
+) -> Option<f64> {
+    let mut rate = 0.0;
+    for r in snap.routable_for(Role::Decode, model) {
+        let Some(w) = snap.worker(Role::Decode, r.worker) else {
+            continue;
+        };
+        for rank in w.per_rank.capacity.iter() {
+            let cap = rank.limit(&need.limits);
+            if let (true, Some(hold)) = (cap > 0, rank.hold_time()) {
+                rate += cap as f64 / hold.as_secs_f64().max(1e-3);
+            }
+        }
+    }
+    (rate > 0.0).then_some(rate)
+}
+
+/// How long a request that joins a queue of `ahead` waiting requests would wait, when
+/// slots free at `rate` a second.
+pub(in crate::dispatch) fn estimated_wait(ahead: usize, rate: f64) -> Duration {
+    Duration::from_secs_f64(((ahead as f64 + 1.0) / rate).min(1e6))
+}
+
 impl<'a> Queue<'a> {
-    /// Joins the queue; a full queue (or no queue) answers 429.
+    /// Joins the queue; a full queue (or no queue) answers 429, and a request whose
+    /// estimated wait ([`estimated_wait`] at the pool's [`drain_rate`]) is longer than the
+    /// queue timeout answers 503 at once, with the estimate in `Retry-After`, instead of
+    /// waiting for a timeout it cannot beat.
     pub(in crate::dispatch) fn join(
         d: &Dispatcher,
         ctx: &'a ReqCtx,
         full: AttemptFailure,
+        snap: &Snapshot,
+        model: Option<&str>,
+        need: &Need,
     ) -> Result<Queue<'a>, AttemptFailure> {
         let Some(adm) = ctx.queue.as_deref() else {
             return Err(full);
         };
+        if let Some(rate) = drain_rate(snap, model, need) {
+            let wait = estimated_wait(adm.waiting(), rate);
+            let limit = adm.queue_timeout();
+            if wait > limit {
+                metrics::counter!(crate::telemetry::ADMISSION_REJECTED, "reason" => "capacity_wait_estimate")
+                    .increment(1);
+                let secs = u32::try_from(wait.as_secs().saturating_add(1)).unwrap_or(u32::MAX);
+                return Err(AttemptFailure::unblamed(
+                    Failure::new(
+                        FailReason::QueueTimeout,
+                        format!(
+                            "{FULL}: the estimated wait of {:.1} s (requests waiting, against the pace decode slots free) is longer than the queue timeout of {} ms",
+                            wait.as_secs_f64(),
+                            limit.as_millis()
+                        ),
+                    )
+                    .retry_after(secs),
+                ));
+            }
+        }
         let queued = adm.enqueue(FULL).map_err(AttemptFailure::unblamed)?;
         Ok(Queue {
             queued,
