@@ -155,7 +155,12 @@ impl Dispatcher {
         ex: &Excluded,
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
-        let need = capacity::need(&self.cfg.capacity, &self.cfg.admission, req);
+        let need = capacity::need(
+            &self.cfg.capacity,
+            &self.cfg.admission,
+            self.cfg.policy.load_poll_interval_ms > 0,
+            req,
+        );
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap = snap;

@@ -178,8 +178,10 @@ pub struct RankCapacity {
     engine_queued: AtomicBool,
     /// Whether the last poll reported the running window (`engine_busy` is a figure).
     busy_known: AtomicBool,
-    /// This replica's reservations on the rank when the last poll was stored.
+    /// This replica's reservations on the rank when the last poll was stored, and of
+    /// those the ones taken in the window before it.
     own_at_poll: AtomicU64,
+    fresh_at_poll: AtomicU64,
     /// The last poll's random word, which rounds this replica's proportional part of
     /// the free slots up or down (see [`RankCapacity::allowance`]).
     coin: AtomicU64,
@@ -291,8 +293,11 @@ impl RankCapacity {
     /// The fresh reservations (taken since the last poll and still held, beyond
     /// refilling this replica's own releases) this replica may hold on the rank under `l`
     /// until the next poll; `None`: no such bound (the replica count is known and shares
-    /// apply, the engine's reports do not count or did not come, the capacity is unknown,
-    /// or the rule is off).
+    /// apply, the engine's reports do not count, the capacity is unknown, or the rule is
+    /// off: `proportional` is only set with the load poll on). Before the first report,
+    /// and after a failed poll, the replica counts as alone on the rank (one request,
+    /// then doubling per poll), so a replica that starts, or an engine that comes up,
+    /// is not filled at once from a count that sees nobody else.
     ///
     /// The rule (the module docs have why): with `free = capacity − busy` at the poll,
     /// a replica that held `own` of the `busy` requests then may take `free × own / busy`
@@ -306,12 +311,26 @@ impl RankCapacity {
             return None;
         }
         let cap = self.limit(l);
-        if cap == 0 || !self.busy_known.load(Ordering::Relaxed) {
+        if cap == 0 {
             return None;
         }
-        let busy = self.engine_busy.load(Ordering::Relaxed);
+        let own = self.own_at_poll.load(Ordering::Relaxed);
+        // The engine may not count this replica's requests of the window before the poll
+        // yet (sent, not arrived): the others are what it reported beyond this replica's
+        // older ones, and this replica's whole count comes on top (conservative: those it
+        // did count are counted twice, for one poll). No report yet, or the last poll
+        // failed: as if alone (doubling per poll).
+        let busy = if self.busy_known.load(Ordering::Relaxed) {
+            let older = own.saturating_sub(self.fresh_at_poll.load(Ordering::Relaxed));
+            let others = self
+                .engine_busy
+                .load(Ordering::Relaxed)
+                .saturating_sub(older);
+            others.saturating_add(own)
+        } else {
+            own
+        };
         let free = cap.saturating_sub(busy);
-        let own = self.own_at_poll.load(Ordering::Relaxed).min(busy);
         if own == 0 {
             return Some(free.min(1));
         }
@@ -449,6 +468,7 @@ impl RankCapacity {
         // than they are closes the rank.
         let fresh = before & LOW;
         self.own_at_poll.store(before >> 32, Ordering::Relaxed);
+        self.fresh_at_poll.store(fresh, Ordering::Relaxed);
         self.engine_queued
             .store(r.prealloc.is_some_and(|q| q > fresh), Ordering::Relaxed);
         self.released_old.store(0, Ordering::Relaxed);

@@ -236,10 +236,10 @@ async fn two_replicas_stay_within_the_stated_overshoot() {
     );
     let peak = cluster.decodes[0].stats().peak_held;
     eprintln!("two replicas, cap {CAP}: the decode held at most {peak} at once");
-    // The bound docs/pools-and-capacity.md states: cap + (replicas - 1) x min(cap, requests one replica
-    // admits per poll interval) <= cap x replicas.
+    // The bound docs/pools-and-capacity.md states without a replica count (proportional
+    // admission, the default): cap + one request per replica.
     let replicas = routers.len() as u64;
-    let bound = u64::from(CAP) + (replicas - 1) * u64::from(CAP);
+    let bound = u64::from(CAP) + replicas;
     assert!(
         peak <= bound,
         "the decode held {peak} at once; bound {bound}"
@@ -327,6 +327,54 @@ async fn replicas_given_their_count_never_overfill_a_decode() {
     assert!(
         peak <= u64::from(CAP),
         "the decode held {peak} at once; capacity {CAP}"
+    );
+    for r in &routers {
+        r.shutdown().await;
+    }
+}
+
+/// Issue 36, item 1, with defaults (no replica count): five routers in front of one decode
+/// of `CAP` slots, each with a burst of its own at once, answer everything (no request is
+/// lost to the prefill's 1 s bootstrap clock) and the decode never holds more than the
+/// bound docs/pools-and-capacity.md states: the capacity plus one request per replica.
+#[tokio::test(crate = "crate::support::rt")]
+async fn replicas_without_a_count_stay_within_one_request_each_over_a_decode() {
+    let (p, d) = engines();
+    let cluster = SimCluster::spawn(&p, &d).await.expect("sim cluster");
+    let mut routers = Vec::new();
+    // Seeds far apart: see `two_replicas_stay_within_the_stated_overshoot`.
+    for i in 0..5u32 {
+        let mut cfg = fast_config();
+        add_sim_workers(&mut cfg, &cluster);
+        tweak(&mut cfg);
+        assert_eq!(cfg.admission.replicas, 0, "no count");
+        assert!(cfg.capacity.proportional_share, "the default");
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let r = pdgate::router::start_with(
+            cfg,
+            Some(l),
+            pdgate::router::AdminListener::Off,
+            RngSource::Seeded((u64::from(i + 1) << 40).into()),
+        )
+        .await
+        .expect("router");
+        learned(&r.pool, u64::from(CAP)).await;
+        routers.push(r);
+    }
+    let urls: Vec<String> = routers.iter().map(|r| r.url()).collect();
+    let statuses = join_all(urls.iter().map(|u| burst(u, 8))).await;
+    assert!(
+        statuses.iter().flatten().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    let peak = cluster.decodes[0].stats().peak_held;
+    let bound = u64::from(CAP) + routers.len() as u64;
+    eprintln!("five replicas, no count, cap {CAP}: the decode held at most {peak} at once");
+    assert!(
+        peak <= bound,
+        "the decode held {peak} at once; bound {bound}"
     );
     for r in &routers {
         r.shutdown().await;

@@ -26,11 +26,13 @@ use crate::types::{Role, WorkerId};
 
 const FULL: &str = "every eligible decode rank is at capacity";
 
-/// What `req` needs of a decode rank under the `[capacity]` settings `c` and the
-/// replica-wide `[admission]` settings `a` (the replica count and index behind the shares).
+/// What `req` needs of a decode rank under the `[capacity]` settings `c`, the
+/// replica-wide `[admission]` settings `a` (the replica count and index behind the shares)
+/// and whether the engines' load is polled (`polled`: proportional admission needs it).
 pub(in crate::dispatch) fn need(
     c: &CapacityConfig,
     a: &AdmissionConfig,
+    polled: bool,
     req: &ParsedRequest,
 ) -> Need {
     let limits = Limits {
@@ -39,7 +41,7 @@ pub(in crate::dispatch) fn need(
         kv_bound: c.kv_bound,
         replicas: a.replicas,
         replica_index: a.replica_index,
-        proportional: c.proportional_share,
+        proportional: c.proportional_share && polled,
         bootstrap_timeout_ms: a.engine_bootstrap_timeout_secs.saturating_mul(1000),
     };
     Need {

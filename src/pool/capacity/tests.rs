@@ -494,41 +494,53 @@ fn proportional(cap_override: u64) -> Need {
 
 #[test]
 fn without_a_count_a_replica_takes_its_part_of_the_free_slots() {
-    // (capacity, busy reported, this replica's reservations at the poll, coin, allowance)
-    let table: &[(u64, Option<u64>, u64, u64, Option<u64>)] = &[
-        // No report: no bound (pdgate's own count, as before).
-        (8, None, 0, 0, None),
+    // (capacity, busy reported, this replica's older reservations (taken before the poll
+    // before) and fresh ones (since), coin, allowance)
+    type Row = (u64, Option<u64>, u64, u64, u64, Option<u64>);
+    let table: &[Row] = &[
+        // No report (none yet, or a failed poll): as if alone, one then doubling.
+        (8, None, 0, 0, 0, Some(1)),
+        (8, None, 3, 0, 0, Some(3)),
+        (8, None, 6, 0, 0, Some(2)),
         // Holding none on the rank: one request, when the rank has room.
-        (8, Some(0), 0, 0, Some(1)),
-        (8, Some(5), 0, 0, Some(1)),
-        (8, Some(8), 0, 0, Some(0)),
-        (8, Some(11), 0, 0, Some(0)),
+        (8, Some(0), 0, 0, 0, Some(1)),
+        (8, Some(5), 0, 0, 0, Some(1)),
+        (8, Some(8), 0, 0, 0, Some(0)),
+        (8, Some(11), 0, 0, 0, Some(0)),
         // Alone on the rank (busy = own): all the free slots, but no more than doubling.
-        (8, Some(2), 2, 0, Some(2)),
-        (8, Some(5), 5, 0, Some(3)),
+        (8, Some(2), 2, 0, 0, Some(2)),
+        (8, Some(5), 5, 0, 0, Some(3)),
         // Half of the load: half of the free slots.
-        (8, Some(4), 2, 0, Some(2)),
+        (8, Some(4), 2, 0, 0, Some(2)),
         // A third of 4 free: 1, and a third of a slot rounded up by the coin or not.
-        (13, Some(9), 3, 0, Some(2)),
-        (13, Some(9), 3, 2, Some(2)),
-        (13, Some(9), 3, 3, Some(1)),
-        (13, Some(9), 3, 8, Some(1)),
+        (13, Some(9), 3, 0, 0, Some(2)),
+        (13, Some(9), 3, 0, 2, Some(2)),
+        (13, Some(9), 3, 0, 3, Some(1)),
+        (13, Some(9), 3, 0, 8, Some(1)),
         // A third of 5 free is 1.67, but no more than doubling the one it holds.
-        (8, Some(3), 1, 0, Some(1)),
+        (8, Some(3), 1, 0, 0, Some(1)),
         // Over capacity: nothing fresh.
-        (8, Some(9), 3, 0, Some(0)),
-        // More of ours than the engine counted (still arriving): as if all its load.
-        (8, Some(1), 3, 0, Some(1)),
-        (8, Some(4), 6, 0, Some(4)),
+        (8, Some(9), 3, 0, 0, Some(0)),
+        // Fresh ones the engine may not count yet come on top of what it reported: two
+        // older and two fresh against 4 reported: the others hold 2 (or 4), 6 in all.
+        (8, Some(4), 2, 2, 0, Some(2)),
+        (8, Some(4), 2, 2, 5, Some(1)),
+        // Two replicas that each refilled 2 against a report of 2 (the lag): nothing.
+        (4, Some(2), 0, 2, 0, Some(0)),
+        // Our older ones not counted (a failed leg ended on the engine first): as all ours.
+        (8, Some(1), 3, 0, 0, Some(3)),
     ];
-    for &(cap, busy, own, coin, want) in table {
+    for &(cap, busy, older, fresh, coin, want) in table {
         let ranks = new_ranks(1);
         let sig = Arc::new(CapacitySignal::default());
         let n = proportional(cap);
-        // Take `own` before the poll with no report standing (no bound yet).
-        let held: Vec<_> = (0..own)
-            .map(|_| take(&ranks, &n, &sig).expect("room"))
+        // Taken without the rule: `older`, a poll, `fresh`.
+        let plain = need(cap, 1);
+        let mut held: Vec<_> = (0..older)
+            .map(|_| take(&ranks, &plain, &sig).expect("room"))
             .collect();
+        ranks[0].observe(&Reported::default());
+        held.extend((0..fresh).map(|_| take(&ranks, &plain, &sig).expect("room")));
         ranks[0].observe_with(
             &Reported {
                 busy,
@@ -539,7 +551,7 @@ fn without_a_count_a_replica_takes_its_part_of_the_free_slots() {
         assert_eq!(
             ranks[0].allowance(&n.limits),
             want,
-            "cap {cap}, busy {busy:?}, own {own}, coin {coin}"
+            "cap {cap}, busy {busy:?}, older {older}, fresh {fresh}, coin {coin}"
         );
         drop(held);
     }
@@ -594,13 +606,16 @@ fn the_allowance_spent_asks_for_an_early_poll_and_releases_are_refilled() {
         futures_util::FutureExt::now_or_never(wanted.as_mut()).is_some(),
         "an early poll was asked for"
     );
-    // The polls show it alone: it doubles what it holds at each, up to the whole rank.
+    // The polls show it alone: it doubles what it holds at each, up to the whole rank
+    // (each figure reported twice: the first poll after a take may not count it yet).
     let mut more = Vec::new();
     for (busy, fresh) in [(1, 1), (2, 2), (4, 4)] {
-        ranks[0].observe(&Reported {
-            busy: Some(busy),
-            ..Reported::default()
-        });
+        for _ in 0..2 {
+            ranks[0].observe(&Reported {
+                busy: Some(busy),
+                ..Reported::default()
+            });
+        }
         for _ in 0..fresh {
             more.push(take(&ranks, &n, &sig).expect("room"));
         }
