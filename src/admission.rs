@@ -351,6 +351,24 @@ impl Admission {
         self.waiting.load(Ordering::Relaxed)
     }
 
+    /// The answer to a request whose estimated wait (`wait`, for `what`) is longer than
+    /// the queue timeout: 503 now, with the estimate in `Retry-After`, counted as
+    /// `capacity_wait_estimate`.
+    pub fn refuse_on_estimate(&self, what: &str, wait: Duration) -> Failure {
+        metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => "capacity_wait_estimate")
+            .increment(1);
+        let secs = u32::try_from(wait.as_secs().saturating_add(1)).unwrap_or(u32::MAX);
+        Failure::new(
+            FailReason::QueueTimeout,
+            format!(
+                "{what}: the estimated wait of {:.1} s (requests waiting, against the pace decode slots free) is longer than the queue timeout of {} ms",
+                wait.as_secs_f64(),
+                self.queue_timeout().as_millis()
+            ),
+        )
+        .retry_after(secs)
+    }
+
     /// The longest wait in the queue (`queue_timeout_ms`).
     pub fn queue_timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))

@@ -228,7 +228,7 @@ pub fn store(pool: &Pool, role: Role, id: WorkerId, report: Option<&Report>) {
 const OFF_RECHECK: Duration = Duration::from_secs(1);
 
 /// The shortest gap between two polls of one engine, when requests ask for early ones.
-const EARLY_GAP_MIN: Duration = Duration::from_millis(50);
+const EARLY_GAP_MIN: Duration = Duration::from_millis(100);
 
 /// Starts the load poller of one worker; it ends when the worker leaves the pool. Each
 /// poll reads `policy.load_poll_interval_ms` from the live config, so a reload that turns
@@ -284,7 +284,7 @@ pub fn spawn(
             holds_report = true;
             // The next poll at the pace, or sooner when a request waits for what only a
             // fresh report can give it (`CapacitySignal::want_poll`), but never sooner
-            // than a tenth of the pace (at least 50 ms) after this one.
+            // than a tenth of the pace (at least 100 ms) after this one.
             // Only a decode's report gives a request room.
             if role != Role::Decode {
                 tokio::time::sleep(every).await;

@@ -179,9 +179,11 @@ pub struct RankCapacity {
     /// Whether the last poll reported the running window (`engine_busy` is a figure).
     busy_known: AtomicBool,
     /// This replica's reservations on the rank when the last poll was stored, and of
-    /// those the ones taken in the window before it.
+    /// those the ones the engine may not count yet (taken in the two windows before it).
     own_at_poll: AtomicU64,
     fresh_at_poll: AtomicU64,
+    /// The reservations taken in the last window that were still held at its poll.
+    fresh_window: AtomicU64,
     /// The last poll's random word, which rounds this replica's proportional part of
     /// the free slots up or down (see [`RankCapacity::allowance`]).
     coin: AtomicU64,
@@ -315,10 +317,10 @@ impl RankCapacity {
             return None;
         }
         let own = self.own_at_poll.load(Ordering::Relaxed);
-        // The engine may not count this replica's requests of the window before the poll
-        // yet (sent, not arrived): the others are what it reported beyond this replica's
-        // older ones, and this replica's whole count comes on top (conservative: those it
-        // did count are counted twice, for one poll). No report yet, or the last poll
+        // The engine may not count this replica's requests of the windows just before the
+        // poll yet (sent, not arrived): the others are what it reported beyond this
+        // replica's older ones, and this replica's whole count comes on top (conservative:
+        // those it did count are counted twice, for two polls). No report yet, or the last poll
         // failed: as if alone (doubling per poll).
         let busy = if self.busy_known.load(Ordering::Relaxed) {
             let older = own.saturating_sub(self.fresh_at_poll.load(Ordering::Relaxed));
@@ -467,8 +469,14 @@ impl RankCapacity {
         // (in the queue for a few milliseconds on a healthy engine): only a queue longer
         // than they are closes the rank.
         let fresh = before & LOW;
-        self.own_at_poll.store(before >> 32, Ordering::Relaxed);
-        self.fresh_at_poll.store(fresh, Ordering::Relaxed);
+        // The engine may still miss the requests of the two windows before the poll (a
+        // poll right after an early one, a busy host): those taken in the last window, and
+        // at most the previous window's count again (some of which may have ended).
+        let own = before >> 32;
+        let previous = self.fresh_window.swap(fresh, Ordering::Relaxed);
+        self.own_at_poll.store(own, Ordering::Relaxed);
+        self.fresh_at_poll
+            .store(fresh.saturating_add(previous).min(own), Ordering::Relaxed);
         self.engine_queued
             .store(r.prealloc.is_some_and(|q| q > fresh), Ordering::Relaxed);
         self.released_old.store(0, Ordering::Relaxed);

@@ -92,7 +92,10 @@ async fn an_idle_router_keeps_to_the_bootstrap_budget_and_rebuilds_nothing() {
     let prefill_all = engine + boot;
     let decode_all = hits_d.engine_background() as f64 / secs;
     eprintln!("idle per engine: prefill {prefill_all:.2}/s, decode {decode_all:.2}/s");
-    for (who, rate, h) in [("prefill", prefill_all, &hits), ("decode", decode_all, &hits_d)] {
+    for (who, rate, h) in [
+        ("prefill", prefill_all, &hits),
+        ("decode", decode_all, &hits_d),
+    ] {
         assert!(
             rate <= ENGINE_BUDGET_PER_SEC,
             "{rate:.2} requests/s on the idle {who}: {:?} {:?}",

@@ -202,6 +202,81 @@ async fn an_expired_wait_answers_503_and_dispatches_nothing() {
     assert_eq!(dispatched, 0, "no leg was sent");
 }
 
+/// Issue 36, item 2: a request whose estimated wait for a decode slot (the requests
+/// waiting ahead of it, against the pace the decode frees slots: its capacity over the
+/// time a request holds one, measured) is longer than the queue timeout is answered 503 at
+/// once, `queue_timeout` with the estimate in its message and `Retry-After`, and no leg is
+/// sent for it; the others are served.
+#[tokio::test(crate = "crate::support::rt")]
+async fn a_wait_longer_than_the_queue_timeout_is_refused_at_once() {
+    // About 0.2 s a request, 4 at once: 20 a second. With a 300 ms queue timeout a
+    // request with 6 or more waiting ahead cannot make it.
+    let env = env_with(|c| c.admission.queue_timeout_ms = 300).await;
+    learned(&env.router.pool, u64::from(CAP)).await;
+    // One request first: the hold time is measured.
+    assert_eq!(burst(&env.router.url(), 1).await, vec![StatusCode::OK]);
+    let c = client();
+    let url = env.router.url();
+    let calls = (0..40).map(|_| {
+        let req = http::Request::post(format!("{url}/generate"))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                BODY.as_bytes(),
+            )))
+            .expect("request");
+        let c = c.clone();
+        async move {
+            let resp = tokio::time::timeout(Duration::from_secs(20), c.request(req))
+                .await
+                .expect("answered in time")
+                .expect("answered");
+            let status = resp.status();
+            let retry = resp
+                .headers()
+                .get(http::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            let body = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .expect("body")
+                .to_bytes();
+            (status, retry, String::from_utf8_lossy(&body).into_owned())
+        }
+    });
+    let answers = join_all(calls).await;
+    let ok = answers
+        .iter()
+        .filter(|(s, _, _)| *s == StatusCode::OK)
+        .count();
+    let refused: Vec<_> = answers
+        .iter()
+        .filter(|(_, _, b)| b.contains("estimated wait"))
+        .collect();
+    assert!(ok >= usize::try_from(CAP).unwrap_or(4), "{answers:?}");
+    assert!(
+        !refused.is_empty(),
+        "nothing refused on its estimate: {answers:?}"
+    );
+    for (status, retry, body) in &refused {
+        assert_eq!(*status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body.contains("\"type\":\"queue_timeout\""), "{body}");
+        assert!(retry.is_some_and(|r| r >= 1), "Retry-After {retry:?}");
+    }
+    // Every request answered 200 or 503, and only the served ones reached an engine.
+    assert!(
+        answers
+            .iter()
+            .all(|(s, _, _)| *s == StatusCode::OK || *s == StatusCode::SERVICE_UNAVAILABLE),
+        "{answers:?}"
+    );
+    let s = env.settled_stats().await;
+    assert_eq!(
+        env.cluster.prefills[0].stats().requests_total,
+        1 + ok as u64,
+        "a refused request sent no leg: {s:?}"
+    );
+}
+
 #[tokio::test(crate = "crate::support::rt")]
 async fn two_replicas_stay_within_the_stated_overshoot() {
     let (p, d) = engines();
@@ -214,6 +289,9 @@ async fn two_replicas_stay_within_the_stated_overshoot() {
         let mut cfg = fast_config();
         add_sim_workers(&mut cfg, &cluster);
         tweak(&mut cfg);
+        // Polls 100 ms apart: a busy test host delays a request's arrival at the engine
+        // by tens of milliseconds, which 20 ms polls would read as a lagging report.
+        cfg.policy.load_poll_interval_ms = 100;
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -347,6 +425,9 @@ async fn replicas_without_a_count_stay_within_one_request_each_over_a_decode() {
         let mut cfg = fast_config();
         add_sim_workers(&mut cfg, &cluster);
         tweak(&mut cfg);
+        // Polls 100 ms apart: a busy test host delays a request's arrival at the engine
+        // by tens of milliseconds, which 20 ms polls would read as a lagging report.
+        cfg.policy.load_poll_interval_ms = 100;
         assert_eq!(cfg.admission.replicas, 0, "no count");
         assert!(cfg.capacity.proportional_share, "the default");
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -129,22 +129,8 @@ impl<'a> Queue<'a> {
         };
         if let Some(rate) = drain_rate(snap, model, need) {
             let wait = estimated_wait(adm.waiting(), rate);
-            let limit = adm.queue_timeout();
-            if wait > limit {
-                metrics::counter!(crate::telemetry::ADMISSION_REJECTED, "reason" => "capacity_wait_estimate")
-                    .increment(1);
-                let secs = u32::try_from(wait.as_secs().saturating_add(1)).unwrap_or(u32::MAX);
-                return Err(AttemptFailure::unblamed(
-                    Failure::new(
-                        FailReason::QueueTimeout,
-                        format!(
-                            "{FULL}: the estimated wait of {:.1} s (requests waiting, against the pace decode slots free) is longer than the queue timeout of {} ms",
-                            wait.as_secs_f64(),
-                            limit.as_millis()
-                        ),
-                    )
-                    .retry_after(secs),
-                ));
+            if wait > adm.queue_timeout() {
+                return Err(AttemptFailure::unblamed(adm.refuse_on_estimate(FULL, wait)));
             }
         }
         let queued = adm.enqueue(FULL).map_err(AttemptFailure::unblamed)?;
