@@ -155,7 +155,7 @@ impl Dispatcher {
         ex: &Excluded,
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
-        let need = capacity::need(&self.cfg.capacity, &self.cfg.admission, req);
+        let need = capacity::need(&self.cfg.capacity, self.pool.replicas().get(), req);
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap = snap;

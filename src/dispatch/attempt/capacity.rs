@@ -16,28 +16,26 @@ use std::pin::Pin;
 use super::AttemptFailure;
 use super::{Dispatcher, ReqCtx};
 use crate::admission::Queued;
-use crate::config::{AdmissionConfig, CapacityConfig};
+use crate::config::CapacityConfig;
 use crate::error::{FailReason, Failure};
 use crate::pool::capacity::{Limits, Need, Waiter};
+use crate::pool::replicas::Count;
 use crate::pool::Snapshot;
 use crate::request::ParsedRequest;
 use crate::types::{Role, WorkerId};
 
 const FULL: &str = "every eligible decode rank is at capacity";
 
-/// What `req` needs of a decode rank under the `[capacity]` settings `c` and the
-/// replica-wide `[admission]` settings `a` (the replica count and index behind the shares).
-pub(in crate::dispatch) fn need(
-    c: &CapacityConfig,
-    a: &AdmissionConfig,
-    req: &ParsedRequest,
-) -> Need {
+/// What `req` needs of a decode rank under the `[capacity]` settings `c` and the replica
+/// count `r` behind the shares (`pool::replicas`: static or from discovery, read once per
+/// request).
+pub(in crate::dispatch) fn need(c: &CapacityConfig, r: Count, req: &ParsedRequest) -> Need {
     let limits = Limits {
         override_per_rank: c.decode_max_running_per_rank,
         learn_from_engine: c.learn_from_engine,
         kv_bound: c.kv_bound,
-        replicas: a.replicas,
-        replica_index: a.replica_index,
+        replicas: r.replicas,
+        replica_index: r.index,
     };
     Need {
         limits,
