@@ -155,7 +155,7 @@ impl Dispatcher {
         ex: &Excluded,
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
-        let need = capacity::need(&self.cfg.capacity, self.pool.replicas().get(), req);
+        let mut need = capacity::need(&self.cfg.capacity, self.pool.replicas().get(), req);
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap = snap;
@@ -168,6 +168,9 @@ impl Dispatcher {
             }
             if std::mem::replace(&mut waited, true) {
                 snap = self.pool.load_full();
+                // The replica count may have changed meanwhile (a replica joined or left:
+                // `pool::replicas` wakes the waiters).
+                need = capacity::need(&self.cfg.capacity, self.pool.replicas().get(), req);
             }
             let full = match self.choose_pair(&snap, req, model, ex, Some(need)) {
                 Ok(c) => match Reservation::try_take(
