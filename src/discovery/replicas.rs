@@ -346,7 +346,7 @@ mod tests {
             metadata: ObjectMeta {
                 name: Some("pdgate-x".into()),
                 deletion_timestamp: terminating
-                    .then(|| Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH)),
+                    .then_some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH)),
                 ..Default::default()
             },
             status: Some(PodStatus {
@@ -390,7 +390,12 @@ mod tests {
     #[test]
     fn the_plan_checks_the_selector_and_names_the_flag() {
         // (selector, namespace, Ok(selector as watched) or the error's words)
-        let cases: &[(Option<&str>, Option<&str>, Result<Option<&str>, &str>)] = &[
+        type Case<'a> = (
+            Option<&'a str>,
+            Option<&'a str>,
+            Result<Option<&'a str>, &'a str>,
+        );
+        let cases: &[Case] = &[
             (None, None, Ok(None)),
             (Some("  "), None, Ok(None)),
             (

@@ -134,12 +134,23 @@ impl Replicas {
         }
         let c = Count::unpack(new);
         metrics::gauge!(telemetry::ADMISSION_REPLICAS).set(f64::from(c.replicas));
-        tracing::info!(
-            replicas = c.replicas,
-            replica_index = c.index.map_or(-1, i64::from),
-            source = c.source.as_str(),
-            "replica count changed: each decode rank's capacity is shared by this many replicas"
-        );
+        const CHANGED: &str =
+            "replica count changed: each decode rank's capacity is shared by this many replicas";
+        match c.index {
+            Some(i) => tracing::info!(
+                replicas = c.replicas,
+                replica_index = i,
+                source = c.source.as_str(),
+                "{CHANGED}"
+            ),
+            // No index (no remainder slot): the field says so rather than a number.
+            None => tracing::info!(
+                replicas = c.replicas,
+                replica_index = "none",
+                source = c.source.as_str(),
+                "{CHANGED}"
+            ),
+        }
         self.signal.wake();
         true
     }
