@@ -152,7 +152,6 @@ impl Drop for Slot {
 
 impl Admission {
     pub fn new(cfg: &AdmissionConfig) -> Admission {
-        metrics::gauge!(telemetry::ADMISSION_REPLICAS).set(f64::from(cfg.replicas));
         Admission {
             slots: ArcSwapOption::new(
                 (cfg.max_in_flight > 0).then(|| Arc::new(Semaphore::new(cfg.max_in_flight))),
@@ -217,7 +216,6 @@ impl Admission {
 
     /// Applies reloaded limits (see the module docs).
     pub fn reconfigure(&self, cfg: &AdmissionConfig) {
-        metrics::gauge!(telemetry::ADMISSION_REPLICAS).set(f64::from(cfg.replicas));
         self.bytes.set_limit(cfg.max_bytes_in_flight);
         self.max_queue.store(cfg.max_queue, Ordering::Relaxed);
         self.timeout_ms

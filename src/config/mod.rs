@@ -360,6 +360,13 @@ pub struct AdmissionConfig {
     /// rank, so that the shares add up to the whole capacity. Unset: no remainder slot
     /// (at least one slot per rank).
     pub replica_index: Option<u32>,
+    /// A label selector of pdgate's own pods (its Service's selector, e.g.
+    /// `app.kubernetes.io/name=pdgate`): the replica count and this replica's index then come
+    /// from Kubernetes, and follow replicas joining and leaving (`discovery::replicas` has
+    /// the rule; the client and namespace are discovery's). Unset or empty: off. Not with
+    /// `replicas` or `replica_index` (refused at start: one source of the count). Needs a
+    /// restart to change.
+    pub replica_selector: Option<String>,
 }
 
 impl Default for AdmissionConfig {
@@ -372,7 +379,18 @@ impl Default for AdmissionConfig {
             max_bytes_in_flight: 128 * 1024 * 1024,
             replicas: 0,
             replica_index: None,
+            replica_selector: None,
         }
+    }
+}
+
+impl AdmissionConfig {
+    /// The replica selector, trimmed, when one is set (see `replica_selector`).
+    pub fn replica_selector(&self) -> Option<&str> {
+        self.replica_selector
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
     }
 }
 

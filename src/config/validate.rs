@@ -136,6 +136,15 @@ impl Config {
             86_400,
         )?;
         range("admission.replicas", a.replicas, 0, 1024)?;
+        if a.replica_selector().is_some() && (a.replicas > 0 || a.replica_index.is_some()) {
+            return Err(invalid(format!(
+                "admission.replica_selector (--replica-selector) counts the replicas and finds this \
+                 replica's index from Kubernetes: admission.replicas (--replicas) = {} and \
+                 admission.replica_index (--replica-index) = {:?} must be left unset with it \
+                 (one source of the count)",
+                a.replicas, a.replica_index
+            )));
+        }
         if let Some(i) = a.replica_index {
             if i >= a.replicas {
                 return Err(invalid(format!(

@@ -155,12 +155,16 @@ impl Dispatcher {
         ex: &Excluded,
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
-        let need = capacity::need(
-            &self.cfg.capacity,
-            &self.cfg.admission,
-            self.cfg.policy.load_poll_interval_ms > 0,
-            req,
-        );
+        let need_now = || {
+            capacity::need(
+                &self.cfg.capacity,
+                &self.cfg.admission,
+                self.cfg.policy.load_poll_interval_ms > 0,
+                self.pool.replicas().get(),
+                req,
+            )
+        };
+        let mut need = need_now();
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap = snap;
@@ -173,6 +177,9 @@ impl Dispatcher {
             }
             if std::mem::replace(&mut waited, true) {
                 snap = self.pool.load_full();
+                // The replica count may have changed meanwhile (a replica joined or left:
+                // `pool::replicas` wakes the waiters).
+                need = need_now();
             }
             let full = match self.choose_pair(&snap, req, model, ex, Some(need)) {
                 Ok(c) => match Reservation::try_take(

@@ -230,7 +230,7 @@ pub static SERIES: &[Series] = &[
     s(ADMISSION_QUEUE, G, Unit::Count, &[],
         "PD requests waiting for an admission slot (admission.max_in_flight reached)."),
     s(ADMISSION_REPLICAS, G, Unit::Count, &[],
-        "The replica count this replica shares each decode rank's capacity with (admission.replicas; 0 = unknown: no shares)."),
+        "The replica count this replica shares each decode rank's capacity with (admission.replicas, or pdgate's pods counted by admission.replica_selector; 0 = unknown: no shares)."),
     s(ADMISSION_REJECTED, C, Unit::Count, &["reason"],
         "PD requests shed by admission: queue_full (429) or queue_timeout (503) waiting for the in-flight cap; capacity_queue_full, capacity_timeout waiting for a decode slot, capacity_wait_estimate (503 at once: the estimated wait for a decode slot is longer than the queue timeout); bytes_full (503) with the byte budget full, bytes_too_large (413) for a body or answer larger than the whole budget."),
     s(MODEL_IN_FLIGHT, G, Unit::Count, &["model"],

@@ -20,6 +20,7 @@ use crate::admission::Queued;
 use crate::config::{AdmissionConfig, CapacityConfig};
 use crate::error::{FailReason, Failure};
 use crate::pool::capacity::{Limits, Need, Waiter};
+use crate::pool::replicas::Count;
 use crate::pool::Snapshot;
 use crate::request::ParsedRequest;
 use crate::types::{Role, WorkerId};
@@ -27,20 +28,23 @@ use crate::types::{Role, WorkerId};
 const FULL: &str = "every eligible decode rank is at capacity";
 
 /// What `req` needs of a decode rank under the `[capacity]` settings `c`, the
-/// replica-wide `[admission]` settings `a` (the replica count and index behind the shares)
-/// and whether the engines' load is polled (`polled`: proportional admission needs it).
+/// replica-wide `[admission]` settings `a` (the engines' bootstrap timeout), whether the
+/// engines' load is polled (`polled`: proportional admission needs it) and the replica
+/// count `r` behind the shares (`pool::replicas`: static or from discovery, read once per
+/// request).
 pub(in crate::dispatch) fn need(
     c: &CapacityConfig,
     a: &AdmissionConfig,
     polled: bool,
+    r: Count,
     req: &ParsedRequest,
 ) -> Need {
     let limits = Limits {
         override_per_rank: c.decode_max_running_per_rank,
         learn_from_engine: c.learn_from_engine,
         kv_bound: c.kv_bound,
-        replicas: a.replicas,
-        replica_index: a.replica_index,
+        replicas: r.replicas,
+        replica_index: r.index,
         proportional: c.proportional_share && polled,
         bootstrap_timeout_ms: a.engine_bootstrap_timeout_secs.saturating_mul(1000),
     };
