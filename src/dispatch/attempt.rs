@@ -189,7 +189,12 @@ impl Dispatcher {
             // wait for a wake-up under the queue's deadline.
             if queued.is_none() {
                 drop(wake);
-                queued = Some(capacity::Queue::join(self, ctx, full)?);
+                queued = Some(capacity::Queue::join(
+                    self,
+                    ctx,
+                    full,
+                    model.name.as_deref(),
+                )?);
                 continue;
             }
             if let (Some(q), Some(w)) = (&queued, wake) {
@@ -208,6 +213,10 @@ impl Dispatcher {
             );
             sp.set("pdgate.decode.dp_rank", chosen.pair.decode.rank);
             sp.set("pdgate.queued", queued.is_some());
+        }
+        // Out of the queue before the legs run: the wait ended with a slot.
+        if let Some(q) = queued {
+            q.admitted();
         }
         *trace = LegTrace {
             prefill: Some(LegAt {

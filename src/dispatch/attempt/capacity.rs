@@ -9,9 +9,10 @@
 //! slot, a load poll, a worker joining — never polling. A full queue answers 429, an
 //! expired wait 503, both with `Retry-After` (`FailReason::Overloaded`,
 //! `FailReason::QueueTimeout`). The request keeps its place in the queue across the
-//! wake-ups of one attempt.
+//! wake-ups of one attempt, and leaves it as soon as it holds a slot.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::AttemptFailure;
 use super::{Dispatcher, ReqCtx};
@@ -21,6 +22,7 @@ use crate::error::{FailReason, Failure};
 use crate::pool::capacity::{Limits, Need, Waiter};
 use crate::pool::Snapshot;
 use crate::request::ParsedRequest;
+use crate::telemetry;
 use crate::types::{Role, WorkerId};
 
 const FULL: &str = "every eligible decode rank is at capacity";
@@ -32,15 +34,8 @@ pub(in crate::dispatch) fn need(
     a: &AdmissionConfig,
     req: &ParsedRequest,
 ) -> Need {
-    let limits = Limits {
-        override_per_rank: c.decode_max_running_per_rank,
-        learn_from_engine: c.learn_from_engine,
-        kv_bound: c.kv_bound,
-        replicas: a.replicas,
-        replica_index: a.replica_index,
-    };
     Need {
-        limits,
+        limits: Limits::from_config(c, a),
         tokens: req.kv_tokens_estimate(),
         slots: req.instances() as u64,
     }
@@ -70,26 +65,50 @@ pub(in crate::dispatch) fn any_routable(
         .any(|r| !exclude.contains(&r.worker))
 }
 
-/// A request's place in the admission queue while it waits for a decode slot.
+/// A request's place in the admission queue while it waits for a decode slot, counted
+/// per model for autoscalers: `pdgate_admission_queue_waiting{model}` while it waits, and
+/// its wait in `pdgate_admission_queue_wait_seconds{model, outcome}` when it ends
+/// (admitted, timeout, gone).
 pub(in crate::dispatch) struct Queue<'a> {
     queued: Queued<'a>,
     waiter: Waiter,
+    model: String,
+    waiting: metrics::Gauge,
+    since: tokio::time::Instant,
+    timed_out: AtomicBool,
+    admitted: bool,
 }
 
 impl<'a> Queue<'a> {
-    /// Joins the queue; a full queue (or no queue) answers 429.
+    /// Joins the queue; a full queue (or no queue) answers 429. `model`: the request's
+    /// model (`None`: any, then the pool's one model names the wait, or "" among several).
     pub(in crate::dispatch) fn join(
         d: &Dispatcher,
         ctx: &'a ReqCtx,
         full: AttemptFailure,
+        model: Option<&str>,
     ) -> Result<Queue<'a>, AttemptFailure> {
         let Some(adm) = ctx.queue.as_deref() else {
             return Err(full);
         };
         let queued = adm.enqueue(FULL).map_err(AttemptFailure::unblamed)?;
+        let model = match model {
+            Some(m) => m.to_string(),
+            None => match d.pool.load().models.as_slice() {
+                [one] => one.name.to_string(),
+                _ => String::new(),
+            },
+        };
+        let waiting = metrics::gauge!(telemetry::ADMISSION_QUEUE_WAITING, "model" => model.clone());
+        waiting.increment(1.0);
         Ok(Queue {
             queued,
             waiter: d.pool.capacity_signal().waiter(),
+            model,
+            waiting,
+            since: tokio::time::Instant::now(),
+            timed_out: AtomicBool::new(false),
+            admitted: false,
         })
     }
 
@@ -103,6 +122,35 @@ impl<'a> Queue<'a> {
         &self,
         wake: Pin<Box<tokio::sync::futures::Notified<'_>>>,
     ) -> Result<(), Failure> {
-        self.queued.wait(wake, "no decode slot").await
+        let r = self.queued.wait(wake, "no decode slot").await;
+        if r.is_err() {
+            self.timed_out.store(true, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// The wait ended with a slot: the request leaves the queue now (not when its
+    /// attempt ends).
+    pub(in crate::dispatch) fn admitted(mut self) {
+        self.admitted = true;
+    }
+}
+
+impl Drop for Queue<'_> {
+    fn drop(&mut self) {
+        self.waiting.decrement(1.0);
+        let outcome = if self.admitted {
+            "admitted"
+        } else if self.timed_out.load(Ordering::Relaxed) {
+            "timeout"
+        } else {
+            "gone"
+        };
+        metrics::histogram!(
+            telemetry::ADMISSION_QUEUE_WAIT,
+            "model" => std::mem::take(&mut self.model),
+            "outcome" => outcome
+        )
+        .record(self.since.elapsed().as_secs_f64());
     }
 }
