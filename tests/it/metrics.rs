@@ -457,6 +457,79 @@ async fn in_flight_per_rank_and_queue_depth() {
     scrape_until(&env, "no leg in flight after the end", |s| held(s) == 0.0).await;
 }
 
+/// The scaling signals of one model (issue 36, item 5): a request held by its decode
+/// fills the model's one decode slot (`[capacity]` 1 per rank), the next waits in the
+/// router's queue for a slot, counted under its model; when the hold is lifted it is
+/// admitted and its wait observed as such. The engines serve a model no other test names,
+/// so the process-wide recorder's per-model series are this test's alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scaling_signals_per_model() {
+    const MODEL: &str = "signals-test-model";
+    let named = |mut e: EngineConfig| {
+        e.model = MODEL.into();
+        e
+    };
+    let env = std::sync::Arc::new(
+        start_with_admin(
+            vec![named(EngineConfig::prefill(1))],
+            vec![named(EngineConfig::decode(1))],
+            |c| {
+                c.capacity.decode_max_running_per_rank = 1;
+                c.admission.max_queue = 4;
+                c.admission.queue_timeout_ms = 30_000;
+            },
+        )
+        .await,
+    );
+    env.wait_routable(1, 1).await;
+    set_hold(&env, true);
+    let post = |env: &std::sync::Arc<Env>| {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", GEN).await })
+    };
+    let m = [("model", MODEL)];
+    let first = post(&env);
+    scrape_until(&env, "the model's one decode slot in use", |s| {
+        value(s, "pdgate_decode_slots_used", &m) == Some(1.0)
+    })
+    .await;
+    let second = post(&env);
+    let text = scrape_until(&env, "the second request waiting for its model's slot", |s| {
+        value(s, "pdgate_admission_queue_waiting", &m) == Some(1.0)
+    })
+    .await;
+    let s = parse(&text);
+    assert_eq!(must(&s, "pdgate_decode_slots_capacity", &m), 1.0);
+    assert!(must(&s, "pdgate_admission_queue", &[]) >= 1.0);
+    let ratio = must(&s, "pdgate_suggested_prefill_decode_ratio", &m);
+    assert!(ratio.is_finite() && ratio >= 0.0, "{ratio}");
+    promtool_check("scaling_signals_per_model", &text);
+
+    set_hold(&env, false);
+    for h in [first, second] {
+        let (st, _, _) = tokio::time::timeout(Duration::from_secs(20), h)
+            .await
+            .expect("answered")
+            .unwrap();
+        assert_eq!(st, 200);
+    }
+    let admitted = [("model", MODEL), ("outcome", "admitted")];
+    let text = scrape_until(&env, "the wait observed as admitted", |s| {
+        value(s, "pdgate_admission_queue_wait_seconds_count", &admitted) == Some(1.0)
+            && value(s, "pdgate_admission_queue_waiting", &m) == Some(0.0)
+    })
+    .await;
+    let s = parse(&text);
+    for outcome in ["timeout", "gone"] {
+        let at = [("model", MODEL), ("outcome", outcome)];
+        assert_eq!(value(&s, "pdgate_admission_queue_wait_seconds_count", &at), None);
+    }
+    scrape_until(&env, "the slot given back", |s| {
+        value(s, "pdgate_decode_slots_used", &m) == Some(0.0)
+    })
+    .await;
+}
+
 /// Metric names in a PromQL expression (`pdgate_...`), histogram suffixes removed.
 fn names_in(expr: &str) -> Vec<String> {
     let mut out = Vec::new();
