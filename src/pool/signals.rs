@@ -1,7 +1,8 @@
 //! What an autoscaler needs to size each model's prefill and decode pools, per model:
 //! decode slots used and their capacity (`pdgate_decode_slots_used`,
-//! `pdgate_decode_slots_capacity`)
-//! and a suggested prefill:decode ratio (`pdgate_suggested_prefill_decode_ratio`).
+//! `pdgate_decode_slots_capacity`), the prefill engines its traffic keeps busy
+//! (`pdgate_prefill_engines_busy`, `avg(P)` below) and a suggested prefill:decode ratio
+//! (`pdgate_suggested_prefill_decode_ratio`).
 //! docs/scaling.md says which signal scales which pool.
 //!
 //! Why a sampler: slots need the `[capacity]` settings (which the snapshot does not hold)
@@ -87,6 +88,8 @@ pub struct ModelSignals {
     pub model: Arc<str>,
     pub decode_slots_used: u64,
     pub decode_slots_total: u64,
+    /// The average prefill engines busy (`avg(P)`).
+    pub prefill_busy: f64,
     /// `None`: not known yet (no sample).
     pub ratio: Option<f64>,
 }
@@ -171,6 +174,7 @@ impl Averages {
                     model: model.clone(),
                     decode_slots_used: w.decode_slots_used,
                     decode_slots_total: w.decode_slots_total,
+                    prefill_busy: avg.0,
                     ratio: w
                         .slots_per_decode_engine
                         .and_then(|s| suggested_ratio(avg.0, avg.1, s)),
@@ -191,6 +195,10 @@ pub(super) fn write(signals: &[ModelSignals], out: &mut Exposition) {
     out.family(telemetry::DECODE_SLOTS_CAPACITY);
     for s in signals {
         out.sample(&[("model", &*s.model)], s.decode_slots_total);
+    }
+    out.family(telemetry::PREFILL_ENGINES_BUSY);
+    for s in signals {
+        out.sample(&[("model", &*s.model)], s.prefill_busy);
     }
     out.family(telemetry::SUGGESTED_PREFILL_DECODE_RATIO);
     for s in signals {
@@ -287,6 +295,7 @@ mod tests {
         assert_eq!((s[0].decode_slots_used, s[0].decode_slots_total), (32, 16));
         // A window of no prefill work moves the average 1 − 1/e of the way.
         let s = a.sample(&w(0.0, 32), WINDOW);
+        assert!((s[0].prefill_busy - (-1.0f64).exp()).abs() < 1e-9);
         let want = 0.5 * (-1.0f64).exp();
         assert!(
             (s[0].ratio.unwrap() - want).abs() < 1e-9,
@@ -401,12 +410,14 @@ mod tests {
                 model: Arc::from("a"),
                 decode_slots_used: 3,
                 decode_slots_total: 8,
+                prefill_busy: 1.5,
                 ratio: Some(0.5),
             },
             ModelSignals {
                 model: Arc::from("b"),
                 decode_slots_used: 0,
                 decode_slots_total: 0,
+                prefill_busy: 0.0,
                 ratio: None,
             },
         ]);
@@ -416,6 +427,7 @@ mod tests {
             "pdgate_decode_slots_capacity{model=\"a\"} 8\n",
             "pdgate_decode_slots_used{model=\"b\"} 0\n",
             "pdgate_suggested_prefill_decode_ratio{model=\"a\"} 0.5\n",
+            "pdgate_prefill_engines_busy{model=\"a\"} 1.5\n",
         ] {
             assert!(text.contains(line), "{line} not in\n{text}");
         }

@@ -155,6 +155,7 @@ pub const AFFINITY_SPILLS: &str = "pdgate_affinity_spills_total";
 // Scaling signals per model, published by the sampler (`pool::signals`).
 pub const DECODE_SLOTS_USED: &str = "pdgate_decode_slots_used";
 pub const DECODE_SLOTS_CAPACITY: &str = "pdgate_decode_slots_capacity";
+pub const PREFILL_ENGINES_BUSY: &str = "pdgate_prefill_engines_busy";
 pub const SUGGESTED_PREFILL_DECODE_RATIO: &str = "pdgate_suggested_prefill_decode_ratio";
 
 const fn s(
@@ -326,6 +327,8 @@ pub static SERIES: &[Series] = &[
         "Per model: decode slots in use, summed over its decode DP ranks as this replica sees them (the engine's running + waiting requests at the last load poll, every replica's, corrected by this replica's reservations since, never less than its own; this replica's own alone without load polling); waiting requests count, so it can exceed pdgate_decode_slots_capacity. Sampled every 0.5 s."),
     derived(DECODE_SLOTS_CAPACITY, &["model"],
         "Per model: decode slots of its routable decode DP ranks (capacity.decode_max_running_per_rank, else the engine's max_running_requests); a rank of unknown capacity counts 0. Sampled every 0.5 s."),
+    derived(PREFILL_ENGINES_BUSY, &["model"],
+        "Per model: prefill engines its traffic keeps busy, averaged over about 60 s: the sum over its prefill workers of busy DP ranks / DP ranks (a rank is busy while the engine's last load report shows requests on it, or this replica has a leg there); at most the prefills running, so a saturated pool reads its size (pdgate_prefill_backlog_seconds says how far short it is)."),
     derived(SUGGESTED_PREFILL_DECODE_RATIO, &["model"],
         "Per model: prefill engines needed per decode engine at the current traffic, avg(prefill engines busy) / (avg(decode slots used) / slots per decode engine), averages over about 60 s (docs/scaling.md); a floor while its prefills are saturated; absent without decode work or a known decode capacity."),
     derived(MODEL_ROUTABLE_RANKS, &["model", "role"],
