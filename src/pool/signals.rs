@@ -94,57 +94,55 @@ pub struct ModelSignals {
     pub ratio: Option<f64>,
 }
 
-impl Snapshot {
-    /// Each model's [`Work`] now, under the capacity `limits`, in the snapshot's model
-    /// order. Workers whose engines name no model are in none.
-    pub fn work(&self, limits: &Limits) -> Vec<(Arc<str>, Work)> {
-        self.models
-            .iter()
-            .map(|m| {
-                let of_model = |w: &&super::WorkerView| w.model.as_deref() == Some(&*m.name);
-                let mut work = Work::default();
-                for w in self.prefills.iter().filter(of_model) {
-                    let ranks = w.per_rank.loads.len().max(1);
-                    let busy = (0..ranks)
-                        .filter(|&r| {
-                            let own = w
-                                .per_rank
-                                .loads
-                                .get(r)
-                                .map_or(0, |n| n.load(std::sync::atomic::Ordering::Relaxed));
-                            own > 0 || w.engine_load(r as u32) > 0
-                        })
-                        .count();
-                    work.prefill_busy_engines += busy as f64 / ranks as f64;
+/// Each model's [`Work`] in `snap`, under the capacity `limits`, in the snapshot's model
+/// order. Workers whose engines name no model are in none.
+pub fn work(snap: &Snapshot, limits: &Limits) -> Vec<(Arc<str>, Work)> {
+    snap.models
+        .iter()
+        .map(|m| {
+            let of_model = |w: &&super::WorkerView| w.model.as_deref() == Some(&*m.name);
+            let mut work = Work::default();
+            for w in snap.prefills.iter().filter(of_model) {
+                let ranks = w.per_rank.loads.len().max(1);
+                let busy = (0..ranks)
+                    .filter(|&r| {
+                        let own = w
+                            .per_rank
+                            .loads
+                            .get(r)
+                            .map_or(0, |n| n.load(std::sync::atomic::Ordering::Relaxed));
+                        own > 0 || w.engine_load(r as u32) > 0
+                    })
+                    .count();
+                work.prefill_busy_engines += busy as f64 / ranks as f64;
+            }
+            let mut engines = 0u64;
+            let mut engine_slots = 0u64;
+            for w in snap.decodes.iter().filter(of_model) {
+                let caps = &w.per_rank.capacity;
+                work.decode_slots_used += caps.iter().map(|c| c.occupancy()).sum::<u64>();
+                let Some(routable) = m.decode_routable.iter().find(|r| r.worker == w.shared.id)
+                else {
+                    continue;
+                };
+                work.decode_slots_total += routable
+                    .ranks
+                    .iter()
+                    .filter_map(|&r| caps.get(r as usize))
+                    .map(|c| c.limit(limits))
+                    .sum::<u64>();
+                let each: Vec<u64> = caps.iter().map(|c| c.limit(limits)).collect();
+                if !each.is_empty() && each.iter().all(|&c| c > 0) {
+                    engines += 1;
+                    engine_slots += each.iter().sum::<u64>();
                 }
-                let mut engines = 0u64;
-                let mut engine_slots = 0u64;
-                for w in self.decodes.iter().filter(of_model) {
-                    let caps = &w.per_rank.capacity;
-                    work.decode_slots_used += caps.iter().map(|c| c.occupancy()).sum::<u64>();
-                    let Some(routable) = m.decode_routable.iter().find(|r| r.worker == w.shared.id)
-                    else {
-                        continue;
-                    };
-                    work.decode_slots_total += routable
-                        .ranks
-                        .iter()
-                        .filter_map(|&r| caps.get(r as usize))
-                        .map(|c| c.limit(limits))
-                        .sum::<u64>();
-                    let each: Vec<u64> = caps.iter().map(|c| c.limit(limits)).collect();
-                    if !each.is_empty() && each.iter().all(|&c| c > 0) {
-                        engines += 1;
-                        engine_slots += each.iter().sum::<u64>();
-                    }
-                }
-                if engines > 0 {
-                    work.slots_per_decode_engine = Some(engine_slots as f64 / engines as f64);
-                }
-                (m.name.clone(), work)
-            })
-            .collect()
-    }
+            }
+            if engines > 0 {
+                work.slots_per_decode_engine = Some(engine_slots as f64 / engines as f64);
+            }
+            (m.name.clone(), work)
+        })
+        .collect()
 }
 
 /// The sampler's averages per model (its own state: only the sampler touches it).
@@ -226,7 +224,7 @@ pub fn spawn(pool: Weak<Pool>, live: LiveConfig) {
                 Limits::from_config(&cfg.capacity, &cfg.admission)
             };
             let now = tokio::time::Instant::now();
-            let work = pool.load().work(&limits);
+            let work = work(&pool.load(), &limits);
             pool.publish_signals(avg.sample(&work, now - last));
             last = now;
         }
@@ -339,7 +337,9 @@ mod tests {
         };
         // (engine capacity per decode rank, override, engine busy per decode rank,
         //  want: slots used, slots total, slots per engine)
-        let table: &[(u64, u64, u64, (u64, u64, Option<f64>))] = &[
+        // (slots used, slots total, slots per engine)
+        type Want = (u64, u64, Option<f64>);
+        let table: &[(u64, u64, u64, Want)] = &[
             (4, 0, 3, (12, 16, Some(8.0))),
             (4, 2, 1, (4, 8, Some(4.0))),
             // Capacity unknown: no total, no engine size.
@@ -359,7 +359,7 @@ mod tests {
             }
             // The prefill's rank 0 has a leg of this replica in flight: half an engine.
             let leg = LoadGuard::new(&snap.prefills[0], 0);
-            let work = snap.work(&limits(over));
+            let work = work(&snap, &limits(over));
             drop(leg);
             let [(name, w)] = work.as_slice() else {
                 panic!("{work:?}");
@@ -396,7 +396,7 @@ mod tests {
             crate::pool::DrainBy::Operator,
             true,
         );
-        let work = pool.load().work(&limits);
+        let work = work(&pool.load(), &limits);
         assert_eq!(work[0].1.decode_slots_used, 3);
         assert_eq!(work[0].1.decode_slots_total, 8, "one routable decode");
         assert_eq!(work[0].1.slots_per_decode_engine, Some(8.0));
