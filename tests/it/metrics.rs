@@ -535,6 +535,71 @@ async fn scaling_signals_per_model() {
     .await;
 }
 
+/// A request that waited for a decode slot leaves the queue as soon as it holds one, not
+/// when its attempt ends: while it runs it no longer counts against `admission.max_queue`
+/// or in the queue gauges. The first request's client goes away (its slot is given back)
+/// while the decode holds every request, so the second runs held, after its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_leaves_the_queue_once_it_holds_a_slot() {
+    const MODEL: &str = "queue-leave-test-model";
+    let named = |mut e: EngineConfig| {
+        e.model = MODEL.into();
+        e
+    };
+    let env = std::sync::Arc::new(
+        start_with_admin(
+            vec![named(EngineConfig::prefill(1))],
+            vec![named(EngineConfig::decode(1))],
+            |c| {
+                c.capacity.decode_max_running_per_rank = 1;
+                c.admission.max_queue = 1;
+                c.admission.queue_timeout_ms = 30_000;
+            },
+        )
+        .await,
+    );
+    env.wait_routable(1, 1).await;
+    set_hold(&env, true);
+    let post = |env: &std::sync::Arc<Env>| {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", GEN).await })
+    };
+    let m = [("model", MODEL)];
+    let first = post(&env);
+    scrape_until(&env, "the first request holding the slot", |s| {
+        value(s, "pdgate_decode_slots_used", &m) == Some(1.0)
+    })
+    .await;
+    let second = post(&env);
+    scrape_until(&env, "the second request waiting", |s| {
+        value(s, "pdgate_admission_queue_waiting", &m) == Some(1.0)
+    })
+    .await;
+    first.abort();
+    let admitted = [("model", MODEL), ("outcome", "admitted")];
+    scrape_until(&env, "the second request out of the queue, holding the slot", |s| {
+        value(s, "pdgate_admission_queue_wait_seconds_count", &admitted) == Some(1.0)
+            && value(s, "pdgate_admission_queue_waiting", &m) == Some(0.0)
+            && value(s, "pdgate_decode_slots_used", &m) == Some(1.0)
+    })
+    .await;
+    // The queue has room again while the second request runs: a third waits (it is not
+    // refused as if the queue were still full).
+    let third = post(&env);
+    scrape_until(&env, "a third request waiting", |s| {
+        value(s, "pdgate_admission_queue_waiting", &m) == Some(1.0)
+    })
+    .await;
+    set_hold(&env, false);
+    for h in [second, third] {
+        let (st, _, _) = tokio::time::timeout(Duration::from_secs(20), h)
+            .await
+            .expect("answered")
+            .unwrap();
+        assert_eq!(st, 200);
+    }
+}
+
 /// Series other branches of issue 36 declare, which docs and manifests on this branch
 /// already name: `pdgate_prefill_backlog_seconds{model}` (the `backlog` branch). The
 /// merge removes each name from here once `telemetry::SERIES` has it.
