@@ -577,11 +577,15 @@ async fn a_request_leaves_the_queue_once_it_holds_a_slot() {
     .await;
     first.abort();
     let admitted = [("model", MODEL), ("outcome", "admitted")];
-    scrape_until(&env, "the second request out of the queue, holding the slot", |s| {
-        value(s, "pdgate_admission_queue_wait_seconds_count", &admitted) == Some(1.0)
-            && value(s, "pdgate_admission_queue_waiting", &m) == Some(0.0)
-            && value(s, "pdgate_decode_slots_used", &m) == Some(1.0)
-    })
+    scrape_until(
+        &env,
+        "the second request out of the queue, holding the slot",
+        |s| {
+            value(s, "pdgate_admission_queue_wait_seconds_count", &admitted) == Some(1.0)
+                && value(s, "pdgate_admission_queue_waiting", &m) == Some(0.0)
+                && value(s, "pdgate_decode_slots_used", &m) == Some(1.0)
+        },
+    )
     .await;
     // The queue has room again while the second request runs: a third waits (it is not
     // refused as if the queue were still full).
