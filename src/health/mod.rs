@@ -82,9 +82,16 @@ impl HealthRun {
 }
 
 /// The wait before the next check: the configured interval while healthy, at most the
-/// unhealthy interval otherwise.
-pub fn next_check_in(cfg: &HealthConfig, healthy: bool) -> Duration {
-    if healthy {
+/// unhealthy interval otherwise; a worker still in rotation whose last check failed
+/// (`suspect`) is checked again after a quarter of that (at least 50 ms), so that a dead
+/// engine is out within about one interval however the threshold counts, without more
+/// checks while all is well.
+pub fn next_check_in(cfg: &HealthConfig, healthy: bool, suspect: bool) -> Duration {
+    if healthy && suspect {
+        (cfg.interval().min(cfg.unhealthy_interval()) / 4)
+            .max(Duration::from_millis(50))
+            .min(cfg.interval())
+    } else if healthy {
         cfg.interval()
     } else {
         cfg.interval().min(cfg.unhealthy_interval())
@@ -226,7 +233,7 @@ pub fn spawn(
             if !good {
                 have_info = false;
             }
-            tokio::time::sleep(next_check_in(&cfg, healthy)).await;
+            tokio::time::sleep(next_check_in(&cfg, healthy, !good)).await;
         }
     });
 }
@@ -329,15 +336,20 @@ mod tests {
     #[test]
     fn unhealthy_workers_are_probed_sooner() {
         let sg = sglang_flags();
-        assert_eq!(next_check_in(&sg, true), Duration::from_secs(60));
-        assert_eq!(next_check_in(&sg, false), Duration::from_secs(1));
+        assert_eq!(next_check_in(&sg, true, false), Duration::from_secs(60));
+        assert_eq!(next_check_in(&sg, false, false), Duration::from_secs(1));
+        // A failed check while still in rotation: again after a quarter.
+        assert_eq!(next_check_in(&sg, true, true), Duration::from_millis(250));
         // Never slower than the healthy interval.
         let fast = HealthConfig {
             interval_secs: 0.5,
             ..HealthConfig::default()
         };
-        assert_eq!(next_check_in(&fast, false), Duration::from_millis(500));
+        assert_eq!(next_check_in(&fast, false, false), Duration::from_millis(500));
+        assert_eq!(next_check_in(&fast, true, true), Duration::from_millis(125));
         let def = HealthConfig::default();
-        assert_eq!(next_check_in(&def, false), Duration::from_secs(1));
+        assert_eq!(next_check_in(&def, false, false), Duration::from_secs(1));
+        assert_eq!(next_check_in(&def, true, true), Duration::from_millis(250));
+        assert_eq!(next_check_in(&def, true, false), Duration::from_secs(1));
     }
 }
