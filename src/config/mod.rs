@@ -348,6 +348,15 @@ pub struct AdmissionConfig {
     /// rank, so that the shares add up to the whole capacity. Unset: no remainder slot
     /// (at least one slot per rank).
     pub replica_index: Option<u32>,
+    /// The most work a prefill DP rank may have queued, in seconds of its own learned pace
+    /// (`pool::backlog`: the engine's queued uncached prompt tokens plus this replica's legs
+    /// sent since, over the uncached tokens per second its legs took); 0 = no bound. A rank
+    /// over it is not picked while another prefill rank has room; when none has, the
+    /// request waits in the admission queue (`max_queue`, `queue_timeout_ms`). A rank
+    /// holding none of this replica's legs, or whose pace is not learned yet, always takes
+    /// one. Default 2 s (docs/pools-and-capacity.md, "Prefill admission by tokens").
+    /// Replica-wide: a model's admission override does not change it.
+    pub prefill_backlog_max_secs: f64,
 }
 
 impl Default for AdmissionConfig {
@@ -359,6 +368,7 @@ impl Default for AdmissionConfig {
             max_bytes_in_flight: 128 * 1024 * 1024,
             replicas: 0,
             replica_index: None,
+            prefill_backlog_max_secs: 2.0,
         }
     }
 }

@@ -130,6 +130,12 @@ impl Config {
             3_600_000,
         )?;
         range("admission.replicas", a.replicas, 0, 1024)?;
+        range_f(
+            "admission.prefill_backlog_max_secs",
+            a.prefill_backlog_max_secs,
+            0.0,
+            3600.0,
+        )?;
         if let Some(i) = a.replica_index {
             if i >= a.replicas {
                 return Err(invalid(format!(

@@ -27,6 +27,7 @@ use crate::config::ContractMode;
 use crate::error::{FailReason, Failure};
 use crate::legs::{self, LegCancel};
 use crate::policy::{self, PickCtx};
+use crate::pool::backlog::BacklogHold;
 use crate::pool::capacity::Need;
 use crate::pool::{
     BootstrapInfo, LoadGuard, PreflightOutcome, RankFailure, RankReadiness, Reservation, Snapshot,
@@ -156,11 +157,12 @@ impl Dispatcher {
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
         let need = capacity::need(&self.cfg.capacity, &self.cfg.admission, req);
+        let prefill_need = backlog::Need::of(&self.cfg.admission, req);
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap = snap;
         let mut waited = false;
-        let (chosen, slot) = loop {
+        let (chosen, slot, hold) = loop {
             // Waiting: listen for a freed slot before looking, so no release is missed.
             let mut wake = queued.as_ref().map(|q: &capacity::Queue<'_>| q.wake());
             if let Some(w) = wake.as_mut() {
@@ -169,18 +171,22 @@ impl Dispatcher {
             if std::mem::replace(&mut waited, true) {
                 snap = self.pool.load_full();
             }
-            let full = match self.choose_pair(&snap, req, model, ex, Some(need)) {
-                Ok(c) => match Reservation::try_take(
-                    &c.decode.per_rank.capacity,
-                    c.pair.decode.rank,
-                    &need,
-                    self.pool.capacity_signal(),
-                ) {
-                    Some(r) => break (c, Some(r)),
-                    None if c.pair.decode.rank as usize >= c.decode.per_rank.capacity.len() => {
-                        break (c, None)
-                    }
-                    None => capacity::full_failure(),
+            let signal = self.pool.capacity_signal();
+            let full = match self.choose_pair(&snap, req, model, ex, Some(need), &prefill_need) {
+                Ok(c) => match backlog::hold(&c, &prefill_need, signal) {
+                    None => backlog::over_failure(),
+                    Some(hold) => match Reservation::try_take(
+                        &c.decode.per_rank.capacity,
+                        c.pair.decode.rank,
+                        &need,
+                        signal,
+                    ) {
+                        Some(r) => break (c, Some(r), hold),
+                        None if c.pair.decode.rank as usize >= c.decode.per_rank.capacity.len() => {
+                            break (c, None, hold)
+                        }
+                        None => capacity::full_failure(),
+                    },
                 },
                 Err(af) if capacity::is_full(&af) => af,
                 Err(af) => return Err(failed(pick, af)),
@@ -193,7 +199,9 @@ impl Dispatcher {
                 continue;
             }
             if let (Some(q), Some(w)) = (&queued, wake) {
-                q.wait(w).await.map_err(AttemptFailure::unblamed)?;
+                q.wait(w, capacity::waiting_for(&full))
+                    .await
+                    .map_err(AttemptFailure::unblamed)?;
             }
         };
         if let Some(mut sp) = pick {
@@ -230,7 +238,7 @@ impl Dispatcher {
             return Err(failed(check, af));
         }
         drop(check);
-        let mut legs = self.send_legs(req, ctx, attempt_no, &chosen, slot);
+        let mut legs = self.send_legs(req, ctx, attempt_no, &chosen, slot, Some(hold));
         trace.room = legs.room;
         let first_byte = legs.span.take();
         let incremental = chosen.decode.facts.incremental_stream();
@@ -255,6 +263,7 @@ impl Dispatcher {
         model: &Model,
         ex: &Excluded,
         need: Option<Need>,
+        prefill_need: &backlog::Need,
     ) -> Result<ChosenPair<'s>, AttemptFailure> {
         let policies = model.policies();
         // Sticky sessions: a keyed request is placed by its key whatever the policy.
@@ -278,12 +287,19 @@ impl Dispatcher {
         // has a decode left: another group of the model, not the one whose partners all
         // failed (a retry's slow path; the first attempt never allocates here).
         let narrowed = with_partner_left(snap, prefill_among, exclude_d);
+        // Only the prefill ranks under their backlog bound, while some are.
+        let open = backlog::with_room(
+            snap,
+            narrowed.as_deref().or(prefill_among),
+            exclude_p,
+            prefill_need,
+        )?;
         let (prefill_pick, decode_pick, decode_among) = self.rng.with(|rng| {
             let pctx = PickCtx {
                 exclude: exclude_p,
                 prefix_hash,
                 need: None,
-                among: narrowed.as_deref().or(prefill_among),
+                among: open.as_deref(),
             };
             let p = policy::select(prefill_policy, snap, Role::Prefill, &pctx, rng);
             let among = p
@@ -399,7 +415,8 @@ impl Dispatcher {
         Err(AttemptFailure::on(&c.pair, failure))
     }
 
-    /// Stage 3: rooms and ranks under the contract, both legs written and sent together.
+    /// Stage 3: rooms and ranks under the contract, both legs written and sent together;
+    /// the prefill leg keeps `hold` on its rank's backlog until it ends.
     /// The prefill leg is polled by whoever holds the returned [`PrefillWatch`]; the decode
     /// leg by whoever polls `decode`.
     pub(super) fn send_legs(
@@ -409,6 +426,7 @@ impl Dispatcher {
         attempt_no: u32,
         c: &ChosenPair<'_>,
         slot: Option<Reservation>,
+        hold: Option<BacklogHold>,
     ) -> LegsInFlight<impl Future<Output = DecodeHead> + Send + 'static> {
         let (pt, dt) = (c.pair.prefill, c.pair.decode);
         let mut rooms = Vec::new();
@@ -472,6 +490,7 @@ impl Dispatcher {
             c.prefill.shared.stats.clone(),
             pt.rank,
             size,
+            hold,
         ));
         let prefill_leg = match prefill_span {
             None => prefill_leg,
@@ -550,6 +569,7 @@ pub(super) fn leg_span(
 /// Why no prefill target is eligible: the most telling reason over the healthy prefills
 /// (of `model`, when the request names one) — an unreachable bootstrap, then a missing
 /// rank, then registration still under way — and a few words per worker.
+pub(super) mod backlog;
 pub(super) mod capacity;
 pub(super) mod first_byte;
 pub mod room;

@@ -2,7 +2,8 @@
 //! worker its health and breaker state, per (worker, DP rank) the legs in flight and what
 //! its prefix cache did (`pool::tally`), per decode (worker, DP rank) the engine's
 //! pre-allocation queue at the last poll (`pool::capacity`), per
-//! (prefill, DP rank) its bootstrap state, and the routable ranks of each role and model.
+//! (prefill, DP rank) its bootstrap state and its backlog and pace (`pool::backlog`, with
+//! each model's prefill backlog together), and the routable ranks of each role and model.
 //!
 //! Read at scrape time because they are already here: the in-flight counters are the
 //! atomics the policies balance on (a request moves no gauge), and the states are the
@@ -95,6 +96,8 @@ impl Source for Snapshot {
             }
         }
 
+        self.write_backlog(out, &ids[..self.prefills.len()]);
+
         let tallies: Vec<_> = workers().map(|(w, _)| w.per_rank.tally.read()).collect();
         for (family, value) in [
             (
@@ -173,6 +176,63 @@ impl Source for Snapshot {
                 (Role::Decode, &m.decode_routable),
             ] {
                 out.sample(&[("model", &*m.name), ("role", role.as_str())], ranks(list));
+            }
+        }
+    }
+}
+
+impl Snapshot {
+    /// The prefill backlog series (`super::backlog`): per model, its prefill ranks' backlog
+    /// tokens over their learned paces together; per prefill rank, its seconds and pace.
+    /// `ids`: the prefills' stable ids, in order.
+    fn write_backlog(&self, out: &mut Exposition, ids: &[String]) {
+        let prefills = || self.prefills.iter().zip(ids.iter().map(String::as_str));
+        let figures: Vec<Vec<_>> = self
+            .prefills
+            .iter()
+            .map(|w| w.per_rank.backlog.iter().map(|b| b.figures()).collect())
+            .collect();
+        out.family(telemetry::PREFILL_BACKLOG);
+        for m in &self.models {
+            let (mut tokens, mut pace) = (0.0f64, 0.0f64);
+            for (w, ranks) in self.prefills.iter().zip(&figures) {
+                if w.model.as_deref() != Some(&*m.name) {
+                    continue;
+                }
+                for f in ranks {
+                    tokens += f.tokens();
+                    pace += f.pace.unwrap_or(0.0);
+                }
+            }
+            let secs = if pace > 0.0 {
+                Some(tokens / pace)
+            } else {
+                (tokens <= 0.0).then_some(0.0)
+            };
+            if let Some(v) = secs.filter(|v| v.is_finite()) {
+                out.sample(&[("model", &*m.name)], v);
+            }
+        }
+        for (family, value) in [
+            (
+                telemetry::PREFILL_RANK_BACKLOG,
+                (|f| f.secs()) as fn(&super::backlog::Figures) -> Option<f64>,
+            ),
+            (telemetry::PREFILL_RANK_PACE, |f| f.pace),
+        ] {
+            out.family(family);
+            for ((w, id), ranks) in prefills().zip(&figures) {
+                for (rank, f) in ranks.iter().enumerate() {
+                    if let Some(v) = value(f).filter(|v| v.is_finite()) {
+                        let rank = rank.to_string();
+                        let labels = [
+                            ("worker_id", id),
+                            ("worker_url", w.shared.url.as_str()),
+                            ("rank", rank.as_str()),
+                        ];
+                        out.sample(&labels, v);
+                    }
+                }
             }
         }
     }

@@ -1,5 +1,6 @@
 //! Decode capacity on the request path: what a request needs of a decode rank, and its
-//! wait in the admission queue while every eligible decode rank is full.
+//! wait in the admission queue while every eligible decode rank is full (or every prefill
+//! rank is over its backlog bound: `super::backlog`, the same queue and wake-ups).
 //!
 //! Neither leg is sent before a slot is reserved on the decode rank
 //! (`pool::capacity::Reservation`, one CAS), and the slot is held by the decode leg's
@@ -52,9 +53,21 @@ pub(in crate::dispatch) fn full_failure() -> AttemptFailure {
     AttemptFailure::unblamed(Failure::new(FailReason::Overloaded, FULL))
 }
 
-/// Whether a pick failed only because every decode rank is full.
+/// Whether a pick failed only because every decode rank is full, or every prefill rank is
+/// over its backlog bound (`super::backlog`): the request can wait in the queue for either.
 pub(in crate::dispatch) fn is_full(af: &AttemptFailure) -> bool {
-    af.blame.is_none() && af.failure.reason == FailReason::Overloaded && af.failure.message == FULL
+    af.blame.is_none()
+        && af.failure.reason == FailReason::Overloaded
+        && (af.failure.message == FULL || af.failure.message == super::backlog::OVER)
+}
+
+/// What a request waiting after `full` waits for (the end of a queue timeout's message).
+pub(in crate::dispatch) fn waiting_for(full: &AttemptFailure) -> &'static str {
+    if full.failure.message == super::backlog::OVER {
+        "no prefill rank under admission.prefill_backlog_max_secs"
+    } else {
+        "no decode slot"
+    }
 }
 
 /// Whether some routable decode (among `among`, else all) is not excluded (so a failed
@@ -86,7 +99,9 @@ impl<'a> Queue<'a> {
         let Some(adm) = ctx.queue.as_deref() else {
             return Err(full);
         };
-        let queued = adm.enqueue(FULL).map_err(AttemptFailure::unblamed)?;
+        let queued = adm
+            .enqueue(&full.failure.message)
+            .map_err(AttemptFailure::unblamed)?;
         Ok(Queue {
             queued,
             waiter: d.pool.capacity_signal().waiter(),
@@ -98,11 +113,13 @@ impl<'a> Queue<'a> {
         Box::pin(self.waiter.notified())
     }
 
-    /// Waits for `wake` under the queue's deadline.
+    /// Waits for `wake` under the queue's deadline (`what`: what the request waits for,
+    /// named if the wait times out).
     pub(in crate::dispatch) async fn wait(
         &self,
         wake: Pin<Box<tokio::sync::futures::Notified<'_>>>,
+        what: &str,
     ) -> Result<(), Failure> {
-        self.queued.wait(wake, "no decode slot").await
+        self.queued.wait(wake, what).await
     }
 }

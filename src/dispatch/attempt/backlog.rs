@@ -1,0 +1,122 @@
+//! Prefill admission by tokens on the request path (`[admission] prefill_backlog_max_secs`,
+//! the state and its arithmetic are `pool::backlog`'s): which prefill ranks the pick may
+//! take, and the hold a prefill leg keeps on its rank.
+//!
+//! The bound applies to the (worker, rank) the prefill leg will run on: the candidates are
+//! narrowed to the ranks with room before the policy picks, and the rooms are then drawn to
+//! map onto the rank picked (`room % dp == rank` in `modulo` mode, the rank named in
+//! `pinned` mode: `super::room`), so the check and the compute are on one rank. When some
+//! prefill could take the request but every one is over its bound, the pick fails with
+//! [`OVER`] and the request waits in the admission queue like one waiting for a decode slot
+//! (`super::capacity`), woken by a prefill leg ending or a prefill's load poll.
+//!
+//! Invariants: with the bound off (0) nothing is filtered and nothing allocated; with it on,
+//! the candidates are copied only when some rank is over; a hold is taken for every leg
+//! either way (its tokens and the pace it teaches feed `pdgate_prefill_backlog_seconds`).
+
+use std::borrow::Cow;
+
+use super::AttemptFailure;
+use crate::config::AdmissionConfig;
+use crate::error::{FailReason, Failure};
+use crate::pool::backlog::BacklogHold;
+use crate::pool::{Routable, Snapshot};
+use crate::request::ParsedRequest;
+use crate::types::{Role, WorkerId};
+
+/// The failure a pick reports when prefills exist but every one is over its backlog
+/// bound (an internal marker, like a full decode: the attempt waits on it).
+pub(in crate::dispatch) const OVER: &str =
+    "every eligible prefill rank has more than admission.prefill_backlog_max_secs of work queued";
+
+/// What a request brings to a prefill rank, and the bound it is held to.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::dispatch) struct Need {
+    /// Estimated prompt tokens (`ParsedRequest::prompt_tokens_estimate`).
+    pub tokens: u64,
+    /// One prompt instance: the prefill's answer reports its figures.
+    pub single: bool,
+    /// The bound in seconds (0: off).
+    pub max_secs: f64,
+}
+
+impl Need {
+    pub(in crate::dispatch) fn of(a: &AdmissionConfig, req: &ParsedRequest) -> Need {
+        Need {
+            tokens: req.prompt_tokens_estimate(),
+            single: req.instances() == 1,
+            max_secs: a.prefill_backlog_max_secs,
+        }
+    }
+
+    fn bounded(&self) -> bool {
+        self.max_secs > 0.0
+    }
+
+    /// Whether `rank` of prefill `w` has room under the bound.
+    fn admits(&self, snap: &Snapshot, w: WorkerId, rank: u32) -> bool {
+        snap.worker(Role::Prefill, w)
+            .and_then(|v| v.per_rank.backlog.get(rank as usize))
+            .is_none_or(|b| b.figures().admits(self.tokens, self.max_secs))
+    }
+}
+
+/// The prefill candidates `among` (else every routable prefill) narrowed to the ranks with
+/// room under `need`'s bound: borrowed as they are when every rank has room (or the bound
+/// is off); `Err` when some candidate outside `exclude` exists but none has room.
+pub(in crate::dispatch) fn with_room<'a>(
+    snap: &'a Snapshot,
+    among: Option<&'a [Routable]>,
+    exclude: &[WorkerId],
+    need: &Need,
+) -> Result<Option<Cow<'a, [Routable]>>, AttemptFailure> {
+    if !need.bounded() {
+        return Ok(among.map(Cow::Borrowed));
+    }
+    let list = among.unwrap_or_else(|| snap.routable(Role::Prefill));
+    let eligible = || list.iter().filter(|r| !exclude.contains(&r.worker));
+    let open = |r: &Routable| r.ranks.iter().all(|k| need.admits(snap, r.worker, *k));
+    if eligible().all(open) {
+        return Ok(among.map(Cow::Borrowed));
+    }
+    let kept: Vec<Routable> = eligible()
+        .filter_map(|r| {
+            let ranks: Vec<_> = r
+                .ranks
+                .iter()
+                .copied()
+                .filter(|k| need.admits(snap, r.worker, *k))
+                .collect();
+            (!ranks.is_empty()).then(|| Routable {
+                worker: r.worker,
+                ranks,
+            })
+        })
+        .collect();
+    if kept.is_empty() {
+        return Err(over_failure());
+    }
+    Ok(Some(Cow::Owned(kept)))
+}
+
+/// The failure of a pick with every prefill over its bound.
+pub(in crate::dispatch) fn over_failure() -> AttemptFailure {
+    AttemptFailure::unblamed(Failure::new(FailReason::Overloaded, OVER))
+}
+
+/// The prefill leg's hold on its (worker, rank), or `None` when a request of this replica
+/// took the rank's last room since the pick (the attempt then waits, as when over).
+pub(in crate::dispatch) fn hold(
+    c: &super::ChosenPair<'_>,
+    need: &Need,
+    signal: &std::sync::Arc<crate::pool::CapacitySignal>,
+) -> Option<BacklogHold> {
+    BacklogHold::take(
+        &c.prefill.per_rank.backlog,
+        c.pair.prefill.rank,
+        need.tokens,
+        need.single,
+        need.max_secs,
+        signal,
+    )
+}
