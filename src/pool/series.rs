@@ -299,6 +299,51 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_prefill_backlog_per_model_and_per_rank() {
+        let pool = Pool::new();
+        let url = parse_base_url("http://127.0.0.1:9").unwrap();
+        let id = pool.add_worker(Role::Prefill, url, None);
+        pool.update_worker(Role::Prefill, id, |w| {
+            w.facts.healthy = true;
+            w.facts.dp_size = Some(2);
+        });
+        pool.set_model(Role::Prefill, id, Some("m".into()));
+        let snap = pool.load_full();
+        let ranks = &snap.prefills[0].per_rank.backlog;
+        let signal = pool.capacity_signal();
+        // Rank 0 learned 1000 tokens a second and holds a leg of 2000 tokens; rank 1 has
+        // no pace yet and its engine reports 500 tokens queued.
+        ranks[0].learn(1000, 0, 1_000_000, Some((1000, 0)));
+        let hold = crate::pool::backlog::BacklogHold::take(ranks, 0, 2000, true, 0.0, signal);
+        ranks[1].observe(Some(500));
+        let text = telemetry::render_derived(&pool);
+        drop(hold);
+        for line in [
+            "pdgate_prefill_backlog_seconds{model=\"m\"} 2.5\n",
+            "pdgate_prefill_rank_backlog_seconds{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"0\"} 2\n",
+            "pdgate_prefill_rank_tokens_per_second{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"0\"} 1000\n",
+        ] {
+            assert!(text.contains(line), "{line} not in\n{text}");
+        }
+        for absent in ["rank_backlog_seconds{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"1\"}", "tokens_per_second{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"1\"}"] {
+            assert!(!text.contains(absent), "no pace, no sample: {absent} in\n{text}");
+        }
+        // Nothing queued and no pace: 0 s, not absent.
+        let idle = Pool::new();
+        let id = idle.add_worker(
+            Role::Prefill,
+            parse_base_url("http://127.0.0.1:8").unwrap(),
+            None,
+        );
+        idle.set_model(Role::Prefill, id, Some("n".into()));
+        let text = telemetry::render_derived(&idle);
+        assert!(
+            text.contains("pdgate_prefill_backlog_seconds{model=\"n\"} 0\n"),
+            "{text}"
+        );
+    }
+
     /// Every sample's name and labels in `text` (no duplicates), by parsing the exposition.
     fn series_keys(text: &str) -> Vec<String> {
         text.lines()
