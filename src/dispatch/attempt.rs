@@ -157,7 +157,7 @@ impl Dispatcher {
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
         let need = capacity::need(&self.cfg.capacity, &self.cfg.admission, req);
-        let prefill_need = backlog::Need::of(&self.cfg.admission, req);
+        let mut prefill_need = backlog::Need::of(&self.cfg.admission, req);
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap = snap;
@@ -172,7 +172,8 @@ impl Dispatcher {
                 snap = self.pool.load_full();
             }
             let signal = self.pool.capacity_signal();
-            let full = match self.choose_pair(&snap, req, model, ex, Some(need), &prefill_need) {
+            let full = match self.choose_pair(&snap, req, model, ex, Some(need), &mut prefill_need)
+            {
                 Ok(c) => match backlog::hold(&c, &prefill_need, signal) {
                     None => backlog::over_failure(),
                     Some(hold) => match Reservation::try_take(
@@ -263,7 +264,7 @@ impl Dispatcher {
         model: &Model,
         ex: &Excluded,
         need: Option<Need>,
-        prefill_need: &backlog::Need,
+        prefill_need: &mut backlog::Need,
     ) -> Result<ChosenPair<'s>, AttemptFailure> {
         let policies = model.policies();
         // Sticky sessions: a keyed request is placed by its key whatever the policy.

@@ -41,13 +41,15 @@
 //! - `own`: every leg this replica has on the rank (a floor, which also counts the prompt
 //!   in compute and the computed ones waiting for their decode).
 //!
-//! In seconds: `backlog ÷ pace`; no pace learned yet: unknown, and nothing is bounded.
+//! In seconds: `backlog ÷ pace`; no pace learned yet: unknown.
 //!
 //! The bound ([`BacklogHold::take`]): a rank takes a leg whose own tokens would bring its
 //! backlog past `max_secs × pace`, only when it holds none of this replica's legs (so a
-//! prompt larger than the whole bound still runs, alone). The check and the count are one
-//! compare-and-swap on `own`, so two requests of this replica never both take the last
-//! room. Without a pace, or with the bound off, a hold only counts.
+//! prompt larger than the whole bound still runs, alone). A rank that has learned no pace
+//! yet is held to its pool's (the mean of the learned ones, [`Bound::fallback_pace`]), so a
+//! cold rank does not take a whole burst; with no pace learned anywhere nothing is bounded.
+//! The check and the count are one compare-and-swap on `own`, so two requests of this
+//! replica never both take the last room. With the bound off, a hold only counts.
 //!
 //! Invariants: lock-free (atomics only, updated once per leg sent and once per leg ended,
 //! never per token); a [`BacklogHold`] gives back exactly what it took when dropped,
@@ -153,6 +155,26 @@ impl Figures {
             return true;
         }
         self.tokens() + est as f64 * self.ratio <= max_secs * pace
+    }
+}
+
+/// The bound a leg is held to: `max_secs` of backlog (0: none), in the rank's own pace,
+/// or `fallback_pace` while the rank has learned none (its pool's, so that a rank no leg
+/// has answered on yet does not take a whole burst; none anywhere: no bound).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Bound {
+    pub max_secs: f64,
+    pub fallback_pace: Option<f64>,
+}
+
+impl Bound {
+    /// Whether a rank with `f` takes a leg of `est` estimated tokens.
+    pub fn admits(&self, f: Figures, est: u64) -> bool {
+        Figures {
+            pace: f.pace.or(self.fallback_pace),
+            ..f
+        }
+        .admits(est, self.max_secs)
     }
 }
 
@@ -268,15 +290,15 @@ pub struct BacklogHold {
 
 impl BacklogHold {
     /// Counts a leg of `est` estimated tokens (`single`: one prompt instance) on `rank`,
-    /// unless the rank is over `max_secs` of backlog with it (0: no bound; see the module
-    /// docs); one CAS. A rank outside the array (a DP change raced the pick) is not bounded
-    /// and counts nothing.
+    /// unless the rank is over `bound` with it (see [`Bound`] and the module docs); one
+    /// CAS. A rank outside the array (a DP change raced the pick) is not bounded and counts
+    /// nothing.
     pub fn take(
         ranks: &Arc<[RankBacklog]>,
         rank: DpRank,
         est: u64,
         single: bool,
-        max_secs: f64,
+        bound: &Bound,
         signal: &Arc<CapacitySignal>,
     ) -> Option<BacklogHold> {
         let hold = |rank, epoch, tokens| BacklogHold {
@@ -294,7 +316,7 @@ impl BacklogHold {
         let mut own = r.own.load(Ordering::Acquire);
         loop {
             let now = Figures { own, ..r.figures() };
-            if max_secs > 0.0 && !now.admits(est, max_secs) {
+            if bound.max_secs > 0.0 && !bound.admits(now, est) {
                 return None;
             }
             match r.own.compare_exchange_weak(

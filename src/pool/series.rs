@@ -315,7 +315,8 @@ mod tests {
         // Rank 0 learned 1000 tokens a second and holds a leg of 2000 tokens; rank 1 has
         // no pace yet and its engine reports 500 tokens queued.
         ranks[0].learn(1000, 0, 1_000_000, Some((1000, 0)));
-        let hold = crate::pool::backlog::BacklogHold::take(ranks, 0, 2000, true, 0.0, signal);
+        let off = crate::pool::backlog::Bound::default();
+        let hold = crate::pool::backlog::BacklogHold::take(ranks, 0, 2000, true, &off, signal);
         ranks[1].observe(Some(500));
         let text = telemetry::render_derived(&pool);
         drop(hold);

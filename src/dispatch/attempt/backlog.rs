@@ -10,6 +10,9 @@
 //! [`OVER`] and the request waits in the admission queue like one waiting for a decode slot
 //! (`super::capacity`), woken by a prefill leg ending or a prefill's load poll.
 //!
+//! A rank that has learned no pace yet is held to the mean pace of the candidates that
+//! have one (`pool::backlog::Bound`), so a cold rank does not take a whole burst.
+//!
 //! Invariants: with the bound off (0) nothing is filtered and nothing allocated; with it on,
 //! the candidates are copied only when some rank is over; a hold is taken for every leg
 //! either way (its tokens and the pace it teaches feed `pdgate_prefill_backlog_seconds`).
@@ -19,7 +22,7 @@ use std::borrow::Cow;
 use super::AttemptFailure;
 use crate::config::AdmissionConfig;
 use crate::error::{FailReason, Failure};
-use crate::pool::backlog::BacklogHold;
+use crate::pool::backlog::{BacklogHold, Bound, RankBacklog};
 use crate::pool::{Routable, Snapshot};
 use crate::request::ParsedRequest;
 use crate::types::{Role, WorkerId};
@@ -36,8 +39,9 @@ pub(in crate::dispatch) struct Need {
     pub tokens: u64,
     /// One prompt instance: the prefill's answer reports its figures.
     pub single: bool,
-    /// The bound in seconds (0: off).
-    pub max_secs: f64,
+    /// The bound (`max_secs` 0: off); its fallback pace is set by [`with_room`] from the
+    /// candidates' learned paces.
+    pub bound: Bound,
 }
 
 impl Need {
@@ -45,35 +49,58 @@ impl Need {
         Need {
             tokens: req.prompt_tokens_estimate(),
             single: req.instances() == 1,
-            max_secs: a.prefill_backlog_max_secs,
+            bound: Bound {
+                max_secs: a.prefill_backlog_max_secs,
+                fallback_pace: None,
+            },
         }
     }
 
     fn bounded(&self) -> bool {
-        self.max_secs > 0.0
+        self.bound.max_secs > 0.0
+    }
+
+    fn rank<'s>(snap: &'s Snapshot, w: WorkerId, rank: u32) -> Option<&'s RankBacklog> {
+        snap.worker(Role::Prefill, w)
+            .and_then(|v| v.per_rank.backlog.get(rank as usize))
     }
 
     /// Whether `rank` of prefill `w` has room under the bound.
     fn admits(&self, snap: &Snapshot, w: WorkerId, rank: u32) -> bool {
-        snap.worker(Role::Prefill, w)
-            .and_then(|v| v.per_rank.backlog.get(rank as usize))
-            .is_none_or(|b| b.figures().admits(self.tokens, self.max_secs))
+        Need::rank(snap, w, rank).is_none_or(|b| self.bound.admits(b.figures(), self.tokens))
     }
+}
+
+/// The mean learned pace of the ranks of `list` that have one (`None`: none has).
+fn pool_pace(snap: &Snapshot, list: &[Routable]) -> Option<f64> {
+    let (mut sum, mut n) = (0.0, 0u32);
+    for r in list {
+        for k in &r.ranks {
+            if let Some(p) = Need::rank(snap, r.worker, *k).and_then(RankBacklog::pace) {
+                sum += p;
+                n += 1;
+            }
+        }
+    }
+    (n > 0).then(|| sum / f64::from(n))
 }
 
 /// The prefill candidates `among` (else every routable prefill) narrowed to the ranks with
 /// room under `need`'s bound: borrowed as they are when every rank has room (or the bound
 /// is off); `Err` when some candidate outside `exclude` exists but none has room.
+/// Sets `need`'s fallback pace (the candidates' mean) on the way.
 pub(in crate::dispatch) fn with_room<'a>(
     snap: &'a Snapshot,
     among: Option<&'a [Routable]>,
     exclude: &[WorkerId],
-    need: &Need,
+    need: &mut Need,
 ) -> Result<Option<Cow<'a, [Routable]>>, AttemptFailure> {
     if !need.bounded() {
         return Ok(among.map(Cow::Borrowed));
     }
     let list = among.unwrap_or_else(|| snap.routable(Role::Prefill));
+    need.bound.fallback_pace = pool_pace(snap, list);
+    let need = &*need;
     let eligible = || list.iter().filter(|r| !exclude.contains(&r.worker));
     let open = |r: &Routable| r.ranks.iter().all(|k| need.admits(snap, r.worker, *k));
     if eligible().all(open) {
@@ -116,7 +143,7 @@ pub(in crate::dispatch) fn hold(
         c.pair.prefill.rank,
         need.tokens,
         need.single,
-        need.max_secs,
+        &need.bound,
         signal,
     )
 }

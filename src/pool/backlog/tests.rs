@@ -149,7 +149,8 @@ fn signal() -> Arc<CapacitySignal> {
 fn holds_count_across_polls_and_give_back_what_they_took() {
     let ranks = new_ranks(2);
     let s = signal();
-    let take = |rank, est| BacklogHold::take(&ranks, rank, est, true, 0.0, &s);
+    let off = Bound::default();
+    let take = |rank, est| BacklogHold::take(&ranks, rank, est, true, &off, &s);
     let a = take(0, 300);
     let b = take(0, 200);
     assert_eq!(ranks[0].figures().own, 500);
@@ -178,7 +179,11 @@ fn holds_count_across_polls_and_give_back_what_they_took() {
     assert_eq!(ranks[0].figures().engine_waiting, None);
     assert!(close(ranks[0].figures().tokens(), 0.0));
     // A rank outside the array is not bounded and counts nothing.
-    let stray = BacklogHold::take(&ranks, 7, 100, true, 0.5, &s);
+    let half = Bound {
+        max_secs: 0.5,
+        fallback_pace: None,
+    };
+    let stray = BacklogHold::take(&ranks, 7, 100, true, &half, &s);
     assert!(stray.is_some());
 }
 
@@ -186,7 +191,11 @@ fn holds_count_across_polls_and_give_back_what_they_took() {
 fn a_hold_is_refused_past_the_bound_once_the_pace_is_known() {
     let ranks = new_ranks(1);
     let s = signal();
-    let take = |est| BacklogHold::take(&ranks, 0, est, true, 1.0, &s);
+    let one = Bound {
+        max_secs: 1.0,
+        fallback_pace: None,
+    };
+    let take = |est| BacklogHold::take(&ranks, 0, est, true, &one, &s);
     // No pace yet: anything goes.
     let first = take(5000);
     assert!(first.is_some());
@@ -232,4 +241,37 @@ fn the_service_time_excludes_the_wait_behind_earlier_legs() {
     r.learn(1000, 0, 1_000_000, Some((500, 0)));
     r.learn(1000, 1_000_000, 2_000_000, None);
     assert!(close(r.pace().unwrap_or(0.0), 500.0));
+}
+
+#[test]
+fn a_rank_without_a_pace_is_held_to_its_pool_s() {
+    let cold = Figures {
+        engine_waiting: None,
+        new: 0,
+        done_old: 0,
+        own: 900,
+        ratio: 1.0,
+        pace: None,
+    };
+    let warm = Figures {
+        pace: Some(1000.0),
+        ..cold
+    };
+    let b = |fallback_pace| Bound {
+        max_secs: 1.0,
+        fallback_pace,
+    };
+    // (bound, figures, the leg's tokens, admitted)
+    let table = [
+        // No pace anywhere: no bound.
+        (b(None), cold, 1000, true),
+        // The pool's pace stands in.
+        (b(Some(1000.0)), cold, 100, true),
+        (b(Some(1000.0)), cold, 101, false),
+        // The rank's own pace wins once learned.
+        (b(Some(10.0)), warm, 100, true),
+    ];
+    for (bound, fig, est, want) in table {
+        assert_eq!(bound.admits(fig, est), want, "{bound:?} {fig:?} + {est}");
+    }
 }
