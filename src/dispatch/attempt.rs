@@ -157,7 +157,7 @@ impl Dispatcher {
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
         let need = capacity::need(&self.cfg.capacity, &self.cfg.admission, req);
-        let mut prefill_need = backlog::Need::of(&self.cfg.admission, req);
+        let mut prefill_need = backlog::PrefillNeed::of(&self.cfg.admission, req);
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap = snap;
@@ -264,7 +264,7 @@ impl Dispatcher {
         model: &Model,
         ex: &Excluded,
         need: Option<Need>,
-        prefill_need: &mut backlog::Need,
+        prefill_need: &mut backlog::PrefillNeed,
     ) -> Result<ChosenPair<'s>, AttemptFailure> {
         let policies = model.policies();
         // Sticky sessions: a keyed request is placed by its key whatever the policy.

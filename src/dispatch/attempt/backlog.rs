@@ -34,7 +34,7 @@ pub(in crate::dispatch) const OVER: &str =
 
 /// What a request brings to a prefill rank, and the bound it is held to.
 #[derive(Clone, Copy, Debug)]
-pub(in crate::dispatch) struct Need {
+pub(in crate::dispatch) struct PrefillNeed {
     /// Estimated prompt tokens (`ParsedRequest::prompt_tokens_estimate`).
     pub tokens: u64,
     /// One prompt instance: the prefill's answer reports its figures.
@@ -44,9 +44,9 @@ pub(in crate::dispatch) struct Need {
     pub bound: Bound,
 }
 
-impl Need {
-    pub(in crate::dispatch) fn of(a: &AdmissionConfig, req: &ParsedRequest) -> Need {
-        Need {
+impl PrefillNeed {
+    pub(in crate::dispatch) fn of(a: &AdmissionConfig, req: &ParsedRequest) -> PrefillNeed {
+        PrefillNeed {
             tokens: req.prompt_tokens_estimate(),
             single: req.instances() == 1,
             bound: Bound {
@@ -67,7 +67,7 @@ impl Need {
 
     /// Whether `rank` of prefill `w` has room under the bound.
     fn admits(&self, snap: &Snapshot, w: WorkerId, rank: u32) -> bool {
-        Need::rank(snap, w, rank).is_none_or(|b| self.bound.admits(b.figures(), self.tokens))
+        PrefillNeed::rank(snap, w, rank).is_none_or(|b| self.bound.admits(b.figures(), self.tokens))
     }
 }
 
@@ -76,7 +76,7 @@ fn pool_pace(snap: &Snapshot, list: &[Routable]) -> Option<f64> {
     let (mut sum, mut n) = (0.0, 0u32);
     for r in list {
         for k in &r.ranks {
-            if let Some(p) = Need::rank(snap, r.worker, *k).and_then(RankBacklog::pace) {
+            if let Some(p) = PrefillNeed::rank(snap, r.worker, *k).and_then(RankBacklog::pace) {
                 sum += p;
                 n += 1;
             }
@@ -93,7 +93,7 @@ pub(in crate::dispatch) fn with_room<'a>(
     snap: &'a Snapshot,
     among: Option<&'a [Routable]>,
     exclude: &[WorkerId],
-    need: &mut Need,
+    need: &mut PrefillNeed,
 ) -> Result<Option<Cow<'a, [Routable]>>, AttemptFailure> {
     if !need.bounded() {
         return Ok(among.map(Cow::Borrowed));
@@ -135,7 +135,7 @@ pub(in crate::dispatch) fn over_failure() -> AttemptFailure {
 /// took the rank's last room since the pick (the attempt then waits, as when over).
 pub(in crate::dispatch) fn hold(
     c: &super::ChosenPair<'_>,
-    need: &Need,
+    need: &PrefillNeed,
     signal: &std::sync::Arc<crate::pool::CapacitySignal>,
 ) -> Option<BacklogHold> {
     BacklogHold::take(
