@@ -74,7 +74,9 @@ mod tests {
 
     #[test]
     fn reads_the_queued_uncached_tokens_per_rank() {
-        let table: &[(&str, Vec<(usize, Option<u64>)>)] = &[
+        // (body, the queued uncached tokens per reported rank)
+        type PerRank = Vec<(usize, Option<u64>)>;
+        let table: &[(&str, PerRank)] = &[
             // SGLang's /v1/loads entry on a prefill, as the simulator reports it too.
             (
                 r#"{"loads": [{"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 2,

@@ -131,7 +131,7 @@ async fn with_the_bound_no_prefill_rank_queues_more_than_it_allows() {
     let env = env(MAX_SECS).await;
     // Sample the series while the burst runs.
     let sampler = async {
-        let mut seen = Vec::new();
+        let (mut seen, mut queued) = (Vec::new(), 0.0f64);
         for _ in 0..120 {
             let text = scrape(&env).await;
             if let Some(v) = sample(&text, "pdgate_prefill_backlog_seconds{") {
@@ -139,11 +139,12 @@ async fn with_the_bound_no_prefill_rank_queues_more_than_it_allows() {
                     seen.push((v, rank_backlogs(&text)));
                 }
             }
+            queued = queued.max(sample(&text, "pdgate_admission_queue ").unwrap_or(0.0));
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        seen
+        (seen, queued)
     };
-    let ((peak, statuses), seen) = tokio::join!(burst(&env, 16), sampler);
+    let ((peak, statuses), (seen, queued)) = tokio::join!(burst(&env, 16), sampler);
     eprintln!("with a bound of {MAX_SECS} s: a rank had {peak} uncached tokens queued at most");
     assert!(
         statuses.iter().all(|s| *s == StatusCode::OK),
@@ -160,6 +161,8 @@ async fn with_the_bound_no_prefill_rank_queues_more_than_it_allows() {
         .filter(|p| p.stats().requests_total > 0)
         .count();
     assert_eq!(used, 2, "the burst spilled to the other prefill");
+    // Four ranks take three prompts each (1 s of work at most): the rest waited in pdgate.
+    assert!(queued >= 1.0, "nothing waited in the admission queue");
     // The series: a pool backlog while the burst ran, per-rank backlogs within about the
     // bound (a rank may briefly read a poll's figure before its legs that ended since).
     assert!(!seen.is_empty(), "no backlog seen while the burst ran");

@@ -60,7 +60,7 @@ impl PrefillNeed {
         self.bound.max_secs > 0.0
     }
 
-    fn rank<'s>(snap: &'s Snapshot, w: WorkerId, rank: u32) -> Option<&'s RankBacklog> {
+    fn rank(snap: &Snapshot, w: WorkerId, rank: u32) -> Option<&RankBacklog> {
         snap.worker(Role::Prefill, w)
             .and_then(|v| v.per_rank.backlog.get(rank as usize))
     }
@@ -114,7 +114,7 @@ pub(in crate::dispatch) fn with_room<'a>(
                 .copied()
                 .filter(|k| need.admits(snap, r.worker, *k))
                 .collect();
-            (!ranks.is_empty()).then(|| Routable {
+            (!ranks.is_empty()).then_some(Routable {
                 worker: r.worker,
                 ranks,
             })

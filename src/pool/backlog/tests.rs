@@ -7,7 +7,8 @@ fn close(a: f64, b: f64) -> bool {
 #[test]
 fn the_pace_is_tokens_over_service_time() {
     // (legs as (tokens, secs), the pace after them)
-    let table: &[(&[(f64, f64)], Option<f64>)] = &[
+    type Legs<'a> = &'a [(f64, f64)];
+    let table: &[(Legs<'_>, Option<f64>)] = &[
         (&[], None),
         // One leg: its own rate.
         (&[(1000.0, 0.5)], Some(2000.0)),
