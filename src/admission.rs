@@ -152,7 +152,6 @@ impl Drop for Slot {
 
 impl Admission {
     pub fn new(cfg: &AdmissionConfig) -> Admission {
-        metrics::gauge!(telemetry::ADMISSION_REPLICAS).set(f64::from(cfg.replicas));
         Admission {
             slots: ArcSwapOption::new(
                 (cfg.max_in_flight > 0).then(|| Arc::new(Semaphore::new(cfg.max_in_flight))),
@@ -217,7 +216,6 @@ impl Admission {
 
     /// Applies reloaded limits (see the module docs).
     pub fn reconfigure(&self, cfg: &AdmissionConfig) {
-        metrics::gauge!(telemetry::ADMISSION_REPLICAS).set(f64::from(cfg.replicas));
         self.bytes.set_limit(cfg.max_bytes_in_flight);
         self.max_queue.store(cfg.max_queue, Ordering::Relaxed);
         self.timeout_ms
@@ -346,6 +344,34 @@ impl Queued<'_> {
 }
 
 impl Admission {
+    /// Requests waiting in the queue now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// The answer to a request whose estimated wait (`wait`, for `what`) is longer than
+    /// the queue timeout: 503 now, with the estimate in `Retry-After`, counted as
+    /// `capacity_wait_estimate`.
+    pub fn refuse_on_estimate(&self, what: &str, wait: Duration) -> Failure {
+        metrics::counter!(telemetry::ADMISSION_REJECTED, "reason" => "capacity_wait_estimate")
+            .increment(1);
+        let secs = u32::try_from(wait.as_secs().saturating_add(1)).unwrap_or(u32::MAX);
+        Failure::new(
+            FailReason::QueueTimeout,
+            format!(
+                "{what}: the estimated wait of {:.1} s (requests waiting, against the pace decode slots free) is longer than the queue timeout of {} ms",
+                wait.as_secs_f64(),
+                self.queue_timeout().as_millis()
+            ),
+        )
+        .retry_after(secs)
+    }
+
+    /// The longest wait in the queue (`queue_timeout_ms`).
+    pub fn queue_timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+
     /// Joins the wait queue (bounded by `max_queue`, with `queue_timeout_ms` from now)
     /// without a slot to wait for; a full queue answers 429 with `Retry-After`.
     pub fn enqueue(&self, what: &str) -> Result<Queued<'_>, Failure> {

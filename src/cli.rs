@@ -75,6 +75,12 @@ pub struct ServeArgs {
     /// which replicas take each rank's remainder slots (`[admission] replica_index`).
     #[arg(long)]
     pub replica_index: Option<u32>,
+    /// The label selector of pdgate's own pods (its Service's, e.g.
+    /// `app.kubernetes.io/name=pdgate`): the replica count and this replica's index come
+    /// from Kubernetes, Ready pods counted, this pod named by `POD_NAME` (else the hostname)
+    /// (`[admission] replica_selector`; empty = off; not with `--replicas`).
+    #[arg(long)]
+    pub replica_selector: Option<String>,
     /// Runtime worker threads (1 = one current-thread runtime; 0 = one per core).
     #[arg(long)]
     pub worker_threads: Option<usize>,
@@ -245,6 +251,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.replica_index {
             cfg.admission.replica_index = Some(v);
+        }
+        if let Some(v) = &self.replica_selector {
+            cfg.admission.replica_selector = Some(v.clone());
         }
         if let Some(v) = self.max_payload_size {
             cfg.server.max_body_bytes = v;
@@ -452,6 +461,7 @@ pub const SERVE_ONLY: &[&str] = &[
     "queue_timeout_secs",
     "replicas",
     "replica_index",
+    "replica_selector",
     "retry_max_retries",
     "disable_retries",
     "cb_failure_threshold",

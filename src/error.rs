@@ -325,6 +325,9 @@ pub struct Failure {
     /// on it (a keep-alive race): the engine is not at fault, so the attempt is retried
     /// (with fresh rooms) without blaming it, on the same worker if need be.
     pub stale_connection: bool,
+    /// `Retry-After` in seconds for a 429 or 503 (1 when not set): when pdgate knows
+    /// how long the wait would be.
+    pub retry_after_secs: Option<u32>,
 }
 
 impl Failure {
@@ -334,6 +337,20 @@ impl Failure {
             message: message.into(),
             upstream_status: None,
             stale_connection: false,
+            retry_after_secs: None,
+        }
+    }
+
+    /// Sets the `Retry-After` a 429 or 503 answer carries (at least 1 s).
+    pub fn retry_after(mut self, secs: u32) -> Failure {
+        self.retry_after_secs = Some(secs.max(1));
+        self
+    }
+
+    fn retry_after_value(&self) -> HeaderValue {
+        match self.retry_after_secs {
+            Some(s) if s > 1 => HeaderValue::from(s),
+            _ => HeaderValue::from_static("1"),
         }
     }
 
@@ -429,7 +446,9 @@ impl Failure {
         out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
         out.extend_from_slice(b"\r\ncontent-type: application/json\r\nconnection: close\r\n");
         if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
-            out.extend_from_slice(b"retry-after: 1\r\n");
+            out.extend_from_slice(b"retry-after: ");
+            out.extend_from_slice(self.retry_after_value().as_bytes());
+            out.extend_from_slice(b"\r\n");
         }
         out.extend_from_slice(b"content-length: ");
         out.extend_from_slice(json.len().to_string().as_bytes());
@@ -447,7 +466,7 @@ impl Failure {
             status,
             StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
         ) {
-            h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            h.insert(header::RETRY_AFTER, self.retry_after_value());
         }
         if status == StatusCode::UNAUTHORIZED {
             // RFC 9110: a 401 names the scheme it wants.

@@ -9,7 +9,8 @@
 //! traffic; removed ones drain, then go) and the client API keys and the admin token. What needs a restart (a change is logged and the
 //! running value kept, so the effective config — `GET /config` — always says what runs):
 //! `[server]`, the admin listener's address (`admin.enabled`, `host`, `port`),
-//! `[discovery]`, `[upstream]`, `[reload]`, `log.format` and `log.level`.
+//! `[discovery]`, `admission.replica_selector` (and, while it is set, the static replica
+//! count), `[upstream]`, `[reload]`, `log.format` and `log.level`.
 //!
 //! Invariants:
 //! - An invalid file changes nothing: the old config stays whole, and the log names the
@@ -176,6 +177,19 @@ fn keep_restart_only(old: &Config, new: &mut Config, changed: &mut Vec<&'static 
     keep!(admin.host, "admin.host");
     keep!(admin.port, "admin.port");
     keep!(discovery, "discovery");
+    // The replica count's watch runs from the start: a change of its selector waits for a
+    // restart, and while it runs the count is its own (a static count in the file, valid
+    // without the selector, is kept out too).
+    if old.admission.replica_selector() != new.admission.replica_selector() {
+        changed.push("admission.replica_selector");
+        new.admission
+            .replica_selector
+            .clone_from(&old.admission.replica_selector);
+    }
+    if old.admission.replica_selector().is_some() {
+        keep!(admission.replicas, "admission.replicas");
+        keep!(admission.replica_index, "admission.replica_index");
+    }
     keep!(reload, "reload");
     keep!(upstream, "upstream");
     keep!(trace, "trace");
@@ -386,5 +400,49 @@ mod tests {
         );
         assert_eq!(changed_keys(&a, &b, "admin.port"), ["admin.port"]);
         assert_eq!(changed_keys(&a, &b, "discovery"), ["discovery"]);
+    }
+
+    /// The replica selector needs a restart; while it runs, a static count in the file
+    /// does not apply (the count is discovery's), and an empty selector is no change.
+    #[test]
+    fn the_replica_selector_and_its_count_are_kept() {
+        let sel = |s: Option<&str>, replicas: u32, index: Option<u32>| {
+            let mut c = Config::default();
+            c.admission.replica_selector = s.map(str::to_string);
+            c.admission.replicas = replicas;
+            c.admission.replica_index = index;
+            c
+        };
+        // (running, in the file, what runs after the reload, the keys named)
+        let cases: Vec<(Config, Config, Config, Vec<&str>)> = vec![
+            (
+                sel(Some("app=pdgate"), 0, None),
+                sel(None, 3, Some(1)),
+                sel(Some("app=pdgate"), 0, None),
+                vec![
+                    "admission.replica_selector",
+                    "admission.replicas",
+                    "admission.replica_index",
+                ],
+            ),
+            (
+                sel(None, 2, None),
+                sel(Some("app=pdgate"), 0, None),
+                sel(None, 0, None),
+                vec!["admission.replica_selector"],
+            ),
+            (
+                sel(None, 2, None),
+                sel(Some(""), 3, None),
+                sel(Some(""), 3, None),
+                vec![],
+            ),
+        ];
+        for (old, mut new, want, keys) in cases {
+            let mut changed = Vec::new();
+            keep_restart_only(&old, &mut new, &mut changed);
+            assert_eq!(changed, keys);
+            assert_eq!(new.admission, want.admission);
+        }
     }
 }

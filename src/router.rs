@@ -34,6 +34,9 @@ pub struct Router {
     pub admin: Option<AdminServer>,
     /// Kubernetes discovery, when enabled (stops when the router is dropped).
     pub discovery: Option<crate::discovery::Discovery>,
+    /// The replica count from Kubernetes, when `admission.replica_selector` is set (stops
+    /// when the router is dropped).
+    pub replica_watch: Option<crate::discovery::replicas::ReplicaWatch>,
     /// The OTLP trace exporter, when `[trace]` is on (flushed by [`Router::shutdown`]).
     pub traces: Option<crate::trace::Exporter>,
 }
@@ -133,6 +136,15 @@ pub async fn start(
     start_with(cfg, listener, AdminListener::Off, rng).await
 }
 
+/// The Kubernetes API a router talks to (discovery, the replica count) and its own pod's
+/// name. [`start_with`] takes both from the environment when it needs them
+/// (`discovery::infer_config`, `discovery::replicas::own_pod_name`); tests give a client
+/// of a fake API server ([`start_in_cluster`]).
+pub struct Cluster {
+    pub client: kube::Client,
+    pub pod_name: Option<String>,
+}
+
 /// Starts a router, and its admin listener as `admin` says. Everything that can be refused
 /// (config, keys file, admin token) is checked before any socket is bound.
 pub async fn start_with(
@@ -141,11 +153,33 @@ pub async fn start_with(
     admin: AdminListener,
     rng: RngSource,
 ) -> Result<Router, StartError> {
+    start_inner(cfg, listener, admin, rng, None).await
+}
+
+/// [`start_with`] with a given Kubernetes client and pod name.
+pub async fn start_in_cluster(
+    cfg: Config,
+    listener: Option<TcpListener>,
+    admin: AdminListener,
+    rng: RngSource,
+    cluster: Cluster,
+) -> Result<Router, StartError> {
+    start_inner(cfg, listener, admin, rng, Some(cluster)).await
+}
+
+async fn start_inner(
+    cfg: Config,
+    listener: Option<TcpListener>,
+    admin: AdminListener,
+    rng: RngSource,
+    cluster: Option<Cluster>,
+) -> Result<Router, StartError> {
     cfg.validate()?;
     // A malformed selector refuses the start before anything runs.
     if cfg.discovery.enabled {
         crate::discovery::plan(&cfg.discovery)?;
     }
+    let replica_plan = crate::discovery::replicas::plan(&cfg.admission, &cfg.discovery)?;
     let keys = Arc::new(ClientKeys::from_config(&cfg).map_err(StartError::Auth)?);
     if keys.enabled() && cfg.upstream.forward_authorization {
         tracing::warn!(
@@ -214,10 +248,35 @@ pub async fn start_with(
             w.model.clone(),
         ))?;
     }
-    let discovery = if cfg.discovery.enabled {
-        Some(crate::discovery::spawn(&cfg.discovery, fleet.clone()).await?)
-    } else {
-        None
+    let cluster = match cluster {
+        Some(c) => Some(c),
+        None if cfg.discovery.enabled || replica_plan.is_some() => Some(Cluster {
+            client: crate::discovery::client_from(crate::discovery::infer_config().await?)?,
+            pod_name: crate::discovery::replicas::own_pod_name(),
+        }),
+        None => None,
+    };
+    let (discovery, replica_watch) = match &cluster {
+        None => (None, None),
+        Some(c) => {
+            let discovery = match cfg.discovery.enabled {
+                true => Some(crate::discovery::spawn_with_client(
+                    c.client.clone(),
+                    &cfg.discovery,
+                    fleet.clone(),
+                )?),
+                false => None,
+            };
+            let watch = replica_plan.map(|p| {
+                crate::discovery::replicas::start(
+                    p,
+                    c.client.clone(),
+                    c.pod_name.clone(),
+                    pool.clone(),
+                )
+            });
+            (discovery, watch)
+        }
     };
     let cfg = Arc::new(cfg);
     let listener = match listener {
@@ -281,6 +340,7 @@ pub async fn start_with(
         keys,
         admin,
         discovery,
+        replica_watch,
         traces,
     })
 }

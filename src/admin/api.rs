@@ -240,6 +240,7 @@ impl Api {
     /// URL, pod, health, ranks and why it is out of rotation.
     fn readiness(&self) -> Response<RespBody> {
         let snap = self.fleet.pool().load_full();
+        let replicas = self.fleet.pool().replicas().get();
         let ready = (!snap.prefill_routable.is_empty() && !snap.decode_routable.is_empty())
             || !snap.regular_routable.is_empty();
         let status = if ready {
@@ -254,6 +255,9 @@ impl Api {
                 "routable_prefill_ranks": snap.routable_ranks(Role::Prefill),
                 "routable_decode_ranks": snap.routable_ranks(Role::Decode),
                 "routable_regular_ranks": snap.routable_ranks(Role::Regular),
+                "replicas": replicas.replicas,
+                "replica_index": replicas.index,
+                "replica_source": replicas.source.as_str(),
                 "workers": self.workers_json(&snap),
             }),
         )

@@ -21,6 +21,14 @@ pub struct CapacityConfig {
     /// (prompt + max new tokens against `max_total_num_tokens` minus the tokens in use,
     /// as `/v1/loads` reports them).
     pub kv_bound: bool,
+    /// With the replica count unknown (`admission.replicas` = 0), each replica takes fresh
+    /// requests on a decode rank only in proportion to its part of the rank's reported
+    /// load (one request when it holds none there), and asks for an early poll when it
+    /// wants more: replicas that cannot see each other then do not each fill a rank
+    /// between two polls (ARCHITECTURE.md, "Admission across replicas"). Acts with the
+    /// load poll on and a capacity known; off: each replica fills the rank from its own
+    /// count and the last report, as if it were alone.
+    pub proportional_share: bool,
 }
 
 impl Default for CapacityConfig {
@@ -29,6 +37,7 @@ impl Default for CapacityConfig {
             decode_max_running_per_rank: 0,
             learn_from_engine: true,
             kv_bound: true,
+            proportional_share: true,
         }
     }
 }

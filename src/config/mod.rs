@@ -224,6 +224,9 @@ pub struct PolicyConfig {
     /// cache_aware: virtual nodes per worker on the hash ring.
     pub cache_aware_vnodes: u32,
     /// Poll each engine's own load (`/v1/loads`, else `/get_load`) this often; 0 = off.
+    /// On by default: decode admission across replicas reads the engines' reports
+    /// (running, waiting, pre-allocation queue). With the default health and bootstrap
+    /// intervals one idle router sends an engine at most 4 requests a second in all.
     pub load_poll_interval_ms: u64,
 }
 
@@ -235,7 +238,7 @@ impl Default for PolicyConfig {
             cache_aware_balance_factor: 1.25,
             cache_aware_slack: 1,
             cache_aware_vnodes: 100,
-            load_poll_interval_ms: 0,
+            load_poll_interval_ms: 1000,
         }
     }
 }
@@ -328,8 +331,17 @@ pub struct AdmissionConfig {
     pub max_in_flight: usize,
     /// Requests that may wait for a slot; more get 429.
     pub max_queue: usize,
-    /// Longest wait for a slot; longer gets 503.
+    /// Longest wait for a slot; longer gets 503. A request whose estimated wait (its place
+    /// in the queue against the rate the decode slots free) is longer is answered 503 at
+    /// once, with that estimate in `Retry-After`.
     pub queue_timeout_ms: u64,
+    /// How long the engines let a prefill's KV wait for its decode
+    /// (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, SGLang's default 300 s; engines do not
+    /// report it). A decode rank whose reported queue would hold a new request for half
+    /// of it (its waiting requests against its running ones and the time a request holds
+    /// a slot there) is sent nothing until it shortens: the request waits in pdgate's
+    /// queue instead of starting a bootstrap clock it may not win.
+    pub engine_bootstrap_timeout_secs: u64,
     /// The in-flight byte budget (`crate::memory`): request bodies and buffered engine
     /// answers held at once, across all requests. A request that does not fit now gets 503
     /// with `Retry-After`; one that can never fit gets 413. A large request (over 1/64 of
@@ -348,13 +360,22 @@ pub struct AdmissionConfig {
     /// rank, so that the shares add up to the whole capacity. Unset: no remainder slot
     /// (at least one slot per rank).
     pub replica_index: Option<u32>,
+    /// A label selector of pdgate's own pods (its Service's selector, e.g.
+    /// `app.kubernetes.io/name=pdgate`): the replica count and this replica's index then come
+    /// from Kubernetes, and follow replicas joining and leaving (`discovery::replicas` has
+    /// the rule; the client and namespace are discovery's). Unset or empty: off. Not with
+    /// `replicas` or `replica_index` (refused at start: one source of the count). Needs a
+    /// restart to change.
+    pub replica_selector: Option<String>,
     /// The most work a prefill DP rank may have queued, in seconds of its own learned pace
     /// (`pool::backlog`: the engine's queued uncached prompt tokens plus this replica's legs
     /// sent since, over the uncached tokens per second its legs took); 0 = no bound. A rank
     /// over it is not picked while another prefill rank has room; when none has, the
     /// request waits in the admission queue (`max_queue`, `queue_timeout_ms`). A rank
-    /// holding none of this replica's legs, or whose pace is not learned yet, always takes
-    /// one. Default 2 s (docs/pools-and-capacity.md, "Prefill admission by tokens").
+    /// holding none of this replica's legs always takes one; one whose pace is not learned
+    /// yet is held to its pool's (none learned anywhere: no bound). Default 2 s, well under
+    /// `engine_bootstrap_timeout_secs` (docs/pools-and-capacity.md, "Prefill admission by
+    /// tokens").
     /// Replica-wide: a model's admission override does not change it.
     pub prefill_backlog_max_secs: f64,
 }
@@ -364,12 +385,24 @@ impl Default for AdmissionConfig {
         AdmissionConfig {
             max_in_flight: 4096,
             max_queue: 4096,
-            queue_timeout_ms: 10_000,
+            queue_timeout_ms: 60_000,
+            engine_bootstrap_timeout_secs: 300,
             max_bytes_in_flight: 128 * 1024 * 1024,
             replicas: 0,
             replica_index: None,
+            replica_selector: None,
             prefill_backlog_max_secs: 2.0,
         }
+    }
+}
+
+impl AdmissionConfig {
+    /// The replica selector, trimmed, when one is set (see `replica_selector`).
+    pub fn replica_selector(&self) -> Option<&str> {
+        self.replica_selector
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
     }
 }
 
@@ -402,7 +435,7 @@ pub struct BootstrapConfig {
 impl Default for BootstrapConfig {
     fn default() -> Self {
         BootstrapConfig {
-            heartbeat_interval_ms: 500,
+            heartbeat_interval_ms: 750,
             heartbeat_max_failures: 2,
             refresh_interval_ms: 30_000,
             refresh_jitter: 0.2,

@@ -86,7 +86,7 @@ pub struct HealthConfig {
 impl Default for HealthConfig {
     fn default() -> Self {
         HealthConfig {
-            interval_secs: 0.5,
+            interval_secs: 1.0,
             timeout_secs: 1.0,
             failure_threshold: 2,
             success_threshold: 1,

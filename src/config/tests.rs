@@ -181,7 +181,11 @@ fn policy_keys_parse_and_are_checked() {
         cfg.policy.load_poll_interval(),
         Some(Duration::from_millis(250))
     );
-    assert_eq!(Config::default().policy.load_poll_interval(), None);
+    assert_eq!(
+        Config::default().policy.load_poll_interval(),
+        Some(Duration::from_secs(1)),
+        "on by default"
+    );
     let err = Config::from_toml("[policy]\ncache_aware_vnode = 3\n")
         .unwrap_err()
         .to_string();
@@ -240,4 +244,55 @@ fn listeners_need_an_address_each() {
     cfg.server.port = 0;
     cfg.admin.port = 0;
     assert!(cfg.validate().is_ok(), "port 0 picks a free port each");
+}
+
+#[test]
+fn the_replica_count_has_one_source() {
+    // (replicas, replica_index, replica_selector, the error's words, or None: valid)
+    type Case<'a> = (u32, Option<u32>, Option<&'a str>, Option<&'a str>);
+    let cases: &[Case] = &[
+        (0, None, None, None),
+        (3, Some(2), None, None),
+        (3, None, None, None),
+        (0, None, Some("app.kubernetes.io/name=pdgate"), None),
+        // Empty is off: the static count applies.
+        (3, Some(0), Some(" "), None),
+        (
+            3,
+            None,
+            Some("app=pdgate"),
+            Some("admission.replica_selector (--replica-selector) counts the replicas"),
+        ),
+        (
+            0,
+            Some(0),
+            Some("app=pdgate"),
+            Some("admission.replica_index (--replica-index) = Some(0) must be left unset"),
+        ),
+        (
+            3,
+            Some(3),
+            None,
+            Some("admission.replica_index = 3 is not an index among admission.replicas = 3"),
+        ),
+        (
+            1025,
+            None,
+            None,
+            Some("admission.replicas = 1025 is out of range"),
+        ),
+    ];
+    for (replicas, index, sel, want) in cases {
+        let mut cfg = Config::default();
+        cfg.admission.replicas = *replicas;
+        cfg.admission.replica_index = *index;
+        cfg.admission.replica_selector = sel.map(str::to_string);
+        match (cfg.validate(), want) {
+            (Ok(()), None) => {}
+            (Err(e), Some(w)) => assert!(e.to_string().contains(w), "{e} lacks {w}"),
+            (got, _) => panic!("{replicas} {index:?} {sel:?}: {got:?}"),
+        }
+    }
+    let cfg = Config::from_toml("[admission]\nreplica_selector = \" app=pdgate \"\n").unwrap();
+    assert_eq!(cfg.admission.replica_selector(), Some("app=pdgate"));
 }

@@ -129,7 +129,22 @@ impl Config {
             1,
             3_600_000,
         )?;
+        range(
+            "admission.engine_bootstrap_timeout_secs",
+            a.engine_bootstrap_timeout_secs,
+            1,
+            86_400,
+        )?;
         range("admission.replicas", a.replicas, 0, 1024)?;
+        if a.replica_selector().is_some() && (a.replicas > 0 || a.replica_index.is_some()) {
+            return Err(invalid(format!(
+                "admission.replica_selector (--replica-selector) counts the replicas and finds this \
+                 replica's index from Kubernetes: admission.replicas (--replicas) = {} and \
+                 admission.replica_index (--replica-index) = {:?} must be left unset with it \
+                 (one source of the count)",
+                a.replicas, a.replica_index
+            )));
+        }
         range_f(
             "admission.prefill_backlog_max_secs",
             a.prefill_backlog_max_secs,

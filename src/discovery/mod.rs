@@ -13,6 +13,10 @@
 //! reports; [`infer_config`], [`client_from`] and [`scope`] are shared by both, so the
 //! doctor looks where the router will.
 //!
+//! [`replicas`] counts pdgate's own pods for admission (`[admission] replica_selector`),
+//! with the same client, in pdgate's own namespace; it writes the pool's replica count,
+//! never the fleet.
+//!
 //! Invariants:
 //! - Selectors are checked at start ([`plan`]); a malformed one refuses the start and names
 //!   its flag. They are sent to the API server as written.
@@ -39,6 +43,7 @@ use crate::types::Role;
 pub mod metrics;
 pub mod pod;
 mod reconcile;
+pub mod replicas;
 pub mod selector;
 mod snapshot;
 mod watch;
@@ -60,6 +65,11 @@ pub enum DiscoveryError {
     Selector {
         flag: &'static str,
         key: &'static str,
+        selector: String,
+        error: selector::SelectorError,
+    },
+    #[error("--replica-selector (admission.replica_selector) {selector:?} is not a label selector of pdgate's pods: {error}")]
+    ReplicaSelector {
         selector: String,
         error: selector::SelectorError,
     },

@@ -220,7 +220,7 @@ fn grace(pod: &Pod, default: Duration) -> Duration {
         .min(MAX_GRACE)
 }
 
-fn is_ready(pod: &Pod) -> bool {
+pub(super) fn is_ready(pod: &Pod) -> bool {
     pod.status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())

@@ -156,7 +156,16 @@ impl Dispatcher {
         ex: &Excluded,
         trace: &mut LegTrace,
     ) -> Result<Ready, AttemptFailure> {
-        let need = capacity::need(&self.cfg.capacity, &self.cfg.admission, req);
+        let need_now = || {
+            capacity::need(
+                &self.cfg.capacity,
+                &self.cfg.admission,
+                self.cfg.policy.load_poll_interval_ms > 0,
+                self.pool.replicas().get(),
+                req,
+            )
+        };
+        let mut need = need_now();
         let mut prefill_need = backlog::PrefillNeed::of(&self.cfg.admission, req);
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
@@ -170,6 +179,9 @@ impl Dispatcher {
             }
             if std::mem::replace(&mut waited, true) {
                 snap = self.pool.load_full();
+                // The replica count may have changed meanwhile (a replica joined or left:
+                // `pool::replicas` wakes the waiters).
+                need = need_now();
             }
             let signal = self.pool.capacity_signal();
             let full = match self.choose_pair(&snap, req, model, ex, Some(need), &mut prefill_need)
@@ -196,7 +208,14 @@ impl Dispatcher {
             // wait for a wake-up under the queue's deadline.
             if queued.is_none() {
                 drop(wake);
-                queued = Some(capacity::Queue::join(self, ctx, full)?);
+                queued = Some(capacity::Queue::join(
+                    self,
+                    ctx,
+                    full,
+                    &snap,
+                    model.name(),
+                    &need,
+                )?);
                 continue;
             }
             if let (Some(q), Some(w)) = (&queued, wake) {

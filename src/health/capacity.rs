@@ -57,6 +57,7 @@ fn entry(e: &Value) -> Reported {
             e.get("disaggregation")
                 .and_then(|d| d.get("decode_prealloc_queue_reqs")),
         ),
+        waiting,
     }
 }
 
@@ -99,7 +100,7 @@ pub fn store(pool: &Pool, role: Role, id: WorkerId, figures: Option<&[(usize, Re
             .and_then(|f| f.iter().find(|(k, _)| *k == r))
             .map(|(_, rep)| *rep)
             .unwrap_or_default();
-        cap.observe(&rep);
+        cap.observe_with(&rep, rand::random());
     }
     pool.capacity_signal().wake();
 }
@@ -130,13 +131,20 @@ mod tests {
             tokens,
             max_tokens,
             prealloc: None,
+            waiting: None,
         };
         let table: &[(&str, Vec<(usize, Reported)>)] = &[
             (
                 r#"{"loads": [{"dp_rank": 1, "num_running_reqs": 3, "num_waiting_reqs": 2, "num_used_tokens": 90, "num_total_tokens": 100, "max_total_num_tokens": 1000, "max_running_requests": 8},
                               {"dp_rank": 0, "num_running_reqs": 0, "max_running_requests": null}]}"#,
                 vec![
-                    (1, r(Some(5), Some(8), Some(100), Some(1000))),
+                    (
+                        1,
+                        Reported {
+                            waiting: Some(2),
+                            ..r(Some(5), Some(8), Some(100), Some(1000))
+                        },
+                    ),
                     (0, r(Some(0), None, None, None)),
                 ],
             ),

@@ -228,6 +228,9 @@ pub fn store(pool: &Pool, role: Role, id: WorkerId, report: Option<&Report>) {
 /// traffic: it only notices a reload that turns polling on).
 const OFF_RECHECK: Duration = Duration::from_secs(1);
 
+/// The shortest gap between two polls of one engine, when requests ask for early ones.
+const EARLY_GAP_MIN: Duration = Duration::from_millis(100);
+
 /// Starts the load poller of one worker; it ends when the worker leaves the pool. Each
 /// poll reads `policy.load_poll_interval_ms` from the live config, so a reload that turns
 /// polling on or off, or changes its pace, applies to existing workers too. While off,
@@ -288,7 +291,23 @@ pub fn spawn(
                 Role::Regular => {}
             }
             holds_report = true;
-            tokio::time::sleep(every).await;
+            // The next poll at the pace, or sooner when a request waits for what only a
+            // fresh report can give it (`CapacitySignal::want_poll`), but never sooner
+            // than a tenth of the pace (at least 100 ms) after this one.
+            // Only a decode's report gives a request room.
+            if role != Role::Decode {
+                tokio::time::sleep(every).await;
+                continue;
+            }
+            let gap = (every / 10).max(EARLY_GAP_MIN).min(every);
+            let signal = pool.capacity_signal().clone();
+            // Registered now: an ask during the gap is kept.
+            let wanted = signal.poll_wanted();
+            tokio::time::sleep(gap).await;
+            tokio::select! {
+                _ = tokio::time::sleep(every - gap) => {}
+                _ = wanted => {}
+            }
         }
     });
 }

@@ -333,7 +333,12 @@ mod tests {
         assert_eq!(next_check_in(&sg, true), Duration::from_secs(60));
         assert_eq!(next_check_in(&sg, false), Duration::from_secs(1));
         // Never slower than the healthy interval.
+        let fast = HealthConfig {
+            interval_secs: 0.5,
+            ..HealthConfig::default()
+        };
+        assert_eq!(next_check_in(&fast, false), Duration::from_millis(500));
         let def = HealthConfig::default();
-        assert_eq!(next_check_in(&def, false), Duration::from_millis(500));
+        assert_eq!(next_check_in(&def, false), Duration::from_secs(1));
     }
 }

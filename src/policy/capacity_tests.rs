@@ -43,6 +43,7 @@ fn report(busy: u64, tokens: Option<u64>) -> Reported {
         tokens,
         max_tokens: tokens.map(|_| 100_000),
         prealloc: None,
+        waiting: None,
     }
 }
 

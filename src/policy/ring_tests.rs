@@ -63,6 +63,7 @@ fn busy(w: &WorkerView, rank: usize, busy: u64) {
         tokens: None,
         max_tokens: None,
         prealloc: None,
+        waiting: None,
     });
 }
 

@@ -92,6 +92,12 @@ pub struct Limits {
     /// This replica's index among them (`admission.replica_index`), which decides the
     /// remainder slots; `None`: no remainder slot.
     pub replica_index: Option<u32>,
+    /// With the replica count unknown, take fresh requests on a rank only in proportion
+    /// to this replica's part of its reported load (`capacity.proportional_share`).
+    pub proportional: bool,
+    /// The engines' bootstrap timeout in ms (`admission.engine_bootstrap_timeout_secs`);
+    /// 0 = not judged.
+    pub bootstrap_timeout_ms: u64,
 }
 
 /// What one request needs of a decode rank.
@@ -109,6 +115,17 @@ impl Need {
     fn slots(&self) -> u64 {
         self.slots.max(1)
     }
+}
+
+/// A rank's answer to one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Admit {
+    Yes,
+    /// No room: the capacity, the share, the KV room or the engine's queue.
+    Full,
+    /// Room, but this replica took its part of the last poll's free slots: a fresh poll
+    /// may give it more ([`CapacitySignal::want_poll`]).
+    UntilPoll,
 }
 
 /// Whether `slots` more fit under `cap` at `occupancy` (0 = no limit). A rank that holds
@@ -133,6 +150,8 @@ pub struct Reported {
     /// Requests in the decode's pre-allocation queue
     /// (`disaggregation.decode_prealloc_queue_reqs`): arrived, not yet holding KV room.
     pub prealloc: Option<u64>,
+    /// Waiting requests (`num_waiting_reqs`), which `busy` counts too.
+    pub waiting: Option<u64>,
 }
 
 /// One decode DP rank's capacity state.
@@ -149,9 +168,25 @@ pub struct RankCapacity {
     engine_max_tokens: AtomicU64,
     /// The pre-allocation queue at the last poll, plus one (0 = not reported).
     engine_prealloc: AtomicU64,
+    /// Waiting requests at the last poll, plus one (0 = not reported).
+    engine_waiting: AtomicU64,
+    /// How long a reservation on the rank is held (send to the answer's end), a moving
+    /// average in ms (0 = none measured yet): the pace at which the rank frees slots.
+    hold_ms: AtomicU64,
     /// Whether that queue was longer than this replica's reservations taken in the window
     /// before the poll and still held (which may be there only for their handshake).
     engine_queued: AtomicBool,
+    /// Whether the last poll reported the running window (`engine_busy` is a figure).
+    busy_known: AtomicBool,
+    /// This replica's reservations on the rank when the last poll was stored, and of
+    /// those the ones the engine may not count yet (taken in the two windows before it).
+    own_at_poll: AtomicU64,
+    fresh_at_poll: AtomicU64,
+    /// The reservations taken in the last window that were still held at its poll.
+    fresh_window: AtomicU64,
+    /// The last poll's random word, which rounds this replica's proportional part of
+    /// the free slots up or down (see [`RankCapacity::allowance`]).
+    coin: AtomicU64,
     /// Bumped at every poll.
     epoch: AtomicU64,
     /// `own_live << 32 | new_live`.
@@ -257,24 +292,153 @@ impl RankCapacity {
         }
     }
 
-    fn admits(&self, need: &Need, packed: u64) -> bool {
+    /// The fresh reservations (taken since the last poll and still held, beyond
+    /// refilling this replica's own releases) this replica may hold on the rank under `l`
+    /// until the next poll; `None`: no such bound (the replica count is known and shares
+    /// apply, the engine's reports do not count, the capacity is unknown, or the rule is
+    /// off: `proportional` is only set with the load poll on). Before the first report,
+    /// and after a failed poll, the replica counts as alone on the rank (one request,
+    /// then doubling per poll), so a replica that starts, or an engine that comes up,
+    /// is not filled at once from a count that sees nobody else.
+    ///
+    /// The rule (the module docs have why): with `free = capacity − busy` at the poll,
+    /// a replica that held `own` of the `busy` requests then may take `free × own / busy`
+    /// fresh ones (rounded up with the probability of the fraction, by the poll's random
+    /// word) but no more than `own` (at most doubling per poll), and one that held none
+    /// there may take one (if `free > 0`). Over `R` replicas that saw the same poll, the
+    /// parts add up to `free` (plus at most one per replica, from rounding or from
+    /// holding none).
+    pub fn allowance(&self, l: &Limits) -> Option<u64> {
+        if !l.proportional || l.replicas > 0 || !l.learn_from_engine {
+            return None;
+        }
+        let cap = self.limit(l);
+        if cap == 0 {
+            return None;
+        }
+        let own = self.own_at_poll.load(Ordering::Relaxed);
+        // The engine may not count this replica's requests of the windows just before the
+        // poll yet (sent, not arrived): the others are what it reported beyond this
+        // replica's older ones, and this replica's whole count comes on top (conservative:
+        // those it did count are counted twice, for two polls). No report yet, or the last poll
+        // failed: as if alone (doubling per poll).
+        let busy = if self.busy_known.load(Ordering::Relaxed) {
+            let older = own.saturating_sub(self.fresh_at_poll.load(Ordering::Relaxed));
+            let others = self
+                .engine_busy
+                .load(Ordering::Relaxed)
+                .saturating_sub(older);
+            others.saturating_add(own)
+        } else {
+            own
+        };
+        let free = cap.saturating_sub(busy);
+        if own == 0 {
+            return Some(free.min(1));
+        }
+        // busy >= own > 0; u128: no overflow whatever the figures.
+        let num = u128::from(free) * u128::from(own);
+        let (whole, part) = (num / u128::from(busy), num % u128::from(busy));
+        let up = u128::from(self.coin.load(Ordering::Relaxed)) % u128::from(busy) < part;
+        let part = u64::try_from(whole).unwrap_or(u64::MAX) + u64::from(up);
+        // At most doubling what it held: a replica that saw itself alone may have been
+        // only the first to poll.
+        Some(part.min(own))
+    }
+
+    /// Whether `slots` more fresh reservations fit the [`allowance`](Self::allowance),
+    /// holding `new` fresh ones: releases of older reservations are refilled freely (the
+    /// occupancy bounds those), and a replica that holds nothing on the rank and took
+    /// nothing fresh may send one request of any size.
+    fn allowance_fits(&self, l: &Limits, packed: u64, slots: u64) -> bool {
+        let Some(allow) = self.allowance(l) else {
+            return true;
+        };
+        let (own, new) = (packed >> 32, packed & LOW);
+        let refill = self.released_old.load(Ordering::Relaxed);
+        new.saturating_add(slots) <= allow.saturating_add(refill)
+            || (allow > 0 && own == 0 && new == 0)
+    }
+
+    /// How long a request holds a slot on this rank, as measured (`None`: nothing measured).
+    pub fn hold_time(&self) -> Option<std::time::Duration> {
+        let ms = self.hold_ms.load(Ordering::Relaxed);
+        (ms > 0).then(|| std::time::Duration::from_millis(ms))
+    }
+
+    fn held_for(&self, took: std::time::Duration) {
+        let x = u64::try_from(took.as_millis()).unwrap_or(u64::MAX).max(1);
+        let _ = self
+            .hold_ms
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                Some(if old == 0 {
+                    x
+                } else {
+                    // An average over about the last 8 (integer steps: never stuck).
+                    let (o, n) = (old as i128, x as i128);
+                    (o + (n - o) / 8 + (n - o).signum()).max(1) as u64
+                })
+            });
+    }
+
+    /// Whether the engine's last report shows a queue that would hold one more request
+    /// for half of the engines' bootstrap timeout or longer: the requests waiting, served
+    /// by the running ones a round at a time, each round as long as a request holds a
+    /// slot here. Judged only with the engine's reports counting, a waiting figure, and a
+    /// hold time measured.
+    fn queue_outlasts_bootstrap(&self, l: &Limits) -> bool {
+        if !l.learn_from_engine || l.bootstrap_timeout_ms == 0 {
+            return false;
+        }
+        let Some(waiting) = self.engine_waiting.load(Ordering::Relaxed).checked_sub(1) else {
+            return false;
+        };
+        let hold = self.hold_ms.load(Ordering::Relaxed);
+        if waiting == 0 || hold == 0 {
+            return false;
+        }
+        let running = self
+            .engine_busy
+            .load(Ordering::Relaxed)
+            .saturating_sub(waiting)
+            .max(1);
+        let rounds = waiting.saturating_add(1).div_ceil(running);
+        rounds.saturating_mul(hold).saturating_mul(2) >= l.bootstrap_timeout_ms
+    }
+
+    fn admits(&self, need: &Need, packed: u64) -> Admit {
         let occ = self.occupancy_of(packed);
         let cap = self.limit(&need.limits);
         let k = need.slots();
-        !self.engine_queues(&need.limits)
-            && fits(cap, occ, k)
-            && self.share_fits(&need.limits, packed >> 32, occ, k)
-            && self.kv_fits(need, occ)
+        if self.engine_queues(&need.limits)
+            || self.queue_outlasts_bootstrap(&need.limits)
+            || !fits(cap, occ, k)
+            || !self.share_fits(&need.limits, packed >> 32, occ, k)
+            || !self.kv_fits(need, occ)
+        {
+            Admit::Full
+        } else if !self.allowance_fits(&need.limits, packed, k) {
+            Admit::UntilPoll
+        } else {
+            Admit::Yes
+        }
     }
 
     /// Whether a request with `need` would be admitted now (no reservation taken).
     pub fn has_room(&self, need: &Need) -> bool {
-        self.admits(need, self.reqs.load(Ordering::Acquire))
+        self.admits(need, self.reqs.load(Ordering::Acquire)) == Admit::Yes
+    }
+
+    /// [`observe_with`](Self::observe_with) with the coin 0 (a fraction of a slot
+    /// rounds up).
+    pub fn observe(&self, r: &Reported) {
+        self.observe_with(r, 0);
     }
 
     /// Stores one poll's figures and starts a new window (see the module docs). A figure
-    /// not reported leaves the capacity as it was and the load at 0.
-    pub fn observe(&self, r: &Reported) {
+    /// not reported leaves the capacity as it was and the load at 0. `coin` is a random
+    /// word (the poller's) that rounds this replica's proportional part of the free slots.
+    pub fn observe_with(&self, r: &Reported, coin: u64) {
         if let Some(cap) = r.max_running.filter(|c| *c > 0) {
             self.engine_cap.store(cap, Ordering::Relaxed);
         }
@@ -284,6 +448,12 @@ impl RankCapacity {
             .store(r.tokens.unwrap_or(0), Ordering::Relaxed);
         self.engine_busy
             .store(r.busy.unwrap_or(0), Ordering::Relaxed);
+        self.busy_known.store(r.busy.is_some(), Ordering::Relaxed);
+        self.engine_waiting.store(
+            r.waiting.map_or(0, |w| w.saturating_add(1)),
+            Ordering::Relaxed,
+        );
+        self.coin.store(coin, Ordering::Relaxed);
         self.engine_prealloc.store(
             r.prealloc.map_or(0, |q| q.saturating_add(1)),
             Ordering::Relaxed,
@@ -299,6 +469,14 @@ impl RankCapacity {
         // (in the queue for a few milliseconds on a healthy engine): only a queue longer
         // than they are closes the rank.
         let fresh = before & LOW;
+        // The engine may still miss the requests of the two windows before the poll (a
+        // poll right after an early one, a busy host): those taken in the last window, and
+        // at most the previous window's count again (some of which may have ended).
+        let own = before >> 32;
+        let previous = self.fresh_window.swap(fresh, Ordering::Relaxed);
+        self.own_at_poll.store(own, Ordering::Relaxed);
+        self.fresh_at_poll
+            .store(fresh.saturating_add(previous).min(own), Ordering::Relaxed);
         self.engine_queued
             .store(r.prealloc.is_some_and(|q| q > fresh), Ordering::Relaxed);
         self.released_old.store(0, Ordering::Relaxed);
@@ -320,9 +498,23 @@ impl RankCapacity {
 pub struct CapacitySignal {
     notify: Notify,
     waiters: AtomicUsize,
+    /// Asks the load pollers for a poll before their next tick: a request found room
+    /// that only a fresh report can give it (see [`RankCapacity::allowance`]).
+    poll: Notify,
 }
 
 impl CapacitySignal {
+    /// Asks for an early poll: wakes the pollers waiting for one (a poller polling now
+    /// misses nothing: its report is the fresh one).
+    pub fn want_poll(&self) {
+        self.poll.notify_waiters();
+    }
+
+    /// Resolves when an early poll is asked for after this call.
+    pub fn poll_wanted(&self) -> tokio::sync::futures::Notified<'_> {
+        self.poll.notified()
+    }
+
     /// Wakes every waiter, if any (the check keeps the common release lock-free).
     pub fn wake(&self) {
         if self.waiters.load(Ordering::SeqCst) > 0 {
@@ -362,6 +554,8 @@ pub struct Reservation {
     tokens: u64,
     slots: u64,
     signal: Arc<CapacitySignal>,
+    /// When it was taken, on a rank with a limit (its hold time is measured there only).
+    taken: Option<tokio::time::Instant>,
 }
 
 impl Reservation {
@@ -379,8 +573,13 @@ impl Reservation {
         let need = &Need { slots: k, ..*need };
         let mut cur = r.reqs.load(Ordering::Acquire);
         loop {
-            if !r.admits(need, cur) {
-                return None;
+            match r.admits(need, cur) {
+                Admit::Yes => {}
+                Admit::Full => return None,
+                Admit::UntilPoll => {
+                    signal.want_poll();
+                    return None;
+                }
             }
             let next = cur.saturating_add((k << 32) + k);
             match r
@@ -393,7 +592,9 @@ impl Reservation {
         }
         r.own_tokens.fetch_add(need.tokens, Ordering::Relaxed);
         r.new_tokens.fetch_add(need.tokens, Ordering::Relaxed);
+        let taken = (r.limit(&need.limits) > 0).then(tokio::time::Instant::now);
         Some(Reservation {
+            taken,
             ranks: ranks.clone(),
             rank: rank as usize,
             epoch,
@@ -407,6 +608,9 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         if let Some(r) = self.ranks.get(self.rank) {
+            if let Some(t) = self.taken {
+                r.held_for(t.elapsed());
+            }
             let same_window = r.epoch.load(Ordering::Acquire) == self.epoch;
             let _ = r
                 .reqs

@@ -36,6 +36,7 @@ pub mod groups;
 pub mod mismatch;
 mod origin;
 mod ranks;
+pub mod replicas;
 mod series;
 pub mod stats;
 pub mod tally;
@@ -211,6 +212,8 @@ pub struct Pool {
     snap: ArcSwap<Snapshot>,
     master: Mutex<Master>,
     capacity: Arc<CapacitySignal>,
+    /// How many replicas share each decode rank's capacity (see [`replicas`]).
+    replicas: replicas::Replicas,
     /// A snapshot rebuild was handed to a task and has not started yet (breaker
     /// transitions: see [`breaker`]).
     rebuild_pending: std::sync::atomic::AtomicBool,
@@ -228,10 +231,12 @@ struct Master {
 
 impl Pool {
     pub fn new() -> Pool {
+        let capacity = Arc::new(CapacitySignal::default());
         Pool {
             snap: ArcSwap::from_pointee(Snapshot::default()),
             master: Mutex::new(Master::default()),
-            capacity: Arc::new(CapacitySignal::default()),
+            replicas: replicas::Replicas::new(capacity.clone()),
+            capacity,
             rebuild_pending: std::sync::atomic::AtomicBool::new(false),
             eject_lock: Mutex::new(()),
         }
@@ -240,6 +245,11 @@ impl Pool {
     /// Wakes requests waiting for a decode slot (see [`capacity`]).
     pub fn capacity_signal(&self) -> &Arc<CapacitySignal> {
         &self.capacity
+    }
+
+    /// The replica count admission shares each decode rank's capacity by (see [`replicas`]).
+    pub fn replicas(&self) -> &replicas::Replicas {
+        &self.replicas
     }
 
     /// The current snapshot (lock-free).

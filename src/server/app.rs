@@ -40,6 +40,10 @@ pub struct App {
 
 impl App {
     pub fn new(dispatcher: Dispatcher, keys: std::sync::Arc<ClientKeys>) -> App {
+        dispatcher
+            .pool
+            .replicas()
+            .configure(&dispatcher.cfg.admission);
         App {
             admission: Arc::new(Admission::new(&dispatcher.cfg.admission)),
             dispatcher: ArcSwap::from_pointee(dispatcher),
@@ -50,9 +54,15 @@ impl App {
     }
 
     /// Applies a reloaded config: the dispatcher (policies, timeouts, breaker and retry
-    /// settings) and the admission limits. Requests in flight keep what they started with.
+    /// settings), the admission limits and a static replica count. Requests in flight keep
+    /// what they started with.
     pub fn reconfigure(&self, cfg: Arc<Config>) {
         self.admission.reconfigure(&cfg.admission);
+        self.dispatcher
+            .load()
+            .pool
+            .replicas()
+            .configure(&cfg.admission);
         let next = self.dispatcher.load().reconfigured(cfg);
         self.dispatcher.store(Arc::new(next));
     }

@@ -384,6 +384,7 @@ impl App {
         let dispatcher = self.dispatcher.load();
         let snap = dispatcher.pool.load();
         let draining = self.draining.load(Ordering::SeqCst);
+        let replicas = dispatcher.pool.replicas().get();
         // Ready when some prefill has a decode of its handoff group (see `pool::groups`),
         // or a regular worker is routable.
         let ready =
@@ -409,8 +410,11 @@ impl App {
             "routable_regular_ranks": snap.routable_ranks(Role::Regular),
             "regular": count(&snap.regulars),
             "models": crate::models::readiness(&snap),
-            // How many replicas share each decode rank's capacity (0 = unknown).
-            "replicas": dispatcher.cfg.admission.replicas,
+            // How many replicas share each decode rank's capacity (0 = unknown), this
+            // replica's index among them, and where the count comes from.
+            "replicas": replicas.replicas,
+            "replica_index": replicas.index,
+            "replica_source": replicas.source.as_str(),
         });
         let status = if ready {
             StatusCode::OK

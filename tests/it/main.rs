@@ -48,6 +48,7 @@ mod regular_moves;
 mod regular_stalls;
 mod regular_workers;
 mod reload;
+mod replica_count;
 mod retries;
 mod self_healing;
 mod serve_binary;

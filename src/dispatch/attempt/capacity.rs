@@ -13,6 +13,7 @@
 //! wake-ups of one attempt.
 
 use std::pin::Pin;
+use std::time::Duration;
 
 use super::AttemptFailure;
 use super::{Dispatcher, ReqCtx};
@@ -20,25 +21,33 @@ use crate::admission::Queued;
 use crate::config::{AdmissionConfig, CapacityConfig};
 use crate::error::{FailReason, Failure};
 use crate::pool::capacity::{Limits, Need, Waiter};
+use crate::pool::replicas::Count;
 use crate::pool::Snapshot;
 use crate::request::ParsedRequest;
 use crate::types::{Role, WorkerId};
 
 const FULL: &str = "every eligible decode rank is at capacity";
 
-/// What `req` needs of a decode rank under the `[capacity]` settings `c` and the
-/// replica-wide `[admission]` settings `a` (the replica count and index behind the shares).
+/// What `req` needs of a decode rank under the `[capacity]` settings `c`, the
+/// replica-wide `[admission]` settings `a` (the engines' bootstrap timeout), whether the
+/// engines' load is polled (`polled`: proportional admission needs it) and the replica
+/// count `r` behind the shares (`pool::replicas`: static or from discovery, read once per
+/// request).
 pub(in crate::dispatch) fn need(
     c: &CapacityConfig,
     a: &AdmissionConfig,
+    polled: bool,
+    r: Count,
     req: &ParsedRequest,
 ) -> Need {
     let limits = Limits {
         override_per_rank: c.decode_max_running_per_rank,
         learn_from_engine: c.learn_from_engine,
         kv_bound: c.kv_bound,
-        replicas: a.replicas,
-        replica_index: a.replica_index,
+        replicas: r.replicas,
+        replica_index: r.index,
+        proportional: c.proportional_share && polled,
+        bootstrap_timeout_ms: a.engine_bootstrap_timeout_secs.saturating_mul(1000),
     };
     Need {
         limits,
@@ -89,16 +98,62 @@ pub(in crate::dispatch) struct Queue<'a> {
     waiter: Waiter,
 }
 
+/// The pace at which the decode ranks a request may go to free slots, in requests a
+/// second: each rank's capacity over the time a request holds a slot there, summed over
+/// the routable decodes of `model` (all without one). `None` when no rank has both a
+/// capacity and a measured hold time (nothing to estimate from).
+pub(in crate::dispatch) fn drain_rate(
+    snap: &Snapshot,
+    model: Option<&str>,
+    need: &Need,
+) -> Option<f64> {
+    let mut rate = 0.0;
+    for r in snap.routable_for(Role::Decode, model) {
+        let Some(w) = snap.worker(Role::Decode, r.worker) else {
+            continue;
+        };
+        for rank in w.per_rank.capacity.iter() {
+            let cap = rank.limit(&need.limits);
+            if let (true, Some(hold)) = (cap > 0, rank.hold_time()) {
+                rate += cap as f64 / hold.as_secs_f64().max(1e-3);
+            }
+        }
+    }
+    (rate > 0.0).then_some(rate)
+}
+
+/// How long a request that joins a queue of `ahead` waiting requests would wait, when
+/// slots free at `rate` a second.
+pub(in crate::dispatch) fn estimated_wait(ahead: usize, rate: f64) -> Duration {
+    Duration::from_secs_f64(((ahead as f64 + 1.0) / rate).min(1e6))
+}
+
 impl<'a> Queue<'a> {
-    /// Joins the queue; a full queue (or no queue) answers 429.
+    /// Joins the queue; a full queue (or no queue) answers 429, and a request whose
+    /// estimated wait ([`estimated_wait`] at the pool's [`drain_rate`]) is longer than the
+    /// queue timeout answers 503 at once, with the estimate in `Retry-After`, instead of
+    /// waiting for a timeout it cannot beat.
     pub(in crate::dispatch) fn join(
         d: &Dispatcher,
         ctx: &'a ReqCtx,
         full: AttemptFailure,
+        snap: &Snapshot,
+        model: Option<&str>,
+        need: &Need,
     ) -> Result<Queue<'a>, AttemptFailure> {
         let Some(adm) = ctx.queue.as_deref() else {
             return Err(full);
         };
+        // The estimate is of the decode slots' pace: a wait for a prefill rank under its
+        // backlog bound is not estimated (it ends as prefill legs end).
+        if full.failure.message == FULL {
+            if let Some(rate) = drain_rate(snap, model, need) {
+                let wait = estimated_wait(adm.waiting(), rate);
+                if wait > adm.queue_timeout() {
+                    return Err(AttemptFailure::unblamed(adm.refuse_on_estimate(FULL, wait)));
+                }
+            }
+        }
         let queued = adm
             .enqueue(&full.failure.message)
             .map_err(AttemptFailure::unblamed)?;

@@ -1,5 +1,6 @@
 use super::*;
 use proptest::prelude::*;
+use std::time::Duration;
 
 fn need(override_per_rank: u64, tokens: u64) -> Need {
     Need {
@@ -53,6 +54,7 @@ fn occupancy_is_the_engine_s_figure_plus_reservations_since_the_poll() {
         tokens: Some(100),
         max_tokens: Some(1000),
         prealloc: None,
+        waiting: None,
     });
     assert_eq!(r.occupancy(), 2);
     let a = take(&ranks, &n, &sig).expect("2 of 4");
@@ -70,6 +72,7 @@ fn occupancy_is_the_engine_s_figure_plus_reservations_since_the_poll() {
         tokens: Some(20),
         max_tokens: Some(1000),
         prealloc: None,
+        waiting: None,
     });
     assert_eq!(
         r.engine_cap(),
@@ -99,6 +102,7 @@ fn kv_tokens_bound_admission_unless_the_rank_is_empty() {
         tokens: Some(900),
         max_tokens: Some(1000),
         prealloc: None,
+        waiting: None,
     });
     assert!(
         take(&ranks, &need(0, 101), &sig).is_none(),
@@ -121,6 +125,7 @@ fn kv_tokens_bound_admission_unless_the_rank_is_empty() {
         tokens: Some(0),
         max_tokens: Some(1000),
         prealloc: None,
+        waiting: None,
     });
     let _big = take(&ranks, &need(0, 5000), &sig).expect("alone, even a large request goes");
 }
@@ -470,5 +475,274 @@ fn this_replica_s_fresh_requests_explain_a_short_queue() {
             "{fresh} fresh, queue {queue}, next"
         );
         drop(held);
+    }
+}
+
+fn proportional(cap_override: u64) -> Need {
+    Need {
+        limits: Limits {
+            override_per_rank: cap_override,
+            learn_from_engine: true,
+            kv_bound: false,
+            proportional: true,
+            ..Limits::default()
+        },
+        tokens: 1,
+        slots: 1,
+    }
+}
+
+#[test]
+fn without_a_count_a_replica_takes_its_part_of_the_free_slots() {
+    // (capacity, busy reported, this replica's older reservations (taken before the two
+    // polls before) and fresh ones (since), coin, allowance)
+    type Row = (u64, Option<u64>, u64, u64, u64, Option<u64>);
+    let table: &[Row] = &[
+        // No report (none yet, or a failed poll): as if alone, one then doubling.
+        (8, None, 0, 0, 0, Some(1)),
+        (8, None, 3, 0, 0, Some(3)),
+        (8, None, 6, 0, 0, Some(2)),
+        // Holding none on the rank: one request, when the rank has room.
+        (8, Some(0), 0, 0, 0, Some(1)),
+        (8, Some(5), 0, 0, 0, Some(1)),
+        (8, Some(8), 0, 0, 0, Some(0)),
+        (8, Some(11), 0, 0, 0, Some(0)),
+        // Alone on the rank (busy = own): all the free slots, but no more than doubling.
+        (8, Some(2), 2, 0, 0, Some(2)),
+        (8, Some(5), 5, 0, 0, Some(3)),
+        // Half of the load: half of the free slots.
+        (8, Some(4), 2, 0, 0, Some(2)),
+        // A third of 4 free: 1, and a third of a slot rounded up by the coin or not.
+        (13, Some(9), 3, 0, 0, Some(2)),
+        (13, Some(9), 3, 0, 2, Some(2)),
+        (13, Some(9), 3, 0, 3, Some(1)),
+        (13, Some(9), 3, 0, 8, Some(1)),
+        // A third of 5 free is 1.67, but no more than doubling the one it holds.
+        (8, Some(3), 1, 0, 0, Some(1)),
+        // Over capacity: nothing fresh.
+        (8, Some(9), 3, 0, 0, Some(0)),
+        // Fresh ones the engine may not count yet come on top of what it reported: two
+        // older and two fresh against 4 reported: the others hold 2 (or 4), 6 in all.
+        (8, Some(4), 2, 2, 0, Some(2)),
+        (8, Some(4), 2, 2, 5, Some(1)),
+        // Two replicas that each refilled 2 against a report of 2 (the lag): nothing.
+        (4, Some(2), 0, 2, 0, Some(0)),
+        // Our older ones not counted (a failed leg ended on the engine first): as all ours.
+        (8, Some(1), 3, 0, 0, Some(3)),
+    ];
+    for &(cap, busy, older, fresh, coin, want) in table {
+        let ranks = new_ranks(1);
+        let sig = Arc::new(CapacitySignal::default());
+        let n = proportional(cap);
+        // Taken without the rule: `older`, a poll, `fresh`.
+        let plain = need(cap, 1);
+        let mut held: Vec<_> = (0..older)
+            .map(|_| take(&ranks, &plain, &sig).expect("room"))
+            .collect();
+        // Two polls: the engine may still miss a window's requests at the next one.
+        ranks[0].observe(&Reported::default());
+        ranks[0].observe(&Reported::default());
+        held.extend((0..fresh).map(|_| take(&ranks, &plain, &sig).expect("room")));
+        ranks[0].observe_with(
+            &Reported {
+                busy,
+                ..Reported::default()
+            },
+            coin,
+        );
+        assert_eq!(
+            ranks[0].allowance(&n.limits),
+            want,
+            "cap {cap}, busy {busy:?}, older {older}, fresh {fresh}, coin {coin}"
+        );
+        drop(held);
+    }
+    // A known replica count (shares), a rule turned off or reports that do not count: no
+    // such bound.
+    let ranks = new_ranks(1);
+    ranks[0].observe(&Reported {
+        busy: Some(3),
+        ..Reported::default()
+    });
+    let base = proportional(8).limits;
+    for l in [
+        Limits {
+            replicas: 2,
+            ..base
+        },
+        Limits {
+            proportional: false,
+            ..base
+        },
+        Limits {
+            learn_from_engine: false,
+            ..base
+        },
+        Limits {
+            override_per_rank: 0,
+            ..base
+        },
+    ] {
+        assert_eq!(ranks[0].allowance(&l), None, "{l:?}");
+    }
+}
+
+#[test]
+fn the_allowance_spent_asks_for_an_early_poll_and_releases_are_refilled() {
+    let ranks = new_ranks(1);
+    let sig = Arc::new(CapacitySignal::default());
+    let n = proportional(8);
+    ranks[0].observe(&Reported {
+        busy: Some(0),
+        ..Reported::default()
+    });
+    // Holding none on an idle rank: one.
+    let wanted = sig.poll_wanted();
+    let first = take(&ranks, &n, &sig).expect("one");
+    assert!(
+        take(&ranks, &n, &sig).is_none(),
+        "the rest waits for a poll"
+    );
+    tokio::pin!(wanted);
+    assert!(
+        futures_util::FutureExt::now_or_never(wanted.as_mut()).is_some(),
+        "an early poll was asked for"
+    );
+    // The polls show it alone: it doubles what it holds at each, up to the whole rank
+    // (each figure reported three times: the two polls after a take may not count it).
+    let mut more = Vec::new();
+    for (busy, fresh) in [(1, 1), (2, 2), (4, 4)] {
+        for _ in 0..3 {
+            ranks[0].observe(&Reported {
+                busy: Some(busy),
+                ..Reported::default()
+            });
+        }
+        for _ in 0..fresh {
+            more.push(take(&ranks, &n, &sig).expect("room"));
+        }
+        assert!(take(&ranks, &n, &sig).is_none(), "{fresh} after {busy}");
+    }
+    // Releases of older reservations are refilled at once, without a poll.
+    ranks[0].observe(&Reported {
+        busy: Some(8),
+        ..Reported::default()
+    });
+    drop(first);
+    let again = take(&ranks, &n, &sig).expect("refill");
+    assert!(take(&ranks, &n, &sig).is_none(), "no more than refills");
+    drop((more, again));
+}
+
+#[test]
+fn a_queue_that_would_outlast_the_bootstrap_timeout_closes_the_rank() {
+    let sig = Arc::new(CapacitySignal::default());
+    // (hold time ms, reported running + waiting, waiting, bootstrap timeout ms, closed)
+    let table: &[(u64, u64, Option<u64>, u64, bool)] = &[
+        // No waiting figure, nothing waiting, no hold time or no timeout: not judged.
+        (1000, 8, None, 4000, false),
+        (1000, 4, Some(0), 4000, false),
+        (0, 8, Some(4), 4000, false),
+        (1000, 8, Some(4), 0, false),
+        // 4 running, 3 waiting: one more is served in the first round: 1 s, against 2 s.
+        (1000, 7, Some(3), 4000, false),
+        // 4 running, 4 waiting: the 5th waits a round (2 rounds: 2 s >= half of 4 s).
+        (1000, 8, Some(4), 4000, true),
+        (1000, 8, Some(4), 5000, false),
+        // Nothing running: every waiting one is a round.
+        (1000, 2, Some(2), 10_000, false),
+        (2000, 3, Some(3), 10_000, true),
+    ];
+    for &(hold, busy, waiting, timeout, closed) in table {
+        let ranks = new_ranks(1);
+        if hold > 0 {
+            ranks[0].held_for(Duration::from_millis(hold));
+        }
+        ranks[0].observe(&Reported {
+            busy: Some(busy),
+            waiting,
+            ..Reported::default()
+        });
+        let n = Need {
+            limits: Limits {
+                bootstrap_timeout_ms: timeout,
+                ..need(0, 1).limits
+            },
+            ..need(0, 1)
+        };
+        assert_eq!(
+            take(&ranks, &n, &sig).is_none(),
+            closed,
+            "hold {hold}, busy {busy}, waiting {waiting:?}, timeout {timeout}"
+        );
+    }
+}
+
+#[test]
+fn the_hold_time_is_a_moving_average() {
+    let r = RankCapacity::default();
+    assert_eq!(r.hold_time(), None);
+    r.held_for(Duration::from_millis(800));
+    assert_eq!(r.hold_time(), Some(Duration::from_millis(800)));
+    for _ in 0..64 {
+        r.held_for(Duration::from_millis(1600));
+    }
+    let ms = r.hold_time().map(|d| d.as_millis()).unwrap_or(0);
+    assert!((1590..=1600).contains(&ms), "{ms}");
+}
+
+proptest! {
+    /// The bound without a replica count: R replicas (separate states), proportional
+    /// admission, any interleaving of reservations, releases and each replica's own polls
+    /// of a model engine whose count is every replica's live reservations. No rank holds
+    /// more than its capacity plus one request per replica (an allowance rounded up, or a
+    /// replica holding none taking one).
+    #[test]
+    fn replicas_without_a_count_exceed_a_rank_by_at_most_one_each(
+        r in 1usize..6,
+        cap in 1u64..12,
+        ops in proptest::collection::vec((0usize..6, 0u8..4, any::<u64>()), 1..300),
+    ) {
+        let sig = Arc::new(CapacitySignal::default());
+        let n = proportional(0);
+        let all: Vec<Arc<[RankCapacity]>> = (0..r)
+            .map(|_| {
+                let k = new_ranks(1);
+                k[0].set_engine_cap(cap);
+                k
+            })
+            .collect();
+        let mut held: Vec<Vec<Reservation>> = (0..r).map(|_| Vec::new()).collect();
+        let total = |held: &Vec<Vec<Reservation>>| held.iter().map(Vec::len).sum::<usize>() as u64;
+        // Every replica polled once before traffic (an idle engine).
+        for k in &all {
+            k[0].observe(&Reported { busy: Some(0), ..Reported::default() });
+        }
+        for (who, op, coin) in ops {
+            let who = who % r;
+            match op {
+                0 | 1 => {
+                    if let Some(h) = take(&all[who], &n, &sig) {
+                        held[who].push(h);
+                    }
+                }
+                2 => {
+                    if !held[who].is_empty() {
+                        let i = (coin as usize) % held[who].len();
+                        held[who].swap_remove(i);
+                    }
+                }
+                _ => {
+                    let busy = total(&held);
+                    all[who][0].observe_with(&Reported { busy: Some(busy), ..Reported::default() }, coin);
+                }
+            }
+            prop_assert!(
+                total(&held) <= cap + r as u64,
+                "{} held > capacity {} + {} replicas", total(&held), cap, r
+            );
+        }
+        held.clear();
+        prop_assert!(all.iter().all(|k| k[0].own() == 0));
     }
 }

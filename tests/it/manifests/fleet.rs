@@ -128,6 +128,7 @@ impl<'a> Fleet<'a> {
         let (router, c, cfg) = self.router()?;
         self.check_router(router, c, &cfg)?;
         self.check_rbac(router, &cfg)?;
+        self.check_replica_count(router, c, &cfg)?;
         self.check_services_and_budgets()?;
         let labels = router
             .template
@@ -417,6 +418,68 @@ impl<'a> Fleet<'a> {
             Some(v) => Err(format!("pdgate may not {v} pods")),
             None => Ok(()),
         }
+    }
+
+    /// The replica count comes from pdgate's own pods: `admission.replica_selector` is the
+    /// selector of a Service of the build that selects the pdgate pods, it selects those pods
+    /// and no other workload, and the pod knows its name (`POD_NAME` from the downward API).
+    /// (The RBAC that lets discovery read pods in pdgate's namespace covers it:
+    /// `check_rbac`; a cluster-wide role covers it too.)
+    fn check_replica_count(&self, router: &Pods, c: &Container, cfg: &Config) -> Res<()> {
+        let sel = cfg
+            .admission
+            .replica_selector()
+            .ok_or("admission.replica_selector is unset: the replica count is unknown")?;
+        for w in &self.workloads {
+            let labels = w
+                .template
+                .metadata
+                .as_ref()
+                .and_then(|m| m.labels.clone())
+                .unwrap_or_default();
+            let is_router = w.name == router.name && w.ns == router.ns;
+            if selector_matches(Some(sel), &labels)? != is_router {
+                return Err(format!(
+                    "admission.replica_selector {sel:?} {} {}",
+                    if is_router {
+                        "does not select"
+                    } else {
+                        "selects"
+                    },
+                    w.name
+                ));
+            }
+        }
+        let terms: BTreeMap<String, String> = sel
+            .split(',')
+            .filter_map(|t| t.split_once('='))
+            .map(|(k, v)| {
+                (
+                    k.trim().to_string(),
+                    v.trim_start_matches('=').trim().to_string(),
+                )
+            })
+            .collect();
+        let own_service = self.of_kind::<Service>("Service")?.into_iter().any(|s| {
+            let sel = s.spec.and_then(|sp| sp.selector);
+            s.metadata.namespace == router.ns
+                && sel.as_ref() == Some(&terms)
+                && selects(sel.as_ref(), router)
+        });
+        if !own_service {
+            return Err(format!(
+                "admission.replica_selector {sel:?} is no Service's selector of the pdgate pods"
+            ));
+        }
+        let pod_name = c.env.iter().flatten().find(|e| e.name == "POD_NAME");
+        let from_downward_api = pod_name
+            .and_then(|e| e.value_from.as_ref())
+            .and_then(|v| v.field_ref.as_ref())
+            .is_some_and(|f| f.field_path == "metadata.name");
+        if !from_downward_api {
+            return Err("POD_NAME is not the pod's metadata.name (downward API)".into());
+        }
+        Ok(())
     }
 
     /// Services and PDBs select pods of the build, and a Service's target ports exist there.
