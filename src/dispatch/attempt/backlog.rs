@@ -147,3 +147,146 @@ pub(in crate::dispatch) fn hold(
         signal,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::backlog::BacklogHold;
+    use crate::pool::Pool;
+    use crate::upstream::parse_base_url;
+
+    /// Two prefills of DP 2; rank (worker, rank) of `busy` holds a leg of 1500 estimated
+    /// tokens, every rank has learned 1000 tokens a second unless `cold`.
+    fn pool(busy: &[(u32, u32)], cold: &[(u32, u32)]) -> (Pool, Vec<BacklogHold>) {
+        let pool = Pool::new();
+        for i in 0..2 {
+            let url = parse_base_url(&format!("http://127.0.0.1:{}", 900 + i)).expect("url");
+            let id = pool.add_worker(Role::Prefill, url, None);
+            pool.update_worker(Role::Prefill, id, |w| w.facts.dp_size = Some(2));
+        }
+        let snap = pool.load_full();
+        let mut holds = Vec::new();
+        for (w, view) in snap.prefills.iter().enumerate() {
+            for (r, b) in view.per_rank.backlog.iter().enumerate() {
+                let k = (w as u32, r as u32);
+                if !cold.contains(&k) {
+                    b.learn(1000, 0, 1_000_000, Some((1000, 0)));
+                }
+                if busy.contains(&k) {
+                    let off = Bound::default();
+                    holds.extend(BacklogHold::take(
+                        &view.per_rank.backlog,
+                        r as u32,
+                        1500,
+                        true,
+                        &off,
+                        pool.capacity_signal(),
+                    ));
+                }
+            }
+        }
+        (pool, holds)
+    }
+
+    fn all() -> Vec<Routable> {
+        (0..2)
+            .map(|w| Routable {
+                worker: WorkerId(w),
+                ranks: vec![0, 1],
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_candidates_are_the_ranks_under_the_bound() {
+        type Ranks = Vec<(u32, Vec<u32>)>;
+        // (busy ranks, cold ranks, bound, excluded, the candidates left: None = as given,
+        // Some(empty) = every one over)
+        type Keys = Vec<(u32, u32)>;
+        type Row = (Keys, Keys, f64, Vec<u32>, Option<Ranks>);
+        let table: Vec<Row> = vec![
+            // Nothing busy: the list as it is.
+            (vec![], vec![], 2.0, vec![], None),
+            // 1.5 s on (0, 0): a 0.5 s prompt still fits a 2 s bound, not a 1.8 s one.
+            (vec![(0, 0)], vec![], 2.0, vec![], None),
+            (
+                vec![(0, 0)],
+                vec![],
+                1.8,
+                vec![],
+                Some(vec![(0, vec![1]), (1, vec![0, 1])]),
+            ),
+            // A whole worker over: it leaves the list.
+            (
+                vec![(0, 0), (0, 1)],
+                vec![],
+                1.8,
+                vec![],
+                Some(vec![(1, vec![0, 1])]),
+            ),
+            // Every rank over: the request waits.
+            (
+                vec![(0, 0), (0, 1), (1, 0), (1, 1)],
+                vec![],
+                1.8,
+                vec![],
+                Some(vec![]),
+            ),
+            // Every rank left over, once the others are excluded.
+            (vec![(0, 0), (0, 1)], vec![], 1.8, vec![1], Some(vec![])),
+            // The bound off: nothing filtered.
+            (
+                vec![(0, 0), (0, 1), (1, 0), (1, 1)],
+                vec![],
+                0.0,
+                vec![],
+                None,
+            ),
+            // A cold rank is held to its pool's pace (1000 tokens a second) too.
+            (
+                vec![(0, 0), (0, 1), (1, 0), (1, 1)],
+                vec![(1, 1)],
+                1.8,
+                vec![],
+                Some(vec![]),
+            ),
+            // No pace anywhere: nothing is bounded.
+            (
+                vec![(0, 0), (0, 1), (1, 0), (1, 1)],
+                vec![(0, 0), (0, 1), (1, 0), (1, 1)],
+                1.8,
+                vec![],
+                None,
+            ),
+        ];
+        let list = all();
+        for (busy, cold, max_secs, excluded, want) in table {
+            let (pool, _holds) = pool(&busy, &cold);
+            let snap = pool.load_full();
+            let exclude: Vec<WorkerId> = excluded.into_iter().map(WorkerId).collect();
+            let mut need = PrefillNeed {
+                tokens: 500,
+                single: true,
+                bound: Bound {
+                    max_secs,
+                    fallback_pace: None,
+                },
+            };
+            let got = with_room(&snap, Some(&list), &exclude, &mut need);
+            let got: Option<Ranks> = match got {
+                Err(af) => {
+                    assert!(super::super::capacity::is_full(&af), "waits in the queue");
+                    Some(vec![])
+                }
+                Ok(Some(Cow::Borrowed(_))) | Ok(None) => None,
+                Ok(Some(Cow::Owned(v))) => {
+                    Some(v.into_iter().map(|r| (r.worker.0, r.ranks)).collect())
+                }
+            };
+            assert_eq!(
+                got, want,
+                "busy {busy:?} cold {cold:?} bound {max_secs} excluding {exclude:?}"
+            );
+        }
+    }
+}
