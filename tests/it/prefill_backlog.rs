@@ -38,12 +38,16 @@ fn body(i: usize) -> String {
 }
 
 async fn env(max_secs: f64) -> Env {
+    env_polled(max_secs, 50).await
+}
+
+async fn env_polled(max_secs: f64, poll_ms: u64) -> Env {
     let decode = crate::support::common::fast_engine(EngineConfig::decode(1));
     let env = start_with_admin(
         vec![prefill(), prefill()],
         vec![decode],
         |c: &mut Config| {
-            c.policy.load_poll_interval_ms = 50;
+            c.policy.load_poll_interval_ms = poll_ms;
             c.affinity.sticky = true;
             // The key's (worker, rank) takes everything: no load bound spills it elsewhere.
             c.policy.cache_aware_balance_factor = 1000.0;
@@ -190,6 +194,29 @@ async fn with_the_bound_no_prefill_rank_queues_more_than_it_allows() {
             "pace {p} of an engine at {PACE} (within jitter)"
         );
     }
+}
+
+#[tokio::test(crate = "crate::support::rt")]
+async fn with_the_load_poll_off_the_bound_holds_on_pdgate_s_own_count() {
+    // No engine report: a rank's backlog is this replica's legs on it, learned pace and all.
+    const MAX_SECS: f64 = 1.0;
+    let env = env_polled(MAX_SECS, 0).await;
+    let (peak, statuses) = burst(&env, 16).await;
+    eprintln!(
+        "poll off, a bound of {MAX_SECS} s: a rank had {peak} uncached tokens queued at most"
+    );
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    assert!(peak as f64 <= MAX_SECS * PACE, "{peak} tokens queued");
+    let used = env
+        .cluster
+        .prefills
+        .iter()
+        .filter(|p| p.stats().requests_total > 0)
+        .count();
+    assert_eq!(used, 2, "the burst spilled to the other prefill");
 }
 
 async fn scrape(env: &Env) -> String {
