@@ -221,6 +221,8 @@ async fn start_inner(
     let up = Upstream::new(&upstream_settings(&cfg));
     let pool = Arc::new(Pool::new());
     let live = crate::config::live(cfg.clone());
+    // The scaling signals per model (`pool::signals`): one sampler, off the request path.
+    crate::pool::signals::spawn(Arc::downgrade(&pool), live.clone());
     let fleet = Arc::new(Fleet::new(pool.clone(), up.clone(), live));
     for p in &cfg.prefill {
         let url = parse_base_url(&p.url)

@@ -237,6 +237,10 @@ impl Dispatcher {
             sp.set("pdgate.decode.dp_rank", chosen.pair.decode.rank);
             sp.set("pdgate.queued", queued.is_some());
         }
+        // Out of the queue before the legs run: the wait ended with a slot.
+        if let Some(q) = queued {
+            q.admitted();
+        }
         *trace = LegTrace {
             prefill: Some(LegAt {
                 worker: WorkerIdent::new(Role::Prefill, chosen.pair.prefill.worker),

@@ -100,6 +100,25 @@ pub struct Limits {
     pub bootstrap_timeout_ms: u64,
 }
 
+impl Limits {
+    /// The limits the `[capacity]` settings `c` and the replica-wide `[admission]`
+    /// settings `a` (the replica count and index behind the shares) set.
+    pub fn from_config(
+        c: &crate::config::CapacityConfig,
+        a: &crate::config::AdmissionConfig,
+    ) -> Limits {
+        Limits {
+            override_per_rank: c.decode_max_running_per_rank,
+            learn_from_engine: c.learn_from_engine,
+            kv_bound: c.kv_bound,
+            replicas: a.replicas,
+            replica_index: a.replica_index,
+            proportional: c.proportional_share,
+            bootstrap_timeout_ms: a.engine_bootstrap_timeout_secs.saturating_mul(1000),
+        }
+    }
+}
+
 /// What one request needs of a decode rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Need {

@@ -38,6 +38,7 @@ mod origin;
 mod ranks;
 pub mod replicas;
 mod series;
+pub mod signals;
 pub mod stats;
 pub mod tally;
 mod worker;
@@ -220,6 +221,9 @@ pub struct Pool {
     /// Held while a breaker of a role is checked against the ejection cap and opened, so
     /// that two failures at once cannot both pass the check (failure path only).
     eject_lock: Mutex<()>,
+    /// The scaling signals the sampler published last ([`signals`]), rendered at scrape
+    /// time.
+    signals: ArcSwap<Vec<signals::ModelSignals>>,
 }
 
 #[derive(Default)]
@@ -239,7 +243,18 @@ impl Pool {
             capacity,
             rebuild_pending: std::sync::atomic::AtomicBool::new(false),
             eject_lock: Mutex::new(()),
+            signals: ArcSwap::from_pointee(Vec::new()),
         }
+    }
+
+    /// The scaling signals published last (empty before the sampler's first tick).
+    pub fn signals(&self) -> Arc<Vec<signals::ModelSignals>> {
+        self.signals.load_full()
+    }
+
+    /// Publishes the sampler's figures (see [`signals`]).
+    pub fn publish_signals(&self, s: Vec<signals::ModelSignals>) {
+        self.signals.store(Arc::new(s));
     }
 
     /// Wakes requests waiting for a decode slot (see [`capacity`]).

@@ -3,7 +3,8 @@
 //! its prefix cache did (`pool::tally`), per decode (worker, DP rank) the engine's
 //! pre-allocation queue at the last poll (`pool::capacity`), per
 //! (prefill, DP rank) its bootstrap state and its backlog and pace (`pool::backlog`, with
-//! each model's prefill backlog together), and the routable ranks of each role and model.
+//! each model's prefill backlog together), and the routable ranks of each role and model;
+//! then the per-model scaling signals the sampler published last (`pool::signals`).
 //!
 //! Read at scrape time because they are already here: the in-flight counters are the
 //! atomics the policies balance on (a request moves no gauge), and the states are the
@@ -48,6 +49,7 @@ fn flag(b: bool) -> u8 {
 impl Source for Pool {
     fn write_series(&self, out: &mut Exposition) {
         self.load().write_series(out);
+        super::signals::write(&self.signals.load(), out);
     }
 }
 

@@ -104,6 +104,9 @@ pub const IN_FLIGHT: &str = "pdgate_in_flight_requests";
 pub const ADMISSION_QUEUE: &str = "pdgate_admission_queue";
 pub const ADMISSION_REPLICAS: &str = "pdgate_admission_replicas";
 pub const ADMISSION_REJECTED: &str = "pdgate_admission_rejected_total";
+// The router queue per model, for autoscalers (waits for a decode slot).
+pub const ADMISSION_QUEUE_WAITING: &str = "pdgate_admission_queue_waiting";
+pub const ADMISSION_QUEUE_WAIT: &str = "pdgate_admission_queue_wait_seconds";
 // A model's own admission (`[models.settings."NAME".admission]`).
 pub const MODEL_IN_FLIGHT: &str = "pdgate_model_in_flight_requests";
 pub const MODEL_ADMISSION_QUEUE: &str = "pdgate_model_admission_queue";
@@ -152,6 +155,11 @@ pub const WORKER_FIRST_BYTE: &str = "pdgate_worker_first_byte_seconds";
 pub const RANK_PROMPT_TOKENS: &str = "pdgate_rank_prompt_tokens_total";
 pub const RANK_CACHED_TOKENS: &str = "pdgate_rank_cached_tokens_total";
 pub const AFFINITY_SPILLS: &str = "pdgate_affinity_spills_total";
+// Scaling signals per model, published by the sampler (`pool::signals`).
+pub const DECODE_SLOTS_USED: &str = "pdgate_decode_slots_used";
+pub const DECODE_SLOTS_CAPACITY: &str = "pdgate_decode_slots_capacity";
+pub const PREFILL_ENGINES_BUSY: &str = "pdgate_prefill_engines_busy";
+pub const SUGGESTED_PREFILL_DECODE_RATIO: &str = "pdgate_suggested_prefill_decode_ratio";
 
 const fn s(
     name: &'static str,
@@ -236,6 +244,10 @@ pub static SERIES: &[Series] = &[
         "The replica count this replica shares each decode rank's capacity with (admission.replicas, or pdgate's pods counted by admission.replica_selector; 0 = unknown: no shares)."),
     s(ADMISSION_REJECTED, C, Unit::Count, &["reason"],
         "PD requests shed by admission: queue_full (429) or queue_timeout (503) waiting for the in-flight cap; capacity_queue_full, capacity_timeout waiting for a decode slot (or a prefill rank under admission.prefill_backlog_max_secs), capacity_wait_estimate (503 at once: the estimated wait for a decode slot is longer than the queue timeout); bytes_full (503) with the byte budget full, bytes_too_large (413) for a body or answer larger than the whole budget."),
+    s(ADMISSION_QUEUE_WAITING, G, Unit::Count, &["model"],
+        "Per model: requests waiting in the admission queue for a decode slot of their model, or a prefill rank under admission.prefill_backlog_max_secs (all counted in pdgate_admission_queue too); model is \"\" while requests are not routed by model and several models are served."),
+    histogram(ADMISSION_QUEUE_WAIT, &["model", "outcome"], LATENCY_BUCKETS,
+        "Per model: time a request waited in the admission queue for a decode slot (or a prefill rank under its backlog bound), observed when the wait ends, by outcome: admitted (a slot was reserved), timeout (answered 503), gone (the client left or the attempt ended otherwise)."),
     s(MODEL_IN_FLIGHT, G, Unit::Count, &["model"],
         "Requests holding a slot of their model's own admission (models with an admission override only), until their response ends."),
     s(MODEL_ADMISSION_QUEUE, G, Unit::Count, &["model"],
@@ -320,6 +332,14 @@ pub static SERIES: &[Series] = &[
         "1 for the current bootstrap state (unknown, bootstrapping, ready, failed) of each (prefill, DP rank), else 0."),
     derived(ROUTABLE_RANKS, &["role"],
         "(worker, DP rank)s that can take a leg now: healthy, breaker not open and, for a prefill, bootstrap ready."),
+    derived(DECODE_SLOTS_USED, &["model"],
+        "Per model: decode slots in use, summed over its decode DP ranks as this replica sees them (the engine's running + waiting requests at the last load poll, every replica's, corrected by this replica's reservations since, never less than its own; this replica's own alone without load polling); waiting requests count, so it can exceed pdgate_decode_slots_capacity. Sampled every 0.5 s."),
+    derived(DECODE_SLOTS_CAPACITY, &["model"],
+        "Per model: decode slots of its routable decode DP ranks (capacity.decode_max_running_per_rank, else the engine's max_running_requests); a rank of unknown capacity counts 0. Sampled every 0.5 s."),
+    derived(PREFILL_ENGINES_BUSY, &["model"],
+        "Per model: prefill engines its traffic keeps busy, averaged over about 60 s: the sum over its prefill workers of busy DP ranks / DP ranks (a rank is busy while the engine's last load report shows requests on it, or this replica has a leg there); at most the prefills running, so a saturated pool reads its size (pdgate_prefill_backlog_seconds says how far short it is)."),
+    derived(SUGGESTED_PREFILL_DECODE_RATIO, &["model"],
+        "Per model: prefill engines needed per decode engine at the current traffic, avg(prefill engines busy) / (avg(decode slots used) / slots per decode engine), averages over about 60 s (docs/scaling.md); a floor while its prefills are saturated; absent without decode work or a known decode capacity."),
     derived(MODEL_ROUTABLE_RANKS, &["model", "role"],
         "Per model served: (worker, DP rank)s that can take its legs now (a prefill counts only with a routable decode of its handoff group); 0 prefill ranks means the model's requests get 503."),
 ];

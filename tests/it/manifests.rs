@@ -7,8 +7,11 @@
 //! - each build fits together: pdgate's flags and mounted pdgate.toml parse and validate,
 //!   the probes, ports, Prometheus annotations, grace period and RBAC agree with that
 //!   config, Services select pods that have their ports, and discovery's selectors find
-//!   the engine pods, whose ports and bootstrap annotation agree with the engines' flags.
+//!   the engine pods, whose ports and bootstrap annotation agree with the engines' flags;
+//!   the engine pools' autoscalers target them and read only series pdgate exports
+//!   ([`autoscaling`], with `promtool check rules` on every query).
 
+mod autoscaling;
 pub(crate) mod docker;
 mod fleet;
 mod kustomize;
@@ -86,6 +89,16 @@ const KINDS: &[(&str, &str, RoundTrip)] = &[
         "monitoring.coreos.com/v1",
         "ServiceMonitor",
         typed::<monitoring::ServiceMonitor>,
+    ),
+    (
+        "monitoring.coreos.com/v1",
+        "PrometheusRule",
+        typed::<autoscaling::PrometheusRule>,
+    ),
+    (
+        "keda.sh/v1alpha1",
+        "ScaledObject",
+        typed::<autoscaling::ScaledObject>,
     ),
 ];
 
@@ -232,6 +245,18 @@ const ROOTS: &[Root] = &[
     },
     Root {
         dir: "examples/sglang-pd",
+        all_namespaces: false,
+        external_secrets: &[],
+        engines: Engines::Sglang,
+    },
+    Root {
+        dir: "examples/autoscaling-keda",
+        all_namespaces: false,
+        external_secrets: &[],
+        engines: Engines::Sglang,
+    },
+    Root {
+        dir: "examples/autoscaling-hpa",
         all_namespaces: false,
         external_secrets: &[],
         engines: Engines::Sglang,

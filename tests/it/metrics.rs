@@ -457,8 +457,165 @@ async fn in_flight_per_rank_and_queue_depth() {
     scrape_until(&env, "no leg in flight after the end", |s| held(s) == 0.0).await;
 }
 
+/// The scaling signals of one model (issue 36, item 5): a request held by its decode
+/// fills the model's one decode slot (`[capacity]` 1 per rank), the next waits in the
+/// router's queue for a slot, counted under its model; when the hold is lifted it is
+/// admitted and its wait observed as such. The engines serve a model no other test names,
+/// so the process-wide recorder's per-model series are this test's alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scaling_signals_per_model() {
+    const MODEL: &str = "signals-test-model";
+    let named = |mut e: EngineConfig| {
+        e.model = MODEL.into();
+        e
+    };
+    let env = std::sync::Arc::new(
+        start_with_admin(
+            vec![named(EngineConfig::prefill(1))],
+            vec![named(EngineConfig::decode(1))],
+            |c| {
+                c.capacity.decode_max_running_per_rank = 1;
+                c.admission.max_queue = 4;
+                c.admission.queue_timeout_ms = 30_000;
+            },
+        )
+        .await,
+    );
+    env.wait_routable(1, 1).await;
+    set_hold(&env, true);
+    let post = |env: &std::sync::Arc<Env>| {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", GEN).await })
+    };
+    let m = [("model", MODEL)];
+    let first = post(&env);
+    scrape_until(&env, "the model's one decode slot in use", |s| {
+        value(s, "pdgate_decode_slots_used", &m) == Some(1.0)
+    })
+    .await;
+    let second = post(&env);
+    let text = scrape_until(
+        &env,
+        "the second request waiting for its model's slot",
+        |s| value(s, "pdgate_admission_queue_waiting", &m) == Some(1.0),
+    )
+    .await;
+    let s = parse(&text);
+    assert_eq!(must(&s, "pdgate_decode_slots_capacity", &m), 1.0);
+    assert!(must(&s, "pdgate_admission_queue", &[]) >= 1.0);
+    let ratio = must(&s, "pdgate_suggested_prefill_decode_ratio", &m);
+    assert!(ratio.is_finite() && ratio >= 0.0, "{ratio}");
+    promtool_check("scaling_signals_per_model", &text);
+
+    set_hold(&env, false);
+    for h in [first, second] {
+        let (st, _, _) = tokio::time::timeout(Duration::from_secs(20), h)
+            .await
+            .expect("answered")
+            .unwrap();
+        assert_eq!(st, 200);
+    }
+    let admitted = [("model", MODEL), ("outcome", "admitted")];
+    let text = scrape_until(&env, "the wait observed as admitted", |s| {
+        value(s, "pdgate_admission_queue_wait_seconds_count", &admitted) == Some(1.0)
+            && value(s, "pdgate_admission_queue_waiting", &m) == Some(0.0)
+    })
+    .await;
+    let s = parse(&text);
+    for outcome in ["timeout", "gone"] {
+        let at = [("model", MODEL), ("outcome", outcome)];
+        assert_eq!(
+            value(&s, "pdgate_admission_queue_wait_seconds_count", &at),
+            None
+        );
+    }
+    scrape_until(&env, "the slot given back", |s| {
+        value(s, "pdgate_decode_slots_used", &m) == Some(0.0)
+    })
+    .await;
+}
+
+/// A request that waited for a decode slot leaves the queue as soon as it holds one, not
+/// when its attempt ends: while it runs it no longer counts against `admission.max_queue`
+/// or in the queue gauges. The first request's client goes away (its slot is given back)
+/// while the decode holds every request, so the second runs held, after its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_leaves_the_queue_once_it_holds_a_slot() {
+    const MODEL: &str = "queue-leave-test-model";
+    let named = |mut e: EngineConfig| {
+        e.model = MODEL.into();
+        e
+    };
+    let env = std::sync::Arc::new(
+        start_with_admin(
+            vec![named(EngineConfig::prefill(1))],
+            vec![named(EngineConfig::decode(1))],
+            |c| {
+                c.capacity.decode_max_running_per_rank = 1;
+                c.admission.max_queue = 1;
+                c.admission.queue_timeout_ms = 30_000;
+            },
+        )
+        .await,
+    );
+    env.wait_routable(1, 1).await;
+    set_hold(&env, true);
+    let post = |env: &std::sync::Arc<Env>| {
+        let env = env.clone();
+        tokio::spawn(async move { env.post("/generate", GEN).await })
+    };
+    let m = [("model", MODEL)];
+    let first = post(&env);
+    scrape_until(&env, "the first request holding the slot", |s| {
+        value(s, "pdgate_decode_slots_used", &m) == Some(1.0)
+    })
+    .await;
+    let second = post(&env);
+    scrape_until(&env, "the second request waiting", |s| {
+        value(s, "pdgate_admission_queue_waiting", &m) == Some(1.0)
+    })
+    .await;
+    first.abort();
+    let admitted = [("model", MODEL), ("outcome", "admitted")];
+    scrape_until(
+        &env,
+        "the second request out of the queue, holding the slot",
+        |s| {
+            value(s, "pdgate_admission_queue_wait_seconds_count", &admitted) == Some(1.0)
+                && value(s, "pdgate_admission_queue_waiting", &m) == Some(0.0)
+                && value(s, "pdgate_decode_slots_used", &m) == Some(1.0)
+        },
+    )
+    .await;
+    // The queue has room again while the second request runs: a third waits (it is not
+    // refused as if the queue were still full).
+    let third = post(&env);
+    scrape_until(&env, "a third request waiting", |s| {
+        value(s, "pdgate_admission_queue_waiting", &m) == Some(1.0)
+    })
+    .await;
+    set_hold(&env, false);
+    for h in [second, third] {
+        let (st, _, _) = tokio::time::timeout(Duration::from_secs(20), h)
+            .await
+            .expect("answered")
+            .unwrap();
+        assert_eq!(st, 200);
+    }
+}
+
+/// Series other branches declare, which docs and manifests on this branch already name
+/// (a merge removes each name from here once `telemetry::SERIES` has it). Empty today:
+/// `pdgate_prefill_backlog_seconds` came with the `backlog` branch.
+pub(crate) const DECLARED_ON_OTHER_BRANCHES: &[&str] = &[];
+
+/// Whether `name` is a series pdgate exports (or one of [`DECLARED_ON_OTHER_BRANCHES`]).
+pub(crate) fn exported(name: &str) -> bool {
+    telemetry::series(name).is_some() || DECLARED_ON_OTHER_BRANCHES.contains(&name)
+}
+
 /// Metric names in a PromQL expression (`pdgate_...`), histogram suffixes removed.
-fn names_in(expr: &str) -> Vec<String> {
+pub(crate) fn names_in(expr: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut rest = expr;
     while let Some(i) = rest.find("pdgate_") {
@@ -481,7 +638,7 @@ fn names_in(expr: &str) -> Vec<String> {
 }
 
 /// Label names an expression groups or matches by: `by (a, b)`, `without (a)`, `{a="x"}`.
-fn labels_in(expr: &str) -> Vec<String> {
+pub(crate) fn labels_in(expr: &str) -> Vec<String> {
     let mut out = Vec::new();
     for kw in ["by (", "by(", "without (", "without("] {
         for (i, _) in expr.match_indices(kw) {

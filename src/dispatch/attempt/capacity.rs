@@ -10,9 +10,10 @@
 //! slot, a load poll, a worker joining — never polling. A full queue answers 429, an
 //! expired wait 503, both with `Retry-After` (`FailReason::Overloaded`,
 //! `FailReason::QueueTimeout`). The request keeps its place in the queue across the
-//! wake-ups of one attempt.
+//! wake-ups of one attempt, and leaves it as soon as it holds a slot.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use super::AttemptFailure;
@@ -24,6 +25,7 @@ use crate::pool::capacity::{Limits, Need, Waiter};
 use crate::pool::replicas::Count;
 use crate::pool::Snapshot;
 use crate::request::ParsedRequest;
+use crate::telemetry;
 use crate::types::{Role, WorkerId};
 
 const FULL: &str = "every eligible decode rank is at capacity";
@@ -41,13 +43,10 @@ pub(in crate::dispatch) fn need(
     req: &ParsedRequest,
 ) -> Need {
     let limits = Limits {
-        override_per_rank: c.decode_max_running_per_rank,
-        learn_from_engine: c.learn_from_engine,
-        kv_bound: c.kv_bound,
         replicas: r.replicas,
         replica_index: r.index,
         proportional: c.proportional_share && polled,
-        bootstrap_timeout_ms: a.engine_bootstrap_timeout_secs.saturating_mul(1000),
+        ..Limits::from_config(c, a)
     };
     Need {
         limits,
@@ -92,10 +91,18 @@ pub(in crate::dispatch) fn any_routable(
         .any(|r| !exclude.contains(&r.worker))
 }
 
-/// A request's place in the admission queue while it waits for a decode slot.
+/// A request's place in the admission queue while it waits for a decode slot, counted
+/// per model for autoscalers: `pdgate_admission_queue_waiting{model}` while it waits, and
+/// its wait in `pdgate_admission_queue_wait_seconds{model, outcome}` when it ends
+/// (admitted, timeout, gone).
 pub(in crate::dispatch) struct Queue<'a> {
     queued: Queued<'a>,
     waiter: Waiter,
+    model: String,
+    waiting: metrics::Gauge,
+    since: tokio::time::Instant,
+    timed_out: AtomicBool,
+    admitted: bool,
 }
 
 /// The pace at which the decode ranks a request may go to free slots, in requests a
@@ -132,7 +139,8 @@ impl<'a> Queue<'a> {
     /// Joins the queue; a full queue (or no queue) answers 429, and a request whose
     /// estimated wait ([`estimated_wait`] at the pool's [`drain_rate`]) is longer than the
     /// queue timeout answers 503 at once, with the estimate in `Retry-After`, instead of
-    /// waiting for a timeout it cannot beat.
+    /// waiting for a timeout it cannot beat. `model`: the request's model (`None`: any,
+    /// then the pool's one model names the wait, or "" among several).
     pub(in crate::dispatch) fn join(
         d: &Dispatcher,
         ctx: &'a ReqCtx,
@@ -157,9 +165,23 @@ impl<'a> Queue<'a> {
         let queued = adm
             .enqueue(&full.failure.message)
             .map_err(AttemptFailure::unblamed)?;
+        let model = match model {
+            Some(m) => m.to_string(),
+            None => match d.pool.load().models.as_slice() {
+                [one] => one.name.to_string(),
+                _ => String::new(),
+            },
+        };
+        let waiting = metrics::gauge!(telemetry::ADMISSION_QUEUE_WAITING, "model" => model.clone());
+        waiting.increment(1.0);
         Ok(Queue {
             queued,
             waiter: d.pool.capacity_signal().waiter(),
+            model,
+            waiting,
+            since: tokio::time::Instant::now(),
+            timed_out: AtomicBool::new(false),
+            admitted: false,
         })
     }
 
@@ -175,6 +197,35 @@ impl<'a> Queue<'a> {
         wake: Pin<Box<tokio::sync::futures::Notified<'_>>>,
         what: &str,
     ) -> Result<(), Failure> {
-        self.queued.wait(wake, what).await
+        let r = self.queued.wait(wake, what).await;
+        if r.is_err() {
+            self.timed_out.store(true, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// The wait ended with a slot: the request leaves the queue now (not when its
+    /// attempt ends).
+    pub(in crate::dispatch) fn admitted(mut self) {
+        self.admitted = true;
+    }
+}
+
+impl Drop for Queue<'_> {
+    fn drop(&mut self) {
+        self.waiting.decrement(1.0);
+        let outcome = if self.admitted {
+            "admitted"
+        } else if self.timed_out.load(Ordering::Relaxed) {
+            "timeout"
+        } else {
+            "gone"
+        };
+        metrics::histogram!(
+            telemetry::ADMISSION_QUEUE_WAIT,
+            "model" => std::mem::take(&mut self.model),
+            "outcome" => outcome
+        )
+        .record(self.since.elapsed().as_secs_f64());
     }
 }

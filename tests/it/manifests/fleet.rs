@@ -135,6 +135,7 @@ impl<'a> Fleet<'a> {
             .metadata
             .as_ref()
             .and_then(|m| m.labels.clone());
+        super::autoscaling::check(&self.objs)?;
         super::monitoring::check(
             &self.objs,
             (router.name.as_str(), &router.ns),

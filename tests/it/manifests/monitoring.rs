@@ -72,6 +72,9 @@ fn hpas(objs: &[Value], (name, ns): (&str, &Option<String>), c: &Container) -> R
     for h in of_kind::<HorizontalPodAutoscaler>(objs, "HorizontalPodAutoscaler")? {
         let spec = h.spec.ok_or("HPA without spec")?;
         let t = &spec.scale_target_ref;
+        if t.kind == "StatefulSet" {
+            continue; // an engine pool's: `super::autoscaling` checks it
+        }
         if h.metadata.namespace != *ns
             || (t.api_version.as_deref(), t.kind.as_str(), t.name.as_str())
                 != (Some("apps/v1"), "Deployment", name)
