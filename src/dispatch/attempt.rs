@@ -171,6 +171,7 @@ impl Dispatcher {
         let mut queued = None;
         let mut snap = snap;
         let mut waited = false;
+        let mut held_back = None;
         let (chosen, slot, hold) = loop {
             // Waiting: listen for a freed slot before looking, so no release is missed.
             let mut wake = queued.as_ref().map(|q: &capacity::Queue<'_>| q.wake());
@@ -204,6 +205,7 @@ impl Dispatcher {
                 Err(af) if capacity::is_full(&af) => af,
                 Err(af) => return Err(failed(pick, af)),
             };
+            held_back = backlog::held_back(held_back, &full, &snap, model.name(), &prefill_need);
             // At capacity: join the admission queue once (then look again, listening), or
             // wait for a wake-up under the queue's deadline.
             if queued.is_none() {
@@ -224,6 +226,8 @@ impl Dispatcher {
                     .map_err(AttemptFailure::unblamed)?;
             }
         };
+        // Admitted: its tokens now count on the rank it goes to (its hold).
+        drop(held_back);
         if let Some(mut sp) = pick {
             sp.set(
                 "pdgate.prefill.worker_id",

@@ -41,7 +41,11 @@
 //! - `own`: every leg this replica has on the rank (a floor, which also counts the prompt
 //!   in compute and the computed ones waiting for their decode).
 //!
-//! In seconds: `backlog ÷ pace`; no pace learned yet: unknown.
+//! In seconds: `backlog ÷ pace`; no pace learned yet: unknown. A model's backlog (the
+//! scaling signal) is its ranks' backlogs plus the requests this replica holds in its
+//! admission queue because all of them were over the bound ([`HeldBack`]): with the bound
+//! on, the excess waits there, and a signal that left it out could never read much more
+//! than the bound.
 //!
 //! The bound ([`BacklogHold::take`]): a rank takes a leg whose own tokens would bring its
 //! backlog past `max_secs × pace`, only when it holds none of this replica's legs (so a
@@ -197,6 +201,11 @@ pub struct RankBacklog {
     ratio: AtomicU32,
     /// When the last leg that taught the pace ended (a `progress::stamp`, 0 = never).
     last_done: AtomicU64,
+    /// Estimated tokens of requests this replica holds in its admission queue because every
+    /// prefill rank of their model was over the bound, counted on one rank of that model
+    /// ([`HeldBack`]): part of the model's backlog (`pdgate_prefill_backlog_seconds`), never
+    /// of a rank's, nor of the bound's check.
+    held_back: AtomicU64,
 }
 
 impl RankBacklog {
@@ -210,6 +219,12 @@ impl RankBacklog {
             ratio: self.ratio(),
             pace: self.pace(),
         }
+    }
+
+    /// The requests held back in pdgate's queue and counted here ([`HeldBack`]), in the
+    /// engine's uncached tokens.
+    pub fn held_back(&self) -> f64 {
+        self.held_back.load(Ordering::Relaxed) as f64 * self.ratio()
     }
 
     /// The learned pace in uncached tokens per second.
@@ -354,6 +369,36 @@ impl Drop for BacklogHold {
             }
         }
         self.signal.wake();
+    }
+}
+
+/// A request's tokens counted as held back on a rank of its model while it waits in the
+/// admission queue for a prefill rank under the bound; given back when dropped (it was
+/// admitted, waits for something else, or ended).
+#[derive(Debug)]
+pub struct HeldBack {
+    ranks: Arc<[RankBacklog]>,
+    tokens: u64,
+}
+
+impl HeldBack {
+    /// Counts `est` estimated tokens on the first rank of `ranks`.
+    pub fn new(ranks: &Arc<[RankBacklog]>, est: u64) -> HeldBack {
+        if let Some(r) = ranks.first() {
+            r.held_back.fetch_add(est, Ordering::Relaxed);
+        }
+        HeldBack {
+            ranks: ranks.clone(),
+            tokens: est,
+        }
+    }
+}
+
+impl Drop for HeldBack {
+    fn drop(&mut self) {
+        if let Some(r) = self.ranks.first() {
+            sub(&r.held_back, self.tokens);
+        }
     }
 }
 

@@ -185,7 +185,9 @@ impl Source for Snapshot {
 
 impl Snapshot {
     /// The prefill backlog series (`super::backlog`): per model, its prefill ranks' backlog
-    /// tokens over their learned paces together; per prefill rank, its seconds and pace.
+    /// tokens and the requests held back in the admission queue for them, over their
+    /// learned paces together (a rank without one at the others' mean); per prefill rank,
+    /// its seconds and pace.
     /// `ids`: the prefills' stable ids, in order.
     fn write_backlog(&self, out: &mut Exposition, ids: &[String]) {
         let prefills = || self.prefills.iter().zip(ids.iter().map(String::as_str));
@@ -196,15 +198,25 @@ impl Snapshot {
             .collect();
         out.family(telemetry::PREFILL_BACKLOG);
         for m in &self.models {
-            let (mut tokens, mut pace) = (0.0f64, 0.0f64);
+            let (mut tokens, mut pace, mut known, mut cold) = (0.0f64, 0.0f64, 0u32, 0u32);
             for (w, ranks) in self.prefills.iter().zip(&figures) {
                 if w.model.as_deref() != Some(&*m.name) {
                     continue;
                 }
                 for f in ranks {
                     tokens += f.tokens();
-                    pace += f.pace.unwrap_or(0.0);
+                    match f.pace {
+                        Some(p) => (pace, known) = (pace + p, known + 1),
+                        None => cold += 1,
+                    }
                 }
+                let held = w.per_rank.backlog.iter().map(|b| b.held_back());
+                tokens += held.sum::<f64>();
+            }
+            // A rank that has learned no pace yet counts at the others' mean (as the bound
+            // holds it to), so that a fresh rank does not read as no throughput at all.
+            if known > 0 {
+                pace += f64::from(cold) * pace / f64::from(known);
             }
             let secs = if pace > 0.0 {
                 Some(tokens / pace)
@@ -315,15 +327,29 @@ mod tests {
         let ranks = &snap.prefills[0].per_rank.backlog;
         let signal = pool.capacity_signal();
         // Rank 0 learned 1000 tokens a second and holds a leg of 2000 tokens; rank 1 has
-        // no pace yet and its engine reports 500 tokens queued.
+        // no pace yet (it counts at rank 0's) and its engine reports 500 tokens queued:
+        // 2500 tokens over 2000 a second.
         ranks[0].learn(1000, 0, 1_000_000, Some((1000, 0)));
         let off = crate::pool::backlog::Bound::default();
         let hold = crate::pool::backlog::BacklogHold::take(ranks, 0, 2000, true, &off, signal);
         ranks[1].observe(Some(500));
         let text = telemetry::render_derived(&pool);
+        // A request of 500 tokens held back in the admission queue counts in the model's.
+        let held = crate::pool::backlog::HeldBack::new(ranks, 500);
+        let with_held = telemetry::render_derived(&pool);
+        drop(held);
+        assert!(
+            with_held.contains("pdgate_prefill_backlog_seconds{model=\"m\"} 1.5\n"),
+            "{with_held}"
+        );
+        assert_eq!(
+            telemetry::render_derived(&pool),
+            text,
+            "given back when dropped"
+        );
         drop(hold);
         for line in [
-            "pdgate_prefill_backlog_seconds{model=\"m\"} 2.5\n",
+            "pdgate_prefill_backlog_seconds{model=\"m\"} 1.25\n",
             "pdgate_prefill_rank_backlog_seconds{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"0\"} 2\n",
             "pdgate_prefill_rank_tokens_per_second{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"0\"} 1000\n",
         ] {

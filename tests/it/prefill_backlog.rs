@@ -170,6 +170,14 @@ async fn with_the_bound_no_prefill_rank_queues_more_than_it_allows() {
     // The series: a pool backlog while the burst ran, per-rank backlogs within about the
     // bound (a rank may briefly read a poll's figure before its legs that ended since).
     assert!(!seen.is_empty(), "no backlog seen while the burst ran");
+    // The requests held back in pdgate's queue count in the model's backlog: it reads more
+    // than the bound lets any rank hold (what an autoscaler needs to see).
+    let most = seen.iter().map(|(p, _)| *p).fold(0.0, f64::max);
+    eprintln!("the model's backlog read {most:.2} s at most");
+    assert!(
+        most > MAX_SECS,
+        "the model's backlog never passed the bound: {most}"
+    );
     for (pool, ranks) in &seen {
         assert!(pool.is_finite() && *pool > 0.0, "{pool}");
         for r in ranks {

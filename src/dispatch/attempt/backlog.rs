@@ -22,7 +22,7 @@ use std::borrow::Cow;
 use super::AttemptFailure;
 use crate::config::AdmissionConfig;
 use crate::error::{FailReason, Failure};
-use crate::pool::backlog::{BacklogHold, Bound, RankBacklog};
+use crate::pool::backlog::{BacklogHold, Bound, HeldBack, RankBacklog};
 use crate::pool::{Routable, Snapshot};
 use crate::request::ParsedRequest;
 use crate::types::{Role, WorkerId};
@@ -129,6 +129,27 @@ pub(in crate::dispatch) fn with_room<'a>(
 /// The failure of a pick with every prefill over its bound.
 pub(in crate::dispatch) fn over_failure() -> AttemptFailure {
     AttemptFailure::unblamed(Failure::new(FailReason::Overloaded, OVER))
+}
+
+/// While the request waits because every prefill rank is over (`full` is [`OVER`]), its
+/// tokens counted as held back on a prefill of its model (`prev`, else a new count on the
+/// first routable prefill of `model`), so the model's backlog signal sees what waits in
+/// pdgate's queue; `None` while it waits for anything else.
+pub(in crate::dispatch) fn held_back(
+    prev: Option<HeldBack>,
+    full: &AttemptFailure,
+    snap: &Snapshot,
+    model: Option<&str>,
+    need: &PrefillNeed,
+) -> Option<HeldBack> {
+    if full.failure.message != OVER {
+        return None;
+    }
+    prev.or_else(|| {
+        let r = snap.routable_for(Role::Prefill, model).first()?;
+        let w = snap.worker(Role::Prefill, r.worker)?;
+        Some(HeldBack::new(&w.per_rank.backlog, need.tokens))
+    })
 }
 
 /// The prefill leg's hold on its (worker, rank), or `None` when a request of this replica
