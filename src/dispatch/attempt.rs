@@ -594,10 +594,10 @@ pub(super) fn leg_span(
     Some(sp)
 }
 
+pub(super) mod backlog;
 /// Why no prefill target is eligible: the most telling reason over the healthy prefills
 /// (of `model`, when the request names one) — an unreachable bootstrap, then a missing
 /// rank, then registration still under way — and a few words per worker.
-pub(super) mod backlog;
 pub(super) mod capacity;
 pub(super) mod first_byte;
 pub mod room;
