@@ -210,6 +210,11 @@ async fn a_prefill_reports_the_uncached_tokens_queued_for_compute() {
         assert_eq!((ps, ds), (200, 200), "{pb} {db}");
     }
     settled(&c).await;
+    assert_eq!(
+        c.prefills[0].stats().prefill_peak_waiting_uncached_tokens,
+        vec![140],
+        "the peak of the queue"
+    );
 }
 
 /// `/v1/loads?include=...` keeps SGLang's sections: the core keys always, the

@@ -87,6 +87,11 @@ pub struct StatsSnapshot {
     /// Decode: per DP rank, how many of those its prefix cache held (no KV wait for them).
     #[serde(default)]
     pub decode_prefix_cached_tokens: Vec<u64>,
+    /// Prefill: per DP rank, the most uncached prompt tokens queued for compute at once
+    /// (`num_waiting_uncached_tokens`' peak): what a router that bounds a rank's backlog
+    /// keeps low. Empty on a decode.
+    #[serde(default)]
+    pub prefill_peak_waiting_uncached_tokens: Vec<u64>,
 }
 
 /// `acc += other`, element-wise (the longer length wins).
@@ -182,6 +187,10 @@ impl StatsSnapshot {
             &mut self.decode_prefix_cached_tokens,
             &other.decode_prefix_cached_tokens,
         );
+        add_per_rank(
+            &mut self.prefill_peak_waiting_uncached_tokens,
+            &other.prefill_peak_waiting_uncached_tokens,
+        );
     }
 }
 
@@ -216,6 +225,8 @@ struct RankLoad {
     /// Prefill: prompt tokens queued for compute that the rank's prefix cache did not
     /// hold when they queued.
     uncached: AtomicU64,
+    /// Prefill: the most `uncached` ever held.
+    uncached_peak: AtomicU64,
     /// Instances holding a running slot now, and the most at once.
     slots: AtomicU64,
     peak: AtomicU64,
@@ -355,6 +366,14 @@ impl Stats {
             prefill_prefix_cached_tokens: prefill_cached,
             decode_prefix_requested_tokens: decode_requested,
             decode_prefix_cached_tokens: decode_cached,
+            prefill_peak_waiting_uncached_tokens: match self.role {
+                Role::Prefill => self
+                    .loads
+                    .iter()
+                    .map(|l| l.uncached_peak.load(Ordering::Relaxed))
+                    .collect(),
+                Role::Decode | Role::Regular => Vec::new(),
+            },
         }
     }
 
@@ -544,7 +563,8 @@ impl InstanceGuard {
     pub(crate) fn queue_uncached(&mut self, n: u64) {
         self.compute_starts();
         if let Some(l) = self.load() {
-            l.uncached.fetch_add(n, Ordering::Relaxed);
+            let now = l.uncached.fetch_add(n, Ordering::Relaxed).saturating_add(n);
+            l.uncached_peak.fetch_max(now, Ordering::Relaxed);
             self.queued_uncached = n;
         }
     }

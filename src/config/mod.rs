@@ -367,6 +367,17 @@ pub struct AdmissionConfig {
     /// `replicas` or `replica_index` (refused at start: one source of the count). Needs a
     /// restart to change.
     pub replica_selector: Option<String>,
+    /// The most work a prefill DP rank may have queued, in seconds of its own learned pace
+    /// (`pool::backlog`: the engine's queued uncached prompt tokens plus this replica's legs
+    /// sent since, over the uncached tokens per second its legs took); 0 = no bound. A rank
+    /// over it is not picked while another prefill rank has room; when none has, the
+    /// request waits in the admission queue (`max_queue`, `queue_timeout_ms`). A rank
+    /// holding none of this replica's legs always takes one; one whose pace is not learned
+    /// yet is held to its pool's (none learned anywhere: no bound). Default 2 s, well under
+    /// `engine_bootstrap_timeout_secs` (docs/pools-and-capacity.md, "Prefill admission by
+    /// tokens").
+    /// Replica-wide: a model's admission override does not change it.
+    pub prefill_backlog_max_secs: f64,
 }
 
 impl Default for AdmissionConfig {
@@ -380,6 +391,7 @@ impl Default for AdmissionConfig {
             replicas: 0,
             replica_index: None,
             replica_selector: None,
+            prefill_backlog_max_secs: 2.0,
         }
     }
 }

@@ -145,6 +145,12 @@ impl Config {
                 a.replicas, a.replica_index
             )));
         }
+        range_f(
+            "admission.prefill_backlog_max_secs",
+            a.prefill_backlog_max_secs,
+            0.0,
+            3600.0,
+        )?;
         if let Some(i) = a.replica_index {
             if i >= a.replicas {
                 return Err(invalid(format!(

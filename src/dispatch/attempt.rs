@@ -27,6 +27,7 @@ use crate::config::ContractMode;
 use crate::error::{FailReason, Failure};
 use crate::legs::{self, LegCancel};
 use crate::policy::{self, PickCtx};
+use crate::pool::backlog::BacklogHold;
 use crate::pool::capacity::Need;
 use crate::pool::{
     BootstrapInfo, LoadGuard, PreflightOutcome, RankFailure, RankReadiness, Reservation, Snapshot,
@@ -165,11 +166,13 @@ impl Dispatcher {
             )
         };
         let mut need = need_now();
+        let mut prefill_need = backlog::PrefillNeed::of(&self.cfg.admission, req);
         let pick = span(ctx, "pick", SpanKind::Internal);
         let mut queued = None;
         let mut snap = snap;
         let mut waited = false;
-        let (chosen, slot) = loop {
+        let mut held_back = None;
+        let (chosen, slot, hold) = loop {
             // Waiting: listen for a freed slot before looking, so no release is missed.
             let mut wake = queued.as_ref().map(|q: &capacity::Queue<'_>| q.wake());
             if let Some(w) = wake.as_mut() {
@@ -181,22 +184,28 @@ impl Dispatcher {
                 // `pool::replicas` wakes the waiters).
                 need = need_now();
             }
-            let full = match self.choose_pair(&snap, req, model, ex, Some(need)) {
-                Ok(c) => match Reservation::try_take(
-                    &c.decode.per_rank.capacity,
-                    c.pair.decode.rank,
-                    &need,
-                    self.pool.capacity_signal(),
-                ) {
-                    Some(r) => break (c, Some(r)),
-                    None if c.pair.decode.rank as usize >= c.decode.per_rank.capacity.len() => {
-                        break (c, None)
-                    }
-                    None => capacity::full_failure(),
+            let signal = self.pool.capacity_signal();
+            let full = match self.choose_pair(&snap, req, model, ex, Some(need), &mut prefill_need)
+            {
+                Ok(c) => match backlog::hold(&c, &prefill_need, signal) {
+                    None => backlog::over_failure(),
+                    Some(hold) => match Reservation::try_take(
+                        &c.decode.per_rank.capacity,
+                        c.pair.decode.rank,
+                        &need,
+                        signal,
+                    ) {
+                        Some(r) => break (c, Some(r), hold),
+                        None if c.pair.decode.rank as usize >= c.decode.per_rank.capacity.len() => {
+                            break (c, None, hold)
+                        }
+                        None => capacity::full_failure(),
+                    },
                 },
                 Err(af) if capacity::is_full(&af) => af,
                 Err(af) => return Err(failed(pick, af)),
             };
+            held_back = backlog::held_back(held_back, &full, &snap, model.name(), &prefill_need);
             // At capacity: join the admission queue once (then look again, listening), or
             // wait for a wake-up under the queue's deadline.
             if queued.is_none() {
@@ -212,9 +221,13 @@ impl Dispatcher {
                 continue;
             }
             if let (Some(q), Some(w)) = (&queued, wake) {
-                q.wait(w).await.map_err(AttemptFailure::unblamed)?;
+                q.wait(w, capacity::waiting_for(&full))
+                    .await
+                    .map_err(AttemptFailure::unblamed)?;
             }
         };
+        // Admitted: its tokens now count on the rank it goes to (its hold).
+        drop(held_back);
         if let Some(mut sp) = pick {
             sp.set(
                 "pdgate.prefill.worker_id",
@@ -253,7 +266,7 @@ impl Dispatcher {
             return Err(failed(check, af));
         }
         drop(check);
-        let mut legs = self.send_legs(req, ctx, attempt_no, &chosen, slot);
+        let mut legs = self.send_legs(req, ctx, attempt_no, &chosen, slot, Some(hold));
         trace.room = legs.room;
         let first_byte = legs.span.take();
         let incremental = chosen.decode.facts.incremental_stream();
@@ -278,6 +291,7 @@ impl Dispatcher {
         model: &Model,
         ex: &Excluded,
         need: Option<Need>,
+        prefill_need: &mut backlog::PrefillNeed,
     ) -> Result<ChosenPair<'s>, AttemptFailure> {
         let policies = model.policies();
         // Sticky sessions: a keyed request is placed by its key whatever the policy.
@@ -301,12 +315,19 @@ impl Dispatcher {
         // has a decode left: another group of the model, not the one whose partners all
         // failed (a retry's slow path; the first attempt never allocates here).
         let narrowed = with_partner_left(snap, prefill_among, exclude_d);
+        // Only the prefill ranks under their backlog bound, while some are.
+        let open = backlog::with_room(
+            snap,
+            narrowed.as_deref().or(prefill_among),
+            exclude_p,
+            prefill_need,
+        )?;
         let (prefill_pick, decode_pick, decode_among) = self.rng.with(|rng| {
             let pctx = PickCtx {
                 exclude: exclude_p,
                 prefix_hash,
                 need: None,
-                among: narrowed.as_deref().or(prefill_among),
+                among: open.as_deref(),
             };
             let p = policy::select(prefill_policy, snap, Role::Prefill, &pctx, rng);
             let among = p
@@ -422,7 +443,8 @@ impl Dispatcher {
         Err(AttemptFailure::on(&c.pair, failure))
     }
 
-    /// Stage 3: rooms and ranks under the contract, both legs written and sent together.
+    /// Stage 3: rooms and ranks under the contract, both legs written and sent together;
+    /// the prefill leg keeps `hold` on its rank's backlog until it ends.
     /// The prefill leg is polled by whoever holds the returned [`PrefillWatch`]; the decode
     /// leg by whoever polls `decode`.
     pub(super) fn send_legs(
@@ -432,6 +454,7 @@ impl Dispatcher {
         attempt_no: u32,
         c: &ChosenPair<'_>,
         slot: Option<Reservation>,
+        hold: Option<BacklogHold>,
     ) -> LegsInFlight<impl Future<Output = DecodeHead> + Send + 'static> {
         let (pt, dt) = (c.pair.prefill, c.pair.decode);
         let mut rooms = Vec::new();
@@ -495,6 +518,7 @@ impl Dispatcher {
             c.prefill.shared.stats.clone(),
             pt.rank,
             size,
+            hold,
         ));
         let prefill_leg = match prefill_span {
             None => prefill_leg,
@@ -570,6 +594,7 @@ pub(super) fn leg_span(
     Some(sp)
 }
 
+pub(super) mod backlog;
 /// Why no prefill target is eligible: the most telling reason over the healthy prefills
 /// (of `model`, when the request names one) — an unreachable bootstrap, then a missing
 /// rank, then registration still under way — and a few words per worker.

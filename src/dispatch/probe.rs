@@ -189,7 +189,7 @@ impl Dispatcher {
         } else {
             let chosen = self.choose_probe_pair(&snap, role, worker)?;
             self.preflight(&chosen).await.map_err(|af| af.failure)?;
-            let legs = self.send_legs(&req, &ctx, 0, &chosen, None);
+            let legs = self.send_legs(&req, &ctx, 0, &chosen, None, None);
             super::attempt::first_byte::wait_first_bytes(self, &req, &model, legs)
                 .await
                 .map_err(|af| af.failure)?

@@ -35,6 +35,7 @@ use super::Dispatcher;
 use crate::config::ProgressConfig;
 use crate::error::{FailReason, Failure};
 use crate::legs::PrefillDone;
+use crate::pool::backlog::BacklogHold;
 use crate::pool::{WorkerStats, WorkerView};
 use crate::progress::{self, Estimate, Kind, Limits, Peers, Verdict, WorkerProgress};
 use crate::types::{DpRank, Pair, Role, WorkerId, WorkerIdent};
@@ -61,24 +62,33 @@ fn stamp(at: Instant) -> u64 {
 
 /// The prefill leg, timed: an answer that came back well is a sample of its worker's rank
 /// and marks the worker as progressing.
-/// Its time is also observed in the worker's `/metrics` histogram.
+/// Its time is also observed in the worker's `/metrics` histogram, and it teaches the
+/// rank's prefill pace through the leg's backlog `hold` (`pool::backlog`: with the
+/// answer's prompt-cache figures), which ends with the leg however it ends.
 pub(super) async fn timed_prefill<F>(
     leg: F,
     progress: Arc<WorkerProgress>,
     stats: Arc<WorkerStats>,
     rank: DpRank,
     size: u32,
+    hold: Option<BacklogHold>,
 ) -> Result<PrefillDone, Failure>
 where
     F: Future<Output = Result<PrefillDone, Failure>> + Send + 'static,
 {
     let start = Instant::now();
     let r = leg.await;
-    if r.is_ok() {
-        let took = start.elapsed();
+    if let Ok(done) = &r {
+        let end = Instant::now();
+        let took = end.saturating_duration_since(start);
         stats.prefill_done(took);
         progress.record(Kind::Prefill, rank, took, size);
         progress.completed(stamp(start));
+        if let Some(h) = hold {
+            let figures = crate::skim::prompt_cache(&done.body)
+                .map(|pc| (pc.prompt_tokens, pc.cached_tokens));
+            h.answered(stamp(start), stamp(end), figures);
+        }
     }
     r
 }

@@ -1,7 +1,8 @@
 //! The engine load poller: one task per worker that reads the engine's own load and
 //! stores running + waiting requests per DP rank into the worker's `engine_load` atomics,
 //! which load-aware policies add to pdgate's in-flight count (see `policy::load`). For a
-//! decode, the same body also feeds its capacity state (`super::capacity`).
+//! decode, the same body also feeds its capacity state (`super::capacity`); for a prefill,
+//! its ranks' queued uncached tokens (`super::backlog`).
 //!
 //! Why: pdgate's in-flight counters only see this replica's requests; the engine sees
 //! every replica's, plus its queues. SGLang reported load in three generations (spec
@@ -258,8 +259,10 @@ pub fn spawn(
                 if holds_report {
                     // Turned off by a reload: no stale queue figures stay behind.
                     store(&pool, role, id, None);
-                    if role == Role::Decode {
-                        super::capacity::store(&pool, role, id, None);
+                    match role {
+                        Role::Decode => super::capacity::store(&pool, role, id, None),
+                        Role::Prefill => super::backlog::store(&pool, id, None),
+                        Role::Regular => {}
                     }
                     holds_report = false;
                     gen = Generation::Unknown;
@@ -277,9 +280,15 @@ pub fn spawn(
                 None
             };
             store(&pool, role, id, answer.as_ref().map(|(r, _)| r));
-            if role == Role::Decode {
-                let figures = answer.as_ref().map(|(_, b)| super::capacity::parse(b));
-                super::capacity::store(&pool, role, id, figures.as_deref());
+            match role {
+                Role::Decode => {
+                    let figures = answer.as_ref().map(|(_, b)| super::capacity::parse(b));
+                    super::capacity::store(&pool, role, id, figures.as_deref());
+                }
+                Role::Prefill => {
+                    super::backlog::store(&pool, id, answer.as_ref().map(|(_, b)| &b[..]));
+                }
+                Role::Regular => {}
             }
             holds_report = true;
             // The next poll at the pace, or sooner when a request waits for what only a

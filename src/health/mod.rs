@@ -19,6 +19,7 @@
 //! - Health probes on PD engines use a fake bootstrap (spec R10), so for prefills this is
 //!   combined with the bootstrap tracker's readiness in the pool.
 
+pub mod backlog;
 pub mod capacity;
 pub mod load;
 

@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
 
+pub mod backlog;
 pub mod breaker;
 mod build;
 pub mod capacity;

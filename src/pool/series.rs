@@ -2,7 +2,8 @@
 //! worker its health and breaker state, per (worker, DP rank) the legs in flight and what
 //! its prefix cache did (`pool::tally`), per decode (worker, DP rank) the engine's
 //! pre-allocation queue at the last poll (`pool::capacity`), per
-//! (prefill, DP rank) its bootstrap state, and the routable ranks of each role and model;
+//! (prefill, DP rank) its bootstrap state and its backlog and pace (`pool::backlog`, with
+//! each model's prefill backlog together), and the routable ranks of each role and model;
 //! then the per-model scaling signals the sampler published last (`pool::signals`).
 //!
 //! Read at scrape time because they are already here: the in-flight counters are the
@@ -97,6 +98,8 @@ impl Source for Snapshot {
             }
         }
 
+        self.write_backlog(out, &ids[..self.prefills.len()]);
+
         let tallies: Vec<_> = workers().map(|(w, _)| w.per_rank.tally.read()).collect();
         for (family, value) in [
             (
@@ -180,6 +183,75 @@ impl Source for Snapshot {
     }
 }
 
+impl Snapshot {
+    /// The prefill backlog series (`super::backlog`): per model, its prefill ranks' backlog
+    /// tokens and the requests held back in the admission queue for them, over their
+    /// learned paces together (a rank without one at the others' mean); per prefill rank,
+    /// its seconds and pace.
+    /// `ids`: the prefills' stable ids, in order.
+    fn write_backlog(&self, out: &mut Exposition, ids: &[String]) {
+        let prefills = || self.prefills.iter().zip(ids.iter().map(String::as_str));
+        let figures: Vec<Vec<_>> = self
+            .prefills
+            .iter()
+            .map(|w| w.per_rank.backlog.iter().map(|b| b.figures()).collect())
+            .collect();
+        out.family(telemetry::PREFILL_BACKLOG);
+        for m in &self.models {
+            let (mut tokens, mut pace, mut known, mut cold) = (0.0f64, 0.0f64, 0u32, 0u32);
+            for (w, ranks) in self.prefills.iter().zip(&figures) {
+                if w.model.as_deref() != Some(&*m.name) {
+                    continue;
+                }
+                for f in ranks {
+                    tokens += f.tokens();
+                    match f.pace {
+                        Some(p) => (pace, known) = (pace + p, known + 1),
+                        None => cold += 1,
+                    }
+                }
+                let held = w.per_rank.backlog.iter().map(|b| b.held_back());
+                tokens += held.sum::<f64>();
+            }
+            // A rank that has learned no pace yet counts at the others' mean (as the bound
+            // holds it to), so that a fresh rank does not read as no throughput at all.
+            if known > 0 {
+                pace += f64::from(cold) * pace / f64::from(known);
+            }
+            let secs = if pace > 0.0 {
+                Some(tokens / pace)
+            } else {
+                (tokens <= 0.0).then_some(0.0)
+            };
+            if let Some(v) = secs.filter(|v| v.is_finite()) {
+                out.sample(&[("model", &*m.name)], v);
+            }
+        }
+        for (family, value) in [
+            (
+                telemetry::PREFILL_RANK_BACKLOG,
+                (|f| f.secs()) as fn(&super::backlog::Figures) -> Option<f64>,
+            ),
+            (telemetry::PREFILL_RANK_PACE, |f| f.pace),
+        ] {
+            out.family(family);
+            for ((w, id), ranks) in prefills().zip(&figures) {
+                for (rank, f) in ranks.iter().enumerate() {
+                    if let Some(v) = value(f).filter(|v| v.is_finite()) {
+                        let rank = rank.to_string();
+                        let labels = [
+                            ("worker_id", id),
+                            ("worker_url", w.shared.url.as_str()),
+                            ("rank", rank.as_str()),
+                        ];
+                        out.sample(&labels, v);
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,6 +310,66 @@ mod tests {
         assert!(
             !text.contains("pdgate_decode_prealloc_queue{worker_id=\"decode-0\",worker_url=\"http://127.0.0.1:9\",rank=\"0\"}"),
             "a rank without a report has no sample:\n{text}"
+        );
+    }
+
+    #[test]
+    fn the_prefill_backlog_per_model_and_per_rank() {
+        let pool = Pool::new();
+        let url = parse_base_url("http://127.0.0.1:9").unwrap();
+        let id = pool.add_worker(Role::Prefill, url, None);
+        pool.update_worker(Role::Prefill, id, |w| {
+            w.facts.healthy = true;
+            w.facts.dp_size = Some(2);
+        });
+        pool.set_model(Role::Prefill, id, Some("m".into()));
+        let snap = pool.load_full();
+        let ranks = &snap.prefills[0].per_rank.backlog;
+        let signal = pool.capacity_signal();
+        // Rank 0 learned 1000 tokens a second and holds a leg of 2000 tokens; rank 1 has
+        // no pace yet (it counts at rank 0's) and its engine reports 500 tokens queued:
+        // 2500 tokens over 2000 a second.
+        ranks[0].learn(1000, 0, 1_000_000, Some((1000, 0)));
+        let off = crate::pool::backlog::Bound::default();
+        let hold = crate::pool::backlog::BacklogHold::take(ranks, 0, 2000, true, &off, signal);
+        ranks[1].observe(Some(500));
+        let text = telemetry::render_derived(&pool);
+        // A request of 500 tokens held back in the admission queue counts in the model's.
+        let held = crate::pool::backlog::HeldBack::new(ranks, 500);
+        let with_held = telemetry::render_derived(&pool);
+        drop(held);
+        assert!(
+            with_held.contains("pdgate_prefill_backlog_seconds{model=\"m\"} 1.5\n"),
+            "{with_held}"
+        );
+        assert_eq!(
+            telemetry::render_derived(&pool),
+            text,
+            "given back when dropped"
+        );
+        drop(hold);
+        for line in [
+            "pdgate_prefill_backlog_seconds{model=\"m\"} 1.25\n",
+            "pdgate_prefill_rank_backlog_seconds{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"0\"} 2\n",
+            "pdgate_prefill_rank_tokens_per_second{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"0\"} 1000\n",
+        ] {
+            assert!(text.contains(line), "{line} not in\n{text}");
+        }
+        for absent in ["rank_backlog_seconds{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"1\"}", "tokens_per_second{worker_id=\"prefill-0\",worker_url=\"http://127.0.0.1:9\",rank=\"1\"}"] {
+            assert!(!text.contains(absent), "no pace, no sample: {absent} in\n{text}");
+        }
+        // Nothing queued and no pace: 0 s, not absent.
+        let idle = Pool::new();
+        let id = idle.add_worker(
+            Role::Prefill,
+            parse_base_url("http://127.0.0.1:8").unwrap(),
+            None,
+        );
+        idle.set_model(Role::Prefill, id, Some("n".into()));
+        let text = telemetry::render_derived(&idle);
+        assert!(
+            text.contains("pdgate_prefill_backlog_seconds{model=\"n\"} 0\n"),
+            "{text}"
         );
     }
 

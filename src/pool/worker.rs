@@ -7,8 +7,8 @@
 //!   stop token). Built once when the worker joins the pool and never changed after: the
 //!   master entry and every snapshot's view hold the same `Arc`.
 //! - [`RankHandles`]: the handles sized to the worker's DP size (in-flight counters,
-//!   engine load, capacity, rank probes, learned progress, rank freshness, the cache
-//!   tally). What they
+//!   engine load, capacity, prefill backlog, rank probes, learned progress, rank
+//!   freshness, the cache tally). What they
 //!   point to (atomics, mostly) is written in place by whoever owns it (see
 //!   ARCHITECTURE.md, "Who writes shared state"); the set itself is replaced whole, by the
 //!   pool's writer only, when the DP size changes ([`super::Pool::update_worker_if`]). A
@@ -109,6 +109,9 @@ pub struct RankHandles {
     /// Capacity per rank (decode): the engine's figures, written by the load poller and
     /// the health checker, and this replica's reservations ([`super::capacity`]).
     pub capacity: Arc<[RankCapacity]>,
+    /// Prefill backlog per rank: the engine's queued uncached tokens (written by the load
+    /// poller), this replica's legs in flight, the learned pace ([`super::backlog`]).
+    pub backlog: Arc<[super::backlog::RankBacklog]>,
     /// Request-path rank checks in flight (prefill only).
     pub probes: Arc<RankProbes>,
     /// Learned leg times and progress (stall detection).
@@ -128,6 +131,7 @@ impl RankHandles {
             loads: counters(),
             engine_load: counters(),
             capacity: capacity::new_ranks(dp),
+            backlog: super::backlog::new_ranks(dp),
             probes: Arc::new(RankProbes::new(dp)),
             progress: Arc::new(WorkerProgress::new(dp)),
             fresh: Arc::new(RankFreshness::new(dp)),

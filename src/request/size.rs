@@ -18,14 +18,18 @@ pub const BYTES_PER_TOKEN: u64 = 4;
 pub const DEFAULT_MAX_NEW_TOKENS: u64 = 128;
 
 impl ParsedRequest {
+    /// The estimated prompt tokens (all prompts of a batch, once): what a prefill computes
+    /// for it before its cache is looked up (`pool::backlog` learns how far off this is).
+    pub fn prompt_tokens_estimate(&self) -> u64 {
+        self.prompt
+            .as_ref()
+            .map_or(0, |r| (r.len() as u64).div_ceil(BYTES_PER_TOKEN))
+    }
+
     /// The estimated KV tokens the request holds on a decode (prompt + output budget, all
     /// instances).
     pub fn kv_tokens_estimate(&self) -> u64 {
-        let prompt = self
-            .prompt
-            .as_ref()
-            .map_or(0, |r| (r.len() as u64).div_ceil(BYTES_PER_TOKEN));
-        prompt
+        self.prompt_tokens_estimate()
             .saturating_mul(u64::from(self.n))
             .saturating_add(self.output_tokens_bound())
     }

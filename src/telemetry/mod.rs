@@ -142,6 +142,9 @@ pub const DISCOVERY_WORKERS: &str = "pdgate_discovery_workers";
 pub const WORKER_HEALTHY: &str = "pdgate_worker_healthy";
 pub const WORKER_IN_FLIGHT: &str = "pdgate_worker_in_flight_requests";
 pub const DECODE_PREALLOC_QUEUE: &str = "pdgate_decode_prealloc_queue";
+pub const PREFILL_BACKLOG: &str = "pdgate_prefill_backlog_seconds";
+pub const PREFILL_RANK_BACKLOG: &str = "pdgate_prefill_rank_backlog_seconds";
+pub const PREFILL_RANK_PACE: &str = "pdgate_prefill_rank_tokens_per_second";
 pub const WORKER_BREAKER_STATE: &str = "pdgate_worker_breaker_state";
 pub const BOOTSTRAP_RANK_STATE: &str = "pdgate_bootstrap_rank_state";
 pub const ROUTABLE_RANKS: &str = "pdgate_routable_ranks";
@@ -240,11 +243,11 @@ pub static SERIES: &[Series] = &[
     s(ADMISSION_REPLICAS, G, Unit::Count, &[],
         "The replica count this replica shares each decode rank's capacity with (admission.replicas, or pdgate's pods counted by admission.replica_selector; 0 = unknown: no shares)."),
     s(ADMISSION_REJECTED, C, Unit::Count, &["reason"],
-        "PD requests shed by admission: queue_full (429) or queue_timeout (503) waiting for the in-flight cap; capacity_queue_full, capacity_timeout waiting for a decode slot, capacity_wait_estimate (503 at once: the estimated wait for a decode slot is longer than the queue timeout); bytes_full (503) with the byte budget full, bytes_too_large (413) for a body or answer larger than the whole budget."),
+        "PD requests shed by admission: queue_full (429) or queue_timeout (503) waiting for the in-flight cap; capacity_queue_full, capacity_timeout waiting for a decode slot (or a prefill rank under admission.prefill_backlog_max_secs), capacity_wait_estimate (503 at once: the estimated wait for a decode slot is longer than the queue timeout); bytes_full (503) with the byte budget full, bytes_too_large (413) for a body or answer larger than the whole budget."),
     s(ADMISSION_QUEUE_WAITING, G, Unit::Count, &["model"],
-        "Per model: requests waiting in the admission queue for a decode slot of their model (all counted in pdgate_admission_queue too); model is \"\" while requests are not routed by model and several models are served."),
+        "Per model: requests waiting in the admission queue for a decode slot of their model, or a prefill rank under admission.prefill_backlog_max_secs (all counted in pdgate_admission_queue too); model is \"\" while requests are not routed by model and several models are served."),
     histogram(ADMISSION_QUEUE_WAIT, &["model", "outcome"], LATENCY_BUCKETS,
-        "Per model: time a request waited in the admission queue for a decode slot, observed when the wait ends, by outcome: admitted (a slot was reserved), timeout (answered 503), gone (the client left or the attempt ended otherwise)."),
+        "Per model: time a request waited in the admission queue for a decode slot (or a prefill rank under its backlog bound), observed when the wait ends, by outcome: admitted (a slot was reserved), timeout (answered 503), gone (the client left or the attempt ended otherwise)."),
     s(MODEL_IN_FLIGHT, G, Unit::Count, &["model"],
         "Requests holding a slot of their model's own admission (models with an admission override only), until their response ends."),
     s(MODEL_ADMISSION_QUEUE, G, Unit::Count, &["model"],
@@ -317,6 +320,12 @@ pub static SERIES: &[Series] = &[
         "Legs pdgate has in flight on a worker's DP rank (what the policies balance; sum by worker for the worker's total)."),
     derived(DECODE_PREALLOC_QUEUE, &["worker_id", "worker_url", "rank"],
         "Requests in a decode DP rank's pre-allocation queue at the last load poll (the engine's disaggregation.decode_prealloc_queue_reqs, every replica's requests); more than this replica sent the rank in the interval before (which may only be handshaking) and the rank is sent nothing new until a poll shows it drained. Absent for a rank whose engine does not report it."),
+    derived_of(s(PREFILL_BACKLOG, G, Unit::Seconds, &["model"],
+        "Per model served: the uncached prompt tokens its prefill ranks have queued (each rank's num_waiting_uncached_tokens at the last load poll, corrected by this replica's legs sent and ended since; without a report, this replica's legs in flight) plus the requests this replica holds in its admission queue because every one of those ranks was over admission.prefill_backlog_max_secs, over the sum of the ranks' learned paces (a rank without one at the others' mean): how long the prefill pool needs to clear its queue. Absent while no pace is learned and something is queued. What a prefill autoscaler reads.")),
+    derived_of(s(PREFILL_RANK_BACKLOG, G, Unit::Seconds, &["worker_id", "worker_url", "rank"],
+        "A prefill DP rank's backlog in seconds of its learned pace (the tokens of pdgate_prefill_backlog_seconds, one rank's); a rank over admission.prefill_backlog_max_secs is sent nothing new while another has room. Absent until the rank's pace is learned.")),
+    derived_of(s(PREFILL_RANK_PACE, G, Unit::Count, &["worker_id", "worker_url", "rank"],
+        "A prefill DP rank's learned pace: uncached prompt tokens per second of its service time (exponentially weighted over the legs that answered; the engine's prompt_tokens minus cached_tokens where it reports them). Absent until a leg answered.")),
     derived(WORKER_BREAKER_STATE, &["role", "worker_id", "worker_url", "state"],
         "1 for the circuit breaker's current state (closed, open, half_open, stalled) of each worker, else 0."),
     derived(BOOTSTRAP_RANK_STATE, &["worker_id", "worker_url", "rank", "state"],

@@ -42,6 +42,7 @@ mod models;
 mod models_rollout;
 mod per_model;
 mod policies;
+mod prefill_backlog;
 mod preflight;
 mod regular_moves;
 mod regular_stalls;

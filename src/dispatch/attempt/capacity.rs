@@ -1,5 +1,6 @@
 //! Decode capacity on the request path: what a request needs of a decode rank, and its
-//! wait in the admission queue while every eligible decode rank is full.
+//! wait in the admission queue while every eligible decode rank is full (or every prefill
+//! rank is over its backlog bound: `super::backlog`, the same queue and wake-ups).
 //!
 //! Neither leg is sent before a slot is reserved on the decode rank
 //! (`pool::capacity::Reservation`, one CAS), and the slot is held by the decode leg's
@@ -12,8 +13,8 @@
 //! wake-ups of one attempt, and leaves it as soon as it holds a slot.
 
 use std::pin::Pin;
-use std::time::Duration;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use super::AttemptFailure;
 use super::{Dispatcher, ReqCtx};
@@ -60,9 +61,21 @@ pub(in crate::dispatch) fn full_failure() -> AttemptFailure {
     AttemptFailure::unblamed(Failure::new(FailReason::Overloaded, FULL))
 }
 
-/// Whether a pick failed only because every decode rank is full.
+/// Whether a pick failed only because every decode rank is full, or every prefill rank is
+/// over its backlog bound (`super::backlog`): the request can wait in the queue for either.
 pub(in crate::dispatch) fn is_full(af: &AttemptFailure) -> bool {
-    af.blame.is_none() && af.failure.reason == FailReason::Overloaded && af.failure.message == FULL
+    af.blame.is_none()
+        && af.failure.reason == FailReason::Overloaded
+        && (af.failure.message == FULL || af.failure.message == super::backlog::OVER)
+}
+
+/// What a request waiting after `full` waits for (the end of a queue timeout's message).
+pub(in crate::dispatch) fn waiting_for(full: &AttemptFailure) -> &'static str {
+    if full.failure.message == super::backlog::OVER {
+        "no prefill rank under admission.prefill_backlog_max_secs"
+    } else {
+        "no decode slot"
+    }
 }
 
 /// Whether some routable decode (among `among`, else all) is not excluded (so a failed
@@ -139,13 +152,19 @@ impl<'a> Queue<'a> {
         let Some(adm) = ctx.queue.as_deref() else {
             return Err(full);
         };
-        if let Some(rate) = drain_rate(snap, model, need) {
-            let wait = estimated_wait(adm.waiting(), rate);
-            if wait > adm.queue_timeout() {
-                return Err(AttemptFailure::unblamed(adm.refuse_on_estimate(FULL, wait)));
+        // The estimate is of the decode slots' pace: a wait for a prefill rank under its
+        // backlog bound is not estimated (it ends as prefill legs end).
+        if full.failure.message == FULL {
+            if let Some(rate) = drain_rate(snap, model, need) {
+                let wait = estimated_wait(adm.waiting(), rate);
+                if wait > adm.queue_timeout() {
+                    return Err(AttemptFailure::unblamed(adm.refuse_on_estimate(FULL, wait)));
+                }
             }
         }
-        let queued = adm.enqueue(FULL).map_err(AttemptFailure::unblamed)?;
+        let queued = adm
+            .enqueue(&full.failure.message)
+            .map_err(AttemptFailure::unblamed)?;
         let model = match model {
             Some(m) => m.to_string(),
             None => match d.pool.load().models.as_slice() {
@@ -171,12 +190,14 @@ impl<'a> Queue<'a> {
         Box::pin(self.waiter.notified())
     }
 
-    /// Waits for `wake` under the queue's deadline.
+    /// Waits for `wake` under the queue's deadline (`what`: what the request waits for,
+    /// named if the wait times out).
     pub(in crate::dispatch) async fn wait(
         &self,
         wake: Pin<Box<tokio::sync::futures::Notified<'_>>>,
+        what: &str,
     ) -> Result<(), Failure> {
-        let r = self.queued.wait(wake, "no decode slot").await;
+        let r = self.queued.wait(wake, what).await;
         if r.is_err() {
             self.timed_out.store(true, Ordering::Relaxed);
         }

@@ -93,7 +93,8 @@ proptest! {
         let model = d.resolve_model(req.scope.clone());
         let none = crate::dispatch::attempt::Excluded::default();
         for _ in 0..4 {
-            match d.choose_pair(&snap, &req, &model, &none, None) {
+            let mut off = super::backlog::PrefillNeed { tokens: 1, single: true, bound: Default::default() };
+            match d.choose_pair(&snap, &req, &model, &none, None, &mut off) {
                 Ok(c) => {
                     let pk = &snap.groups[c.prefill.group].key;
                     let dk = &snap.groups[c.decode.group].key;

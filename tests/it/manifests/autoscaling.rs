@@ -316,7 +316,7 @@ fn every_series_the_scaling_queries_read_is_exported_or_recorded() {
             );
         }
     }
-    // Each pool's signals are read (the backlog comes from another branch of issue 36).
+    // Each pool's signals are read.
     for s in [
         "pdgate_prefill_backlog_seconds",
         "pdgate_prefill_engines_busy",
