@@ -346,7 +346,10 @@ mod tests {
             interval_secs: 0.5,
             ..HealthConfig::default()
         };
-        assert_eq!(next_check_in(&fast, false, false), Duration::from_millis(500));
+        assert_eq!(
+            next_check_in(&fast, false, false),
+            Duration::from_millis(500)
+        );
         assert_eq!(next_check_in(&fast, true, true), Duration::from_millis(125));
         let def = HealthConfig::default();
         assert_eq!(next_check_in(&def, false, false), Duration::from_secs(1));

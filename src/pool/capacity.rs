@@ -195,14 +195,13 @@ pub struct RankCapacity {
     /// Whether that queue was longer than this replica's reservations taken in the window
     /// before the poll and still held (which may be there only for their handshake).
     engine_queued: AtomicBool,
-    /// Whether the last poll reported the running window (`engine_busy` is a figure).
-    busy_known: AtomicBool,
-    /// This replica's reservations on the rank when the last poll was stored, and of
-    /// those the ones the engine may not count yet (taken in the two windows before it).
+    /// This replica's reservations on the rank when the last poll was stored.
     own_at_poll: AtomicU64,
-    fresh_at_poll: AtomicU64,
-    /// The reservations taken in the last window that were still held at its poll.
-    fresh_window: AtomicU64,
+    /// Other replicas' requests on the rank as this replica estimates them: the most the
+    /// engine reported beyond this replica's own count at the last two polls (see
+    /// [`RankCapacity::allowance`]), and that figure at the last poll alone.
+    others: AtomicU64,
+    others_last: AtomicU64,
     /// The last poll's random word, which rounds this replica's proportional part of
     /// the free slots up or down (see [`RankCapacity::allowance`]).
     coin: AtomicU64,
@@ -211,6 +210,10 @@ pub struct RankCapacity {
     /// `own_live << 32 | new_live`.
     reqs: AtomicU64,
     released_old: AtomicU64,
+    /// Of those, the ones released while requests of this replica waited for a slot:
+    /// they may be refilled before the next poll (see [`RankCapacity::allowance`]); a slot
+    /// released with nobody waiting goes back to the fleet (others may see it free).
+    refillable: AtomicU64,
     own_tokens: AtomicU64,
     new_tokens: AtomicU64,
     released_old_tokens: AtomicU64,
@@ -336,21 +339,12 @@ impl RankCapacity {
             return None;
         }
         let own = self.own_at_poll.load(Ordering::Relaxed);
-        // The engine may not count this replica's requests of the windows just before the
-        // poll yet (sent, not arrived): the others are what it reported beyond this
-        // replica's older ones, and this replica's whole count comes on top (conservative:
-        // those it did count are counted twice, for two polls). No report yet, or the last poll
-        // failed: as if alone (doubling per poll).
-        let busy = if self.busy_known.load(Ordering::Relaxed) {
-            let older = own.saturating_sub(self.fresh_at_poll.load(Ordering::Relaxed));
-            let others = self
-                .engine_busy
-                .load(Ordering::Relaxed)
-                .saturating_sub(older);
-            others.saturating_add(own)
-        } else {
-            own
-        };
+        // The others' requests: what the engine reported beyond this replica's own, the
+        // more of the last two polls (a request counts at the engine only once it arrives,
+        // so one poll may miss the others' newest; a replica alone always sees 0, and
+        // with no report, or a failed poll, the last known figure or 0: as if alone,
+        // doubling per poll). This replica's whole count comes on top.
+        let busy = self.others.load(Ordering::Relaxed).saturating_add(own);
         let free = cap.saturating_sub(busy);
         if own == 0 {
             return Some(free.min(1));
@@ -366,15 +360,17 @@ impl RankCapacity {
     }
 
     /// Whether `slots` more fresh reservations fit the [`allowance`](Self::allowance),
-    /// holding `new` fresh ones: releases of older reservations are refilled freely (the
-    /// occupancy bounds those), and a replica that holds nothing on the rank and took
-    /// nothing fresh may send one request of any size.
+    /// holding `new` fresh ones: releases of older reservations made while requests of
+    /// this replica waited are refilled freely (the occupancy bounds those; the waiting
+    /// request takes the slot at once, before another replica's poll can see it free),
+    /// and a replica that holds nothing on the rank and took nothing fresh may send one
+    /// request of any size.
     fn allowance_fits(&self, l: &Limits, packed: u64, slots: u64) -> bool {
         let Some(allow) = self.allowance(l) else {
             return true;
         };
         let (own, new) = (packed >> 32, packed & LOW);
-        let refill = self.released_old.load(Ordering::Relaxed);
+        let refill = self.refillable.load(Ordering::Relaxed);
         new.saturating_add(slots) <= allow.saturating_add(refill)
             || (allow > 0 && own == 0 && new == 0)
     }
@@ -467,7 +463,6 @@ impl RankCapacity {
             .store(r.tokens.unwrap_or(0), Ordering::Relaxed);
         self.engine_busy
             .store(r.busy.unwrap_or(0), Ordering::Relaxed);
-        self.busy_known.store(r.busy.is_some(), Ordering::Relaxed);
         self.engine_waiting.store(
             r.waiting.map_or(0, |w| w.saturating_add(1)),
             Ordering::Relaxed,
@@ -488,17 +483,15 @@ impl RankCapacity {
         // (in the queue for a few milliseconds on a healthy engine): only a queue longer
         // than they are closes the rank.
         let fresh = before & LOW;
-        // The engine may still miss the requests of the two windows before the poll (a
-        // poll right after an early one, a busy host): those taken in the last window, and
-        // at most the previous window's count again (some of which may have ended).
         let own = before >> 32;
-        let previous = self.fresh_window.swap(fresh, Ordering::Relaxed);
+        let now = r.busy.map_or(0, |b| b.saturating_sub(own));
+        let last = self.others_last.swap(now, Ordering::Relaxed);
         self.own_at_poll.store(own, Ordering::Relaxed);
-        self.fresh_at_poll
-            .store(fresh.saturating_add(previous).min(own), Ordering::Relaxed);
+        self.others.store(now.max(last), Ordering::Relaxed);
         self.engine_queued
             .store(r.prealloc.is_some_and(|q| q > fresh), Ordering::Relaxed);
         self.released_old.store(0, Ordering::Relaxed);
+        self.refillable.store(0, Ordering::Relaxed);
         self.new_tokens.store(0, Ordering::Relaxed);
         self.released_old_tokens.store(0, Ordering::Relaxed);
     }
@@ -539,6 +532,11 @@ impl CapacitySignal {
         if self.waiters.load(Ordering::SeqCst) > 0 {
             self.notify.notify_waiters();
         }
+    }
+
+    /// Whether some request waits for a slot now.
+    pub fn waiting(&self) -> bool {
+        self.waiters.load(Ordering::SeqCst) > 0
     }
 
     /// Counts the caller as a waiter until the returned guard drops.
@@ -647,6 +645,9 @@ impl Drop for Reservation {
                 sub(&r.new_tokens, self.tokens);
             } else {
                 r.released_old.fetch_add(self.slots, Ordering::Relaxed);
+                if self.signal.waiting() {
+                    r.refillable.fetch_add(self.slots, Ordering::Relaxed);
+                }
                 r.released_old_tokens
                     .fetch_add(self.tokens, Ordering::Relaxed);
             }

@@ -494,55 +494,54 @@ fn proportional(cap_override: u64) -> Need {
 
 #[test]
 fn without_a_count_a_replica_takes_its_part_of_the_free_slots() {
-    // (capacity, busy reported, this replica's older reservations (taken before the two
-    // polls before) and fresh ones (since), coin, allowance)
-    type Row = (u64, Option<u64>, u64, u64, u64, Option<u64>);
+    // (capacity, busy reported at the poll before, busy reported, this replica's
+    // reservations at both polls, coin, allowance)
+    type Row = (u64, Option<u64>, Option<u64>, u64, u64, Option<u64>);
     let table: &[Row] = &[
         // No report (none yet, or a failed poll): as if alone, one then doubling.
-        (8, None, 0, 0, 0, Some(1)),
-        (8, None, 3, 0, 0, Some(3)),
-        (8, None, 6, 0, 0, Some(2)),
+        (8, None, None, 0, 0, Some(1)),
+        (8, None, None, 3, 0, Some(3)),
+        (8, None, None, 6, 0, Some(2)),
         // Holding none on the rank: one request, when the rank has room.
-        (8, Some(0), 0, 0, 0, Some(1)),
-        (8, Some(5), 0, 0, 0, Some(1)),
-        (8, Some(8), 0, 0, 0, Some(0)),
-        (8, Some(11), 0, 0, 0, Some(0)),
+        (8, None, Some(0), 0, 0, Some(1)),
+        (8, None, Some(5), 0, 0, Some(1)),
+        (8, None, Some(8), 0, 0, Some(0)),
+        (8, None, Some(11), 0, 0, Some(0)),
         // Alone on the rank (busy = own): all the free slots, but no more than doubling.
-        (8, Some(2), 2, 0, 0, Some(2)),
-        (8, Some(5), 5, 0, 0, Some(3)),
+        (8, None, Some(2), 2, 0, Some(2)),
+        (8, None, Some(5), 5, 0, Some(3)),
+        (8, Some(4), Some(4), 4, 0, Some(4)),
         // Half of the load: half of the free slots.
-        (8, Some(4), 2, 0, 0, Some(2)),
+        (8, None, Some(4), 2, 0, Some(2)),
         // A third of 4 free: 1, and a third of a slot rounded up by the coin or not.
-        (13, Some(9), 3, 0, 0, Some(2)),
-        (13, Some(9), 3, 0, 2, Some(2)),
-        (13, Some(9), 3, 0, 3, Some(1)),
-        (13, Some(9), 3, 0, 8, Some(1)),
+        (13, None, Some(9), 3, 0, Some(2)),
+        (13, None, Some(9), 3, 2, Some(2)),
+        (13, None, Some(9), 3, 3, Some(1)),
+        (13, None, Some(9), 3, 8, Some(1)),
         // A third of 5 free is 1.67, but no more than doubling the one it holds.
-        (8, Some(3), 1, 0, 0, Some(1)),
+        (8, None, Some(3), 1, 0, Some(1)),
         // Over capacity: nothing fresh.
-        (8, Some(9), 3, 0, 0, Some(0)),
-        // Fresh ones the engine may not count yet come on top of what it reported: two
-        // older and two fresh against 4 reported: the others hold 2 (or 4), 6 in all.
-        (8, Some(4), 2, 2, 0, Some(2)),
-        (8, Some(4), 2, 2, 5, Some(1)),
-        // Two replicas that each refilled 2 against a report of 2 (the lag): nothing.
-        (4, Some(2), 0, 2, 0, Some(0)),
-        // Our older ones not counted (a failed leg ended on the engine first): as all ours.
-        (8, Some(1), 3, 0, 0, Some(3)),
+        (8, None, Some(9), 3, 0, Some(0)),
+        // The others seen at the poll before count while a report lags (their newest
+        // requests not arrived yet): two others then, none now, two of ours: nothing.
+        (4, Some(4), Some(2), 2, 0, Some(0)),
+        // ... and at the poll after, no more.
+        (4, Some(2), Some(2), 2, 0, Some(2)),
+        // Ours not counted (a leg that ended on the engine first): as all ours.
+        (8, None, Some(1), 3, 0, Some(3)),
     ];
-    for &(cap, busy, older, fresh, coin, want) in table {
+    for &(cap, before, busy, own, coin, want) in table {
         let ranks = new_ranks(1);
         let sig = Arc::new(CapacitySignal::default());
         let n = proportional(cap);
-        // Taken without the rule: `older`, a poll, `fresh`.
-        let plain = need(cap, 1);
-        let mut held: Vec<_> = (0..older)
-            .map(|_| take(&ranks, &plain, &sig).expect("room"))
+        // Taken without the rule.
+        let held: Vec<_> = (0..own)
+            .map(|_| take(&ranks, &need(cap, 1), &sig).expect("room"))
             .collect();
-        // Two polls: the engine may still miss a window's requests at the next one.
-        ranks[0].observe(&Reported::default());
-        ranks[0].observe(&Reported::default());
-        held.extend((0..fresh).map(|_| take(&ranks, &plain, &sig).expect("room")));
+        ranks[0].observe(&Reported {
+            busy: before,
+            ..Reported::default()
+        });
         ranks[0].observe_with(
             &Reported {
                 busy,
@@ -553,7 +552,7 @@ fn without_a_count_a_replica_takes_its_part_of_the_free_slots() {
         assert_eq!(
             ranks[0].allowance(&n.limits),
             want,
-            "cap {cap}, busy {busy:?}, older {older}, fresh {fresh}, coin {coin}"
+            "cap {cap}, busy {before:?} then {busy:?}, own {own}, coin {coin}"
         );
         drop(held);
     }
@@ -608,16 +607,13 @@ fn the_allowance_spent_asks_for_an_early_poll_and_releases_are_refilled() {
         futures_util::FutureExt::now_or_never(wanted.as_mut()).is_some(),
         "an early poll was asked for"
     );
-    // The polls show it alone: it doubles what it holds at each, up to the whole rank
-    // (each figure reported three times: the two polls after a take may not count it).
+    // The polls show it alone: it doubles what it holds at each, up to the whole rank.
     let mut more = Vec::new();
     for (busy, fresh) in [(1, 1), (2, 2), (4, 4)] {
-        for _ in 0..3 {
-            ranks[0].observe(&Reported {
-                busy: Some(busy),
-                ..Reported::default()
-            });
-        }
+        ranks[0].observe(&Reported {
+            busy: Some(busy),
+            ..Reported::default()
+        });
         for _ in 0..fresh {
             more.push(take(&ranks, &n, &sig).expect("room"));
         }
@@ -628,9 +624,17 @@ fn the_allowance_spent_asks_for_an_early_poll_and_releases_are_refilled() {
         busy: Some(8),
         ..Reported::default()
     });
+    // A release while a request waits here: it takes the slot at once.
+    let waiting = sig.waiter();
     drop(first);
     let again = take(&ranks, &n, &sig).expect("refill");
     assert!(take(&ranks, &n, &sig).is_none(), "no more than refills");
+    drop(waiting);
+    // A release with nobody waiting goes back to the fleet: not refilled before a poll
+    // shows the slot free (another replica's poll may have seen it first).
+    let mut more = more;
+    more.pop();
+    assert!(take(&ranks, &n, &sig).is_none(), "not refillable");
     drop((more, again));
 }
 
@@ -692,10 +696,13 @@ fn the_hold_time_is_a_moving_average() {
 }
 
 proptest! {
-    /// The bound without a replica count: R replicas (separate states), proportional
-    /// admission, any interleaving of reservations, releases and each replica's own polls
-    /// of a model engine whose count is every replica's live reservations. No rank holds
-    /// more than its capacity plus one request per replica (an allowance rounded up, or a
+    /// The bound without a replica count: R replicas (separate states and signals, as
+    /// separate processes), proportional admission, any interleaving of reservations,
+    /// releases and each replica's own polls of a model engine whose count is every
+    /// replica's live reservations. A release made while a request of that replica waits
+    /// is refilled by it at once (as the waiting request does, before any poll can see
+    /// the slot free); one made with nobody waiting is not refillable. No rank holds more
+    /// than its capacity plus one request per replica (an allowance rounded up, or a
     /// replica holding none taking one).
     #[test]
     fn replicas_without_a_count_exceed_a_rank_by_at_most_one_each(
@@ -703,7 +710,7 @@ proptest! {
         cap in 1u64..12,
         ops in proptest::collection::vec((0usize..6, 0u8..4, any::<u64>()), 1..300),
     ) {
-        let sig = Arc::new(CapacitySignal::default());
+        let sigs: Vec<Arc<CapacitySignal>> = (0..r).map(|_| Arc::new(CapacitySignal::default())).collect();
         let n = proportional(0);
         let all: Vec<Arc<[RankCapacity]>> = (0..r)
             .map(|_| {
@@ -722,14 +729,24 @@ proptest! {
             let who = who % r;
             match op {
                 0 | 1 => {
-                    if let Some(h) = take(&all[who], &n, &sig) {
+                    if let Some(h) = take(&all[who], &n, &sigs[who]) {
                         held[who].push(h);
                     }
                 }
                 2 => {
                     if !held[who].is_empty() {
                         let i = (coin as usize) % held[who].len();
-                        held[who].swap_remove(i);
+                        if coin % 2 == 0 {
+                            held[who].swap_remove(i);
+                        } else {
+                            // A request of this replica waits: it takes the slot at once.
+                            let waiting = sigs[who].waiter();
+                            held[who].swap_remove(i);
+                            if let Some(h) = take(&all[who], &n, &sigs[who]) {
+                                held[who].push(h);
+                            }
+                            drop(waiting);
+                        }
                     }
                 }
                 _ => {
