@@ -52,12 +52,13 @@
 //! only for their handshake (milliseconds on a healthy engine, and a busy rank always has
 //! some), anything more has waited a poll interval (with a shorter handshake) or is
 //! another replica's. While closed, the replica sends the rank nothing, so it stays closed
-//! until a report shows the queue drained (0). New requests then wait in pdgate's queue,
+//! until a report shows the queue drained (0); a request that finds it closed asks the
+//! decode pollers for an early poll. New requests then wait in pdgate's queue,
 //! where they can still go to another rank, not in the engine's. A rank whose report has
 //! no such figure (older engines, a prefill, a failed poll) is judged as before; with
 //! `learn_from_engine` off the queue is not looked at. Other replicas' fresh requests are
-//! not told apart: they may close a busy rank for a poll interval when nothing waits for
-//! long.
+//! not told apart: they may close a busy rank until the next early poll (100 ms) when
+//! nothing waits for long.
 //!
 //! Invariants: lock-free (atomics only); a rank whose last report shows a pre-allocation
 //! queue longer than this replica's fresh reservations admits nothing (with
@@ -142,8 +143,9 @@ enum Admit {
     Yes,
     /// No room: the capacity, the share, the KV room or the engine's queue.
     Full,
-    /// Room, but this replica took its part of the last poll's free slots: a fresh poll
-    /// may give it more ([`CapacitySignal::want_poll`]).
+    /// Room, but this replica took its part of the last poll's free slots, or the last
+    /// report showed the engine queueing: a fresh poll may give it room
+    /// ([`CapacitySignal::want_poll`]).
     UntilPoll,
 }
 
@@ -425,8 +427,11 @@ impl RankCapacity {
         let occ = self.occupancy_of(packed);
         let cap = self.limit(&need.limits);
         let k = need.slots();
-        if self.engine_queues(&need.limits)
-            || self.queue_outlasts_bootstrap(&need.limits)
+        if self.engine_queues(&need.limits) {
+            // Closed until a report shows the queue drained: ask for one soon.
+            return Admit::UntilPoll;
+        }
+        if self.queue_outlasts_bootstrap(&need.limits)
             || !fits(cap, occ, k)
             || !self.share_fits(&need.limits, packed >> 32, occ, k)
             || !self.kv_fits(need, occ)
