@@ -124,3 +124,35 @@ fn full_ranks_and_workers_are_skipped() {
     };
     assert!(select(p.as_ref(), &snap, Role::Decode, &roomy, &mut rng).is_some());
 }
+
+/// With the replica count known, the remainder slots turn over all decode ranks in URL
+/// order (the pool sets each rank's turn), not over each worker's DP ranks: two decodes of
+/// DP 2 with 4 slots a rank and 5 replicas give each replica 3 or 4 slots in all (by DP
+/// rank alone, two replicas got 2 and three got 4: the burst bench).
+#[test]
+fn remainder_slots_turn_over_every_decode_rank() {
+    let pool = decodes(2, 2);
+    let snap = pool.load();
+    let mut per_replica = Vec::new();
+    for i in 0..5u32 {
+        let limits = Limits {
+            override_per_rank: 4,
+            learn_from_engine: false,
+            replicas: 5,
+            replica_index: Some(i),
+            ..Limits::default()
+        };
+        let total: u64 = snap
+            .decodes
+            .iter()
+            .flat_map(|w| w.per_rank.capacity.iter())
+            .filter_map(|r| r.share(&limits))
+            .sum();
+        per_replica.push(total);
+    }
+    assert_eq!(per_replica.iter().sum::<u64>(), 16, "{per_replica:?}");
+    assert!(
+        per_replica.iter().all(|s| (3..=4).contains(s)),
+        "{per_replica:?}"
+    );
+}

@@ -70,7 +70,7 @@
 //! reservations on a rank never exceed its share (one exception: a request larger than a
 //! share of at least one slot goes alone to a rank that holds nothing).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
@@ -178,8 +178,11 @@ pub struct Reported {
 /// One decode DP rank's capacity state.
 #[derive(Debug, Default)]
 pub struct RankCapacity {
-    /// The rank's index on its worker (whose turn the remainder slots take, see [`share`]).
-    rank: u32,
+    /// Where the rank stands in the turn of the remainder slots ([`share`]): its position
+    /// among all decode ranks in URL order, set by the pool at every snapshot (every
+    /// replica that sees the same decodes sets it alike), so that the ranks of several
+    /// decodes do not all give their spare slots to the same replicas.
+    turn: AtomicU32,
     /// Capacity the engine reported (0 = unknown).
     engine_cap: AtomicU64,
     /// Running + waiting at the last poll.
@@ -301,7 +304,12 @@ impl RankCapacity {
     /// This replica's share of the rank under `l` (`None`: no share applies: the replica
     /// count is unknown or the rank unlimited).
     pub fn share(&self, l: &Limits) -> Option<u64> {
-        share(self.limit(l), l.replicas, l.replica_index, self.rank)
+        share(
+            self.limit(l),
+            l.replicas,
+            l.replica_index,
+            self.turn.load(Ordering::Relaxed),
+        )
     }
 
     /// Whether `slots` more fit this replica's share (see [`share`]), holding `own` and
@@ -501,6 +509,11 @@ impl RankCapacity {
         self.released_old_tokens.store(0, Ordering::Relaxed);
     }
 
+    /// Sets the rank's place in the turn of the remainder slots (see [`share`]).
+    pub fn set_turn(&self, turn: u32) {
+        self.turn.store(turn, Ordering::Relaxed);
+    }
+
     /// Sets the capacity the engine reported outside a poll (`/server_info`).
     pub fn set_engine_cap(&self, cap: u64) {
         if cap > 0 {
@@ -667,11 +680,12 @@ fn sub(a: &AtomicU64, n: u64) {
     });
 }
 
-/// A fresh capacity array for `dp` ranks.
+/// A fresh capacity array for `dp` ranks, whose turns are their DP ranks (until the pool
+/// sets them, [`RankCapacity::set_turn`]).
 pub fn new_ranks(dp: u32) -> Arc<[RankCapacity]> {
     (0..dp.max(1))
         .map(|rank| RankCapacity {
-            rank,
+            turn: AtomicU32::new(rank),
             ..RankCapacity::default()
         })
         .collect()

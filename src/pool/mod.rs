@@ -435,6 +435,22 @@ impl Pool {
 
     /// Builds and swaps in a new snapshot (the caller holds the writer lock).
     fn publish(&self, m: &Master) {
+        // Every decode rank's place in the turn of the remainder slots of a known replica
+        // count (`capacity::share`): its position among all decode ranks in URL order,
+        // which every replica that sees the same decodes computes alike.
+        let mut decodes: Vec<&Worker> = m
+            .workers
+            .iter()
+            .filter(|w| w.shared.role == Role::Decode)
+            .collect();
+        decodes.sort_by(|a, b| a.shared.url.as_str().cmp(b.shared.url.as_str()));
+        let mut turn = 0u32;
+        for w in decodes {
+            for r in w.per_rank.capacity.iter() {
+                r.set_turn(turn);
+                turn = turn.wrapping_add(1);
+            }
+        }
         let version = self.snap.load().version + 1;
         self.snap
             .store(Arc::new(build::snapshot(&m.workers, version)));
