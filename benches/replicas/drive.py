@@ -5,7 +5,7 @@ routers.
     drive.py run NAME OUT.json --router KIND --settings TEXT --routers PORT[,PORT...] ENGINES...
     drive.py ready PORT PREFILL_RANKS DECODE_RANKS   (waits for a pdgate's /readiness)
     drive.py ready-smg PORT                          (waits for an smg's /readiness)
-    drive.py report OUT_DIR                          (prints the Markdown table)
+    drive.py report OUT_DIR                          (prints the Markdown tables)
 
 ENGINES are `--prefill URL BOOTSTRAP_PORT DP` and `--decode URL DP CAP` (repeated; CAP the
 decode's --max-running-requests per DP rank), from the simulator's READY lines.
@@ -23,18 +23,20 @@ Figures per run:
   `type`/`code`/`message`, digits elided).
 - wall: from the first send to the last byte of the last request.
 - the engines, sampled every SAMPLE_EVERY s from before the first send until every request
-  ended: each decode's `/v1/loads` per DP rank (`num_waiting_reqs`, which includes the
-  pre-allocation queue, `disaggregation.decode_prealloc_queue_reqs`, `num_running_reqs`).
-  "Queued at the engine" is the peak over samples of the waiting requests summed over all
-  decode ranks; "peak waiting per rank" is each rank's peak over samples (the table shows
-  the largest). Sampling can miss a short peak; `/sim/stats` after the run gives the exact
+  ended: each decode's `/v1/loads` per DP rank (`num_waiting_reqs`, which is the
+  pre-allocation queue plus the transfer queue, whose requests already hold a slot;
+  `disaggregation.decode_prealloc_queue_reqs`, the requests waiting for a slot;
+  `num_running_reqs`). "Queued at the engine" is the peak over samples of the waiting
+  requests summed over all decode ranks (and of the pre-allocation queues); "peak waiting
+  per rank" is each rank's peak over samples (the table shows the largest). Per run also:
+  the mean running requests over the burst (how much of the capacity was kept busy) and
+  when each router's last request ended. Sampling can miss a short peak; `/sim/stats` after the run gives the exact
   `peak_held` per decode engine (queued + running, all its ranks: above its capacity means
   requests queued there) and `failed` per engine (a prefill's `failed` counts the rooms
   whose KV was not claimed within its bootstrap timeout).
 """
 import http.client
 import json
-import math
 import os
 import re
 import socket
@@ -52,12 +54,6 @@ PROMPT = "Tell me a story about routers and queues, in one paragraph please."
 
 
 # ---------------------------------------------------------------- HTTP
-
-
-def split_url(url):
-    hp = url.split("://", 1)[-1].rstrip("/")
-    host, port = hp.rsplit(":", 1)
-    return host, int(port)
 
 
 def get_json(url, path, timeout=5.0):
