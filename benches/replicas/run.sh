@@ -13,7 +13,7 @@
 # samples the decodes' /v1/loads every 50 ms. Runs, in this order:
 #   1. pdgate, R = 1, 3, 5, default settings (only the engine list, host and ports);
 #   2. pdgate, R = 3 and 5 with the count given (--replicas R --replica-index i);
-#   3. smg 1.13 (SMG, default /work/smg-venv/bin/smg), R = 1 and 3, default settings,
+#   3. smg 1.13 (SMG, default `smg` on the PATH), R = 1 and 3, default settings,
 #      skipped with a note when SMG is not executable;
 #   4. diagnostics (DIAG=0 skips them): one pdgate with --replicas 1, one with
 #      `[capacity] proportional_share = false`.
@@ -29,7 +29,7 @@ mkdir -p "$out"
 [ -n "${ONLY:-}" ] || rm -f "$out"/*.json
 REPS=${REPS:-3}
 SMG_REPS=${SMG_REPS:-2}
-SMG=${SMG:-/work/smg-venv/bin/smg}
+SMG=${SMG:-$(command -v smg || echo smg)}
 # Fixed engine ports (BASE_PORT..BASE_PORT+7 must be free).
 BASE_PORT=${BASE_PORT:-31840}
 CAP=4 # --max-running-requests: generations per decode DP rank
