@@ -12,45 +12,13 @@
 //! since a rank's backlog may have shrunk. The mid and old generations (`/get_load`) have
 //! no such figure.
 
-use serde_json::Value;
-
+use super::report::{count, per_rank};
 use crate::pool::Pool;
 use crate::types::{Role, WorkerId};
 
-fn count(v: Option<&Value>) -> Option<u64> {
-    let v = v?;
-    v.as_u64().or_else(|| {
-        v.as_f64()
-            .filter(|f| f.is_finite() && *f >= 0.0)
-            .map(|f| f.round() as u64)
-    })
-}
-
 /// Per reported rank, its queued uncached tokens (`None`: the entry has no such figure).
 pub fn parse(body: &[u8]) -> Vec<(usize, Option<u64>)> {
-    let Ok(v) = serde_json::from_slice::<Value>(body) else {
-        return Vec::new();
-    };
-    let list = match &v {
-        Value::Array(a) => a.as_slice(),
-        Value::Object(o) => match o.get("loads") {
-            Some(Value::Array(a)) => a.as_slice(),
-            _ if o.contains_key("num_running_reqs") || o.contains_key("num_reqs") => {
-                std::slice::from_ref(&v)
-            }
-            _ => return Vec::new(),
-        },
-        _ => return Vec::new(),
-    };
-    list.iter()
-        .enumerate()
-        .map(|(i, e)| {
-            let rank = count(e.get("dp_rank"))
-                .and_then(|r| usize::try_from(r).ok())
-                .unwrap_or(i);
-            (rank, count(e.get("num_waiting_uncached_tokens")))
-        })
-        .collect()
+    per_rank(body, |e| count(e.get("num_waiting_uncached_tokens")))
 }
 
 /// Stores one poll's body (`None`: the poll failed, or polling is off) into the prefill's

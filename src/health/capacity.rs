@@ -21,18 +21,12 @@
 
 use serde_json::Value;
 
+use super::report::{count, per_rank};
+
 use crate::pool::capacity::Reported;
 use crate::pool::Pool;
 use crate::types::{Role, WorkerId};
 
-fn count(v: Option<&Value>) -> Option<u64> {
-    let v = v?;
-    v.as_u64().or_else(|| {
-        v.as_f64()
-            .filter(|f| f.is_finite() && *f >= 0.0)
-            .map(|f| f.round() as u64)
-    })
-}
 
 fn entry(e: &Value) -> Reported {
     let waiting = count(e.get("num_waiting_reqs"));
@@ -64,29 +58,7 @@ fn entry(e: &Value) -> Reported {
 /// Per-rank figures of a load body (`{"loads": [...]}`, a bare list, or one entry); empty
 /// when the body has none (e.g. the old `{"load": n}`).
 pub fn parse(body: &[u8]) -> Vec<(usize, Reported)> {
-    let Ok(v) = serde_json::from_slice::<Value>(body) else {
-        return Vec::new();
-    };
-    let list = match &v {
-        Value::Array(a) => a.as_slice(),
-        Value::Object(o) => match o.get("loads") {
-            Some(Value::Array(a)) => a.as_slice(),
-            _ if o.contains_key("num_running_reqs") || o.contains_key("num_reqs") => {
-                std::slice::from_ref(&v)
-            }
-            _ => return Vec::new(),
-        },
-        _ => return Vec::new(),
-    };
-    list.iter()
-        .enumerate()
-        .map(|(i, e)| {
-            let rank = count(e.get("dp_rank"))
-                .and_then(|r| usize::try_from(r).ok())
-                .unwrap_or(i);
-            (rank, entry(e))
-        })
-        .collect()
+    per_rank(body, entry)
 }
 
 /// Stores one poll's figures (`None`: the poll failed) into the worker's ranks.

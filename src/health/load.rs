@@ -34,6 +34,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use super::report::count;
+
 use crate::config::LiveConfig;
 use crate::pool::Pool;
 use crate::types::{Role, WorkerId};
@@ -70,14 +72,6 @@ pub enum Report {
 
 /// A count from JSON: non-negative integers as is, finite non-negative floats rounded,
 /// anything else `None`.
-fn count(v: Option<&Value>) -> Option<u64> {
-    let v = v?;
-    v.as_u64().or_else(|| {
-        v.as_f64()
-            .filter(|f| f.is_finite() && *f >= 0.0)
-            .map(|f| f.round() as u64)
-    })
-}
 
 /// Running + waiting of one per-rank entry, `None` when it has neither shape.
 fn entry_load(e: &Value) -> Option<u64> {

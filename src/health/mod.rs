@@ -22,6 +22,7 @@
 pub mod backlog;
 pub mod capacity;
 pub mod load;
+mod report;
 
 use std::sync::Arc;
 use std::time::Duration;

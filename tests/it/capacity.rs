@@ -58,6 +58,11 @@ async fn learned(pool: &pdgate::pool::Pool, want: u64) {
 
 /// Sends `n` requests at once to `url`; their statuses.
 async fn burst(url: &str, n: usize) -> Vec<StatusCode> {
+    answers(url, n).await.into_iter().map(|(s, _, _)| s).collect()
+}
+
+/// Sends `n` requests at once to `url`; their statuses, `Retry-After` (seconds) and bodies.
+async fn answers(url: &str, n: usize) -> Vec<(StatusCode, Option<u64>, String)> {
     let c = client();
     let calls = (0..n).map(|_| {
         let req = http::Request::post(format!("{url}/generate"))
@@ -73,8 +78,16 @@ async fn burst(url: &str, n: usize) -> Vec<StatusCode> {
                 .expect("answered in time")
                 .expect("answered");
             let status = resp.status();
-            let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
-            status
+            let retry = resp
+                .headers()
+                .get(http::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            let body = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .expect("body")
+                .to_bytes();
+            (status, retry, String::from_utf8_lossy(&body).into_owned())
         }
     });
     join_all(calls).await
@@ -215,35 +228,8 @@ async fn a_wait_longer_than_the_queue_timeout_is_refused_at_once() {
     learned(&env.router.pool, u64::from(CAP)).await;
     // One request first: the hold time is measured.
     assert_eq!(burst(&env.router.url(), 1).await, vec![StatusCode::OK]);
-    let c = client();
     let url = env.router.url();
-    let calls = (0..40).map(|_| {
-        let req = http::Request::post(format!("{url}/generate"))
-            .header("content-type", "application/json")
-            .body(http_body_util::Full::new(bytes::Bytes::from_static(
-                BODY.as_bytes(),
-            )))
-            .expect("request");
-        let c = c.clone();
-        async move {
-            let resp = tokio::time::timeout(Duration::from_secs(20), c.request(req))
-                .await
-                .expect("answered in time")
-                .expect("answered");
-            let status = resp.status();
-            let retry = resp
-                .headers()
-                .get(http::header::RETRY_AFTER)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok());
-            let body = http_body_util::BodyExt::collect(resp.into_body())
-                .await
-                .expect("body")
-                .to_bytes();
-            (status, retry, String::from_utf8_lossy(&body).into_owned())
-        }
-    });
-    let answers = join_all(calls).await;
+    let answers = answers(&url, 40).await;
     let ok = answers
         .iter()
         .filter(|(s, _, _)| *s == StatusCode::OK)
