@@ -27,7 +27,6 @@ use crate::pool::capacity::Reported;
 use crate::pool::Pool;
 use crate::types::{Role, WorkerId};
 
-
 fn entry(e: &Value) -> Reported {
     let waiting = count(e.get("num_waiting_reqs"));
     let busy = match count(e.get("num_running_reqs")) {

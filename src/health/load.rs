@@ -70,9 +70,6 @@ pub enum Report {
     Total(u64),
 }
 
-/// A count from JSON: non-negative integers as is, finite non-negative floats rounded,
-/// anything else `None`.
-
 /// Running + waiting of one per-rank entry, `None` when it has neither shape.
 fn entry_load(e: &Value) -> Option<u64> {
     let waiting = || count(e.get("num_waiting_reqs")).unwrap_or(0);

@@ -58,7 +58,11 @@ async fn learned(pool: &pdgate::pool::Pool, want: u64) {
 
 /// Sends `n` requests at once to `url`; their statuses.
 async fn burst(url: &str, n: usize) -> Vec<StatusCode> {
-    answers(url, n).await.into_iter().map(|(s, _, _)| s).collect()
+    answers(url, n)
+        .await
+        .into_iter()
+        .map(|(s, _, _)| s)
+        .collect()
 }
 
 /// Sends `n` requests at once to `url`; their statuses, `Retry-After` (seconds) and bodies.
