@@ -206,6 +206,11 @@ impl Dispatcher {
                 Err(af) => return Err(failed(pick, af)),
             };
             held_back = backlog::held_back(held_back, &full, &snap, model.name(), &prefill_need);
+            // Waiting for a decode slot: a fresh engine report may give one (slots other
+            // replicas released, a queue drained, this replica's next proportional part).
+            if capacity::decode_full(&full) {
+                signal.want_poll();
+            }
             // At capacity: join the admission queue once (then look again, listening), or
             // wait for a wake-up under the queue's deadline.
             if queued.is_none() {

@@ -261,6 +261,12 @@ pub fn spawn(
                 tokio::time::sleep(OFF_RECHECK).await;
                 continue;
             };
+            // A decode's poll answers the early polls asked for so far.
+            let seen = if role == Role::Decode {
+                pool.capacity_signal().polling()
+            } else {
+                0
+            };
             let healthy = pool
                 .load()
                 .worker(role, id)
@@ -295,9 +301,11 @@ pub fn spawn(
             // Registered now: an ask during the gap is kept.
             let wanted = signal.poll_wanted();
             tokio::time::sleep(gap).await;
-            tokio::select! {
-                _ = tokio::time::sleep(every - gap) => {}
-                _ = wanted => {}
+            if signal.poll_asks() == seen {
+                tokio::select! {
+                    _ = tokio::time::sleep(every - gap) => {}
+                    _ = wanted => {}
+                }
             }
         }
     });

@@ -52,8 +52,8 @@
 //! only for their handshake (milliseconds on a healthy engine, and a busy rank always has
 //! some), anything more has waited a poll interval (with a shorter handshake) or is
 //! another replica's. While closed, the replica sends the rank nothing, so it stays closed
-//! until a report shows the queue drained (0); a request that finds it closed asks the
-//! decode pollers for an early poll. New requests then wait in pdgate's queue,
+//! until a report shows the queue drained (0); while requests wait for a slot the decode
+//! pollers poll early ([`CapacitySignal::want_poll`]). New requests then wait in pdgate's queue,
 //! where they can still go to another rank, not in the engine's. A rank whose report has
 //! no such figure (older engines, a prefill, a failed poll) is judged as before; with
 //! `learn_from_engine` off the queue is not looked at. Other replicas' fresh requests are
@@ -135,18 +135,6 @@ impl Need {
     fn slots(&self) -> u64 {
         self.slots.max(1)
     }
-}
-
-/// A rank's answer to one request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Admit {
-    Yes,
-    /// No room: the capacity, the share, the KV room or the engine's queue.
-    Full,
-    /// Room, but this replica took its part of the last poll's free slots, or the last
-    /// report showed the engine queueing: a fresh poll may give it room
-    /// ([`CapacitySignal::want_poll`]).
-    UntilPoll,
 }
 
 /// Whether `slots` more fit under `cap` at `occupancy` (0 = no limit). A rank that holds
@@ -431,30 +419,21 @@ impl RankCapacity {
         rounds.saturating_mul(hold).saturating_mul(2) >= l.bootstrap_timeout_ms
     }
 
-    fn admits(&self, need: &Need, packed: u64) -> Admit {
+    fn admits(&self, need: &Need, packed: u64) -> bool {
         let occ = self.occupancy_of(packed);
         let cap = self.limit(&need.limits);
         let k = need.slots();
-        if self.engine_queues(&need.limits) {
-            // Closed until a report shows the queue drained: ask for one soon.
-            return Admit::UntilPoll;
-        }
-        if self.queue_outlasts_bootstrap(&need.limits)
-            || !fits(cap, occ, k)
-            || !self.share_fits(&need.limits, packed >> 32, occ, k)
-            || !self.kv_fits(need, occ)
-        {
-            Admit::Full
-        } else if !self.allowance_fits(&need.limits, packed, k) {
-            Admit::UntilPoll
-        } else {
-            Admit::Yes
-        }
+        !self.engine_queues(&need.limits)
+            && !self.queue_outlasts_bootstrap(&need.limits)
+            && fits(cap, occ, k)
+            && self.share_fits(&need.limits, packed >> 32, occ, k)
+            && self.kv_fits(need, occ)
+            && self.allowance_fits(&need.limits, packed, k)
     }
 
     /// Whether a request with `need` would be admitted now (no reservation taken).
     pub fn has_room(&self, need: &Need) -> bool {
-        self.admits(need, self.reqs.load(Ordering::Acquire)) == Admit::Yes
+        self.admits(need, self.reqs.load(Ordering::Acquire))
     }
 
     /// [`observe_with`](Self::observe_with) with the coin 0 (a fraction of a slot
@@ -528,21 +507,44 @@ impl RankCapacity {
 pub struct CapacitySignal {
     notify: Notify,
     waiters: AtomicUsize,
-    /// Asks the load pollers for a poll before their next tick: a request found room
-    /// that only a fresh report can give it (see [`RankCapacity::allowance`]).
+    /// Asks the decode load pollers for a poll before their next tick: a request waits
+    /// for a decode slot, and a fresh report may give it one (slots other replicas
+    /// released, a queue drained, this replica's next proportional part: see
+    /// [`RankCapacity::allowance`]).
     poll: Notify,
+    /// An early poll is asked for and no poller started one since: asking again costs
+    /// one atomic (no lock) until a poller does.
+    poll_asked: AtomicBool,
+    /// How many early polls were asked for: each poller polls once for every ask it has
+    /// not seen.
+    poll_asks: AtomicU64,
 }
 
 impl CapacitySignal {
-    /// Asks for an early poll: wakes the pollers waiting for one (a poller polling now
-    /// misses nothing: its report is the fresh one).
+    /// Asks for an early poll; asking again before a poller starts one is one atomic.
     pub fn want_poll(&self) {
-        self.poll.notify_waiters();
+        if !self.poll_asked.swap(true, Ordering::AcqRel) {
+            self.poll_asks.fetch_add(1, Ordering::AcqRel);
+            self.poll.notify_waiters();
+        }
     }
 
-    /// Resolves when an early poll is asked for after this call.
+    /// Resolves when an early poll is asked for after this call (register it before
+    /// comparing [`poll_asks`](Self::poll_asks), so no ask is missed).
     pub fn poll_wanted(&self) -> tokio::sync::futures::Notified<'_> {
         self.poll.notified()
+    }
+
+    /// A poller starts a poll: the asks so far are answered (the count it has seen).
+    pub fn polling(&self) -> u64 {
+        self.poll_asked.store(false, Ordering::Release);
+        self.poll_asks.load(Ordering::Acquire)
+    }
+
+    /// The early polls asked for so far (a poller polls again when this moved past what
+    /// [`polling`](Self::polling) returned).
+    pub fn poll_asks(&self) -> u64 {
+        self.poll_asks.load(Ordering::Acquire)
     }
 
     /// Wakes every waiter, if any (the check keeps the common release lock-free).
@@ -608,13 +610,8 @@ impl Reservation {
         let need = &Need { slots: k, ..*need };
         let mut cur = r.reqs.load(Ordering::Acquire);
         loop {
-            match r.admits(need, cur) {
-                Admit::Yes => {}
-                Admit::Full => return None,
-                Admit::UntilPoll => {
-                    signal.want_poll();
-                    return None;
-                }
+            if !r.admits(need, cur) {
+                return None;
             }
             let next = cur.saturating_add((k << 32) + k);
             match r

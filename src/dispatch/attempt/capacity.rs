@@ -69,6 +69,11 @@ pub(in crate::dispatch) fn is_full(af: &AttemptFailure) -> bool {
         && (af.failure.message == FULL || af.failure.message == super::backlog::OVER)
 }
 
+/// Whether a pick failed because every decode rank is full (not a prefill backlog).
+pub(in crate::dispatch) fn decode_full(af: &AttemptFailure) -> bool {
+    af.failure.message == FULL
+}
+
 /// What a request waiting after `full` waits for (the end of a queue timeout's message).
 pub(in crate::dispatch) fn waiting_for(full: &AttemptFailure) -> &'static str {
     if full.failure.message == super::backlog::OVER {
@@ -154,7 +159,7 @@ impl<'a> Queue<'a> {
         };
         // The estimate is of the decode slots' pace: a wait for a prefill rank under its
         // backlog bound is not estimated (it ends as prefill legs end).
-        if full.failure.message == FULL {
+        if decode_full(&full) {
             if let Some(rate) = drain_rate(snap, model, need) {
                 let wait = estimated_wait(adm.waiting(), rate);
                 if wait > adm.queue_timeout() {

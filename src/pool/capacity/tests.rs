@@ -587,7 +587,7 @@ fn without_a_count_a_replica_takes_its_part_of_the_free_slots() {
 }
 
 #[test]
-fn the_allowance_spent_asks_for_an_early_poll_and_releases_are_refilled() {
+fn the_allowance_spent_waits_for_a_poll_and_releases_are_refilled() {
     let ranks = new_ranks(1);
     let sig = Arc::new(CapacitySignal::default());
     let n = proportional(8);
@@ -596,16 +596,10 @@ fn the_allowance_spent_asks_for_an_early_poll_and_releases_are_refilled() {
         ..Reported::default()
     });
     // Holding none on an idle rank: one.
-    let wanted = sig.poll_wanted();
     let first = take(&ranks, &n, &sig).expect("one");
     assert!(
         take(&ranks, &n, &sig).is_none(),
         "the rest waits for a poll"
-    );
-    tokio::pin!(wanted);
-    assert!(
-        futures_util::FutureExt::now_or_never(wanted.as_mut()).is_some(),
-        "an early poll was asked for"
     );
     // The polls show it alone: it doubles what it holds at each, up to the whole rank.
     let mut more = Vec::new();
@@ -762,4 +756,28 @@ proptest! {
         held.clear();
         prop_assert!(all.iter().all(|k| k[0].own() == 0));
     }
+}
+
+#[test]
+fn an_early_poll_is_asked_once_until_a_poller_starts_one() {
+    let sig = CapacitySignal::default();
+    let seen = sig.polling();
+    let wanted = sig.poll_wanted();
+    tokio::pin!(wanted);
+    assert!(futures_util::FutureExt::now_or_never(wanted.as_mut()).is_none());
+    // Many requests wait: one ask, and the registered poller is woken.
+    for _ in 0..5 {
+        sig.want_poll();
+    }
+    assert!(
+        futures_util::FutureExt::now_or_never(wanted.as_mut()).is_some(),
+        "an early poll was asked for"
+    );
+    assert_eq!(sig.poll_asks(), seen + 1, "asked once");
+    // A poller starts one: the next ask counts again, also for a poller that was busy
+    // polling when it came (it compares the count after its pause).
+    let seen = sig.polling();
+    assert_eq!(sig.poll_asks(), seen);
+    sig.want_poll();
+    assert_eq!(sig.poll_asks(), seen + 1);
 }
